@@ -1,0 +1,1 @@
+"""Agents the kernel can step (shell, loop, pane, llm, agentcli). Import kernel only."""

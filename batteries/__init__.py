@@ -1,0 +1,1 @@
+"""Port implementations (audit, critic, budget, checkpoint, delivery). Import kernel only."""

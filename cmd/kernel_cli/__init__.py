@@ -1,0 +1,1 @@
+"""The `kernel` command line: the one place that wires batteries and adapters to the kernel."""

@@ -1,0 +1,74 @@
+"""The run kernel: run agent runs under trio, supervised, with every step audited.
+
+The public surface is re-exported here; the modules behind it are private.
+"""
+
+from ._context import RunContext as RunContext
+from ._loop import Kernel as Kernel
+from ._types import Limits as Limits
+from ._types import Message as Message
+from ._types import PortFailure as PortFailure
+from ._types import Result as Result
+from ._types import RunInfo as RunInfo
+from ._types import RunStats as RunStats
+from ._types import Status as Status
+from ._types import Step as Step
+from ._types import ToolCall as ToolCall
+from ._types import ToolResult as ToolResult
+from ._types import Usage as Usage
+from ._types import new_run_id as new_run_id
+from .errors import AgentError as AgentError
+from .errors import AuditError as AuditError
+from .errors import AuditWriteError as AuditWriteError
+from .errors import ConfigError as ConfigError
+from .errors import DeliveryError as DeliveryError
+from .errors import KernelError as KernelError
+from .errors import PortError as PortError
+from .ports import Agent as Agent
+from .ports import Audit as Audit
+from .ports import Budget as Budget
+from .ports import BudgetRefused as BudgetRefused
+from .ports import Checkpoint as Checkpoint
+from .ports import Checkpointer as Checkpointer
+from .ports import Critic as Critic
+from .ports import CriticHandle as CriticHandle
+from .ports import Delivery as Delivery
+from .ports import EventSink as EventSink
+from .ports import Ports as Ports
+from .ports import RunRecorder as RunRecorder
+
+__all__ = [
+    "Agent",
+    "AgentError",
+    "Audit",
+    "AuditError",
+    "AuditWriteError",
+    "Budget",
+    "BudgetRefused",
+    "Checkpoint",
+    "Checkpointer",
+    "ConfigError",
+    "Critic",
+    "CriticHandle",
+    "Delivery",
+    "DeliveryError",
+    "EventSink",
+    "Kernel",
+    "KernelError",
+    "Limits",
+    "Message",
+    "PortError",
+    "PortFailure",
+    "Ports",
+    "Result",
+    "RunContext",
+    "RunInfo",
+    "RunRecorder",
+    "RunStats",
+    "Status",
+    "Step",
+    "ToolCall",
+    "ToolResult",
+    "Usage",
+    "new_run_id",
+]

@@ -1,0 +1,101 @@
+"""`RunContext`: what an agent sees of its run at each step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import trio
+
+from ._types import Limits, Message, RunInfo, ToolResult, Usage
+
+
+class RunContext:
+    """The run as seen from inside `agent.step(ctx)`.
+
+    One object per run, updated in place before each step (no allocation per
+    step). Agents read it; they write to the audit and poke the critic only
+    through `event` and `activity`.
+
+    Attributes:
+        info: The run's `RunInfo`.
+        limits: The run's `Limits`.
+        iteration: The index of the step being taken, from 0.
+        tool_results: Results of the previous step's tool calls, in call order.
+        steer: Critic nudges delivered at this step (empty most of the time).
+        usage: Usage summed over the steps so far.
+        started_at: `trio.current_time()` when the run started.
+        resumed_from: Resumable state from a checkpoint when this run is a resumption.
+    """
+
+    __slots__ = (
+        "_activity",
+        "_deadline",
+        "_log",
+        "info",
+        "iteration",
+        "limits",
+        "resumed_from",
+        "started_at",
+        "steer",
+        "tool_results",
+        "usage",
+    )
+
+    def __init__(
+        self,
+        info: RunInfo,
+        limits: Limits,
+        *,
+        started_at: float,
+        log: Callable[..., None],
+        activity: Callable[[str], None],
+        deadline: Callable[[], float],
+        resumed_from: Any = None,
+    ) -> None:
+        self.info = info
+        self.limits = limits
+        self.started_at = started_at
+        self.iteration = 0
+        self.tool_results: list[ToolResult] = []
+        self.steer: list[Message] = []
+        self.usage = Usage()
+        self.resumed_from = resumed_from
+        self._log = log
+        self._activity = activity
+        self._deadline = deadline
+
+    @property
+    def run_id(self) -> str:
+        """The run's id."""
+        return self.info.run_id
+
+    @property
+    def elapsed(self) -> float:
+        """Seconds since the run started (trio clock: virtual under a MockClock)."""
+        return trio.current_time() - self.started_at
+
+    @property
+    def deadline(self) -> float:
+        """The run's current effective deadline (trio time; inf when unbounded)."""
+        return self._deadline()
+
+    def event(
+        self,
+        kind: str,
+        *,
+        name: str | None = None,
+        payload: Mapping[str, Any] | None = None,
+        duration_ms: float | None = None,
+    ) -> None:
+        """Record an adapter event (state_enter, route, output, ...) and count it as activity.
+
+        Never blocks and never raises: the audit buffers it.
+        """
+        self._log(kind, name=name, payload=payload, duration_ms=duration_ms,
+                  iteration=self.iteration)
+        self._activity(kind)
+
+    def activity(self, kind: str = "activity") -> None:
+        """Tell the critic the agent is alive without writing an audit event."""
+        self._activity(kind)

@@ -1,0 +1,624 @@
+"""The run loop: one agent, one nursery, one cancel scope, exactly one status.
+
+The flow of `Kernel.run` (DESIGN.md "The kernel loop")::
+
+    budget.check(caller)               refused -> budget_exceeded, no step runs
+    recorder = audit.start_run(info)
+    handle   = critic.monitor(info, soft_timeout, backstop=..., ...)
+    with CancelScope(deadline=backstop):          # one scope per run, not per step
+        nursery:
+            watch task (only with a critic): polls the handle; a kill cause
+                cancels the scope as `killed`, a passed critic deadline as `timeout`
+            step loop: ceiling, steer, agent.step, tools, record, usage, checkpoint
+    finally, shielded and bounded: checkpoint complete/fail, recorder.close,
+        budget.commit, delivery.deliver, handle.stop
+
+Why the status is decided the way it is: trio tells us *that* our scope was
+cancelled (`cancelled_caught`), not *why*. So whoever cancels the scope
+first writes the why (`_end`), and the backstop is the only cancel source
+that writes nothing; its expiry therefore reads as `timeout`. A `Cancelled`
+that escapes our scope belongs to an outer scope: the caller cancelled, the
+run ends `cancelled`, finalization still runs (shielded), and the exception
+is re-raised unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+import traceback
+from collections.abc import Mapping
+from typing import Any
+
+import structlog
+import trio
+
+from ._context import RunContext
+from ._types import (
+    Limits,
+    Message,
+    PortFailure,
+    Result,
+    RunInfo,
+    Status,
+    Step,
+    ToolCall,
+    ToolResult,
+    Usage,
+)
+from .ports import (
+    Agent,
+    Audit,
+    Budget,
+    BudgetRefused,
+    Checkpoint,
+    Checkpointer,
+    Critic,
+    CriticHandle,
+    Delivery,
+    Ports,
+    RunRecorder,
+)
+
+log = structlog.get_logger("kernel")
+
+# Statuses after which a checkpoint is kept for `kernel recover` rather than failed.
+_RESUMABLE = frozenset({Status.CANCELLED})
+_COMPLETE = frozenset({Status.OK, Status.HANDOFF, Status.DRY_RUN})
+
+
+class _NullRecorder:
+    """The recorder used when there is no audit: every call is a no-op."""
+
+    def on_step(self, iteration: int, step: Step, duration_s: float) -> None:
+        pass
+
+    def on_tool(self, result: ToolResult, iteration: int) -> None:
+        pass
+
+    def log_event(self, kind: str, **_: Any) -> None:
+        pass
+
+    def log_error(self, message: str, **_: Any) -> None:
+        pass
+
+    async def close(self, stats: Any) -> None:
+        pass
+
+
+_NULL_RECORDER = _NullRecorder()
+
+
+class Kernel:
+    """Runs agents against a fixed set of ports.
+
+    Build one per host and reuse it: the ports are resolved once, here.
+
+    Args:
+        ports: The host's wiring. None (or `Ports()`) gives a bounded,
+            in-memory run: no audit, no budget, no critic, no checkpoints.
+    """
+
+    def __init__(self, ports: Ports | None = None) -> None:
+        self.ports = ports if ports is not None else Ports()
+        # Resolved once: the loop checks each of these for None exactly here.
+        self._audit: Audit | None = self.ports.audit
+        self._budget: Budget | None = self.ports.budget
+        self._critic: Critic | None = self.ports.critic
+        self._checkpointer: Checkpointer | None = self.ports.checkpointer
+        self._delivery: Delivery | None = self.ports.delivery
+
+    async def run(
+        self,
+        agent: Agent,
+        info: RunInfo | None = None,
+        limits: Limits | None = None,
+        *,
+        resume: Checkpoint | None = None,
+    ) -> Result:
+        """Run `agent` to exactly one terminal status and return the `Result`.
+
+        Unlike most failures, which end up on the result, an outer
+        cancellation propagates: the run is recorded `cancelled`, its audit
+        row closed, and then the `trio.Cancelled` is re-raised.
+
+        Args:
+            agent: Anything with `async def step(self, ctx) -> Step`.
+            info: Who and what the run is; a fresh `RunInfo()` if None.
+            limits: The run's bounds; `Limits()` defaults if None.
+            resume: Continue an interrupted run from this checkpoint (same run_id,
+                step count and usage carried on; `ctx.resumed_from` holds its state).
+        """
+        run = _Run(self, agent, info if info is not None else RunInfo(),
+                   limits if limits is not None else Limits(), resume)
+        return await run.execute()
+
+
+class _Run:
+    """The state of one run while `Kernel.run` executes it."""
+
+    def __init__(self, kernel: Kernel, agent: Agent, info: RunInfo, limits: Limits,
+                 resume: Checkpoint | None) -> None:
+        self.k = kernel
+        self.agent = agent
+        self.info = info
+        self.limits = limits
+        self.resume = resume
+        self.recorder: RunRecorder = _NULL_RECORDER
+        self.handle: CriticHandle | None = None
+        self.failures: list[PortFailure] = []
+        self._failed_methods: set[tuple[str, str]] = set()
+        self.status: Status | None = None
+        self.output: Any = None
+        self.error: str | None = None
+        self.reason: str | None = None
+        self.tb: str | None = None
+        self.exit_code: int | None = None
+        self.steps = resume.steps if resume else 0
+        self.tool_calls = resume.tool_calls if resume else 0
+        self.usage = resume.usage if resume else Usage()
+        self.in_step = False
+        self.pending_steer: list[Message] = []
+        self.tools: Mapping[str, Any] = getattr(agent, "tools", None) or {}
+        self.started = 0.0
+        self.backstop = math.inf
+        self.last_save_steps = self.steps
+        self.last_save_time = 0.0
+        self.ctx: RunContext
+
+    # ---------------------------------------------------------------- faults
+
+    def fault(self, port: str, method: str, exc: BaseException) -> None:
+        """Report a port failure once per (port, method): logged and put on the result."""
+        if (port, method) in self._failed_methods:
+            return
+        self._failed_methods.add((port, method))
+        msg = f"{type(exc).__name__}: {exc}"
+        self.failures.append(PortFailure(port, method, msg))
+        log.warning("port failed", port=port, method=method, error=msg,
+                    run_id=self.info.run_id)
+
+    def _end(self, status: Status, *, error: str | None = None, reason: str | None = None,
+             output: Any = None) -> None:
+        """Set the terminal status; the first caller wins."""
+        if self.status is not None:
+            return
+        self.status = status
+        self.error = error
+        self.reason = reason
+        if output is not None:
+            self.output = output
+
+    # ------------------------------------------------------------- recording
+
+    def log_event(self, kind: str, *, name: str | None = None,
+                  payload: Mapping[str, Any] | None = None, duration_ms: float | None = None,
+                  iteration: int | None = None) -> None:
+        try:
+            self.recorder.log_event(kind, name=name, payload=payload, duration_ms=duration_ms,
+                                    iteration=iteration)
+        except Exception as exc:
+            self.fault("audit", "log_event", exc)
+
+    def activity(self, kind: str) -> None:
+        handle = self.handle
+        if handle is not None:
+            try:
+                handle.record_activity(kind)
+            except Exception as exc:
+                self.critic_failed("record_activity", exc)
+
+    def critic_failed(self, method: str, exc: BaseException) -> None:
+        """A failing critic is dropped; the hard backstop stays in charge."""
+        self.fault("critic", method, exc)
+        self.handle = None
+
+    def effective_deadline(self) -> float:
+        handle = self.handle
+        if handle is None:
+            return self.backstop
+        try:
+            dl = handle.deadline()
+        except Exception as exc:
+            self.critic_failed("deadline", exc)
+            return self.backstop
+        return self.backstop if dl is None else min(dl, self.backstop)
+
+    # ------------------------------------------------------------------- run
+
+    async def execute(self) -> Result:
+        k, info, limits = self.k, self.info, self.limits
+        self.started = trio.current_time()
+        if limits.timeout is not None:
+            self.backstop = self.started + limits.timeout
+        self.last_save_time = self.started
+        self.ctx = RunContext(info, limits, started_at=self.started, log=self.log_event,
+                              activity=self.activity, deadline=self.effective_deadline,
+                              resumed_from=self.resume.state if self.resume else None)
+        self.ctx.usage = self.usage
+        refused = False
+
+        if k._budget is not None:
+            try:
+                await k._budget.check(info.caller_id)
+            except BudgetRefused as exc:
+                refused = True
+                self._end(Status.BUDGET_EXCEEDED, error=str(exc) or "budget refused",
+                          reason="budget refused")
+            except Exception as exc:
+                # Deciders fail closed.
+                refused = True
+                self.fault("budget", "check", exc)
+                self._end(Status.BUDGET_EXCEEDED,
+                          error=f"budget check failed: {type(exc).__name__}: {exc}",
+                          reason="budget check failed")
+
+        if k._audit is not None:
+            try:
+                rec = await k._audit.start_run(info)
+                if rec is not None:
+                    self.recorder = rec
+            except Exception as exc:
+                self.fault("audit", "start_run", exc)
+        if self.resume is not None:
+            self.log_event("resumed", payload={"steps": self.steps})
+
+        if refused:
+            return await self.finalize(commit_budget=False)
+
+        if k._critic is not None:
+            try:
+                self.handle = k._critic.monitor(
+                    info, limits.soft_timeout,
+                    backstop=None if math.isinf(self.backstop) else self.backstop,
+                    max_steps=limits.max_steps, events=self._critic_event)
+            except Exception as exc:
+                self.fault("critic", "monitor", exc)
+
+        pending: BaseException | None = None
+        try:
+            with trio.CancelScope(deadline=self.backstop) as scope:
+                async with trio.open_nursery() as nursery:
+                    if self.handle is not None:
+                        nursery.start_soon(self.watch, scope)
+                    await self.loop()
+                    nursery.cancel_scope.cancel()
+            if scope.cancelled_caught:
+                self._end(Status.TIMEOUT,
+                          reason=f"hard timeout of {limits.timeout:g}s expired")
+        except BaseException as exc:
+            if not _only_cancelled(exc):
+                # KeyboardInterrupt, or a bug of ours: still close the books.
+                self._end(Status.ERROR, error=f"{type(exc).__name__}: {exc}")
+                await self.finalize(commit_budget=True)
+                raise
+            pending = exc
+            self._end(Status.CANCELLED, reason="cancelled by the caller")
+        result = await self.finalize(commit_budget=True)
+        if pending is not None:
+            raise pending
+        return result
+
+    def _critic_event(self, kind: str, *, name: str | None = None,
+                      payload: Mapping[str, Any] | None = None) -> None:
+        self.log_event(kind, name=name, payload=payload, iteration=self.steps)
+
+    async def loop(self) -> None:
+        agent, ctx, limits = self.agent, self.ctx, self.limits
+        if limits.dry_run:
+            await self.dry_run()
+            return
+        base_ceiling = limits.max_steps
+        while True:
+            ceiling = base_ceiling
+            handle = self.handle
+            if handle is not None:
+                try:
+                    raised = handle.max_steps()
+                except Exception as exc:
+                    self.critic_failed("max_steps", exc)
+                else:
+                    if raised is not None and raised > 0:
+                        ceiling = raised
+            if ceiling is not None and self.steps >= ceiling:
+                self._end(Status.MAX_STEPS, reason=f"step ceiling of {ceiling} reached")
+                return
+            steer = self.drain_steer()
+            ctx.steer = steer
+            if steer:
+                self.log_event("steer", payload={"messages": [m.content for m in steer],
+                                                 "delivered": "next_step"},
+                               iteration=self.steps)
+            iteration = ctx.iteration = self.steps
+            t0 = trio.current_time()
+            self.in_step = True
+            try:
+                step = await agent.step(ctx)
+            except Exception as exc:
+                self.in_step = False
+                self.tb = traceback.format_exc()
+                self.steps += 1
+                self.recorder_error(f"agent raised {type(exc).__name__}: {exc}")
+                self._end(Status.ERROR, error=f"{type(exc).__name__}: {exc}")
+                return
+            self.in_step = False
+            if not isinstance(step, Step):
+                self.steps += 1
+                msg = (f"agent {type(agent).__name__} returned "
+                       f"{type(step).__name__}, not a Step")
+                self.recorder_error(msg)
+                self._end(Status.ERROR, error=msg)
+                return
+            self.steps += 1
+            if step.usage is not None:
+                self.usage = ctx.usage = self.usage + step.usage
+            if step.exit_code is not None:
+                self.exit_code = step.exit_code
+            if handle is not None and self.handle is not None:
+                try:
+                    handle.record_step(iteration, step)
+                except Exception as exc:
+                    self.critic_failed("record_step", exc)
+            try:
+                self.recorder.on_step(iteration, step, trio.current_time() - t0)
+            except Exception as exc:
+                self.fault("audit", "on_step", exc)
+
+            if step.final:
+                if step.error is not None:
+                    self._end(Status.ERROR, error=step.error, output=step.output)
+                elif step.handoff is not None:
+                    self._end(Status.HANDOFF, reason="handoff", output=step.handoff)
+                else:
+                    self._end(Status.OK, output=step.output)
+                self.output = step.output if step.handoff is None else step.handoff
+                return
+            self.output = step.output
+            if step.tool_calls:
+                if (limits.max_tool_calls is not None
+                        and self.tool_calls + len(step.tool_calls) > limits.max_tool_calls):
+                    self._end(Status.BUDGET_EXCEEDED,
+                              error=f"usage limit max_tool_calls={limits.max_tool_calls} "
+                                    f"exceeded ({self.tool_calls} used, "
+                                    f"{len(step.tool_calls)} more asked)",
+                              reason="max_tool_calls")
+                    return
+                ctx.tool_results = await self.run_tools(step.tool_calls, iteration)
+            elif ctx.tool_results:
+                ctx.tool_results = []
+            exceeded = self.usage_exceeded()
+            if exceeded is not None:
+                name, detail = exceeded
+                self._end(Status.BUDGET_EXCEEDED,
+                          error=f"usage limit {name} exceeded ({detail})", reason=name)
+                return
+            if self.k._checkpointer is not None:
+                await self.maybe_checkpoint()
+
+    def recorder_error(self, message: str) -> None:
+        try:
+            self.recorder.log_error(message)
+        except Exception as exc:
+            self.fault("audit", "log_error", exc)
+
+    def drain_steer(self) -> list[Message]:
+        msgs = self.pending_steer
+        if msgs:
+            self.pending_steer = []
+        handle = self.handle
+        if handle is not None:
+            try:
+                more = handle.steer()
+            except Exception as exc:
+                self.critic_failed("steer", exc)
+            else:
+                if more:
+                    msgs = [*msgs, *more]
+        return msgs
+
+    def usage_exceeded(self) -> tuple[str, str] | None:
+        lim, u = self.limits, self.usage
+        checks: tuple[tuple[str, float | None, float], ...] = (
+            ("max_input_tokens", lim.max_input_tokens, u.input_tokens),
+            ("max_output_tokens", lim.max_output_tokens, u.output_tokens),
+            ("max_total_tokens", lim.max_total_tokens, u.total_tokens),
+            ("max_cost_usd", lim.max_cost_usd, u.cost_usd),
+        )
+        for name, limit, used in checks:
+            if limit is not None and used > limit:
+                return name, f"limit {limit:g}, used {used:g}"
+        return None
+
+    async def run_tools(self, calls: Any, iteration: int) -> list[ToolResult]:
+        results: list[ToolResult] = []
+        timeout = self.limits.tool_timeout
+        for call in calls:
+            if not isinstance(call, ToolCall):
+                call = ToolCall(name=str(call))
+            self.tool_calls += 1
+            handle = self.handle
+            if handle is not None:
+                try:
+                    handle.record_tool_start(call)
+                except Exception as exc:
+                    self.critic_failed("record_tool_start", exc)
+            self.log_event("tool_start", name=call.name,
+                           payload={"args": dict(call.args), "id": call.id}, iteration=iteration)
+            fn = self.tools.get(call.name)
+            t0 = trio.current_time()
+            if fn is None:
+                known = ", ".join(sorted(self.tools)) or "none"
+                result = ToolResult(call, error=f"unknown tool {call.name!r} (available: {known})")
+            else:
+                output: Any = None
+                error: str | None = None
+                with trio.move_on_after(math.inf if timeout is None else timeout) as cs:
+                    try:
+                        output = await fn(**call.args)
+                    except Exception as exc:
+                        error = f"{type(exc).__name__}: {exc}"
+                if cs.cancelled_caught:
+                    error = f"tool {call.name!r} timed out after {timeout:g}s"
+                result = ToolResult(call, output=output, error=error,
+                                    duration_s=trio.current_time() - t0)
+            results.append(result)
+            try:
+                self.recorder.on_tool(result, iteration)
+            except Exception as exc:
+                self.fault("audit", "on_tool", exc)
+        return results
+
+    async def maybe_checkpoint(self) -> None:
+        lim = self.limits
+        now = trio.current_time()
+        due = self.steps - self.last_save_steps >= lim.checkpoint_every_steps or (
+            lim.checkpoint_every_seconds > 0
+            and now - self.last_save_time >= lim.checkpoint_every_seconds)
+        if not due:
+            return
+        snapshot = getattr(self.agent, "snapshot", None)
+        if snapshot is None:
+            return
+        try:
+            state = snapshot()
+        except Exception as exc:
+            self.fault("agent", "snapshot", exc)
+            return
+        cp = Checkpoint(self.info.run_id, self.steps, state, self.usage, self.tool_calls)
+        assert self.k._checkpointer is not None
+        try:
+            await self.k._checkpointer.save(cp)
+        except Exception as exc:
+            self.fault("checkpointer", "save", exc)
+            return
+        self.last_save_steps, self.last_save_time = self.steps, now
+        self.log_event("checkpoint", payload={"steps": self.steps}, iteration=self.steps - 1)
+
+    async def dry_run(self) -> None:
+        simulate = getattr(self.agent, "simulate", None)
+        try:
+            if simulate is not None:
+                output = await simulate(self.ctx)
+            else:
+                output = f"dry run: would step {type(self.agent).__name__}"
+        except Exception as exc:
+            self.tb = traceback.format_exc()
+            self._end(Status.ERROR, error=f"{type(exc).__name__}: {exc}")
+            return
+        self._end(Status.DRY_RUN, output=output)
+        self.output = output
+
+    # ----------------------------------------------------------------- watch
+
+    async def watch(self, scope: trio.CancelScope) -> None:
+        """Follow the critic: kill cause -> killed, passed deadline -> timeout.
+
+        Order per poll: `deadline()` first (a critic may judge and extend
+        there), then `kill_cause()`, then, during a step, `steer()` for
+        agents that take nudges mid-step.
+        """
+        poll = self.limits.poll_interval
+        on_steer = getattr(self.agent, "on_steer", None)
+        while True:
+            handle = self.handle
+            if handle is None:
+                return  # the critic failed; the backstop is in charge
+            now = trio.current_time()
+            try:
+                dl = handle.deadline()
+                cause = handle.kill_cause()
+            except Exception as exc:
+                self.critic_failed("deadline/kill_cause", exc)
+                return
+            if cause:
+                self._end(Status.KILLED, reason=str(cause),
+                          error=f"killed by the critic: {cause}")
+                scope.cancel()
+                return
+            if dl is not None and now >= dl and dl < self.backstop:
+                self._end(Status.TIMEOUT, reason=(
+                    f"deadline expired after {now - self.started:.1f}s "
+                    "(the critic did not extend it)"))
+                scope.cancel()
+                return
+            if on_steer is not None and self.in_step:
+                await self.steer_mid_step(handle, on_steer)
+            wake = now + poll
+            if dl is not None:
+                wake = min(wake, max(dl, now))
+            await trio.sleep_until(wake)
+
+    async def steer_mid_step(self, handle: CriticHandle, on_steer: Any) -> None:
+        try:
+            msgs = handle.steer()
+        except Exception as exc:
+            self.critic_failed("steer", exc)
+            return
+        if not msgs:
+            return
+        self.log_event("steer", payload={"messages": [m.content for m in msgs],
+                                         "delivered": "mid_step"}, iteration=self.steps)
+        try:
+            await on_steer(msgs)
+        except Exception as exc:
+            self.fault("agent", "on_steer", exc)
+            self.pending_steer.extend(msgs)
+
+    # -------------------------------------------------------------- finalize
+
+    async def finalize(self, *, commit_budget: bool) -> Result:
+        """The shielded, time-bounded end of every run."""
+        k = self.k
+        status = self.status if self.status is not None else Status.ERROR
+        result = Result(
+            status=status, run_id=self.info.run_id, name=self.info.name, output=self.output,
+            error=self.error, reason=self.reason, traceback=self.tb, steps=self.steps,
+            tool_calls=self.tool_calls, usage=self.usage, exit_code=self.exit_code,
+            port_failures=self.failures,
+        )
+        with trio.CancelScope(shield=True) as cs:
+            cs.deadline = trio.current_time() + self.limits.finalize_timeout
+            handle, self.handle = self.handle, None
+            if handle is not None:
+                try:
+                    handle.stop()
+                except Exception as exc:
+                    self.fault("critic", "stop", exc)
+            result.runtime_seconds = trio.current_time() - self.started
+            cp = k._checkpointer
+            if cp is not None:
+                try:
+                    if status in _COMPLETE:
+                        await cp.complete(self.info.run_id)
+                    elif status not in _RESUMABLE:
+                        await cp.fail(self.info.run_id, self.error or self.reason or str(status))
+                except Exception as exc:
+                    self.fault("checkpointer", "complete" if status in _COMPLETE else "fail", exc)
+            try:
+                await self.recorder.close(result.stats())
+            except Exception as exc:
+                self.fault("audit", "close", exc)
+            if commit_budget and k._budget is not None:
+                try:
+                    await k._budget.commit(self.info.caller_id, result.runtime_seconds,
+                                           self.usage)
+                except Exception as exc:
+                    self.fault("budget", "commit", exc)
+            if k._delivery is not None:
+                try:
+                    await k._delivery.deliver(result)
+                except Exception as exc:
+                    self.fault("delivery", "deliver", exc)
+        if cs.cancelled_caught:
+            self.fault("kernel", "finalize", TimeoutError(
+                f"end-of-run work exceeded finalize_timeout={self.limits.finalize_timeout:g}s"))
+        return result
+
+
+def _only_cancelled(exc: BaseException) -> bool:
+    """True if `exc` is a `trio.Cancelled` or a group made only of them."""
+    if isinstance(exc, trio.Cancelled):
+        return True
+    if isinstance(exc, BaseExceptionGroup):
+        _, rest = exc.split(trio.Cancelled)
+        return rest is None
+    return False

@@ -1,0 +1,316 @@
+"""The values a run is made of: what goes in, what each step says, what comes out."""
+
+from __future__ import annotations
+
+import enum
+import os
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Status(enum.StrEnum):
+    """How a run ended. Exactly one per run (DESIGN.md "The run")."""
+
+    OK = "ok"
+    ERROR = "error"
+    TIMEOUT = "timeout"
+    KILLED = "killed"
+    CANCELLED = "cancelled"
+    BUDGET_EXCEEDED = "budget_exceeded"
+    MAX_STEPS = "max_steps"
+    HANDOFF = "handoff"
+    DRY_RUN = "dry_run"
+
+    @property
+    def exit_code(self) -> int:
+        """The `kernel run` exit code for this status (a command's own code wins for ok/error)."""
+        return _EXIT_CODES[self]
+
+
+_EXIT_CODES: dict[Status, int] = {
+    Status.OK: 0,
+    Status.ERROR: 1,
+    Status.TIMEOUT: 124,
+    Status.KILLED: 137,
+    Status.CANCELLED: 130,
+    Status.BUDGET_EXCEEDED: 3,
+    Status.MAX_STEPS: 4,
+    Status.HANDOFF: 5,
+    Status.DRY_RUN: 0,
+}
+
+
+def new_run_id() -> str:
+    """A new run id: 32 hex digits, time-ordered (UUIDv7 layout) so ids sort by start."""
+    # UUIDv7: 48 bits of unix milliseconds, then random bits. Time order makes
+    # `kernel runs` and prefix abbreviation friendlier than uuid4.
+    import time
+
+    ms = time.time_ns() // 1_000_000
+    rand = int.from_bytes(os.urandom(10), "big")
+    value = (ms & ((1 << 48) - 1)) << 80 | (0x7 << 76) | (rand & ((1 << 76) - 1))
+    value = (value & ~(0xC << 60)) | (0x8 << 60)  # RFC 4122 variant bits
+    return uuid.UUID(int=value).hex
+
+
+@dataclass(slots=True)
+class RunInfo:
+    """Who and what a run is, known before it starts.
+
+    Attributes:
+        name: A human label ("nightly-lint", the command line, the loop name).
+        run_id: Unique id; generated when not given. A resumed run keeps its id.
+        subject_id: The agent, loop or skill being run (what analysts group by).
+        caller_id: Who asked for the run; budgets are kept per caller.
+        channel_id: Where the request came from (a chat channel, a CI job, ...).
+        parent_run_id: The run that started this one, for sub-runs.
+        inputs: The run's inputs (JSON-serialisable), recorded in the audit.
+    """
+
+    name: str = ""
+    run_id: str = field(default_factory=new_run_id)
+    subject_id: str = ""
+    caller_id: str = ""
+    channel_id: str = ""
+    parent_run_id: str | None = None
+    inputs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True, frozen=True)
+class Limits:
+    """The bounds a run is held to. Every bound is optional (None = no bound).
+
+    Attributes:
+        max_steps: The step ceiling; the critic may raise it. Reaching it ends `max_steps`.
+        timeout: The hard deadline in seconds (the backstop); expiry ends `timeout`.
+        soft_timeout: When the critic first judges the run (None: the critic's default).
+        tool_timeout: Per tool call; a slow tool returns an error result, the run goes on.
+        max_tool_calls, max_input_tokens, max_output_tokens, max_total_tokens, max_cost_usd:
+            Per-run usage limits, checked after each step; exceeding one ends
+            `budget_exceeded` naming the limit.
+        checkpoint_every_steps, checkpoint_every_seconds: Checkpoint throttle; a save
+            happens when either has passed since the last one.
+        poll_interval: How often the watch task consults the critic.
+        finalize_timeout: Bound on the shielded end-of-run work (audit close, delivery, ...).
+        dry_run: Simulate: the agent's `simulate(ctx)` is asked instead of `step(ctx)`.
+    """
+
+    max_steps: int | None = 100
+    timeout: float | None = 3600.0
+    soft_timeout: float | None = None
+    tool_timeout: float | None = 300.0
+    max_tool_calls: int | None = None
+    max_input_tokens: int | None = None
+    max_output_tokens: int | None = None
+    max_total_tokens: int | None = None
+    max_cost_usd: float | None = None
+    checkpoint_every_steps: int = 1
+    checkpoint_every_seconds: float = 0.0
+    poll_interval: float = 0.5
+    finalize_timeout: float = 30.0
+    dry_run: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("max_steps", "max_tool_calls", "max_input_tokens", "max_output_tokens",
+                     "max_total_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"Limits.{name} must be >= 0, got {value}")
+        for name in ("timeout", "soft_timeout", "tool_timeout", "max_cost_usd"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"Limits.{name} must be > 0 or None, got {value}")
+        if self.poll_interval <= 0:
+            raise ValueError(f"Limits.poll_interval must be > 0, got {self.poll_interval}")
+
+
+@dataclass(slots=True, frozen=True)
+class Usage:
+    """Resources a step (or a whole run) consumed. Adding two Usages sums them."""
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+    thinking_tokens: int = 0
+    cost_usd: float = 0.0
+
+    @property
+    def total_tokens(self) -> int:
+        """Input + output + thinking tokens."""
+        return self.input_tokens + self.output_tokens + self.thinking_tokens
+
+    def __add__(self, other: Usage) -> Usage:
+        return Usage(
+            self.input_tokens + other.input_tokens,
+            self.output_tokens + other.output_tokens,
+            self.thinking_tokens + other.thinking_tokens,
+            self.cost_usd + other.cost_usd,
+        )
+
+    def __bool__(self) -> bool:
+        return bool(self.input_tokens or self.output_tokens or self.thinking_tokens
+                    or self.cost_usd)
+
+
+@dataclass(slots=True, frozen=True)
+class Message:
+    """One conversational message (a steer nudge arrives as role "user")."""
+
+    role: str
+    content: str
+
+
+@dataclass(slots=True, frozen=True)
+class ToolCall:
+    """A request from the agent to run the tool `name` with keyword `args`."""
+
+    name: str
+    args: Mapping[str, Any] = field(default_factory=dict)
+    id: str = ""
+
+
+@dataclass(slots=True, frozen=True)
+class ToolResult:
+    """What a tool call produced. `error` is set (and `output` empty) when it failed."""
+
+    call: ToolCall
+    output: Any = None
+    error: str | None = None
+    duration_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """True when the tool returned without raising or timing out."""
+        return self.error is None
+
+
+@dataclass(slots=True, frozen=True)
+class Step:
+    """What one agent step reports back to the kernel.
+
+    Attributes:
+        output: The step's output; the final step's output is the run's output.
+        final: True ends the run (status ok, or error/handoff as below).
+        tool_calls: Tools the kernel should run before the next step.
+        usage: Tokens/cost this step consumed (for budgets and the audit).
+        error: With `final=True`, ends the run `error` with this message
+            (a failed command, no valid transition) without raising.
+        handoff: With `final=True`, ends the run `handoff`; the continuation prompt.
+        exit_code: The agent's own exit code, when it has one (commands).
+        name: A label for the step in the audit (an FSM state, "turn").
+        payload: Extra JSON-serialisable detail for the audit `step` event.
+    """
+
+    output: Any = None
+    final: bool = False
+    tool_calls: tuple[ToolCall, ...] | list[ToolCall] = ()
+    usage: Usage | None = None
+    error: str | None = None
+    handoff: str | None = None
+    exit_code: int | None = None
+    name: str | None = None
+    payload: Mapping[str, Any] | None = None
+
+
+@dataclass(slots=True)
+class RunStats:
+    """The terminal roll-up of a run, handed to `RunRecorder.close`."""
+
+    status: Status
+    output: Any = None
+    error: str | None = None
+    reason: str | None = None
+    steps: int = 0
+    tool_calls: int = 0
+    runtime_seconds: float = 0.0
+    usage: Usage = field(default_factory=Usage)
+    exit_code: int | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class PortFailure:
+    """A port method that raised during a run. The run went on (or failed closed)."""
+
+    port: str
+    method: str
+    error: str
+
+    def __str__(self) -> str:
+        return f"{self.port}.{self.method}: {self.error}"
+
+
+@dataclass(slots=True)
+class Result:
+    """How a run ended and what it produced.
+
+    Attributes:
+        status: Exactly one `Status`.
+        output: The final step's output (None if the run did not finish).
+        error: What went wrong, for error/budget_exceeded/... statuses.
+        reason: Why a killed/timeout/max_steps/budget_exceeded run was ended.
+        traceback: The agent's traceback when it raised.
+        run_id, name: From the RunInfo.
+        steps, tool_calls: How many were executed.
+        usage: Summed usage of all steps.
+        runtime_seconds: Wall time (trio clock) from start to end.
+        exit_code: The agent's own exit code (commands), else None.
+        port_failures: Ports that raised; observers never change the status.
+        checkpoint: The last checkpoint state saved, if any.
+    """
+
+    status: Status
+    run_id: str
+    name: str = ""
+    output: Any = None
+    error: str | None = None
+    reason: str | None = None
+    traceback: str | None = None
+    steps: int = 0
+    tool_calls: int = 0
+    usage: Usage = field(default_factory=Usage)
+    runtime_seconds: float = 0.0
+    exit_code: int | None = None
+    port_failures: list[PortFailure] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True when the run ended `ok`."""
+        return self.status is Status.OK
+
+    def stats(self) -> RunStats:
+        """The roll-up a recorder stores."""
+        return RunStats(
+            status=self.status, output=self.output, error=self.error, reason=self.reason,
+            steps=self.steps, tool_calls=self.tool_calls,
+            runtime_seconds=self.runtime_seconds, usage=self.usage, exit_code=self.exit_code,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (what `kernel run --json` prints)."""
+        return {
+            "run_id": self.run_id,
+            "name": self.name,
+            "status": str(self.status),
+            "exit_code": self.exit_code,
+            "output": _jsonable(self.output),
+            "error": self.error,
+            "reason": self.reason,
+            "traceback": self.traceback,
+            "steps": self.steps,
+            "tool_calls": self.tool_calls,
+            "runtime_seconds": round(self.runtime_seconds, 6),
+            "usage": {
+                "input_tokens": self.usage.input_tokens,
+                "output_tokens": self.usage.output_tokens,
+                "thinking_tokens": self.usage.thinking_tokens,
+                "cost_usd": self.usage.cost_usd,
+            },
+            "port_failures": [str(f) for f in self.port_failures],
+        }
+
+
+def _jsonable(value: Any) -> Any:
+    if value is None or isinstance(value, (str, int, float, bool, list, dict)):
+        return value
+    return str(value)

@@ -1,0 +1,249 @@
+"""The ports: what the kernel needs from the world, as `typing.Protocol` classes.
+
+Hosts wire only the ports they need into `Ports(...)`; a field left `None`
+means the port is absent and the kernel uses a do-nothing stand-in, chosen
+once when the `Kernel` is built. Each protocol's docstring says whether it
+may block, how it must behave under concurrency, and what happens when it
+raises:
+
+- **Observers fail safe** (Audit, RunRecorder, CriticHandle, Checkpointer,
+  Delivery, Budget.commit): an exception is logged, reported on
+  `Result.port_failures`, and the run goes on with its real status.
+- **Deciders fail closed** (Budget.check): an exception refuses the run
+  (`budget_exceeded`, the error on the result).
+
+All methods run on the trio thread. "Must not block" means no file, socket
+or database I/O inside the call: buffer and flush from a worker thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from ._types import Message, Result, RunInfo, RunStats, Step, ToolCall, ToolResult, Usage
+
+if TYPE_CHECKING:
+    from ._context import RunContext
+
+
+@runtime_checkable
+class Agent(Protocol):
+    """Anything the kernel can step: `async def step(self, ctx) -> Step`.
+
+    **Protocol:** `step` performs one unit of work (a model turn, an FSM
+    state, a whole command) and returns a `Step`. Raising ends the run
+    `error` with the traceback on the result. It must let `trio.Cancelled`
+    propagate; the kernel cancels it on timeout, kill or caller cancel.
+
+    Optional attributes the kernel uses when present:
+
+    - `tools: Mapping[str, Callable[..., Awaitable[Any]]]` — tools a step's
+      `tool_calls` may name; each is awaited with the call's args as keywords.
+    - `async def on_steer(self, messages) -> None` — deliver critic nudges
+      *during* a long step (type into a pane, write to stdin). Without it,
+      nudges wait in `ctx.steer` for the next step.
+    - `def snapshot(self) -> Any` — JSON-serialisable resumable state, asked
+      for only when a checkpoint save is due.
+    - `async def simulate(self, ctx) -> Any` — what a dry run reports.
+    """
+
+    async def step(self, ctx: RunContext) -> Step: ...
+
+
+class RunRecorder(Protocol):
+    """Records the events of one in-flight run, then its terminal roll-up.
+
+    **Protocol:** every method except `close` is on the hot path and *must not
+    block*: buffer in memory, write from a worker thread. `close` is awaited
+    once, shielded from cancellation and bounded in time, and must make the
+    run's rows durable before it returns. Observer: an exception is reported
+    on the result and never changes the run's status.
+    """
+
+    def on_step(self, iteration: int, step: Step, duration_s: float) -> None:
+        """A step finished (`iteration` counts from 0)."""
+
+    def on_tool(self, result: ToolResult, iteration: int) -> None:
+        """A tool call finished (`result.call` is the call)."""
+
+    def log_event(
+        self,
+        kind: str,
+        *,
+        name: str | None = None,
+        payload: Mapping[str, Any] | None = None,
+        duration_ms: float | None = None,
+        iteration: int | None = None,
+    ) -> None:
+        """Append a structured event (tool_start, steer, critic, log, adapter kinds)."""
+
+    def log_error(self, message: str, *, payload: Mapping[str, Any] | None = None) -> None:
+        """Append an `error` event."""
+
+    async def close(self, stats: RunStats) -> None:
+        """Write the run's terminal roll-up and flush everything still buffered."""
+
+
+class Audit(Protocol):
+    """Begins recording runs. If `Ports.audit` is None, audit events are discarded.
+
+    **Protocol:** `start_run` may do I/O (it is awaited before the first step)
+    but should be quick. Returning None skips recording this run. Observer:
+    raising is reported on the result and the run goes on unrecorded.
+    """
+
+    async def start_run(self, info: RunInfo) -> RunRecorder | None:
+        """Register the run and return its recorder."""
+
+
+class BudgetRefused(Exception):
+    """Raised by `Budget.check` to refuse a run; the message says which budget."""
+
+
+class Budget(Protocol):
+    """Gates and meters per-caller resource use. If None, callers are unbounded.
+
+    **Protocol:** `check` is a *decider* and fails closed: raising
+    `BudgetRefused` (or anything else) ends the run `budget_exceeded` before a
+    step runs. `commit` is an observer, awaited (shielded, bounded) after every
+    run that passed `check`, whatever its status.
+    """
+
+    async def check(self, caller_id: str) -> None:
+        """Return to allow the run; raise `BudgetRefused` to refuse it."""
+
+    async def commit(self, caller_id: str, runtime_seconds: float, usage: Usage) -> None:
+        """Record what the caller spent on one run."""
+
+
+class EventSink(Protocol):
+    """Where a critic writes its decisions: each call becomes an audit event."""
+
+    def __call__(
+        self, kind: str, *, name: str | None = None, payload: Mapping[str, Any] | None = None
+    ) -> None: ...
+
+
+class CriticHandle(Protocol):
+    """The kernel's live link to the critic watching one run.
+
+    **Protocol:** the run task calls `record_*` and `steer`, while the watch
+    task polls `kill_cause`, `deadline`, `max_steps` and `steer` every
+    `Limits.poll_interval`; implementations must be safe for this interleaved
+    use (on the trio thread; add a lock if they share state with threads).
+    None of the methods may block. Times are `trio.current_time()` values.
+    Observer: if any method raises, the kernel stops consulting the critic
+    and the hard backstop stays in charge.
+    """
+
+    def record_step(self, iteration: int, step: Step) -> None:
+        """A step finished: fresh activity."""
+
+    def record_tool_start(self, call: ToolCall) -> None:
+        """A tool call is starting: fresh activity, and evidence for loop detection."""
+
+    def record_activity(self, kind: str) -> None:
+        """Something happened inside a long step (an output line, an agent event)."""
+
+    def steer(self) -> list[Message]:
+        """Drain the messages the critic wants delivered to the agent now."""
+
+    def deadline(self) -> float | None:
+        """The current deadline (the critic may extend it); None = only the backstop."""
+
+    def max_steps(self) -> int | None:
+        """The current step ceiling; None defers to `Limits.max_steps`."""
+
+    def kill_cause(self) -> str | None:
+        """Non-None (the reason) once the critic has decided to kill the run."""
+
+    def stop(self) -> None:
+        """The run is over; release anything held."""
+
+
+class Critic(Protocol):
+    """Supervises long runs. If `Ports.critic` is None, only the hard backstop applies.
+
+    **Protocol:** `monitor` is called once per run before the first step and
+    must not block. `backstop` is the run's hard deadline (absolute trio time,
+    None if unbounded): a critic may extend its own deadline up to it, never
+    past it. `max_steps` is the run's base step ceiling. Decisions worth an
+    audit record go to `events` (kind "critic"). Returning None leaves the
+    run unmonitored. Observer: raising is reported and the run goes on.
+    """
+
+    def monitor(
+        self,
+        info: RunInfo,
+        soft_timeout: float | None,
+        *,
+        backstop: float | None,
+        max_steps: int | None,
+        events: EventSink,
+    ) -> CriticHandle | None:
+        """Start watching the run described by `info`."""
+
+
+@dataclass(slots=True, frozen=True)
+class Checkpoint:
+    """A run's resumable progress as of `steps` completed steps."""
+
+    run_id: str
+    steps: int
+    state: Any
+    usage: Usage = field(default_factory=Usage)
+    tool_calls: int = 0
+
+
+class Checkpointer(Protocol):
+    """Persists resumable progress for crash recovery. If None, an interrupted run is lost.
+
+    **Protocol:** `save` is awaited when a save is due (the kernel throttles
+    by `Limits.checkpoint_every_*`) and must be durable when it returns.
+    `complete` is called when the run ends `ok`/`handoff`/`dry_run`, `fail` on
+    any other terminal status except `cancelled`: a run interrupted by
+    shutdown keeps its checkpoint so it can be resumed. Observer: raising is
+    reported on the result and never changes the status.
+    """
+
+    async def save(self, checkpoint: Checkpoint) -> None:
+        """Persist `checkpoint` durably."""
+
+    async def complete(self, run_id: str) -> None:
+        """The run finished: its checkpoint is no longer needed."""
+
+    async def fail(self, run_id: str, error: str) -> None:
+        """The run failed for good: mark its checkpoint as not resumable."""
+
+
+class Delivery(Protocol):
+    """Where a finished run's result goes. If None, the caller reads the `Result`.
+
+    **Protocol:** awaited once per run, after the audit is closed, shielded
+    and bounded by `Limits.finalize_timeout`. Observer: a delivery failure is
+    reported on the result and never changes the run's status.
+    """
+
+    async def deliver(self, result: Result) -> None:
+        """Send the result (and any artifacts) on."""
+
+
+@dataclass(slots=True)
+class Ports:
+    """The ports a host wires. Every field is optional.
+
+    Attributes:
+        audit: If None, audit events are discarded.
+        budget: If None, callers are unbounded.
+        critic: If None, only the hard backstop (`Limits.timeout`) ends a stuck run.
+        checkpointer: If None, nothing is saved and an interrupted run is lost.
+        delivery: If None, the caller reads the returned `Result`.
+    """
+
+    audit: Audit | None = None
+    budget: Budget | None = None
+    critic: Critic | None = None
+    checkpointer: Checkpointer | None = None
+    delivery: Delivery | None = None
