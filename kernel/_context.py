@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import trio
 
-from ._types import Limits, Message, RunInfo, ToolResult, Usage
+from ._types import Limits, Message, Result, RunInfo, ToolResult, Usage
 
 
 class RunContext:
@@ -32,6 +32,7 @@ class RunContext:
         "_activity",
         "_deadline",
         "_log",
+        "_run_child",
         "info",
         "iteration",
         "limits",
@@ -51,6 +52,7 @@ class RunContext:
         log: Callable[..., None],
         activity: Callable[[str], None],
         deadline: Callable[[], float],
+        run_child: Callable[[Any, RunInfo, Limits | None], Awaitable[Result]],
         resumed_from: Any = None,
     ) -> None:
         self.info = info
@@ -64,6 +66,7 @@ class RunContext:
         self._log = log
         self._activity = activity
         self._deadline = deadline
+        self._run_child = run_child
 
     @property
     def run_id(self) -> str:
@@ -95,6 +98,15 @@ class RunContext:
         self._log(kind, name=name, payload=payload, duration_ms=duration_ms,
                   iteration=self.iteration)
         self._activity(kind)
+
+    async def run_child(self, agent: Any, info: RunInfo, limits: Limits | None = None) -> Result:
+        """Run `agent` as a child run: same kernel and ports, `parent_run_id` set to this run.
+
+        The child gets its own `runs` row and status; this run records
+        `child_start`/`child_end` events. With `limits=None` the child inherits
+        this run's limits, bounded by what is left of this run's deadline.
+        """
+        return await self._run_child(agent, info, limits)
 
     def activity(self, kind: str = "activity") -> None:
         """Tell the critic the agent is alive without writing an audit event."""

@@ -233,6 +233,7 @@ class _Run:
         self.last_save_time = self.started
         self.ctx = RunContext(info, limits, started_at=self.started, log=self.log_event,
                               activity=self.activity, deadline=self.effective_deadline,
+                              run_child=self.run_child,
                               resumed_from=self.resume.state if self.resume else None)
         self.ctx.usage = self.usage
         refused = False
@@ -296,6 +297,24 @@ class _Run:
         result = await self.finalize(commit_budget=True)
         if pending is not None:
             raise pending
+        return result
+
+    async def run_child(self, agent: Agent, info: RunInfo, limits: Limits | None) -> Result:
+        """Run a sub-agent as a child run of this one (same ports, parent_run_id set)."""
+        info.parent_run_id = self.info.run_id
+        if not info.caller_id:
+            info.caller_id = self.info.caller_id
+        if limits is None:
+            remaining = self.effective_deadline() - trio.current_time()
+            limits = self.limits if math.isinf(remaining) else Limits(
+                max_steps=self.limits.max_steps, timeout=max(remaining, 1e-3),
+                tool_timeout=self.limits.tool_timeout, poll_interval=self.limits.poll_interval)
+        self.log_event("child_start", name=info.name, payload={"child_run_id": info.run_id},
+                       iteration=self.steps)
+        result = await self.k.run(agent, info, limits)
+        self.log_event("child_end", name=info.name,
+                       payload={"child_run_id": info.run_id, "status": str(result.status)},
+                       duration_ms=result.runtime_seconds * 1000, iteration=self.steps)
         return result
 
     def _critic_event(self, kind: str, *, name: str | None = None,
@@ -368,6 +387,8 @@ class _Run:
                     self._end(Status.ERROR, error=step.error, output=step.output)
                 elif step.handoff is not None:
                     self._end(Status.HANDOFF, reason="handoff", output=step.handoff)
+                elif step.stop is not None:
+                    self._end(Status.CANCELLED, reason=step.stop, output=step.output)
                 else:
                     self._end(Status.OK, output=step.output)
                 self.output = step.output if step.handoff is None else step.handoff

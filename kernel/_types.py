@@ -197,6 +197,8 @@ class Step:
         error: With `final=True`, ends the run `error` with this message
             (a failed command, no valid transition) without raising.
         handoff: With `final=True`, ends the run `handoff`; the continuation prompt.
+        stop: With `final=True`, ends the run `cancelled` with this reason (the
+            agent itself asked to stop, e.g. a loop's `LOOP_STOP:` signal).
         exit_code: The agent's own exit code, when it has one (commands).
         name: A label for the step in the audit (an FSM state, "turn").
         payload: Extra JSON-serialisable detail for the audit `step` event.
@@ -208,6 +210,7 @@ class Step:
     usage: Usage | None = None
     error: str | None = None
     handoff: str | None = None
+    stop: str | None = None
     exit_code: int | None = None
     name: str | None = None
     payload: Mapping[str, Any] | None = None

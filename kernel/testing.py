@@ -188,6 +188,7 @@ class ScriptedHandle:
                           if critic.deadline_after is not None else None)
         self._extensions = list(critic.extensions)
         self._steers = dict(critic.steer_at_step)
+        self._timed_steers = dict(critic.steer_after)
         self._killed: str | None = None
 
     def record_step(self, iteration: int, step: Step) -> None:
@@ -208,6 +209,9 @@ class ScriptedHandle:
         """Messages cued for steps already taken."""
         due = [k for k in self._steers if k <= len(self.steps)]
         msgs = [Message("user", self._steers.pop(k)) for k in sorted(due)]
+        elapsed = trio.current_time() - self.started
+        for t in sorted(t for t in self._timed_steers if t <= elapsed):
+            msgs.append(Message("user", self._timed_steers.pop(t)))
         for m in msgs:
             self.events("critic", name="steer", payload={"message": m.content})
         return msgs
@@ -253,6 +257,7 @@ class ScriptedCritic:
         kill_at_step: Kill once this many steps have been recorded.
         reason: The kill reason.
         steer_at_step: {n: message} delivered once n steps have been recorded.
+        steer_after: {seconds: message} delivered once that much time has passed.
         max_steps: The step ceiling the handle reports (raise the limit with it).
     """
 
@@ -260,13 +265,14 @@ class ScriptedCritic:
                  extensions: Sequence[tuple[float, float]] = (),
                  kill_after: float | None = None, kill_at_step: int | None = None,
                  reason: str = "scripted kill", steer_at_step: Mapping[int, str] | None = None,
-                 max_steps: int | None = None) -> None:
+                 steer_after: Mapping[float, str] | None = None, max_steps: int | None = None) -> None:
         self.deadline_after = deadline_after
         self.extensions = sorted(extensions)
         self.kill_after = kill_after
         self.kill_at_step = kill_at_step
         self.reason = reason
         self.steer_at_step = dict(steer_at_step or {})
+        self.steer_after = dict(steer_after or {})
         self.max_steps = max_steps
         self.handles: list[ScriptedHandle] = []
 

@@ -1,10 +1,78 @@
-"""The `kernel` typer app and its entry point."""
+"""The `kernel` typer app and its entry point.
+
+Errors become exit codes here, at the edge, and nowhere else: bad input is
+one line on stderr and exit 2; a run's status maps to the DESIGN.md table.
+"""
+
 from __future__ import annotations
+
+import sys
+from importlib import import_module
 
 import typer
 
-app = typer.Typer(name="kernel", no_args_is_help=True, add_completion=False)
+from . import run_cmd
+
+HELP = """Run agent runs under supervision, and read their audit trail.
+
+A run ends in exactly one status: ok, error, timeout (124), killed (137),
+cancelled (130), budget_exceeded (3), max_steps (4), handoff (5), dry_run.
+Every run is recorded to an embedded DuckDB file ($KERNEL_DB, else the user
+data directory); analysts query it with `kernel query` or straight from DuckDB.
+"""
+
+app = typer.Typer(
+    name="kernel",
+    help=HELP,
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
 
 
-def main() -> None:
-    app()
+
+@app.callback()
+def _root() -> None:
+    """Keep `kernel` a command group even while it has a single command."""
+
+
+run_cmd.register(app)
+
+# Commands contributed by other parts of the CLI; each module has `register(app)`.
+for _name in ("analyst", "loops"):
+    try:
+        _mod = import_module(f"{__package__}.{_name}")
+    except ModuleNotFoundError as _exc:  # pragma: no cover - only while a part is absent
+        if _exc.name != f"{__package__}.{_name}":
+            raise
+    else:
+        _mod.register(app)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point: run the app, turn usage errors into one line + exit 2."""
+    try:
+        code = typer.main.get_command(app).main(
+            args=argv, prog_name="kernel", standalone_mode=False)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as exc:
+        # Usage errors (typer vendors click in some versions, so match by shape).
+        fmt = getattr(exc, "format_message", None)
+        if fmt is None:
+            if type(exc).__name__ == "Abort":
+                print("kernel: aborted", file=sys.stderr)
+                sys.exit(130)
+            raise
+        if type(exc).__name__ == "NoArgsIsHelpError":
+            print(fmt(), file=sys.stderr)
+            sys.exit(2)
+        ctx = getattr(exc, "ctx", None)
+        cmd = ctx.command_path if ctx is not None else "kernel"
+        code = getattr(exc, "exit_code", 2)
+        hint = f" (see '{cmd} --help')" if code == 2 else ""
+        print(f"{cmd}: error: {fmt()}{hint}", file=sys.stderr)
+        sys.exit(code)
+    sys.exit(code if isinstance(code, int) else 0)

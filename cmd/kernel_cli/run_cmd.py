@@ -1,0 +1,280 @@
+"""`kernel run`: one supervised, audited run of a command, a loop file or an agent."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from kernel import ConfigError, Limits, Result, RunInfo, Status
+
+from .wiring import PortOptions, open_ports
+
+RUN_HELP = """Run CMD (after --), a LOOP.yaml state machine, or an --agent, under supervision.
+
+\b
+  kernel run -- make test             a command; its exit code is kept
+  kernel run --timeout 60 -- ./crawl  hard deadline: exit 124 when it passes
+  kernel run --json -- echo hi        one JSON result object on stdout
+  kernel run loop.yaml -c dir=src     a YAML state-machine loop
+
+\b
+Exit codes: the command's own code when it ended by itself (ok/error);
+124 timeout, 137 killed by the critic, 130 cancelled (Ctrl-C, SIGTERM),
+3 budget_exceeded, 4 max_steps, 5 handoff, 1 error, 2 bad input.
+The run, its output lines and the critic's decisions are recorded in the
+audit database (see `kernel runs`, `kernel show RUN_ID`).
+"""
+
+
+def register(app: typer.Typer) -> None:
+    """Add `kernel run` to the app."""
+    app.command(
+        "run", help=RUN_HELP,
+        context_settings={"allow_interspersed_args": False},
+    )(run)
+
+
+def run(
+    target: list[str] | None = typer.Argument(
+        None, metavar="[-- CMD [ARGS...] | LOOP.yaml]", show_default=False,
+        help="The command to run (after --), or a loop file."),
+    timeout: float | None = typer.Option(
+        None, "--timeout", metavar="S", min=0, show_default=False,
+        help="Hard deadline in seconds (the backstop); 0 = none. Expiry exits 124. "
+             "[default: 3600, or the loop file's timeout]"),
+    soft_timeout: float | None = typer.Option(
+        None, "--soft-timeout", metavar="S",
+        help="When the critic first judges progress (default: the critic's, 300 s); "
+             "a progressing run gets its deadline extended."),
+    idle_timeout: float | None = typer.Option(
+        None, "--idle-timeout", metavar="S",
+        help="Seconds without output/steps before the critic nudges, then kills "
+             "the run as stalled (exit 137). Default: the critic's, 120 s."),
+    no_critic: bool = typer.Option(
+        False, "--no-critic", help="Run without the critic: only --timeout ends a stuck run."),
+    max_steps: int | None = typer.Option(
+        None, "--max-steps", metavar="N", min=0, show_default=False,
+        help="Step ceiling (the critic may raise it for a progressing run). Exit 4. "
+             "[default: 100, or the loop file's max_iterations]"),
+    context: list[str] | None = typer.Option(
+        None, "--context", "-c", metavar="KEY=VALUE",
+        help="A context variable (repeatable). Commands see it as $KERNEL_CTX_KEY."),
+    caller: str | None = typer.Option(
+        None, "--caller", metavar="ID",
+        help="Who is running this (budgets are per caller). Default: $KERNEL_CALLER or $USER."),
+    name: str | None = typer.Option(None, "--name", help="A label for the run."),
+    db: str | None = typer.Option(
+        None, "--db", metavar="PATH", help="Audit database (default: $KERNEL_DB or the "
+                                           "user data dir)."),
+    no_audit: bool = typer.Option(False, "--no-audit", help="Record nothing."),
+    json_out: bool = typer.Option(
+        False, "--json", help="Print the final result as one JSON object on stdout "
+                              "(the command's output is not echoed)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Do not echo the command's output."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Simulate: execute nothing."),
+    scenario: str | None = typer.Option(
+        None, "--scenario", help="Dry-run results for a loop: all-pass|all-fail|all-error|"
+                                 "first-fail|alternating."),
+    agent: str | None = typer.Option(
+        None, "--agent", metavar="KIND", help="Run an agent instead: llm | agentcli."),
+    model: str | None = typer.Option(None, "--model", help="Model name (--agent llm)."),
+    base_url: str | None = typer.Option(
+        None, "--base-url", help="OpenAI-compatible API base URL (--agent llm; "
+                                 "default $OPENAI_BASE_URL)."),
+    prompt: str | None = typer.Option(None, "--prompt", help="The task (--agent llm|agentcli)."),
+    cmd: str | None = typer.Option(
+        None, "--cmd", help="The agent's command line (--agent agentcli)."),
+    api_key_env: str | None = typer.Option(
+        None, "--api-key-env", metavar="VAR", help="Env var holding the API key "
+                                                    "(default OPENAI_API_KEY)."),
+    allow_shell: bool = typer.Option(
+        False, "--allow-shell", help="Give an llm agent the shell tool (off by default)."),
+) -> None:
+    """Run one thing, supervised and audited, and exit with its status's code."""
+    try:
+        ctx_vars = parse_context(context or [])
+        plan = _plan(target or [], ctx_vars, agent=agent, model=model, base_url=base_url,
+                     prompt=prompt, cmd=cmd, api_key_env=api_key_env, allow_shell=allow_shell,
+                     scenario=scenario, quiet=quiet or json_out)
+    except ConfigError as exc:
+        _fail(str(exc))
+    info = plan.info
+    if name:
+        info.name = name
+    info.caller_id = caller or os.environ.get("KERNEL_CALLER") or os.environ.get("USER", "")
+    base = plan.limits or Limits()
+    try:
+        limits = Limits(
+            max_steps=base.max_steps if max_steps is None else max_steps,
+            timeout=base.timeout if timeout is None else (timeout or None),
+            soft_timeout=soft_timeout if soft_timeout is not None else base.soft_timeout,
+            tool_timeout=base.tool_timeout, dry_run=dry_run, poll_interval=base.poll_interval)
+    except ValueError as exc:
+        _fail(str(exc).replace("Limits.", "--").replace("_", "-"))
+    opts = PortOptions(db=db, no_audit=no_audit, no_critic=no_critic,
+                       soft_timeout=soft_timeout, idle_timeout=idle_timeout)
+    import trio
+
+    result = trio.run(_execute, plan.agent, info, limits, opts)
+    code = exit_code(result, command=plan.is_command)
+    _report(result, code, json_out=json_out, echo_output=not plan.is_command)
+    raise typer.Exit(code)
+
+
+# ----------------------------------------------------------------- planning
+
+
+@dataclass
+class Plan:
+    """What `kernel run` will run."""
+
+    agent: Any
+    info: RunInfo
+    is_command: bool = False
+    limits: Limits | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_context(pairs: list[str]) -> dict[str, str]:
+    """Parse repeated KEY=VALUE options; a malformed one is a ConfigError."""
+    out: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"--context expects KEY=VALUE, got {pair!r}")
+        if not (key.replace("_", "a").replace("-", "a").replace(".", "a").isalnum()):
+            raise ConfigError(f"--context key {key!r} may hold only letters, digits, _ - .")
+        out[key] = value
+    return out
+
+
+def _plan(target: list[str], ctx_vars: dict[str, str], *, agent: str | None,
+          model: str | None, base_url: str | None, prompt: str | None, cmd: str | None,
+          api_key_env: str | None, allow_shell: bool, scenario: str | None,
+          quiet: bool) -> Plan:
+    if agent is not None:
+        if target:
+            raise ConfigError("--agent takes no command or loop file; use --prompt/--cmd")
+        try:
+            from . import agents
+        except ModuleNotFoundError as exc:
+            raise ConfigError(f"--agent {agent}: agent adapters are not installed ({exc})") \
+                from exc
+        built_agent, info = agents.build_agent(
+            agent, model=model, base_url=base_url, prompt=prompt, cmd=cmd,
+            api_key_env=api_key_env, allow_shell=allow_shell, context=ctx_vars)
+        return Plan(built_agent, info)
+    if not target:
+        raise ConfigError("nothing to run: give -- CMD [ARGS...], a LOOP.yaml, or --agent KIND")
+    if len(target) == 1 and target[0].endswith((".yaml", ".yml")):
+        path = target[0]
+        if not Path(path).is_file():
+            raise ConfigError(f"loop file not found: {path}")
+        try:
+            from . import loops
+        except ModuleNotFoundError as exc:
+            raise ConfigError(f"{path}: the loop adapter is not installed ({exc})") from exc
+        loop_agent, info, loop_limits = loops.build_loop(path, ctx_vars, scenario=scenario)
+        return Plan(loop_agent, info, limits=loop_limits)
+    if scenario is not None:
+        raise ConfigError("--scenario applies to loop files only")
+    from adapters.shell import ShellAgent
+
+    env = {f"KERNEL_CTX_{k.upper().replace('-', '_').replace('.', '_')}": v
+           for k, v in ctx_vars.items()}
+    shell = ShellAgent(target, env=env or None, on_line=None if quiet else _echo)
+    info = RunInfo(name=shlex.join(target)[:200], subject_id=os.path.basename(target[0]),
+                   inputs={"argv": list(target), "context": ctx_vars})
+    return Plan(shell, info, is_command=True)
+
+
+def _echo(stream: str, line: str) -> None:
+    out = sys.stdout if stream == "stdout" else sys.stderr
+    out.write(line + "\n")
+    if out.isatty():
+        out.flush()
+
+
+# ---------------------------------------------------------------- execution
+
+
+class _Capture:
+    """A Delivery that keeps the result, so a cancelled run still reports one."""
+
+    result: Result | None = None
+
+    async def deliver(self, result: Result) -> None:
+        self.result = result
+
+
+async def _execute(agent: Any, info: RunInfo, limits: Limits, opts: PortOptions) -> Result:
+    import trio
+
+    from kernel import Kernel, PortFailure
+
+    capture = _Capture()
+    warnings: list[PortFailure] = []
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with open_ports(opts, delivery=capture, warnings=warnings) as ports:
+            kernel = Kernel(ports)
+            async with trio.open_nursery() as nursery:
+                run_scope = trio.CancelScope()
+
+                async def on_signal() -> None:
+                    async for signum in signals:
+                        print(f"kernel: {signal.Signals(signum).name}: cancelling the run",
+                              file=sys.stderr)
+                        run_scope.cancel()
+
+                nursery.start_soon(on_signal)
+                with run_scope:
+                    await kernel.run(agent, info, limits)
+                nursery.cancel_scope.cancel()
+    result = capture.result
+    assert result is not None, "the kernel delivers every result"
+    result.port_failures[:0] = warnings
+    return result
+
+
+def exit_code(result: Result, *, command: bool) -> int:
+    """The process exit code for a result (DESIGN.md "The run")."""
+    if (command and result.status in (Status.OK, Status.ERROR)
+            and result.exit_code is not None):
+        return result.exit_code
+    return result.status.exit_code
+
+
+def _report(result: Result, code: int, *, json_out: bool, echo_output: bool) -> None:
+    for failure in result.port_failures:
+        print(f"kernel: warning: {failure}", file=sys.stderr)
+    if json_out:
+        doc = result.to_dict()
+        doc["command_exit_code"] = result.exit_code
+        doc["exit_code"] = code
+        sys.stdout.write(json.dumps(doc, default=str) + "\n")
+        return
+    if echo_output and result.output is not None and result.status is not Status.ERROR:
+        text = result.output if isinstance(result.output, str) else json.dumps(
+            result.output, default=str)
+        if text:
+            sys.stdout.write(text.rstrip("\n") + "\n")
+    if result.status is not Status.OK or sys.stderr.isatty():
+        why = result.reason or result.error
+        print(f"kernel: run {result.run_id[:12]} {result.status} after "
+              f"{result.runtime_seconds:.1f}s, {result.steps} step(s)"
+              + (f": {why}" if why and why != str(result.status) else "")
+              + f" (exit {code})", file=sys.stderr)
+
+
+def _fail(message: str) -> None:
+    print(f"kernel run: error: {message}", file=sys.stderr)
+    raise typer.Exit(2)

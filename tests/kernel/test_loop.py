@@ -1,0 +1,183 @@
+"""The step loop's plumbing: tools, steer, checkpoints, child runs, resumption."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+import kernel
+from kernel import Kernel, Limits, Message, Ports, RunContext, RunInfo, Status, Step, ToolCall
+from kernel.testing import (
+    MemoryAudit,
+    RecordingCheckpointer,
+    ScriptedAgent,
+    ScriptedCritic,
+)
+
+
+class TestTools:
+    async def test_results_reach_the_next_step(self, autojump_clock: trio.abc.Clock) -> None:
+        """Tool results are on ctx.tool_results at the next step, in call order."""
+
+        async def add(a: int, b: int) -> int:
+            return a + b
+
+        agent = ScriptedAgent([Step(tool_calls=[ToolCall("add", {"a": 1, "b": 2}, "c1"),
+                                                ToolCall("add", {"a": 3, "b": 4}, "c2")])],
+                              tools={"add": add})
+        audit = MemoryAudit()
+        result = await Kernel(Ports(audit=audit)).run(agent)
+        assert result.status is Status.OK and result.tool_calls == 2
+        assert [r.output for r in agent.seen_tool_results[1]] == [3, 7]
+        kinds = audit.kinds(result.run_id)
+        assert kinds == ["run_start", "step", "tool_start", "tool_end", "tool_start", "tool_end",
+                         "step", "run_end"]
+
+    async def test_tool_errors_do_not_end_the_run(self, autojump_clock: trio.abc.Clock) -> None:
+        """A raising tool, an unknown tool and a slow tool give error results; the run goes on."""
+
+        async def boom() -> None:
+            raise OSError("disk on fire")
+
+        async def slow() -> str:
+            await trio.sleep(100)
+            return "late"
+
+        agent = ScriptedAgent([Step(tool_calls=[ToolCall("boom"), ToolCall("nope"),
+                                                ToolCall("slow")])],
+                              tools={"boom": boom, "slow": slow})
+        start = trio.current_time()
+        result = await Kernel().run(agent, RunInfo(), Limits(tool_timeout=5))
+        assert result.status is Status.OK
+        errors = [r.error for r in agent.seen_tool_results[1]]
+        assert errors[0] == "OSError: disk on fire"
+        assert errors[1] == "unknown tool 'nope' (available: boom, slow)"
+        assert errors[2] == "tool 'slow' timed out after 5s"
+        assert trio.current_time() - start == pytest.approx(5)
+
+
+class TestSteer:
+    async def test_steer_reaches_the_next_step(self, autojump_clock: trio.abc.Clock) -> None:
+        """A critic's nudge is on ctx.steer at the next step, and audited."""
+        critic = ScriptedCritic(steer_at_step={2: "you are repeating yourself"})
+        audit = MemoryAudit()
+        agent = ScriptedAgent([Step(), Step(), Step(), Step(final=True)])
+        result = await Kernel(Ports(audit=audit, critic=critic)).run(agent)
+        assert agent.seen_steer[2] == [Message("user", "you are repeating yourself")]
+        assert [s for s in agent.seen_steer if s] == [agent.seen_steer[2]]
+        assert "steer" in audit.kinds(result.run_id)
+
+    async def test_steer_mid_step(self, autojump_clock: trio.abc.Clock) -> None:
+        """An agent with on_steer gets nudges during a long step."""
+        critic = ScriptedCritic(steer_after={5.0: "hurry up"})
+        agent = ScriptedAgent([Step(final=True)], step_seconds=10, accept_mid_step_steer=True)
+        await Kernel(Ports(critic=critic)).run(agent)
+        assert agent.mid_step_steer == [Message("user", "hurry up")]
+
+
+class TestCheckpoints:
+    async def test_throttled_by_steps(self, autojump_clock: trio.abc.Clock) -> None:
+        """With checkpoint_every_steps=3, a 10-step run saves after steps 3, 6 and 9."""
+        cp = RecordingCheckpointer()
+        agent = ScriptedAgent([Step()] * 9, then=Step(final=True))
+        result = await Kernel(Ports(checkpointer=cp)).run(
+            agent, RunInfo(), Limits(checkpoint_every_steps=3))
+        assert [c.steps for c in cp.saves] == [3, 6, 9]
+        assert cp.completed == [result.run_id]
+
+    async def test_throttled_by_time(self, autojump_clock: trio.abc.Clock) -> None:
+        """A time throttle saves once the interval has passed, whatever the step count."""
+        cp = RecordingCheckpointer()
+        agent = ScriptedAgent([Step()] * 9, then=Step(final=True), step_seconds=4)
+        await Kernel(Ports(checkpointer=cp)).run(
+            agent, RunInfo(), Limits(checkpoint_every_steps=1000, checkpoint_every_seconds=10))
+        assert [c.steps for c in cp.saves] == [3, 6, 9]
+
+    async def test_failed_run_fails_its_checkpoint(self, autojump_clock: trio.abc.Clock) -> None:
+        """A run ending in error marks its checkpoint failed, with the error."""
+        cp = RecordingCheckpointer()
+        result = await Kernel(Ports(checkpointer=cp)).run(
+            ScriptedAgent([Step(), KeyError("k")]))
+        assert cp.failed == [(result.run_id, "KeyError: 'k'")]
+
+    async def test_resume_continues_the_count(self, autojump_clock: trio.abc.Clock) -> None:
+        """A resumed run keeps its id, step count and state; the audit marks the seam."""
+        cp, audit = RecordingCheckpointer(), MemoryAudit()
+        k = Kernel(Ports(checkpointer=cp, audit=audit))
+        info = RunInfo(name="r")
+        with trio.move_on_after(35):
+            await k.run(ScriptedAgent([Step()] * 3 + [Step(final=True)], step_seconds=10),
+                        info, Limits())
+        saved = cp.latest(info.run_id)
+        assert saved is not None and saved.steps == 3
+        seen: list[object] = []
+
+        async def finish(ctx: RunContext) -> Step:
+            seen.append(ctx.resumed_from)
+            return Step(output="resumed ok", final=True)
+
+        result = await k.run(ScriptedAgent([finish]), info, Limits(), resume=saved)
+        assert result.status is Status.OK and result.steps == 4
+        assert seen == [saved.state]
+        kinds = audit.kinds(info.run_id)
+        assert kinds.count("run_start") == 1 and "resumed" in kinds
+        assert [e.seq for e in audit.events(info.run_id)] == list(range(len(kinds)))
+
+
+class TestChildRuns:
+    async def test_child_run_has_its_own_row(self, autojump_clock: trio.abc.Clock) -> None:
+        """ctx.run_child records a separate run with parent_run_id set."""
+        audit = MemoryAudit()
+
+        async def spawn(ctx: RunContext) -> Step:
+            child = await ctx.run_child(ScriptedAgent([Step(output="c", final=True)]),
+                                        RunInfo(name="child"))
+            return Step(output=f"child said {child.output}", final=True)
+
+        result = await Kernel(Ports(audit=audit)).run(ScriptedAgent([spawn]), RunInfo(name="p"))
+        assert result.output == "child said c"
+        [child_row] = [r for r in audit.runs.values() if r.info.name == "child"]
+        assert child_row.info.parent_run_id == result.run_id
+        assert child_row.status is Status.OK
+        assert {"child_start", "child_end"} <= set(audit.kinds(result.run_id))
+
+
+class TestLibrarySurface:
+    def test_design_example(self) -> None:
+        """The example from DESIGN.md / README runs as written."""
+
+        class Countdown:
+            def __init__(self, n: int) -> None:
+                self.n = n
+
+            async def step(self, ctx: RunContext) -> Step:
+                self.n -= 1
+                return Step(output="liftoff", final=True) if self.n == 0 else Step()
+
+        result = trio.run(Kernel(Ports()).run, Countdown(3), RunInfo(name="demo"),
+                          Limits(max_steps=10, timeout=60))
+        assert result.status is Status.OK and result.output == "liftoff"
+
+    def test_all_is_sorted_and_unique(self) -> None:
+        """kernel.__all__ is sorted, and each public name is exported exactly once."""
+        assert kernel.__all__ == sorted(kernel.__all__)
+        assert len(set(kernel.__all__)) == len(kernel.__all__)
+        public = {n for n in dir(kernel) if not n.startswith("_")}
+        modules = {"errors", "ports", "testing"}
+        assert public - modules == set(kernel.__all__)
+        for name in kernel.__all__:
+            assert getattr(kernel, name).__module__.startswith("kernel")
+
+    def test_status_values(self) -> None:
+        """Status is a str enum of the DESIGN.md statuses with their exit codes."""
+        assert Status.MAX_STEPS == "max_steps"
+        assert {s.value: s.exit_code for s in Status} == {
+            "ok": 0, "error": 1, "timeout": 124, "killed": 137, "cancelled": 130,
+            "budget_exceeded": 3, "max_steps": 4, "handoff": 5, "dry_run": 0}
+
+    def test_limits_reject_nonsense(self) -> None:
+        """Negative or zero bounds are refused with a message naming the field."""
+        with pytest.raises(ValueError, match="Limits.timeout"):
+            Limits(timeout=0)
+        with pytest.raises(ValueError, match="Limits.max_steps"):
+            Limits(max_steps=-1)
