@@ -14,6 +14,7 @@ after `grace` seconds, so nothing outlives the run.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
@@ -114,18 +115,25 @@ class ShellAgent:
         ctx.event("process_start", name=self.argv[0],
                   payload={"argv": list(self.argv), "pid": proc.pid})
         try:
-            async with trio.open_nursery() as nursery:
+            drained = trio.Event()
+
+            async def read_both() -> None:
                 assert proc.stdout is not None and proc.stderr is not None
-                nursery.start_soon(self._pump, proc.stdout, "stdout", out)
-                nursery.start_soon(self._pump, proc.stderr, "stderr", err)
+                async with trio.open_nursery() as readers:
+                    readers.start_soon(self._pump, proc.stdout, "stdout", out)
+                    readers.start_soon(self._pump, proc.stderr, "stderr", err)
+                drained.set()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(read_both)
                 await proc.wait()
                 # The command is gone; its pipes may still be held open by
                 # children it left behind. Give them a moment, then stop them.
                 with trio.move_on_after(0.2):
-                    await _wait_closed(nursery)
+                    await drained.wait()
                 self._stop_group(proc, signal.SIGTERM)
                 with trio.move_on_after(self.grace):
-                    await _wait_closed(nursery)
+                    await drained.wait()
                 self._stop_group(proc, signal.SIGKILL)
                 nursery.cancel_scope.cancel()
         finally:
@@ -208,10 +216,8 @@ class ShellAgent:
                 "why": "a plain command has no channel for nudges (stdin is not a pipe)"})
 
     def _stop_group(self, proc: trio.Process, sig: signal.Signals) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
 
     async def _terminate(self, proc: trio.Process) -> None:
         """SIGTERM the group, SIGKILL after the grace period, and reap."""
@@ -222,9 +228,3 @@ class ShellAgent:
         self._stop_group(proc, signal.SIGKILL)
         if proc.returncode is None:
             await proc.wait()
-
-
-async def _wait_closed(nursery: trio.Nursery) -> None:
-    """Wait until the nursery's reader tasks have all finished."""
-    while nursery.child_tasks:
-        await trio.sleep(0.01)

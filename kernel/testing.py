@@ -265,7 +265,8 @@ class ScriptedCritic:
                  extensions: Sequence[tuple[float, float]] = (),
                  kill_after: float | None = None, kill_at_step: int | None = None,
                  reason: str = "scripted kill", steer_at_step: Mapping[int, str] | None = None,
-                 steer_after: Mapping[float, str] | None = None, max_steps: int | None = None) -> None:
+                 steer_after: Mapping[float, str] | None = None,
+                 max_steps: int | None = None) -> None:
         self.deadline_after = deadline_after
         self.extensions = sorted(extensions)
         self.kill_after = kill_after

@@ -177,7 +177,7 @@ class TestLibrarySurface:
 
     def test_limits_reject_nonsense(self) -> None:
         """Negative or zero bounds are refused with a message naming the field."""
-        with pytest.raises(ValueError, match="Limits.timeout"):
+        with pytest.raises(ValueError, match=r"Limits\.timeout"):
             Limits(timeout=0)
-        with pytest.raises(ValueError, match="Limits.max_steps"):
+        with pytest.raises(ValueError, match=r"Limits\.max_steps"):
             Limits(max_steps=-1)

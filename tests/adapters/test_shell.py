@@ -1,0 +1,171 @@
+"""The shell adapter against real subprocesses (real time, kept short)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import tracemalloc
+
+import pytest
+import trio
+
+from adapters.shell import ShellAgent
+from kernel import Kernel, Limits, Ports, RunInfo, Status
+from kernel.testing import MemoryAudit, ScriptedCritic
+
+pytestmark = pytest.mark.realtime
+
+
+def live_members(pgid: int) -> list[int]:
+    """Pids of the non-zombie processes in process group `pgid` (from /proc)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        state, group = fields[0], int(fields[2])
+        if group == pgid and state != "Z":
+            pids.append(int(entry))
+    return pids
+
+
+def gone(pgid: int) -> bool:
+    """True once no live process of the group is left (zombies await their reaper)."""
+    deadline = time.monotonic() + 2
+    while live_members(pgid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def started_pid(audit: MemoryAudit, run_id: str) -> int:
+    [event] = [e for e in audit.events(run_id) if e.kind == "process_start"]
+    return int(event.payload["pid"])
+
+
+class TestExitStatus:
+    async def test_success(self) -> None:
+        """Exit 0 is ok, with stdout as the output and each line an audit event."""
+        audit = MemoryAudit()
+        result = await Kernel(Ports(audit=audit)).run(
+            ShellAgent(["sh", "-c", "echo one; echo two >&2; echo three"]), RunInfo())
+        assert result.status is Status.OK and result.exit_code == 0
+        assert result.output == "one\nthree"
+        lines = [(e.name, e.payload["line"]) for e in audit.events(result.run_id)
+                 if e.kind == "output"]
+        assert sorted(lines) == [("stderr", "two"), ("stdout", "one"), ("stdout", "three")]
+
+    async def test_failure_keeps_the_code(self) -> None:
+        """A non-zero exit is error, with the command's code and its last stderr line."""
+        result = await Kernel().run(ShellAgent(["sh", "-c", "echo oops >&2; exit 7"]))
+        assert result.status is Status.ERROR and result.exit_code == 7
+        assert result.error == "command exited with code 7: oops"
+
+    async def test_missing_command(self) -> None:
+        """A command that does not exist is error 127 with a clear message, not a crash."""
+        result = await Kernel().run(ShellAgent(["no-such-command-xyz"]))
+        assert result.status is Status.ERROR and result.exit_code == 127
+        assert "cannot start 'no-such-command-xyz'" in (result.error or "")
+
+    async def test_undecodable_output(self) -> None:
+        """Bytes that are not UTF-8 are replaced, never a crash."""
+        result = await Kernel().run(ShellAgent(["printf", "\\377\\376ok\\n"]))
+        assert result.status is Status.OK
+        assert result.output == "\ufffd\ufffdok"
+
+
+class TestBoundedMemory:
+    async def test_huge_output_is_not_held(self) -> None:
+        """A command printing 100 MB keeps only the capped tail in memory."""
+        agent = ShellAgent(["sh", "-c", "head -c 100000000 /dev/zero | tr '\\0' 'x'; echo; "
+                            "echo last"], max_output_bytes=1 << 20)
+        tracemalloc.start()
+        try:
+            result = await Kernel().run(agent, RunInfo(), Limits(timeout=60))
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert result.status is Status.OK
+        assert result.output.endswith("last")
+        assert len(result.output) <= 1 << 20
+        assert peak < 20_000_000, f"peak traced memory {peak} bytes"
+
+    async def test_line_events_are_capped(self) -> None:
+        """Past max_line_events, lines still count as activity but are not audited one by one."""
+        audit, critic = MemoryAudit(), ScriptedCritic()
+        agent = ShellAgent(["seq", "1", "500"], max_line_events=100)
+        result = await Kernel(Ports(audit=audit, critic=critic)).run(agent)
+        outputs = [e for e in audit.events(result.run_id) if e.kind == "output"]
+        assert len(outputs) == 100
+        assert critic.handles[0].activities.count("output") == 500
+        [step] = [e for e in audit.events(result.run_id) if e.kind == "step"]
+        assert step.payload["lines"] == 500
+
+
+class TestProcessHygiene:
+    async def test_timeout_kills_the_group(self) -> None:
+        """On timeout the whole process group is stopped; no sleep survives."""
+        audit = MemoryAudit()
+        start = trio.current_time()
+        result = await Kernel(Ports(audit=audit)).run(
+            ShellAgent(["sh", "-c", "sleep 30 & sleep 30 & wait"]), RunInfo(), Limits(timeout=1))
+        assert result.status is Status.TIMEOUT
+        assert trio.current_time() - start < 3
+        assert gone(started_pid(audit, result.run_id))
+
+    async def test_sigterm_ignored_gets_sigkill(self) -> None:
+        """A command ignoring SIGTERM is SIGKILLed after the grace period."""
+        code = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                "print('ready', flush=True); time.sleep(30)")
+        audit = MemoryAudit()
+        start = trio.current_time()
+        result = await Kernel(Ports(audit=audit)).run(
+            ShellAgent([sys.executable, "-c", code], grace=0.5), RunInfo(), Limits(timeout=1))
+        assert result.status is Status.TIMEOUT
+        assert trio.current_time() - start < 4
+        assert gone(started_pid(audit, result.run_id))
+
+    async def test_leftover_children_are_reaped(self) -> None:
+        """A command that exits leaving a background child ends promptly; the child is stopped."""
+        audit = MemoryAudit()
+        start = trio.current_time()
+        result = await Kernel(Ports(audit=audit)).run(
+            ShellAgent(["sh", "-c", "sleep 30 & echo done"]), RunInfo(), Limits(timeout=20))
+        assert result.status is Status.OK and result.output == "done"
+        assert trio.current_time() - start < 4
+        assert gone(started_pid(audit, result.run_id))
+
+    async def test_outer_cancel_stops_the_command(self) -> None:
+        """Cancelling the caller stops the command's group, and the run is cancelled."""
+        audit = MemoryAudit()
+        with trio.move_on_after(0.5):
+            await Kernel(Ports(audit=audit)).run(ShellAgent(["sleep", "30"]))
+        [row] = audit.runs.values()
+        assert row.status is Status.CANCELLED
+        assert gone(started_pid(audit, row.info.run_id))
+
+
+class TestSteer:
+    async def test_nudge_is_undeliverable_without_stdin(self) -> None:
+        """A nudge to a plain command is audited as undeliverable."""
+        audit = MemoryAudit()
+        critic = ScriptedCritic(steer_after={0.2: "are you stuck?"})
+        result = await Kernel(Ports(audit=audit, critic=critic)).run(
+            ShellAgent(["sleep", "1"]), RunInfo(), Limits(poll_interval=0.1))
+        assert result.status is Status.OK
+        [ev] = [e for e in audit.events(result.run_id) if e.kind == "steer_undeliverable"]
+        assert ev.payload["messages"] == ["are you stuck?"]
+
+    async def test_nudge_to_stdin(self) -> None:
+        """With steer_stdin, a nudge is written to the command's stdin."""
+        critic = ScriptedCritic(steer_after={0.2: "hello there"})
+        result = await Kernel(Ports(critic=critic)).run(
+            ShellAgent(["sh", "-c", "read line; echo got: $line"], steer_stdin=True),
+            RunInfo(), Limits(poll_interval=0.1, timeout=10))
+        assert result.status is Status.OK and result.output == "got: hello there"

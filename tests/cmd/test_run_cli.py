@@ -1,0 +1,115 @@
+"""`kernel run -- CMD` end to end: the installed executable in a subprocess (real time)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.realtime
+
+
+def kernel(exe: str, env: dict[str, str], *args: str, timeout: float = 30
+           ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([exe, *args], capture_output=True, text=True, env=env,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def sleeps_with(marker: str) -> list[str]:
+    out = subprocess.run(["ps", "-eo", "stat=,args="], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if marker in line and not line.startswith("Z")]
+
+
+class TestExitCodes:
+    def test_command_code_is_kept(self, kernel_exe: str, cli_env: dict[str, str]) -> None:
+        """`kernel run -- sh -c 'exit 7'` exits 7."""
+        proc = kernel(kernel_exe, cli_env, "run", "--", "sh", "-c", "exit 7")
+        assert proc.returncode == 7, proc.stderr
+
+    def test_output_is_echoed(self, kernel_exe: str, cli_env: dict[str, str]) -> None:
+        """The command's stdout and stderr pass through to ours."""
+        proc = kernel(kernel_exe, cli_env, "run", "--", "sh", "-c", "echo out; echo err >&2")
+        assert proc.returncode == 0
+        assert proc.stdout == "out\n"
+        assert "err" in proc.stderr
+
+    def test_timeout_is_124_and_leaves_nothing(self, kernel_exe: str,
+                                               cli_env: dict[str, str]) -> None:
+        """`kernel run --timeout 1 -- sleep 30` exits 124 within 2 s, with no sleep left."""
+        start = time.monotonic()
+        proc = kernel(kernel_exe, cli_env, "run", "--timeout", "1", "--", "sleep", "30.123")
+        elapsed = time.monotonic() - start
+        assert proc.returncode == 124, proc.stderr
+        assert elapsed < 2.5, elapsed
+        assert "timeout" in proc.stderr
+        assert sleeps_with("sleep 30.123") == []
+
+    def test_sigterm_is_cancelled_130(self, kernel_exe: str, cli_env: dict[str, str]) -> None:
+        """SIGTERM to `kernel run` cancels the run: exit 130, the command stopped too."""
+        p = subprocess.Popen([kernel_exe, "run", "--json", "--", "sleep", "30.456"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=cli_env)
+        deadline = time.monotonic() + 10
+        while not sleeps_with("sleep 30.456") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=10)
+        assert p.returncode == 130, err
+        assert json.loads(out)["status"] == "cancelled"
+        assert sleeps_with("sleep 30.456") == []
+
+    def test_json_is_one_object(self, kernel_exe: str, cli_env: dict[str, str]) -> None:
+        """`kernel run --json -- echo hi` prints exactly one JSON object with the key fields."""
+        proc = kernel(kernel_exe, cli_env, "run", "--json", "--", "echo", "hi")
+        assert proc.returncode == 0
+        doc = json.loads(proc.stdout)  # raises if there is anything but one object
+        assert proc.stdout.count("\n") == 1
+        assert doc["status"] == "ok" and doc["exit_code"] == 0 and doc["output"] == "hi"
+        assert len(doc["run_id"]) == 32 and doc["runtime_seconds"] >= 0
+
+    def test_json_on_failure(self, kernel_exe: str, cli_env: dict[str, str]) -> None:
+        """A failing command's JSON result carries its status and code."""
+        proc = kernel(kernel_exe, cli_env, "run", "--json", "--", "sh", "-c", "exit 3")
+        doc = json.loads(proc.stdout)
+        assert proc.returncode == 3 and doc["status"] == "error" and doc["exit_code"] == 3
+
+
+class TestBadInput:
+    @pytest.mark.parametrize("args", [
+        ["run", "--bogus", "--", "true"],
+        ["run", "--context", "novalue", "--", "true"],
+        ["run", "--timeout", "soon", "--", "true"],
+        ["run"],
+        ["run", "missing.yaml"],
+        ["nosuchcommand"],
+    ], ids=["unknown-flag", "bad-context", "bad-number", "nothing", "missing-loop", "bad-cmd"])
+    def test_one_line_exit_2(self, args: list[str], kernel_exe: str,
+                             cli_env: dict[str, str]) -> None:
+        """Bad input exits 2 with one line on stderr naming the problem, no traceback."""
+        proc = kernel(kernel_exe, cli_env, *args)
+        assert proc.returncode == 2
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1, proc.stderr
+        assert "error" in lines[0] and "Traceback" not in proc.stderr
+
+
+class TestImports:
+    def test_help_does_not_import_duckdb(self) -> None:
+        """`kernel --help` never imports duckdb (or pyarrow)."""
+        code = ("import sys\nfrom kernel_cli.app import main\n"
+                "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+                "print(sorted(m for m in ('duckdb', 'pyarrow') if m in sys.modules))")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             check=True).stdout
+        assert out.strip().splitlines()[-1] == "[]"
+
+    def test_pdb_still_imports_from_the_repo_root(self) -> None:
+        """The cmd/ directory does not shadow the standard library's cmd module."""
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        subprocess.run([sys.executable, "-c", "import pdb, cmd; assert hasattr(cmd, 'Cmd')"],
+                       cwd=root, check=True)
