@@ -221,13 +221,20 @@ async def _execute(agent: Any, info: RunInfo, limits: Limits, opts: PortOptions)
 
     from kernel import Kernel, PortFailure
 
+    from . import progress
+
     capture = _Capture()
     warnings: list[PortFailure] = []
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with open_ports(opts, delivery=capture, warnings=warnings) as ports:
+            live = progress.Progress(info.name, limits.timeout) if progress.wanted() else None
+            if live is not None:
+                ports.audit = progress.ProgressAudit(ports.audit, live)
             kernel = Kernel(ports)
             async with trio.open_nursery() as nursery:
                 run_scope = trio.CancelScope()
+                if live is not None:
+                    nursery.start_soon(progress.show, live)
 
                 async def on_signal() -> None:
                     async for signum in signals:

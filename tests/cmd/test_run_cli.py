@@ -113,3 +113,36 @@ class TestImports:
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         subprocess.run([sys.executable, "-c", "import pdb, cmd; assert hasattr(cmd, 'Cmd')"],
                        cwd=root, check=True)
+
+
+class TestProgress:
+    def test_progress_on_a_tty_stderr_only(self, kernel_exe: str,
+                                           cli_env: dict[str, str]) -> None:
+        """On a terminal, live progress is drawn on stderr; --json stdout stays one object."""
+        import pty
+
+        master, slave = pty.openpty()
+        proc = subprocess.Popen(
+            [kernel_exe, "run", "--json", "--no-audit", "--", "sh", "-c",
+             "echo a; sleep 0.8; echo b"],
+            stdout=subprocess.PIPE, stderr=slave, stdin=subprocess.DEVNULL, env=cli_env)
+        os.close(slave)
+        out, _ = proc.communicate(timeout=30)
+        seen = b""
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            seen += chunk
+        os.close(master)
+        assert proc.returncode == 0
+        assert json.loads(out)["output"] == "a\nb"
+        assert b"step" in seen and b"deadline in" in seen
+
+    def test_no_progress_without_a_tty(self, kernel_exe: str, cli_env: dict[str, str]) -> None:
+        """Without a terminal, stderr carries no progress line."""
+        proc = kernel(kernel_exe, cli_env, "run", "--", "sh", "-c", "sleep 0.6; echo x")
+        assert proc.returncode == 0 and proc.stderr == ""
