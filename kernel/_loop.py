@@ -10,8 +10,8 @@ The flow of `Kernel.run` (DESIGN.md "The kernel loop")::
             watch task (only with a critic): polls the handle; a kill cause
                 cancels the scope as `killed`, a passed critic deadline as `timeout`
             step loop: ceiling, steer, agent.step, tools, record, usage, checkpoint
-    finally, shielded and bounded: checkpoint complete/fail, recorder.close,
-        budget.commit, delivery.deliver, handle.stop
+    finally, shielded and bounded: handle.stop, checkpoint complete/fail,
+        budget.commit, delivery.deliver, port failures as audit events, recorder.close
 
 Why the status is decided the way it is: trio tells us *that* our scope was
 cancelled (`cancelled_caught`), not *why*. So whoever cancels the scope
@@ -158,6 +158,7 @@ class _Run:
         self.usage = resume.usage if resume else Usage()
         self.in_step = False
         self.pending_steer: list[Message] = []
+        self.artifacts: dict[str, str | bytes] = {}
         self.tools: Mapping[str, Any] = getattr(agent, "tools", None) or {}
         self.started = 0.0
         self.backstop = math.inf
@@ -372,6 +373,8 @@ class _Run:
                 self.usage = ctx.usage = self.usage + step.usage
             if step.exit_code is not None:
                 self.exit_code = step.exit_code
+            if step.artifacts:
+                self.artifacts.update(step.artifacts)
             if handle is not None and self.handle is not None:
                 try:
                     handle.record_step(iteration, step)
@@ -594,7 +597,7 @@ class _Run:
             status=status, run_id=self.info.run_id, name=self.info.name, output=self.output,
             error=self.error, reason=self.reason, traceback=self.tb, steps=self.steps,
             tool_calls=self.tool_calls, usage=self.usage, exit_code=self.exit_code,
-            port_failures=self.failures,
+            port_failures=self.failures, artifacts=self.artifacts,
         )
         with trio.CancelScope(shield=True) as cs:
             cs.deadline = trio.current_time() + self.limits.finalize_timeout
@@ -614,10 +617,6 @@ class _Run:
                         await cp.fail(self.info.run_id, self.error or self.reason or str(status))
                 except Exception as exc:
                     self.fault("checkpointer", "complete" if status in _COMPLETE else "fail", exc)
-            try:
-                await self.recorder.close(result.stats())
-            except Exception as exc:
-                self.fault("audit", "close", exc)
             if commit_budget and k._budget is not None:
                 try:
                     await k._budget.commit(self.info.caller_id, result.runtime_seconds,
@@ -629,6 +628,16 @@ class _Run:
                     await k._delivery.deliver(result)
                 except Exception as exc:
                     self.fault("delivery", "deliver", exc)
+            # Port failures go in the audit too, before the recorder closes.
+            for failure in self.failures:
+                if failure.port != "audit":
+                    self.log_event("port_failure", name=f"{failure.port}.{failure.method}",
+                                   payload={"port": failure.port, "method": failure.method,
+                                            "error": failure.error})
+            try:
+                await self.recorder.close(result.stats())
+            except Exception as exc:
+                self.fault("audit", "close", exc)
         if cs.cancelled_caught:
             self.fault("kernel", "finalize", TimeoutError(
                 f"end-of-run work exceeded finalize_timeout={self.limits.finalize_timeout:g}s"))

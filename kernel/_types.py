@@ -202,6 +202,8 @@ class Step:
         exit_code: The agent's own exit code, when it has one (commands).
         name: A label for the step in the audit (an FSM state, "turn").
         payload: Extra JSON-serialisable detail for the audit `step` event.
+        artifacts: Named files the step produced (name -> text or bytes); the
+            run's artifacts are all its steps' artifacts, later names winning.
     """
 
     output: Any = None
@@ -214,6 +216,7 @@ class Step:
     exit_code: int | None = None
     name: str | None = None
     payload: Mapping[str, Any] | None = None
+    artifacts: Mapping[str, str | bytes] | None = None
 
 
 @dataclass(slots=True)
@@ -259,7 +262,7 @@ class Result:
         runtime_seconds: Wall time (trio clock) from start to end.
         exit_code: The agent's own exit code (commands), else None.
         port_failures: Ports that raised; observers never change the status.
-        checkpoint: The last checkpoint state saved, if any.
+        artifacts: Named files the run produced (from its steps), for delivery.
     """
 
     status: Status
@@ -275,6 +278,7 @@ class Result:
     runtime_seconds: float = 0.0
     exit_code: int | None = None
     port_failures: list[PortFailure] = field(default_factory=list)
+    artifacts: dict[str, str | bytes] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -310,6 +314,7 @@ class Result:
                 "cost_usd": self.usage.cost_usd,
             },
             "port_failures": [str(f) for f in self.port_failures],
+            "artifacts": sorted(self.artifacts),
         }
 
 

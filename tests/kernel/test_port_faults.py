@@ -171,3 +171,16 @@ class TestPortFaultMatrix:
         assert result.status is Status.OK
         assert trio.current_time() - start == pytest.approx(7)
         assert [(f.port, f.method) for f in result.port_failures] == [("kernel", "finalize")]
+
+
+class TestFailuresAreAudited:
+    async def test_delivery_failure_in_the_audit(self, autojump_clock: trio.abc.Clock) -> None:
+        """A delivery failure is a port_failure event in the run's audit, before run_end."""
+        audit = MemoryAudit()
+        ports = Ports(audit=audit, delivery=breaking(RecordingDelivery, "deliver")())
+        result = await Kernel(ports).run(ScriptedAgent(), RunInfo(), Limits())
+        assert result.status is Status.OK
+        kinds = audit.kinds(result.run_id)
+        assert kinds[-2:] == ["port_failure", "run_end"]
+        [ev] = [e for e in audit.events(result.run_id) if e.kind == "port_failure"]
+        assert ev.name == "delivery.deliver" and "deliver broke" in ev.payload["error"]
