@@ -51,8 +51,28 @@ for _name in ("analyst", "loops", "actions"):
         _mod.register(app)
 
 
+def _configure_logging() -> None:
+    """Library logs go to stderr (never stdout, which carries --json), errors only by default.
+
+    The CLI prints port failures itself as one-line warnings; set
+    KERNEL_LOG_LEVEL=warning (or info/debug) to see the structured logs too.
+    """
+    import logging
+    import os
+
+    import structlog
+
+    level = getattr(logging, os.environ.get("KERNEL_LOG_LEVEL", "error").upper(), logging.ERROR)
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(level),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: run the app, turn usage errors into one line + exit 2."""
+    _configure_logging()
     try:
         code = typer.main.get_command(app).main(
             args=argv, prog_name="kernel", standalone_mode=False)

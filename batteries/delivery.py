@@ -1,0 +1,198 @@
+"""Delivery batteries: where a finished run's result goes.
+
+- `StdoutDelivery` prints the output (or the whole result as JSON).
+- `DirectoryDelivery` writes `<root>/<run_id>/` with `result.json`, `output.txt`
+  and the run's artifacts, atomically (a reader never sees half a run).
+- `WebhookDelivery` POSTs the result as JSON, retrying 5xx / 429 / network
+  errors with capped exponential backoff and jitter (stamina), bounded in
+  attempts and total time.
+- `FanOut` delivers to several places; one failing does not stop the others.
+
+All are observers: a failure raises `kernel.DeliveryError`, which the kernel
+puts on the result and in the audit without changing the run's status.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+import trio
+
+from kernel import Delivery, DeliveryError, Result
+
+
+def result_document(result: Result) -> dict[str, Any]:
+    """The JSON document every delivery sends: `Result.to_dict()`."""
+    return result.to_dict()
+
+
+class StdoutDelivery:
+    """Print the run's output (text), or its whole result as one JSON object.
+
+    Args:
+        as_json: Print `result_document(result)` as one line of JSON.
+        stream: Where to print (default: sys.stdout at delivery time).
+    """
+
+    def __init__(self, *, as_json: bool = False, stream: IO[str] | None = None) -> None:
+        self.as_json = as_json
+        self.stream = stream
+
+    async def deliver(self, result: Result) -> None:
+        """Write the output or the JSON result, then flush."""
+        out = self.stream or sys.stdout
+        try:
+            if self.as_json:
+                out.write(json.dumps(result_document(result), default=str) + "\n")
+            elif result.output is not None:
+                text = result.output if isinstance(result.output, str) else json.dumps(
+                    result.output, default=str)
+                out.write(text.rstrip("\n") + "\n")
+            out.flush()
+        except (OSError, ValueError) as exc:
+            raise DeliveryError(f"cannot write the result to stdout: {exc}") from exc
+
+
+class DirectoryDelivery:
+    """Write each run to `<root>/<run_id>/`: result.json, output.txt, artifacts/.
+
+    The run's folder is built under a temporary name in `root` and renamed
+    into place, so it appears complete or not at all. Artifact names are
+    confined to the folder: a name that climbs out of it (`../x`) is refused.
+    """
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+
+    async def deliver(self, result: Result) -> None:
+        """Write the run's folder in a worker thread."""
+        await trio.to_thread.run_sync(self._write, result)
+
+    def _write(self, result: Result) -> None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            final = self.root / result.run_id
+            tmp = Path(tempfile.mkdtemp(prefix=f".{result.run_id}.", dir=self.root))
+            try:
+                doc = json.dumps(result_document(result), default=str, indent=2)
+                (tmp / "result.json").write_text(doc + "\n")
+                if result.output is not None:
+                    text = result.output if isinstance(result.output, str) else json.dumps(
+                        result.output, default=str)
+                    (tmp / "output.txt").write_text(text)
+                for name, content in result.artifacts.items():
+                    self._artifact(tmp, name, content)
+                for f in tmp.rglob("*"):
+                    if f.is_file():
+                        with open(f, "rb") as fh:
+                            os.fsync(fh.fileno())
+                if final.exists():  # a resumed run delivers again: replace the old folder
+                    shutil.rmtree(final)
+                os.rename(tmp, final)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            dir_fd = os.open(self.root, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        except OSError as exc:
+            raise DeliveryError(f"cannot write {self.root}/{result.run_id}: {exc}") from exc
+
+    @staticmethod
+    def _artifact(folder: Path, name: str, content: str | bytes) -> None:
+        target = (folder / "artifacts" / name).resolve()
+        base = (folder / "artifacts").resolve()
+        if base not in target.parents:
+            raise DeliveryError(f"artifact name {name!r} escapes the run's folder")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(content, bytes):
+            target.write_bytes(content)
+        else:
+            target.write_text(content)
+
+
+class _Retryable(Exception):
+    """A response worth retrying (5xx, 429)."""
+
+
+class WebhookDelivery:
+    """POST the result as JSON to `url`, with bounded retries.
+
+    Args:
+        url: The endpoint.
+        headers: Extra headers (e.g. an Authorization header; never logged).
+        attempts: Total tries, the first included.
+        timeout: Total seconds across all tries; also caps each request.
+        wait_initial, wait_max: Backoff bounds between tries (jitter is added).
+    """
+
+    def __init__(self, url: str, *, headers: Mapping[str, str] | None = None,
+                 attempts: int = 5, timeout: float = 30.0, wait_initial: float = 0.2,
+                 wait_max: float = 5.0) -> None:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"webhook URL must be http(s)://..., got {url!r}")
+        self.url = url
+        self.headers = dict(headers or {})
+        self.attempts = attempts
+        self.timeout = timeout
+        self.wait_initial = wait_initial
+        self.wait_max = wait_max
+        self.tries = 0
+
+    async def deliver(self, result: Result) -> None:
+        """POST until a 2xx, a non-retryable status, or the retry budget is spent."""
+        import httpx
+        import stamina
+
+        body = json.dumps(result_document(result), default=str)
+        headers = {"content-type": "application/json", **self.headers}
+        last = "no attempt made"
+        try:
+            async with httpx.AsyncClient(timeout=self.timeout) as client:
+                async for attempt in stamina.retry_context(
+                        on=(httpx.TransportError, _Retryable), attempts=self.attempts,
+                        timeout=self.timeout, wait_initial=self.wait_initial,
+                        wait_max=self.wait_max, wait_jitter=self.wait_initial):
+                    with attempt:
+                        self.tries += 1
+                        try:
+                            resp = await client.post(self.url, content=body, headers=headers)
+                        except httpx.TransportError as exc:
+                            last = f"{type(exc).__name__}: {exc}"
+                            raise
+                        if resp.status_code == 429 or resp.status_code >= 500:
+                            last = f"HTTP {resp.status_code}"
+                            raise _Retryable(last)
+                        if resp.status_code >= 400:
+                            raise DeliveryError(
+                                f"webhook {self.url} refused the result: HTTP {resp.status_code}")
+        except (httpx.TransportError, _Retryable) as exc:
+            raise DeliveryError(
+                f"webhook {self.url} failed after {self.tries} attempt(s): {last}") from exc
+
+
+class FanOut:
+    """Deliver to each of `deliveries` in turn; report all failures together."""
+
+    def __init__(self, deliveries: Sequence[Delivery]) -> None:
+        self.deliveries = list(deliveries)
+
+    async def deliver(self, result: Result) -> None:
+        """Try every delivery; raise one DeliveryError naming each that failed."""
+        errors = []
+        for d in self.deliveries:
+            try:
+                await d.deliver(result)
+            except Exception as exc:
+                errors.append(f"{type(d).__name__}: {exc}")
+        if errors:
+            raise DeliveryError("; ".join(errors))
