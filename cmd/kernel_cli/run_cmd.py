@@ -75,6 +75,13 @@ def run(
         None, "--db", metavar="PATH", help="Audit database (default: $KERNEL_DB or the "
                                            "user data dir)."),
     no_audit: bool = typer.Option(False, "--no-audit", help="Record nothing."),
+    deliver_dir: str | None = typer.Option(
+        None, "--deliver-dir", metavar="DIR",
+        help="Also write the result to DIR/RUN_ID/ (result.json, output.txt, artifacts/)."),
+    webhook: list[str] | None = typer.Option(
+        None, "--webhook", metavar="URL",
+        help="Also POST the result as JSON to URL (retried; repeatable). A failed "
+             "delivery is a warning and never changes the exit code."),
     json_out: bool = typer.Option(
         False, "--json", help="Print the final result as one JSON object on stdout "
                               "(the command's output is not echoed)."),
@@ -118,12 +125,19 @@ def run(
             soft_timeout=soft_timeout if soft_timeout is not None else base.soft_timeout,
             tool_timeout=base.tool_timeout, dry_run=dry_run, poll_interval=base.poll_interval)
     except ValueError as exc:
-        _fail(str(exc).replace("Limits.", "--").replace("_", "-"))
+        _fail(str(exc).replace("Limits.", "--").replace("_", "-").replace(" or None", ""))
+    for url in webhook or []:
+        if not url.startswith(("http://", "https://")):
+            _fail(f"--webhook expects an http(s):// URL, got {url!r}")
     opts = PortOptions(db=db, no_audit=no_audit, no_critic=no_critic,
-                       soft_timeout=soft_timeout, idle_timeout=idle_timeout)
+                       soft_timeout=soft_timeout, idle_timeout=idle_timeout,
+                       deliver_dir=deliver_dir, webhooks=tuple(webhook or ()))
     import trio
 
-    result = trio.run(_execute, plan.agent, info, limits, opts)
+    try:
+        result = trio.run(_execute, plan.agent, info, limits, opts)
+    except ConfigError as exc:
+        _fail(str(exc))
     code = exit_code(result, command=plan.is_command)
     _report(result, code, json_out=json_out, echo_output=not plan.is_command)
     raise typer.Exit(code)

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 
-from kernel import Critic, Delivery, Ports, PortFailure, Audit
+from kernel import Audit, Critic, Delivery, PortFailure, Ports
 
 
 @dataclass(slots=True)
@@ -22,6 +22,8 @@ class PortOptions:
     no_critic: bool = False
     soft_timeout: float | None = None
     idle_timeout: float | None = None
+    deliver_dir: str | None = None
+    webhooks: tuple[str, ...] = ()
 
 
 @asynccontextmanager
@@ -35,7 +37,20 @@ async def open_ports(opts: PortOptions, *, delivery: Delivery | None = None,
     async with AsyncExitStack() as stack:
         audit = None if opts.no_audit else await _open_audit(opts, stack, warnings)
         critic = None if opts.no_critic else _make_critic(opts)
-        yield Ports(audit=audit, critic=critic, delivery=delivery)
+        yield Ports(audit=audit, critic=critic, delivery=_delivery(opts, delivery))
+
+
+def _delivery(opts: PortOptions, first: Delivery | None) -> Delivery | None:
+    """`first` (the CLI's own capture), then --deliver-dir and each --webhook."""
+    chosen: list[Delivery] = [first] if first is not None else []
+    if opts.deliver_dir or opts.webhooks:
+        from batteries.delivery import DirectoryDelivery, FanOut, WebhookDelivery
+
+        if opts.deliver_dir:
+            chosen.append(DirectoryDelivery(opts.deliver_dir))
+        chosen.extend(WebhookDelivery(url) for url in opts.webhooks)
+        return FanOut(chosen)
+    return first
 
 
 async def _open_audit(opts: PortOptions, stack: AsyncExitStack,
@@ -45,5 +60,24 @@ async def _open_audit(opts: PortOptions, stack: AsyncExitStack,
 
 
 def _make_critic(opts: PortOptions) -> Critic | None:
-    """The watch-nursery critic with the CLI's thresholds (batteries.critic)."""
-    return None
+    """The watch-nursery critic with the CLI's thresholds (batteries.critic).
+
+    `--soft-timeout` / `--idle-timeout`: None keeps the critic's default
+    (600 s / 300 s); 0 turns that tier off (no progress judgments / no stall
+    detection); a negative value is a `ConfigError` naming the flag.
+    """
+    from batteries.critic import CriticPolicy, WatchCritic
+    from kernel import ConfigError
+
+    defaults = CriticPolicy()
+    chosen: dict[str, float | None] = {}
+    for flag, field, value in (("--soft-timeout", "soft_timeout", opts.soft_timeout),
+                               ("--idle-timeout", "idle_timeout", opts.idle_timeout)):
+        if value is None:
+            chosen[field] = getattr(defaults, field)
+        elif not value >= 0 or value == float("inf"):
+            raise ConfigError(f"{flag} must be a number of seconds >= 0, got {value:g}")
+        else:
+            chosen[field] = value or None
+    return WatchCritic(CriticPolicy(soft_timeout=chosen["soft_timeout"],
+                                    idle_timeout=chosen["idle_timeout"]))

@@ -146,3 +146,30 @@ class TestProgress:
         """Without a terminal, stderr carries no progress line."""
         proc = kernel(kernel_exe, cli_env, "run", "--", "sh", "-c", "sleep 0.6; echo x")
         assert proc.returncode == 0 and proc.stderr == ""
+
+
+class TestDelivery:
+    def test_deliver_dir(self, kernel_exe: str, cli_env: dict[str, str], tmp_path: object) -> None:
+        """--deliver-dir writes DIR/RUN_ID/result.json and output.txt."""
+        from pathlib import Path
+
+        out = Path(str(tmp_path)) / "out"
+        proc = kernel(kernel_exe, cli_env, "run", "--json", "--deliver-dir", str(out),
+                      "--", "echo", "delivered")
+        run_id = json.loads(proc.stdout)["run_id"]
+        assert json.loads((out / run_id / "result.json").read_text())["status"] == "ok"
+        assert (out / run_id / "output.txt").read_text() == "delivered"
+
+    def test_dead_webhook_is_a_warning(self, kernel_exe: str, cli_env: dict[str, str]) -> None:
+        """A webhook nobody answers: one warning line, the command's exit code unchanged."""
+        import socket
+
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
+        env = {**cli_env}
+        proc = kernel(kernel_exe, env, "run", "--webhook", f"http://127.0.0.1:{port}/x",
+                      "--", "sh", "-c", "exit 6", timeout=90)
+        assert proc.returncode == 6
+        assert "kernel: warning: delivery.deliver" in proc.stderr
