@@ -16,6 +16,7 @@ from ._types import Step as Step
 from ._types import ToolCall as ToolCall
 from ._types import ToolResult as ToolResult
 from ._types import Usage as Usage
+from ._types import UsageLimits as UsageLimits
 from ._types import new_run_id as new_run_id
 from .errors import AgentError as AgentError
 from .errors import AuditError as AuditError
@@ -70,5 +71,6 @@ __all__ = [
     "ToolCall",
     "ToolResult",
     "Usage",
+    "UsageLimits",
     "new_run_id",
 ]

@@ -44,6 +44,7 @@ from ._types import (
     ToolCall,
     ToolResult,
     Usage,
+    UsageLimits,
 )
 from .ports import (
     Agent,
@@ -164,6 +165,7 @@ class _Run:
         self.backstop = math.inf
         self.last_save_steps = self.steps
         self.last_save_time = 0.0
+        self.caps = _merge_caps(limits, None)
         self.ctx: RunContext
 
     # ---------------------------------------------------------------- faults
@@ -241,7 +243,11 @@ class _Run:
 
         if k._budget is not None:
             try:
-                await k._budget.check(info.caller_id)
+                caps = await k._budget.check(info.caller_id)
+                if caps is not None and not isinstance(caps, UsageLimits):
+                    raise TypeError(f"Budget {type(k._budget).__name__}.check returned "
+                                    f"{type(caps).__name__}, not UsageLimits or None")
+                self.caps = _merge_caps(limits, caps)
             except BudgetRefused as exc:
                 refused = True
                 self._end(Status.BUDGET_EXCEEDED, error=str(exc) or "budget refused",
@@ -398,10 +404,10 @@ class _Run:
                 return
             self.output = step.output
             if step.tool_calls:
-                if (limits.max_tool_calls is not None
-                        and self.tool_calls + len(step.tool_calls) > limits.max_tool_calls):
+                cap = self.caps.max_tool_calls
+                if cap is not None and self.tool_calls + len(step.tool_calls) > cap:
                     self._end(Status.BUDGET_EXCEEDED,
-                              error=f"usage limit max_tool_calls={limits.max_tool_calls} "
+                              error=f"usage limit max_tool_calls={cap} "
                                     f"exceeded ({self.tool_calls} used, "
                                     f"{len(step.tool_calls)} more asked)",
                               reason="max_tool_calls")
@@ -440,16 +446,20 @@ class _Run:
         return msgs
 
     def usage_exceeded(self) -> tuple[str, str] | None:
-        lim, u = self.limits, self.usage
+        caps, u = self.caps, self.usage
         checks: tuple[tuple[str, float | None, float], ...] = (
-            ("max_input_tokens", lim.max_input_tokens, u.input_tokens),
-            ("max_output_tokens", lim.max_output_tokens, u.output_tokens),
-            ("max_total_tokens", lim.max_total_tokens, u.total_tokens),
-            ("max_cost_usd", lim.max_cost_usd, u.cost_usd),
+            ("max_input_tokens", caps.max_input_tokens, u.input_tokens),
+            ("max_output_tokens", caps.max_output_tokens, u.output_tokens),
+            ("max_total_tokens", caps.max_total_tokens, u.total_tokens),
+            ("max_cost_usd", caps.max_cost_usd, u.cost_usd),
+            ("max_runtime_seconds", caps.max_runtime_seconds,
+             trio.current_time() - self.started),
         )
         for name, limit, used in checks:
             if limit is not None and used > limit:
                 return name, f"limit {limit:g}, used {used:g}"
+        if caps.max_steps is not None and self.steps >= caps.max_steps:
+            return "max_steps", f"budget of {caps.max_steps} steps used up"
         return None
 
     async def run_tools(self, calls: Any, iteration: int) -> list[ToolResult]:
@@ -642,6 +652,28 @@ class _Run:
             self.fault("kernel", "finalize", TimeoutError(
                 f"end-of-run work exceeded finalize_timeout={self.limits.finalize_timeout:g}s"))
         return result
+
+
+def _tighter(a: Any, b: Any) -> Any:
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return min(a, b)
+
+
+def _merge_caps(limits: Limits, caps: UsageLimits | None) -> UsageLimits:
+    """The run's usage caps: `Limits`' own, tightened by what the budget allows."""
+    c = caps if caps is not None else UsageLimits()
+    return UsageLimits(
+        max_steps=c.max_steps,
+        max_tool_calls=_tighter(limits.max_tool_calls, c.max_tool_calls),
+        max_input_tokens=_tighter(limits.max_input_tokens, c.max_input_tokens),
+        max_output_tokens=_tighter(limits.max_output_tokens, c.max_output_tokens),
+        max_total_tokens=_tighter(limits.max_total_tokens, c.max_total_tokens),
+        max_cost_usd=_tighter(limits.max_cost_usd, c.max_cost_usd),
+        max_runtime_seconds=c.max_runtime_seconds,
+    )
 
 
 def _only_cancelled(exc: BaseException) -> bool:

@@ -127,6 +127,27 @@ class Limits:
 
 
 @dataclass(slots=True, frozen=True)
+class UsageLimits:
+    """Per-run usage caps a `Budget` hands the kernel for one run (None = no cap).
+
+    Exceeding any of them, checked after each step, ends the run
+    `budget_exceeded` naming the limit. They combine with the same-named
+    `Limits` fields: the tighter one wins. Unlike `Limits.max_steps` (the
+    step ceiling, status `max_steps`) and `Limits.timeout` (the backstop,
+    status `timeout`), `max_steps` and `max_runtime_seconds` here are budget
+    caps: running out of them is `budget_exceeded`.
+    """
+
+    max_steps: int | None = None
+    max_tool_calls: int | None = None
+    max_input_tokens: int | None = None
+    max_output_tokens: int | None = None
+    max_total_tokens: int | None = None
+    max_cost_usd: float | None = None
+    max_runtime_seconds: float | None = None
+
+
+@dataclass(slots=True, frozen=True)
 class Usage:
     """Resources a step (or a whole run) consumed. Adding two Usages sums them."""
 

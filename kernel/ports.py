@@ -22,7 +22,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from ._types import Message, Result, RunInfo, RunStats, Step, ToolCall, ToolResult, Usage
+from ._types import (
+    Message,
+    Result,
+    RunInfo,
+    RunStats,
+    Step,
+    ToolCall,
+    ToolResult,
+    Usage,
+    UsageLimits,
+)
 
 if TYPE_CHECKING:
     from ._context import RunContext
@@ -107,12 +117,14 @@ class Budget(Protocol):
 
     **Protocol:** `check` is a *decider* and fails closed: raising
     `BudgetRefused` (or anything else) ends the run `budget_exceeded` before a
-    step runs. `commit` is an observer, awaited (shielded, bounded) after every
-    run that passed `check`, whatever its status.
+    step runs. It may return `UsageLimits` (e.g. what is left of the caller's
+    daily budget) that cap this run; exceeding one mid-run also ends it
+    `budget_exceeded`. `commit` is an observer, awaited (shielded, bounded)
+    after every run that passed `check`, whatever its status.
     """
 
-    async def check(self, caller_id: str) -> None:
-        """Return to allow the run; raise `BudgetRefused` to refuse it."""
+    async def check(self, caller_id: str) -> UsageLimits | None:
+        """Allow the run (optionally capped); raise `BudgetRefused` to refuse it."""
 
     async def commit(self, caller_id: str, runtime_seconds: float, usage: Usage) -> None:
         """Record what the caller spent on one run."""

@@ -21,7 +21,18 @@ from typing import Any
 import trio
 
 from ._context import RunContext
-from ._types import Message, Result, RunInfo, RunStats, Status, Step, ToolCall, ToolResult, Usage
+from ._types import (
+    Message,
+    Result,
+    RunInfo,
+    RunStats,
+    Status,
+    Step,
+    ToolCall,
+    ToolResult,
+    Usage,
+    UsageLimits,
+)
 from .ports import BudgetRefused, Checkpoint, EventSink
 
 __all__ = [
@@ -357,16 +368,19 @@ class RecordingBudget:
     Args:
         refuse: If set, `check` raises `BudgetRefused(refuse)`.
         max_runs: Refuse a caller's run once they have committed this many.
+        caps: Usage caps `check` hands the kernel for each run.
     """
 
-    def __init__(self, *, refuse: str | None = None, max_runs: int | None = None) -> None:
+    def __init__(self, *, refuse: str | None = None, max_runs: int | None = None,
+                 caps: UsageLimits | None = None) -> None:
         self.refuse = refuse
         self.max_runs = max_runs
+        self.caps = caps
         self.checks: list[str] = []
         self.commits: list[tuple[str, float, Usage]] = []
 
-    async def check(self, caller_id: str) -> None:
-        """Refuse if told to, or when the caller has used up `max_runs`."""
+    async def check(self, caller_id: str) -> UsageLimits | None:
+        """Refuse if told to, or when the caller has used up `max_runs`; else return `caps`."""
         await trio.lowlevel.checkpoint()
         self.checks.append(caller_id)
         if self.refuse is not None:
@@ -374,6 +388,7 @@ class RecordingBudget:
         used = sum(1 for c, _, _ in self.commits if c == caller_id)
         if self.max_runs is not None and used >= self.max_runs:
             raise BudgetRefused(f"caller {caller_id!r} used {used} of {self.max_runs} runs")
+        return self.caps
 
     async def commit(self, caller_id: str, runtime_seconds: float, usage: Usage) -> None:
         """Record the spend."""

@@ -1,0 +1,83 @@
+"""Per-run usage limits: one test per kind, from Limits and from a budget's caps."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+
+from kernel import Kernel, Limits, Ports, RunInfo, Status, Step, ToolCall, Usage, UsageLimits
+from kernel.testing import RecordingBudget, ScriptedAgent
+
+STEP_USAGE = Usage(input_tokens=100, output_tokens=40, thinking_tokens=10, cost_usd=0.25)
+
+
+async def noop() -> str:
+    return "ok"
+
+
+def busy_agent() -> ScriptedAgent:
+    """Every step uses STEP_USAGE, makes one tool call and takes 10 s; it never finishes."""
+    return ScriptedAgent(then=Step(usage=STEP_USAGE, tool_calls=[ToolCall("noop")]),
+                         tools={"noop": noop}, step_seconds=10)
+
+
+# (limit name, cap value, steps taken when it trips)
+KINDS: list[tuple[str, Any, int]] = [
+    ("max_steps", 4, 4),
+    ("max_tool_calls", 3, 4),
+    ("max_input_tokens", 350, 4),
+    ("max_output_tokens", 100, 3),
+    ("max_total_tokens", 500, 4),
+    ("max_cost_usd", 0.6, 3),
+    ("max_runtime_seconds", 45, 5),
+]
+
+
+class TestUsageLimits:
+    @pytest.mark.parametrize(("name", "cap", "steps"), KINDS, ids=[k[0] for k in KINDS])
+    async def test_budget_cap(self, name: str, cap: Any, steps: int,
+                              autojump_clock: trio.abc.Clock) -> None:
+        """A cap handed out by the budget ends the run budget_exceeded, naming the limit."""
+        budget = RecordingBudget(caps=UsageLimits(**{name: cap}))
+        result = await Kernel(Ports(budget=budget)).run(busy_agent(), RunInfo(caller_id="c"),
+                                                         Limits(max_steps=100, timeout=None))
+        assert result.status is Status.BUDGET_EXCEEDED
+        assert result.reason == name
+        assert name in (result.error or "")
+        assert result.steps == steps
+        assert budget.commits and budget.commits[0][2] == result.usage  # spend is committed
+
+    @pytest.mark.parametrize("name", ["max_tool_calls", "max_input_tokens", "max_output_tokens",
+                                      "max_total_tokens", "max_cost_usd"])
+    async def test_limits_field(self, name: str, autojump_clock: trio.abc.Clock) -> None:
+        """The same caps set on Limits work without any budget."""
+        cap = dict((k, c) for k, c, _ in KINDS)[name]
+        result = await Kernel().run(busy_agent(), RunInfo(), Limits(**{name: cap}))
+        assert result.status is Status.BUDGET_EXCEEDED and result.reason == name
+
+    async def test_tighter_cap_wins(self, autojump_clock: trio.abc.Clock) -> None:
+        """When both Limits and the budget cap a resource, the tighter one applies."""
+        budget = RecordingBudget(caps=UsageLimits(max_cost_usd=10.0))
+        result = await Kernel(Ports(budget=budget)).run(
+            busy_agent(), RunInfo(), Limits(max_cost_usd=0.3))
+        assert result.status is Status.BUDGET_EXCEEDED and result.steps == 2
+
+    async def test_budget_returning_garbage_fails_closed(
+            self, autojump_clock: trio.abc.Clock) -> None:
+        """A budget whose check returns something odd refuses the run, naming the budget."""
+
+        class Odd(RecordingBudget):
+            async def check(self, caller_id: str) -> Any:
+                return 42
+
+        agent = busy_agent()
+        result = await Kernel(Ports(budget=Odd())).run(agent)
+        assert result.status is Status.BUDGET_EXCEEDED and agent.calls == 0
+        assert "Odd.check returned int" in (result.error or "")
+
+    async def test_max_steps_ceiling_is_not_a_budget(self, autojump_clock: trio.abc.Clock) -> None:
+        """Limits.max_steps is the step ceiling (max_steps), not a budget cap."""
+        result = await Kernel().run(busy_agent(), RunInfo(), Limits(max_steps=4))
+        assert result.status is Status.MAX_STEPS
