@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 
-from kernel import Audit, Critic, Delivery, PortFailure, Ports
+from kernel import Audit, Budget, Critic, Delivery, PortFailure, Ports
 
 
 @dataclass(slots=True)
@@ -37,7 +37,18 @@ async def open_ports(opts: PortOptions, *, delivery: Delivery | None = None,
     async with AsyncExitStack() as stack:
         audit = None if opts.no_audit else await _open_audit(opts, stack, warnings)
         critic = None if opts.no_critic else _make_critic(opts)
-        yield Ports(audit=audit, critic=critic, delivery=_delivery(opts, delivery))
+        # Budgets live in the audit file: enforced whenever that file is usable.
+        budget = _budget(opts) if audit is not None else None
+        yield Ports(audit=audit, budget=budget, critic=critic,
+                    delivery=_delivery(opts, delivery))
+
+
+def _budget(opts: PortOptions) -> Budget:
+    """Per-caller budgets from the audit database (`kernel budget set`)."""
+    from batteries.audit import resolve_db_path
+    from batteries.budget import DuckDBBudget
+
+    return DuckDBBudget(resolve_db_path(opts.db))
 
 
 def _delivery(opts: PortOptions, first: Delivery | None) -> Delivery | None:
@@ -55,8 +66,23 @@ def _delivery(opts: PortOptions, first: Delivery | None) -> Delivery | None:
 
 async def _open_audit(opts: PortOptions, stack: AsyncExitStack,
                       warnings: list[PortFailure] | None) -> Audit | None:
-    """The DuckDB audit at --db / $KERNEL_DB / the user data dir (batteries.audit)."""
-    return None
+    """The DuckDB audit at --db / $KERNEL_DB / the user data dir (batteries.audit).
+
+    Opening creates or migrates the file, retrying while another process
+    holds it (up to `$KERNEL_AUDIT_LOCK_TIMEOUT`). If that fails (read-only
+    file or directory, still locked, not a DuckDB file, a bad KERNEL_AUDIT_*
+    variable) the run goes ahead unaudited: the reason is appended to
+    `warnings` as an `audit.open` failure and None is returned.
+    """
+    from batteries.audit import DuckDBAudit
+
+    try:
+        return await stack.enter_async_context(DuckDBAudit.open(opts.db))
+    except Exception as exc:
+        if warnings is not None:
+            message = " ".join(str(exc).split()) or type(exc).__name__
+            warnings.append(PortFailure("audit", "open", message))
+        return None
 
 
 def _make_critic(opts: PortOptions) -> Critic | None:

@@ -1,0 +1,126 @@
+"""`kernel budget set|show|rm`: per-caller budgets in the audit database."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import typer
+
+budget_app = typer.Typer(
+    name="budget", no_args_is_help=True, rich_markup_mode=None,
+    help="Per-caller budgets (runs, runtime, tokens, cost per rolling window). A caller who "
+         "has used one up is refused: the run ends budget_exceeded, exit 3. The caller '*' "
+         "is the default for callers without a budget of their own.")
+
+
+def register(app: typer.Typer) -> None:
+    """Add `kernel budget` to the app."""
+    app.add_typer(budget_app)
+
+
+def _parse_window(text: str) -> float:
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    try:
+        value = float(text[:-1]) * units[text[-1]] if text and text[-1] in units else float(text)
+    except ValueError:
+        value = -1
+    if value <= 0:
+        raise typer.BadParameter(f"expected a duration like 30m, 24h or 7d, got {text!r}")
+    return value
+
+
+def _store(db: str | None) -> Any:
+    from batteries.audit import resolve_db_path
+    from batteries.budget import DuckDBBudget
+
+    return DuckDBBudget(resolve_db_path(db))
+
+
+def _fail(message: str) -> None:
+    print(f"kernel budget: error: {message}", file=sys.stderr)
+    raise typer.Exit(2)
+
+
+@budget_app.command("set")
+def set_budget(
+    caller: str = typer.Argument(..., help="The caller id ('*' for the default budget)."),
+    runs: int | None = typer.Option(None, "--runs", min=0, help="Runs per window."),
+    runtime: float | None = typer.Option(None, "--runtime", min=0,
+                                         help="Runtime seconds per window."),
+    tokens: int | None = typer.Option(None, "--tokens", min=0, help="Tokens per window."),
+    cost: float | None = typer.Option(None, "--cost", min=0, help="Dollars per window."),
+    window: str = typer.Option("24h", "--window", help="The rolling window: 30m, 24h, 7d."),
+    db: str | None = typer.Option(None, "--db", metavar="PATH", help="Database file."),
+) -> None:
+    """Create or replace CALLER's budget."""
+    from kernel import AuditError
+
+    if runs is None and runtime is None and tokens is None and cost is None:
+        _fail("give at least one of --runs, --runtime, --tokens, --cost")
+    try:
+        _store(db).set(caller, window_seconds=_parse_window(window), max_runs=runs,
+                       max_runtime_seconds=runtime, max_tokens=tokens, max_cost_usd=cost)
+    except AuditError as exc:
+        _fail(str(exc))
+    print(f"budget for {caller!r} set")
+
+
+@budget_app.command("show")
+def show_budget(
+    caller: str | None = typer.Argument(None, help="Show one caller (with what applies to "
+                                                   "them); default: every budget."),
+    as_json: bool = typer.Option(False, "--json", help="JSON lines instead of a table."),
+    db: str | None = typer.Option(None, "--db", metavar="PATH", help="Database file."),
+) -> None:
+    """Budgets and what each caller spent in the current window."""
+    from dataclasses import asdict
+
+    from kernel import AuditError
+
+    try:
+        store = _store(db)
+        if caller is None:
+            rows = store.all()
+        else:
+            one = store.status(caller)
+            rows = [] if one is None else [one]
+    except AuditError as exc:
+        _fail(str(exc))
+    if as_json:
+        for row in rows:
+            print(json.dumps({"for": caller or row.caller_id, **asdict(row)}))
+        return
+    if not rows:
+        print("no budget applies" if caller else "no budgets set")
+        return
+
+    def cell(used: float, limit: float | None, fmt: str) -> str:
+        return "-" if limit is None else f"{fmt.format(used)}/{fmt.format(limit)}"
+
+    print(f"{'caller':16} {'window':>8} {'runs':>10} {'runtime':>14} {'tokens':>16} "
+          f"{'cost':>16}")
+    for r in rows:
+        print(f"{r.caller_id:16} {r.window_seconds / 3600:>7g}h "
+              f"{cell(r.runs, r.max_runs, '{:g}'):>10} "
+              f"{cell(r.runtime_seconds, r.max_runtime_seconds, '{:.0f}s'):>14} "
+              f"{cell(r.tokens, r.max_tokens, '{:g}'):>16} "
+              f"{cell(r.cost_usd, r.max_cost_usd, '${:.2f}'):>16}")
+
+
+@budget_app.command("rm")
+def remove_budget(
+    caller: str = typer.Argument(..., help="The caller id."),
+    db: str | None = typer.Option(None, "--db", metavar="PATH", help="Database file."),
+) -> None:
+    """Remove CALLER's budget (their spend history stays)."""
+    from kernel import AuditError
+
+    try:
+        found = _store(db).remove(caller)
+    except AuditError as exc:
+        _fail(str(exc))
+    if not found:
+        _fail(f"no budget for {caller!r}")
+    print(f"budget for {caller!r} removed")
