@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
 import signal
 import sys
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import typer
 
-from kernel import ConfigError, Limits, Result, RunInfo, Status
+from kernel import Checkpoint, ConfigError, Limits, Result, RunInfo, Status
 
 from .wiring import PortOptions, open_ports
 
@@ -108,9 +110,10 @@ def run(
     """Run one thing, supervised and audited, and exit with its status's code."""
     try:
         ctx_vars = parse_context(context or [])
-        plan = _plan(target or [], ctx_vars, agent=agent, model=model, base_url=base_url,
-                     prompt=prompt, cmd=cmd, api_key_env=api_key_env, allow_shell=allow_shell,
-                     scenario=scenario, quiet=quiet or json_out)
+        spec = agent_spec(target or [], ctx_vars, agent=agent, model=model, base_url=base_url,
+                          prompt=prompt, cmd=cmd, api_key_env=api_key_env,
+                          allow_shell=allow_shell, scenario=scenario)
+        plan = plan_from_spec(spec, quiet=quiet or json_out)
     except ConfigError as exc:
         _fail(str(exc))
     info = plan.info
@@ -134,8 +137,11 @@ def run(
                        deliver_dir=deliver_dir, webhooks=tuple(webhook or ()))
     import trio
 
+    run_spec = {"agent": spec, "info": info_to_dict(info), "limits": limits_to_dict(limits),
+                "ports": ports_to_dict(opts), "cwd": os.getcwd()}
     try:
-        result = trio.run(_execute, plan.agent, info, limits, opts)
+        result = trio.run(partial(_execute, plan.agent, info, limits, opts,
+                                  spec=None if dry_run else run_spec))
     except ConfigError as exc:
         _fail(str(exc))
     code = exit_code(result, command=plan.is_command)
@@ -171,44 +177,87 @@ def parse_context(pairs: list[str]) -> dict[str, str]:
     return out
 
 
-def _plan(target: list[str], ctx_vars: dict[str, str], *, agent: str | None,
-          model: str | None, base_url: str | None, prompt: str | None, cmd: str | None,
-          api_key_env: str | None, allow_shell: bool, scenario: str | None,
-          quiet: bool) -> Plan:
+def agent_spec(target: list[str], ctx_vars: dict[str, str], *, agent: str | None,
+               model: str | None, base_url: str | None, prompt: str | None, cmd: str | None,
+               api_key_env: str | None, allow_shell: bool, scenario: str | None
+               ) -> dict[str, Any]:
+    """What to run, as a JSON-ready spec (kept with the checkpoint, for `kernel resume`)."""
     if agent is not None:
         if target:
             raise ConfigError("--agent takes no command or loop file; use --prompt/--cmd")
-        try:
-            from . import agents
-        except ModuleNotFoundError as exc:
-            raise ConfigError(f"--agent {agent}: agent adapters are not installed ({exc})") \
-                from exc
-        built_agent, info = agents.build_agent(
-            agent, model=model, base_url=base_url, prompt=prompt, cmd=cmd,
-            api_key_env=api_key_env, allow_shell=allow_shell, context=ctx_vars)
-        return Plan(built_agent, info)
+        return {"kind": "agent", "agent": agent, "model": model, "base_url": base_url,
+                "prompt": prompt, "cmd": cmd, "api_key_env": api_key_env,
+                "allow_shell": allow_shell, "context": ctx_vars}
     if not target:
         raise ConfigError("nothing to run: give -- CMD [ARGS...], a LOOP.yaml, or --agent KIND")
     if len(target) == 1 and target[0].endswith((".yaml", ".yml")):
         path = target[0]
         if not Path(path).is_file():
             raise ConfigError(f"loop file not found: {path}")
+        return {"kind": "loop", "path": str(Path(path).resolve()), "context": ctx_vars,
+                "scenario": scenario}
+    if scenario is not None:
+        raise ConfigError("--scenario applies to loop files only")
+    return {"kind": "command", "argv": list(target), "context": ctx_vars}
+
+
+def plan_from_spec(spec: dict[str, Any], *, quiet: bool) -> Plan:
+    """Build the agent a spec describes (ConfigError for anything wrong with it)."""
+    kind = spec.get("kind")
+    ctx_vars = dict(spec.get("context") or {})
+    if kind == "agent":
+        try:
+            from . import agents
+        except ModuleNotFoundError as exc:
+            raise ConfigError(f"--agent {spec['agent']}: agent adapters are not installed "
+                              f"({exc})") from exc
+        built_agent, info = agents.build_agent(
+            spec["agent"], model=spec.get("model"), base_url=spec.get("base_url"),
+            prompt=spec.get("prompt"), cmd=spec.get("cmd"),
+            api_key_env=spec.get("api_key_env"), allow_shell=bool(spec.get("allow_shell")),
+            context=ctx_vars)
+        return Plan(built_agent, info)
+    if kind == "loop":
+        path = spec["path"]
+        if not Path(path).is_file():
+            raise ConfigError(f"loop file not found: {path}")
         try:
             from . import loops
         except ModuleNotFoundError as exc:
             raise ConfigError(f"{path}: the loop adapter is not installed ({exc})") from exc
-        loop_agent, info, loop_limits = loops.build_loop(path, ctx_vars, scenario=scenario)
+        loop_agent, info, loop_limits = loops.build_loop(path, ctx_vars,
+                                                         scenario=spec.get("scenario"))
         return Plan(loop_agent, info, limits=loop_limits)
-    if scenario is not None:
-        raise ConfigError("--scenario applies to loop files only")
-    from adapters.shell import ShellAgent
+    if kind == "command":
+        from adapters.shell import ShellAgent
 
-    env = {f"KERNEL_CTX_{k.upper().replace('-', '_').replace('.', '_')}": v
-           for k, v in ctx_vars.items()}
-    shell = ShellAgent(target, env=env or None, on_line=None if quiet else _echo)
-    info = RunInfo(name=shlex.join(target)[:200], subject_id=os.path.basename(target[0]),
-                   inputs={"argv": list(target), "context": ctx_vars})
-    return Plan(shell, info, is_command=True)
+        argv = list(spec["argv"])
+        env = {f"KERNEL_CTX_{k.upper().replace('-', '_').replace('.', '_')}": v
+               for k, v in ctx_vars.items()}
+        shell = ShellAgent(argv, env=env or None, on_line=None if quiet else _echo)
+        info = RunInfo(name=shlex.join(argv)[:200], subject_id=os.path.basename(argv[0]),
+                       inputs={"argv": argv, "context": ctx_vars})
+        return Plan(shell, info, is_command=True)
+    raise ConfigError(f"unknown run kind {kind!r} in the run spec")
+
+
+def info_to_dict(info: RunInfo) -> dict[str, Any]:
+    """A RunInfo as JSON-ready fields."""
+    return {"run_id": info.run_id, "name": info.name, "subject_id": info.subject_id,
+            "caller_id": info.caller_id, "channel_id": info.channel_id,
+            "parent_run_id": info.parent_run_id, "inputs": info.inputs}
+
+
+def limits_to_dict(limits: Limits) -> dict[str, Any]:
+    """Limits as JSON-ready fields (rebuilt with `Limits(**d)`)."""
+    return dataclasses.asdict(limits)
+
+
+def ports_to_dict(opts: PortOptions) -> dict[str, Any]:
+    """The port options a run was started with, for resuming it the same way."""
+    d = dataclasses.asdict(opts)
+    d["webhooks"] = list(opts.webhooks)
+    return d
 
 
 def _echo(stream: str, line: str) -> None:
@@ -230,7 +279,9 @@ class _Capture:
         self.result = result
 
 
-async def _execute(agent: Any, info: RunInfo, limits: Limits, opts: PortOptions) -> Result:
+async def _execute(agent: Any, info: RunInfo, limits: Limits, opts: PortOptions, *,
+                   spec: dict[str, Any] | None = None,
+                   resume: Checkpoint | None = None) -> Result:
     import trio
 
     from kernel import Kernel, PortFailure
@@ -244,6 +295,13 @@ async def _execute(agent: Any, info: RunInfo, limits: Limits, opts: PortOptions)
             live = progress.Progress(info.name, limits.timeout) if progress.wanted() else None
             if live is not None:
                 ports.audit = progress.ProgressAudit(ports.audit, live)
+            register = getattr(ports.checkpointer, "register", None)
+            if spec is not None and register is not None:
+                try:
+                    await register(info.run_id, spec)
+                except Exception as exc:  # an observer: the run goes on, unrecoverable
+                    warnings.append(PortFailure("checkpointer", "register", str(exc)))
+                    ports.checkpointer = None
             kernel = Kernel(ports)
             async with trio.open_nursery() as nursery:
                 run_scope = trio.CancelScope()
@@ -258,7 +316,7 @@ async def _execute(agent: Any, info: RunInfo, limits: Limits, opts: PortOptions)
 
                 nursery.start_soon(on_signal)
                 with run_scope:
-                    await kernel.run(agent, info, limits)
+                    await kernel.run(agent, info, limits, resume=resume)
                 nursery.cancel_scope.cancel()
     result = capture.result
     assert result is not None, "the kernel delivers every result"

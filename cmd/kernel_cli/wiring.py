@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 
-from kernel import Audit, Budget, Critic, Delivery, PortFailure, Ports
+from kernel import Audit, Budget, Checkpointer, Critic, Delivery, PortFailure, Ports
 
 
 @dataclass(slots=True)
@@ -39,8 +39,17 @@ async def open_ports(opts: PortOptions, *, delivery: Delivery | None = None,
         critic = None if opts.no_critic else _make_critic(opts)
         # Budgets live in the audit file: enforced whenever that file is usable.
         budget = _budget(opts) if audit is not None else None
-        yield Ports(audit=audit, budget=budget, critic=critic,
+        checkpointer = _checkpointer(opts) if audit is not None else None
+        yield Ports(audit=audit, budget=budget, critic=critic, checkpointer=checkpointer,
                     delivery=_delivery(opts, delivery))
+
+
+def _checkpointer(opts: PortOptions) -> Checkpointer:
+    """Checkpoints (and run specs, for `kernel recover`) in the audit database."""
+    from batteries.audit import resolve_db_path
+    from batteries.checkpoint import DuckDBCheckpointer
+
+    return DuckDBCheckpointer(resolve_db_path(opts.db))
 
 
 def _budget(opts: PortOptions) -> Budget:
