@@ -211,7 +211,7 @@ class ShellAgent:
             else:
                 return
         if ctx is not None:
-            ctx.event("steer_undeliverable", payload={
+            ctx.event("steer_undeliverable", activity=False, payload={
                 "messages": [m.content for m in messages],
                 "why": "a plain command has no channel for nudges (stdin is not a pipe)"})
 

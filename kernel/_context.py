@@ -90,14 +90,18 @@ class RunContext:
         name: str | None = None,
         payload: Mapping[str, Any] | None = None,
         duration_ms: float | None = None,
+        activity: bool = True,
     ) -> None:
         """Record an adapter event (state_enter, route, output, ...) and count it as activity.
 
-        Never blocks and never raises: the audit buffers it.
+        Never blocks and never raises: the audit buffers it. Pass
+        `activity=False` for events that are not signs of life (a nudge that
+        could not be delivered, bookkeeping).
         """
         self._log(kind, name=name, payload=payload, duration_ms=duration_ms,
                   iteration=self.iteration)
-        self._activity(kind)
+        if activity:
+            self._activity(kind)
 
     async def run_child(self, agent: Any, info: RunInfo, limits: Limits | None = None) -> Result:
         """Run `agent` as a child run: same kernel and ports, `parent_run_id` set to this run.

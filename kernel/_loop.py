@@ -196,6 +196,7 @@ class _Run:
     def log_event(self, kind: str, *, name: str | None = None,
                   payload: Mapping[str, Any] | None = None, duration_ms: float | None = None,
                   iteration: int | None = None) -> None:
+        """Append an audit event (observer: a failure is reported, never raised)."""
         try:
             self.recorder.log_event(kind, name=name, payload=payload, duration_ms=duration_ms,
                                     iteration=iteration)
@@ -403,6 +404,8 @@ class _Run:
                 self.output = step.output if step.handoff is None else step.handoff
                 return
             self.output = step.output
+            if self.handle is not None and self.killed_now():
+                return
             if step.tool_calls:
                 cap = self.caps.max_tool_calls
                 if cap is not None and self.tool_calls + len(step.tool_calls) > cap:
@@ -413,6 +416,8 @@ class _Run:
                               reason="max_tool_calls")
                     return
                 ctx.tool_results = await self.run_tools(step.tool_calls, iteration)
+                if self.status is not None:
+                    return
             elif ctx.tool_results:
                 ctx.tool_results = []
             exceeded = self.usage_exceeded()
@@ -423,6 +428,21 @@ class _Run:
                 return
             if self.k._checkpointer is not None:
                 await self.maybe_checkpoint()
+
+    def killed_now(self) -> bool:
+        """Ask the critic between steps/tools, so a kill takes effect at once."""
+        handle = self.handle
+        if handle is None:
+            return False
+        try:
+            cause = handle.kill_cause()
+        except Exception as exc:
+            self.critic_failed("kill_cause", exc)
+            return False
+        if not cause:
+            return False
+        self._end(Status.KILLED, reason=str(cause), error=f"killed by the critic: {cause}")
+        return True
 
     def recorder_error(self, message: str) -> None:
         try:
@@ -475,6 +495,8 @@ class _Run:
                     handle.record_tool_start(call)
                 except Exception as exc:
                     self.critic_failed("record_tool_start", exc)
+                if self.killed_now():  # e.g. a looping call: do not run it again
+                    return results
             self.log_event("tool_start", name=call.name,
                            payload={"args": dict(call.args), "id": call.id}, iteration=iteration)
             fn = self.tools.get(call.name)

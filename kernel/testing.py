@@ -209,8 +209,10 @@ class ScriptedHandle:
             self._kill()
 
     def record_tool_start(self, call: ToolCall) -> None:
-        """Remember the call."""
+        """Remember the call; a kill cued on this tool's name fires."""
         self.tool_starts.append(call)
+        if self.critic.kill_at_tool is not None and call.name == self.critic.kill_at_tool:
+            self._kill()
 
     def record_activity(self, kind: str) -> None:
         """Remember the activity."""
@@ -266,6 +268,7 @@ class ScriptedCritic:
         extensions: (at_seconds, extend_by) pairs applied when deadline() is asked.
         kill_after: Kill when this many seconds have passed.
         kill_at_step: Kill once this many steps have been recorded.
+        kill_at_tool: Kill when a call of the tool with this name starts.
         reason: The kill reason.
         steer_at_step: {n: message} delivered once n steps have been recorded.
         steer_after: {seconds: message} delivered once that much time has passed.
@@ -275,13 +278,15 @@ class ScriptedCritic:
     def __init__(self, *, deadline_after: float | None = None,
                  extensions: Sequence[tuple[float, float]] = (),
                  kill_after: float | None = None, kill_at_step: int | None = None,
-                 reason: str = "scripted kill", steer_at_step: Mapping[int, str] | None = None,
+                 kill_at_tool: str | None = None, reason: str = "scripted kill",
+                 steer_at_step: Mapping[int, str] | None = None,
                  steer_after: Mapping[float, str] | None = None,
                  max_steps: int | None = None) -> None:
         self.deadline_after = deadline_after
         self.extensions = sorted(extensions)
         self.kill_after = kill_after
         self.kill_at_step = kill_at_step
+        self.kill_at_tool = kill_at_tool
         self.reason = reason
         self.steer_at_step = dict(steer_at_step or {})
         self.steer_after = dict(steer_after or {})

@@ -53,13 +53,15 @@ def run(
         help="Hard deadline in seconds (the backstop); 0 = none. Expiry exits 124. "
              "[default: 3600, or the loop file's timeout]"),
     soft_timeout: float | None = typer.Option(
-        None, "--soft-timeout", metavar="S",
-        help="When the critic first judges progress (default: the critic's, 300 s); "
-             "a progressing run gets its deadline extended."),
+        None, "--soft-timeout", metavar="S", min=0, show_default=False,
+        help="When the critic judges progress; a progressing run's deadline is extended "
+             "by as much again (up to 24 times, never past --timeout). 0 = never. "
+             "[default: 600]"),
     idle_timeout: float | None = typer.Option(
-        None, "--idle-timeout", metavar="S",
-        help="Seconds without output/steps before the critic nudges, then kills "
-             "the run as stalled (exit 137). Default: the critic's, 120 s."),
+        None, "--idle-timeout", metavar="S", min=0, show_default=False,
+        help="Seconds without output, steps or tool calls before the critic nudges, then "
+             "kills the run as stalled (exit 137) after a grace of a quarter of this, at "
+             "most 60 s. 0 = off. [default: 300]"),
     no_critic: bool = typer.Option(
         False, "--no-critic", help="Run without the critic: only --timeout ends a stuck run."),
     max_steps: int | None = typer.Option(
@@ -125,7 +127,8 @@ def run(
         limits = Limits(
             max_steps=base.max_steps if max_steps is None else max_steps,
             timeout=base.timeout if timeout is None else (timeout or None),
-            soft_timeout=soft_timeout if soft_timeout is not None else base.soft_timeout,
+            soft_timeout=(soft_timeout or None) if soft_timeout is not None
+            else base.soft_timeout,
             tool_timeout=base.tool_timeout, dry_run=dry_run, poll_interval=base.poll_interval)
     except ValueError as exc:
         _fail(str(exc).replace("Limits.", "--").replace("_", "-").replace(" or None", ""))

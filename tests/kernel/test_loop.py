@@ -181,3 +181,28 @@ class TestLibrarySurface:
             Limits(timeout=0)
         with pytest.raises(ValueError, match=r"Limits\.max_steps"):
             Limits(max_steps=-1)
+
+
+class TestImmediateKill:
+    async def test_kill_at_tool_start_skips_the_tool(self, autojump_clock: trio.abc.Clock) -> None:
+        """A kill decided when a tool starts ends the run before that tool runs."""
+        ran: list[str] = []
+
+        async def rm() -> None:
+            ran.append("rm")
+
+        critic = ScriptedCritic(kill_at_tool="rm", reason="looping")
+        agent = ScriptedAgent(then=Step(tool_calls=[ToolCall("rm")]), tools={"rm": rm})
+        start = trio.current_time()
+        result = await Kernel(Ports(critic=critic)).run(agent, RunInfo(), Limits())
+        assert result.status is Status.KILLED and result.reason == "looping"
+        assert ran == [] and result.steps == 1
+        assert trio.current_time() == start  # no poll interval waited
+
+    async def test_kill_at_step_takes_effect_before_the_next(
+            self, autojump_clock: trio.abc.Clock) -> None:
+        """A kill decided at record_step stops the run before another step starts."""
+        critic = ScriptedCritic(kill_at_step=3)
+        agent = ScriptedAgent(then=Step())
+        result = await Kernel(Ports(critic=critic)).run(agent, RunInfo(), Limits())
+        assert result.status is Status.KILLED and agent.calls == 3
