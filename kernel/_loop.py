@@ -29,7 +29,6 @@ import traceback
 from collections.abc import Mapping
 from typing import Any
 
-import structlog
 import trio
 
 from ._context import RunContext
@@ -59,8 +58,6 @@ from .ports import (
     Ports,
     RunRecorder,
 )
-
-log = structlog.get_logger("kernel")
 
 # Statuses after which a checkpoint is kept for `kernel recover` rather than failed.
 _RESUMABLE = frozenset({Status.CANCELLED})
@@ -177,8 +174,11 @@ class _Run:
         self._failed_methods.add((port, method))
         msg = f"{type(exc).__name__}: {exc}"
         self.failures.append(PortFailure(port, method, msg))
-        log.warning("port failed", port=port, method=method, error=msg,
-                    run_id=self.info.run_id)
+        # structlog is imported here, on the rare failure, not on every `import kernel`.
+        import structlog
+
+        structlog.get_logger("kernel").warning("port failed", port=port, method=method,
+                                               error=msg, run_id=self.info.run_id)
 
     def _end(self, status: Status, *, error: str | None = None, reason: str | None = None,
              output: Any = None) -> None:

@@ -129,7 +129,9 @@ def run(
             timeout=base.timeout if timeout is None else (timeout or None),
             soft_timeout=(soft_timeout or None) if soft_timeout is not None
             else base.soft_timeout,
-            tool_timeout=base.tool_timeout, dry_run=dry_run, poll_interval=base.poll_interval)
+            tool_timeout=base.tool_timeout, dry_run=dry_run,
+            # A terminal user waits on kills: look at the critic four times a second.
+            poll_interval=min(base.poll_interval, 0.25))
     except ValueError as exc:
         _fail(str(exc).replace("Limits.", "--").replace("_", "-").replace(" or None", ""))
     for url in webhook or []:
