@@ -38,10 +38,7 @@ audit database (see `kernel runs`, `kernel show RUN_ID`).
 
 def register(app: typer.Typer) -> None:
     """Add `kernel run` to the app."""
-    app.command(
-        "run", help=RUN_HELP,
-        context_settings={"allow_interspersed_args": False},
-    )(run)
+    app.command("run", help=RUN_HELP)(run)
 
 
 def run(
