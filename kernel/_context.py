@@ -7,7 +7,7 @@ from typing import Any
 
 import trio
 
-from ._types import Limits, Message, Result, RunInfo, ToolResult, Usage
+from ._types import Limits, Message, Result, RunInfo, ToolCall, ToolResult, Usage
 
 
 class RunContext:
@@ -33,6 +33,7 @@ class RunContext:
         "_deadline",
         "_log",
         "_run_child",
+        "_tool_start",
         "info",
         "iteration",
         "limits",
@@ -53,6 +54,7 @@ class RunContext:
         activity: Callable[[str], None],
         deadline: Callable[[], float],
         run_child: Callable[[Any, RunInfo, Limits | None], Awaitable[Result]],
+        tool_start: Callable[[ToolCall, Mapping[str, Any] | None], None],
         resumed_from: Any = None,
     ) -> None:
         self.info = info
@@ -67,6 +69,7 @@ class RunContext:
         self._activity = activity
         self._deadline = deadline
         self._run_child = run_child
+        self._tool_start = tool_start
 
     @property
     def run_id(self) -> str:
@@ -111,6 +114,15 @@ class RunContext:
         this run's limits, bounded by what is left of this run's deadline.
         """
         return await self._run_child(agent, info, limits)
+
+    def tool_start(self, call: ToolCall, *, payload: Mapping[str, Any] | None = None) -> None:
+        """Report a tool call the agent runs itself (a CLI agent's tool use).
+
+        Audited as `tool_start` (with `payload` merged in), counted in the
+        run's tool calls, and shown to the critic, which watches for loops.
+        Tools the kernel runs from `Step.tool_calls` are reported already.
+        """
+        self._tool_start(call, payload)
 
     def activity(self, kind: str = "activity") -> None:
         """Tell the critic the agent is alive without writing an audit event."""

@@ -211,6 +211,19 @@ class _Run:
             except Exception as exc:
                 self.critic_failed("record_activity", exc)
 
+    def tool_started(self, call: ToolCall, payload: Mapping[str, Any] | None) -> None:
+        """A tool call the agent runs itself: audit it and show it to the critic."""
+        self.tool_calls += 1
+        handle = self.handle
+        if handle is not None:
+            try:
+                handle.record_tool_start(call)
+            except Exception as exc:
+                self.critic_failed("record_tool_start", exc)
+        self.log_event("tool_start", name=call.name,
+                       payload={"args": dict(call.args), "id": call.id, **(payload or {})},
+                       iteration=self.steps)
+
     def critic_failed(self, method: str, exc: BaseException) -> None:
         """A failing critic is dropped; the hard backstop stays in charge."""
         self.fault("critic", method, exc)
@@ -237,7 +250,7 @@ class _Run:
         self.last_save_time = self.started
         self.ctx = RunContext(info, limits, started_at=self.started, log=self.log_event,
                               activity=self.activity, deadline=self.effective_deadline,
-                              run_child=self.run_child,
+                              run_child=self.run_child, tool_start=self.tool_started,
                               resumed_from=self.resume.state if self.resume else None)
         self.ctx.usage = self.usage
         refused = False
@@ -393,7 +406,10 @@ class _Run:
                 self.fault("audit", "on_step", exc)
 
             if step.final:
-                if step.error is not None:
+                if step.kill is not None:
+                    self._end(Status.KILLED, reason=step.kill, output=step.output,
+                              error=step.error or f"killed by the agent: {step.kill}")
+                elif step.error is not None:
                     self._end(Status.ERROR, error=step.error, output=step.output)
                 elif step.handoff is not None:
                     self._end(Status.HANDOFF, reason="handoff", output=step.handoff)

@@ -220,6 +220,9 @@ class Step:
         handoff: With `final=True`, ends the run `handoff`; the continuation prompt.
         stop: With `final=True`, ends the run `cancelled` with this reason (the
             agent itself asked to stop, e.g. a loop's `LOOP_STOP:` signal).
+        kill: With `final=True`, ends the run `killed` with this reason: the
+            agent's own watchdog stopped what it supervises (an idle CLI).
+            `error` may add the detail.
         exit_code: The agent's own exit code, when it has one (commands).
         name: A label for the step in the audit (an FSM state, "turn").
         payload: Extra JSON-serialisable detail for the audit `step` event.
@@ -234,6 +237,7 @@ class Step:
     error: str | None = None
     handoff: str | None = None
     stop: str | None = None
+    kill: str | None = None
     exit_code: int | None = None
     name: str | None = None
     payload: Mapping[str, Any] | None = None

@@ -69,6 +69,8 @@ class ProgressRecorder:
             self.p.decisions.append(name or "?")
         elif kind in ("state_enter", "tool_start", "process_start"):
             self.p.state = f"{kind.replace('_', ' ')} {name or ''}".strip()
+        if payload is not None and "lifecycle" in payload:  # a CLI agent's state machine
+            self.p.state = f"{payload.get('lifecycle')}/{payload.get('state')}"
         if self.inner is not None:
             self.inner.log_event(kind, name=name, payload=payload, duration_ms=duration_ms,
                                  iteration=iteration)

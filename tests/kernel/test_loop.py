@@ -206,3 +206,27 @@ class TestImmediateKill:
         agent = ScriptedAgent(then=Step())
         result = await Kernel(Ports(critic=critic)).run(agent, RunInfo(), Limits())
         assert result.status is Status.KILLED and agent.calls == 3
+
+
+class TestAgentReports:
+    async def test_agent_kill(self, autojump_clock: trio.abc.Clock) -> None:
+        """A final step with kill= ends `killed` with that reason (an agent's own watchdog)."""
+        result = await Kernel().run(ScriptedAgent([Step(final=True, kill="stalled",
+                                                        error="idle for 600s")]))
+        assert result.status is Status.KILLED
+        assert result.reason == "stalled" and result.error == "idle for 600s"
+
+    async def test_agent_run_tool_reaches_critic_and_audit(
+            self, autojump_clock: trio.abc.Clock) -> None:
+        """ctx.tool_start counts the call, audits it and shows it to the critic."""
+        critic, audit = ScriptedCritic(), MemoryAudit()
+
+        async def uses_tool(ctx: RunContext) -> Step:
+            ctx.tool_start(ToolCall("Bash", {"command": "ls"}, "t1"), payload={"state": "x"})
+            return Step(final=True)
+
+        result = await Kernel(Ports(critic=critic, audit=audit)).run(ScriptedAgent([uses_tool]))
+        assert result.tool_calls == 1
+        assert [c.name for c in critic.handles[0].tool_starts] == ["Bash"]
+        [ev] = [e for e in audit.events(result.run_id) if e.kind == "tool_start"]
+        assert ev.payload == {"args": {"command": "ls"}, "id": "t1", "state": "x"}

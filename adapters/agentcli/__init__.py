@@ -1,0 +1,36 @@
+"""CLI coding agents (Claude Code, Codex, ...) as supervised subprocesses.
+
+The agent's JSON-lines stream is parsed into events (`parse_line`) that drive
+a runtime `StateMachine` (state idle/thinking/running_tool/responding;
+lifecycle spawning/working/idle/killed), feed the critic, and are audited::
+
+    from adapters.agentcli import AgentCLI
+
+    agent = AgentCLI(["claude", "-p", "Fix the failing test",
+                      "--output-format", "stream-json", "--verbose"], idle_ttl=300)
+    result = await Kernel(ports).run(agent, RunInfo(name="fix-test"))
+"""
+
+from ._agent import AgentCLI as AgentCLI
+from ._agent import EventHook as EventHook
+from ._events import AgentEvent as AgentEvent
+from ._events import EventType as EventType
+from ._events import parse_event as parse_event
+from ._events import parse_line as parse_line
+from ._state import Lifecycle as Lifecycle
+from ._state import State as State
+from ._state import StateMachine as StateMachine
+from ._state import Transition as Transition
+
+__all__ = [
+    "AgentCLI",
+    "AgentEvent",
+    "EventHook",
+    "EventType",
+    "Lifecycle",
+    "State",
+    "StateMachine",
+    "Transition",
+    "parse_event",
+    "parse_line",
+]

@@ -1,0 +1,403 @@
+"""`AgentCLI`: a CLI coding agent run as a subprocess streaming JSON events.
+
+One invocation of the CLI (prompt in, result out) is one kernel step.
+Inside the step, every stdout line is parsed into events that drive the
+`StateMachine`, feed the critic (`ctx.event` counts as activity) and are
+audited with the state and lifecycle in their payload, so `kernel show`
+tells what the agent was doing at each moment::
+
+    step(ctx)
+      spawn (own process group)        lifecycle spawning, audit process_start
+      read stdout lines -> events      audit agent_event / tool_start / tool_end
+      idle watchdog                    no event for idle_ttl -> SIGTERM/SIGKILL the group
+      idle after a done/error event    for exit_grace seconds -> the CLI is stopped
+      process gone                     lifecycle killed, audit process_exit
+      -> Step(output=result, final=True, usage=...)   or   Step(final=True, error=...)
+
+How the step ends: the last done/error event decides when there is one (a
+CLI that reported success and then exited non-zero is still ok; the exit
+code is kept). Without one, exit 0 is ok (the text streamed so far is the
+output) and anything else is a crash mid-turn: `error`, naming the state the
+agent was in and its last stderr line. An idle kill ends the step with an
+error too — the kernel has no way yet for an agent to report `killed`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import signal
+import subprocess
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from kernel import Message, RunContext, Step, ToolCall, Usage
+
+from ._events import AgentEvent, EventType, parse_line
+from ._state import Lifecycle, StateMachine, Transition
+
+#: Called after each event is applied, e.g. to refresh a live progress line.
+EventHook = Callable[[AgentEvent, Transition], None]
+
+
+@dataclass
+class AgentCLI:
+    """Runs a CLI agent once, supervised, following its event stream.
+
+    Args:
+        argv: The command line, e.g. `["claude", "-p", "...", "--output-format",
+            "stream-json", "--verbose"]` or `["codex", "exec", "--json", "..."]`.
+        cwd: Working directory (default: the current one).
+        env: Extra environment variables, added to the inherited environment.
+        idle_ttl: Seconds without any event (stdout or stderr line) after which
+            the process group is killed. Counts from the spawn.
+        exit_grace: Seconds the CLI may take to exit after its done/error event.
+        grace: Seconds between SIGTERM and SIGKILL when stopping the group.
+        max_line_bytes: Longer stdout lines are cut (and then read as unknown).
+        max_audit_events: Agent events written to the audit; after that they
+            only count as activity for the critic (the step event gives totals).
+        max_text: Characters of text/input/output kept per audited event.
+        stdin_steer: Write critic nudges to stdin as stream-json user messages
+            (for CLIs started with `--input-format stream-json`); otherwise
+            stdin is /dev/null and nudges are audited as undeliverable.
+        on_event: Called after every event with the transition it caused.
+
+    Attributes:
+        machine: The runtime state machine (state, lifecycle, last_active).
+    """
+
+    argv: Sequence[str]
+    cwd: str | None = None
+    env: Mapping[str, str] | None = None
+    idle_ttl: float = 600.0
+    exit_grace: float = 5.0
+    grace: float = 2.0
+    max_line_bytes: int = 8 << 20
+    max_audit_events: int = 10_000
+    max_text: int = 2000
+    stdin_steer: bool = False
+    on_event: EventHook | None = None
+    machine: StateMachine = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.argv:
+            raise ValueError("AgentCLI needs a command to run")
+        if self.idle_ttl <= 0:
+            raise ValueError(f"idle_ttl must be > 0, got {self.idle_ttl}")
+        self.machine = StateMachine(now=trio.current_time)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._ctx: RunContext | None = None
+        self._proc: trio.Process | None = None
+        self._audited = 0
+        self._counts: dict[str, int] = {}
+        self._fragments: list[str] = []
+        self._last_whole: str | None = None
+        self._terminal: AgentEvent | None = None
+        self._usage = Usage()
+        self._session = ""
+        self._tool_started: dict[str, tuple[str, float]] = {}
+        self._stderr: deque[str] = deque(maxlen=20)
+        self._done = trio.Event()
+        self._idle_killed: float | None = None
+        self._lingered = False
+
+    @property
+    def command(self) -> str:
+        """The command line, shell-quoted, for display."""
+        return shlex.join(self.argv)
+
+    async def simulate(self, ctx: RunContext) -> str:
+        """A dry run reports what would be executed."""
+        return f"would run agent CLI: {self.command}"
+
+    # ------------------------------------------------------------------ step
+
+    async def step(self, ctx: RunContext) -> Step:
+        """Run the CLI to completion (or to its idle kill) and report how it ended."""
+        self._reset()
+        self._ctx = ctx
+        m = self.machine
+        env = {**os.environ, **self.env} if self.env else None
+        m.mark_spawning()
+        try:
+            proc = await trio.lowlevel.open_process(
+                list(self.argv),
+                stdin=subprocess.PIPE if self.stdin_steer else subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=self.cwd, env=env,
+                start_new_session=True)
+        except OSError as exc:
+            m.mark_killed()
+            return Step(final=True, name="agentcli",
+                        error=f"cannot start {self.argv[0]!r}: {exc.strerror or exc}",
+                        exit_code=127 if isinstance(exc, FileNotFoundError) else 126)
+        self._proc = proc
+        t0 = trio.current_time()
+        ctx.event("process_start", name=self.argv[0], payload={
+            "argv": list(self.argv), "pid": proc.pid, **self._views()})
+        try:
+            if ctx.steer:
+                await self.on_steer(list(ctx.steer))
+            async with trio.open_nursery() as nursery:
+                assert proc.stdout is not None and proc.stderr is not None
+                out_done, err_done = trio.Event(), trio.Event()
+                nursery.start_soon(self._pump, proc.stdout, self._stdout_line, out_done)
+                nursery.start_soon(self._pump, proc.stderr, self._stderr_line, err_done)
+                nursery.start_soon(self._watchdog, proc)
+                nursery.start_soon(self._stop_after_done, proc)
+                await proc.wait()
+                # The pipes may still hold the last lines, or be held open by
+                # children the CLI left behind: read briefly, then stop them.
+                with trio.move_on_after(0.5):
+                    await out_done.wait()
+                    await err_done.wait()
+                nursery.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._terminate(proc)
+            self._proc = None
+            state_at_exit = m.state
+            m.mark_killed()
+            m.mark_idle()
+        return self._outcome(ctx, proc, state_at_exit, trio.current_time() - t0)
+
+    def _outcome(self, ctx: RunContext, proc: trio.Process, state_at_exit: str,
+                 duration_s: float) -> Step:
+        rc = proc.returncode
+        assert rc is not None
+        exit_code = rc if rc >= 0 else 128 - rc
+        how = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
+        ctx.event("process_exit", name=self.argv[0], duration_ms=duration_s * 1000, payload={
+            "exit_code": exit_code, "signal": -rc if rc < 0 else None,
+            "state_at_exit": state_at_exit, "idle_killed": self._idle_killed is not None,
+            "stopped_after_done": self._lingered, **self._views()})
+        term = self._terminal
+        payload: dict[str, Any] = {
+            "exit_code": exit_code, "events": dict(self._counts), "session_id": self._session,
+            "state_at_exit": state_at_exit, **self._views()}
+        usage = self._usage if self._usage else None
+        if self._idle_killed is not None:
+            return Step(final=True, name="agentcli", exit_code=exit_code, usage=usage,
+                        output=self._text(), payload={**payload, "idle_killed": True},
+                        kill="stalled",
+                        error=f"agent CLI idle for {self._idle_killed:.1f}s with no events "
+                              f"(idle TTL {self.idle_ttl:g}s, state {state_at_exit}): "
+                              "killed")
+        if term is not None and term.type is EventType.DONE:
+            return Step(output=self._text(), final=True, name="agentcli", exit_code=exit_code,
+                        usage=usage, payload=payload)
+        if term is not None:
+            return Step(output=self._text(), final=True, name="agentcli", exit_code=exit_code,
+                        usage=usage, payload=payload,
+                        error=f"agent CLI reported an error: {term.text or term.source}")
+        if rc == 0:
+            return Step(output=self._text(), final=True, name="agentcli", exit_code=0,
+                        usage=usage, payload=payload)
+        last = self._stderr[-1] if self._stderr else ""
+        return Step(output=self._text(), final=True, name="agentcli", exit_code=exit_code,
+                    usage=usage, payload=payload,
+                    error=f"agent CLI {how} mid-turn (state {state_at_exit}, no result event)"
+                          + (f": {last}" if last else ""))
+
+    def _text(self) -> str:
+        term = self._terminal
+        if term is not None and term.type is EventType.DONE and term.text:
+            return term.text
+        if self._last_whole is not None:
+            return self._last_whole
+        return "".join(self._fragments)
+
+    def _views(self) -> dict[str, str]:
+        return {"state": str(self.machine.state), "lifecycle": str(self.machine.lifecycle)}
+
+    # ---------------------------------------------------------------- events
+
+    def _stdout_line(self, raw: bytes) -> None:
+        line = raw.decode("utf-8", errors="replace")
+        for ev in parse_line(line):
+            self._apply(ev)
+
+    def _stderr_line(self, raw: bytes) -> None:
+        line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+        if not line:
+            return
+        self._stderr.append(line[: self.max_text])
+        # stderr is output too: the agent is alive, but its state is unchanged.
+        self.machine.apply(EventType.UNKNOWN)
+        self._audit("output", name="stderr",
+                    payload={"line": line[: self.max_text], **self._views()})
+
+    def _apply(self, ev: AgentEvent) -> None:
+        tr = self.machine.apply(ev)
+        self._counts[ev.type.value] = self._counts.get(ev.type.value, 0) + 1
+        now = trio.current_time()
+        payload: dict[str, Any] = {"event": ev.type.value, "source": ev.source,
+                                   **self._views()}
+        if tr.state_from is not tr.state_to:
+            payload["from"] = str(tr.state_from)
+        kind, name, duration_ms = "agent_event", ev.type.value, None
+        if ev.type is EventType.TOOL_USE:
+            kind, name = "tool_start", ev.tool or "tool"
+            payload.update(args=_clip_json(ev.input, self.max_text), id=ev.tool_id)
+            if ev.tool_id:
+                self._tool_started[ev.tool_id] = (name, now)
+        elif ev.type is EventType.TOOL_RESULT:
+            started = self._tool_started.pop(ev.tool_id, None)
+            kind, name = "tool_end", ev.tool or (started[0] if started else "tool")
+            if started is not None:
+                duration_ms = (now - started[1]) * 1000
+            payload.update(id=ev.tool_id, output=ev.text[: self.max_text],
+                           error=ev.text[: self.max_text] if ev.is_error else None)
+        elif ev.text:
+            payload["text"] = ev.text[: self.max_text]
+        if ev.type is EventType.TEXT_DELTA:
+            if ev.whole:
+                self._last_whole = ev.text
+            else:
+                self._fragments.append(ev.text)
+        if ev.session_id:
+            self._session = ev.session_id
+        if ev.usage:
+            payload["usage"] = {"input_tokens": ev.usage.input_tokens,
+                                "output_tokens": ev.usage.output_tokens,
+                                "cost_usd": ev.usage.cost_usd}
+            self._usage = self._usage + ev.usage
+        if ev.type in (EventType.DONE, EventType.ERROR):
+            self._terminal = ev
+            self._done.set()
+        self._audit(kind, name=name, payload=payload, duration_ms=duration_ms)
+        if self.on_event is not None:
+            self.on_event(ev, tr)
+
+    def _audit(self, kind: str, *, name: str, payload: Mapping[str, Any],
+               duration_ms: float | None = None) -> None:
+        ctx = self._ctx
+        if ctx is None:
+            return
+        if kind == "tool_start":
+            # Through the kernel: counted, audited, and seen by the critic's loop check.
+            self._audited += 1
+            args = payload.get("args")
+            call = ToolCall(name, args if isinstance(args, Mapping) else {"input": args},
+                            str(payload.get("id") or ""))
+            ctx.tool_start(call, payload={k: v for k, v in payload.items()
+                                          if k not in ("args", "id")})
+        elif self._audited < self.max_audit_events or kind == "tool_end":
+            self._audited += 1
+            ctx.event(kind, name=name, payload=payload, duration_ms=duration_ms)
+        else:
+            ctx.activity(kind)
+
+    # ------------------------------------------------------------ processes
+
+    async def _pump(self, stream: trio.abc.ReceiveStream, sink: Callable[[bytes], None],
+                    done: trio.Event) -> None:
+        pending = bytearray()
+        limit = self.max_line_bytes
+        dropping = False
+        try:
+            while chunk := await stream.receive_some(65536):
+                pending += chunk
+                start = 0
+                while (nl := pending.find(b"\n", start)) >= 0:
+                    if not dropping:
+                        sink(bytes(pending[start:nl]))
+                    dropping = False
+                    start = nl + 1
+                del pending[:start]
+                if len(pending) > limit:
+                    # A line with no end in sight: hand on what fits, drop the rest of it.
+                    if not dropping:
+                        sink(bytes(pending[:limit]))
+                    dropping = True
+                    del pending[:]
+            if pending and not dropping:
+                sink(bytes(pending))
+        finally:
+            done.set()
+
+    async def _watchdog(self, proc: trio.Process) -> None:
+        """Kill the group once no event has arrived for `idle_ttl` seconds."""
+        m = self.machine
+        while True:
+            last = m.last_active
+            assert last is not None  # mark_spawning set it
+            if trio.current_time() - last >= self.idle_ttl:
+                break
+            await trio.sleep_until(last + self.idle_ttl)
+        self._idle_killed = m.idle_for()
+        if self._ctx is not None:
+            self._ctx.event("idle_kill", name=self.argv[0], activity=False, payload={
+                "idle_s": round(self._idle_killed, 3), "idle_ttl": self.idle_ttl,
+                **self._views()})
+        await self._terminate(proc)
+
+    async def _stop_after_done(self, proc: trio.Process) -> None:
+        """Stop a CLI that stays idle for `exit_grace` seconds after its done/error event.
+
+        A CLI that carries on after an error event (a transient "reconnecting"
+        error) is back to working, and the countdown waits for the next end.
+        The task is cancelled as soon as the process exits by itself.
+        """
+        m = self.machine
+        while True:
+            await self._done.wait()
+            while m.lifecycle is Lifecycle.IDLE:
+                last = m.last_active
+                assert last is not None
+                if trio.current_time() - last >= self.exit_grace:
+                    self._lingered = True
+                    await self._terminate(proc)
+                    return
+                await trio.sleep_until(last + self.exit_grace)
+            self._done = trio.Event()
+
+    def _signal_group(self, proc: trio.Process, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
+
+    async def _terminate(self, proc: trio.Process) -> None:
+        """SIGTERM the group, SIGKILL it after the grace period, and reap the CLI."""
+        if proc.returncode is None:
+            self._signal_group(proc, signal.SIGTERM)
+            with trio.move_on_after(self.grace):
+                await proc.wait()
+        self._signal_group(proc, signal.SIGKILL)
+        if proc.returncode is None:
+            await proc.wait()
+
+    async def on_steer(self, messages: list[Message]) -> None:
+        """Write nudges to stdin (stream-json user messages) when enabled, else audit them."""
+        ctx, proc = self._ctx, self._proc
+        if self.stdin_steer and proc is not None and proc.stdin is not None:
+            try:
+                for m in messages:
+                    line = json.dumps({"type": "user", "message": {
+                        "role": "user", "content": [{"type": "text", "text": m.content}]}})
+                    await proc.stdin.send_all(line.encode() + b"\n")
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+            else:
+                if ctx is not None:
+                    ctx.event("steer_delivered", activity=False, payload={
+                        "messages": [m.content for m in messages], "via": "stdin"})
+                return
+        if ctx is not None:
+            ctx.event("steer_undeliverable", activity=False, payload={
+                "messages": [m.content for m in messages],
+                "why": "the agent CLI's stdin is not a stream-json input"})
+
+
+def _clip_json(value: Any, limit: int) -> Any:
+    """`value` as is if its JSON is short, else its JSON text cut to `limit`."""
+    if value is None:
+        return None
+    text = json.dumps(value, default=str)
+    return value if len(text) <= limit else text[:limit] + "…"

@@ -1,0 +1,329 @@
+"""`LLMAgent`: a chat-completions tool-calling loop, one model turn per kernel step.
+
+How a turn maps onto the kernel::
+
+    step(ctx)
+      answer the previous turn's tool calls     ctx.tool_results -> role "tool" messages
+      deliver critic nudges                     ctx.steer        -> role "user" messages
+      POST /chat/completions                    retries, audit event "model_call"
+      the model called tools  -> Step(tool_calls=[ToolCall(name, args, id)], usage=...)
+      the model answered      -> Step(output=text, final=True, usage=...)
+
+The kernel runs the tool calls (with `Limits.tool_timeout`, audited as
+tool_start/tool_end) between two steps; the conversation (`messages`) is the
+whole state, so `snapshot()` returns it and a resumed run continues it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kernel import AgentError, RunContext, Step, ToolCall, ToolResult, Usage
+
+from ._client import ChatClient, Retry
+from ._errors import LLMError
+from ._protocol import Completion, ModelToolCall, parse_completion
+from ._tools import Tool, as_tool, read_file_tool, shell_tool
+
+_STATE_VERSION = 1
+_INTERRUPTED = ("error: the run was interrupted before this tool call's result was saved; "
+                "call the tool again if you still need it")
+
+
+@dataclass(slots=True, frozen=True)
+class Price:
+    """What a model costs, in US dollars per million tokens.
+
+    Reasoning ("thinking") tokens are billed as output tokens.
+    """
+
+    input_per_mtok: float
+    output_per_mtok: float
+
+    def cost(self, input_tokens: int, output_tokens: int) -> float:
+        """The cost in USD of one call with these token counts."""
+        return (input_tokens * self.input_per_mtok
+                + output_tokens * self.output_per_mtok) / 1_000_000
+
+
+class LLMAgent:
+    """A tool-calling agent over an OpenAI-compatible chat-completions API.
+
+    Args:
+        model: The model name sent with each request.
+        prompt: The task, sent as the first user message (unless resuming).
+        client: The HTTP client (base URL, key, timeouts, retries); default
+            `ChatClient()`: api.openai.com with `$OPENAI_API_KEY`.
+        system: An optional system message.
+        messages: Extra opening messages (role/content dicts) after the system
+            message and before the prompt, e.g. few-shot examples.
+        tools: Host tools: `Tool`s, or plain/async functions described from
+            their signature and docstring.
+        read_file: Offer the `read_file` tool (confined to `cwd`). On by default.
+        allow_shell: Offer the `shell` tool (runs `/bin/sh -c` in `cwd`). Off by
+            default: only turn it on for a model you would give your shell to.
+        cwd: The working directory the built-in tools are confined to
+            (default: the current directory when the agent is built).
+        prices: model name -> `Price`, for `Usage.cost_usd`; a model not in the
+            table costs 0.
+        temperature, max_tokens: Sent when given.
+        extra_body: More request fields (e.g. `{"seed": 1}`), merged last.
+        max_tool_output: Tool results longer than this many characters are cut
+            before the model sees them.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        prompt: str | None = None,
+        *,
+        client: ChatClient | None = None,
+        system: str | None = None,
+        messages: Sequence[Mapping[str, Any]] = (),
+        tools: Iterable[Tool | Callable[..., Any]] = (),
+        read_file: bool = True,
+        allow_shell: bool = False,
+        cwd: str | os.PathLike[str] | None = None,
+        prices: Mapping[str, Price] | None = None,
+        temperature: float | None = None,
+        max_tokens: int | None = None,
+        extra_body: Mapping[str, Any] | None = None,
+        max_tool_output: int = 32_000,
+    ) -> None:
+        if not model:
+            raise ValueError("LLMAgent needs a model name")
+        self.model = model
+        self.prompt = prompt
+        self.client = client if client is not None else ChatClient()
+        self.system = system
+        self.opening = [dict(m) for m in messages]
+        self.cwd = os.fspath(cwd) if cwd is not None else os.getcwd()
+        self.prices = dict(prices or {})
+        self.temperature = temperature
+        self.max_tokens = max_tokens
+        self.extra_body = dict(extra_body or {})
+        self.max_tool_output = max_tool_output
+        specs: list[Tool] = []
+        if read_file:
+            specs.append(read_file_tool(self.cwd))
+        if allow_shell:
+            specs.append(shell_tool(self.cwd, hide_env=[self.client.api_key_env]))
+        specs.extend(as_tool(t) for t in tools)
+        self.specs: dict[str, Tool] = {}
+        for spec in specs:
+            if spec.name in self.specs:
+                raise ValueError(f"two tools are named {spec.name!r}")
+            self.specs[spec.name] = spec
+        #: What the kernel runs: tool name -> async callable (outputs redacted).
+        self.tools: dict[str, Callable[..., Awaitable[Any]]] = {
+            name: self._redacting(spec.fn) for name, spec in self.specs.items()}
+        #: The conversation so far, as chat-completions messages.
+        self.messages: list[dict[str, Any]] = []
+        self._rejected: dict[str, str] = {}  # call id -> error, for calls we refused to run
+        self._started = False
+        self._ctx: RunContext | None = None
+
+    def __repr__(self) -> str:
+        return f"LLMAgent(model={self.model!r}, client={self.client!r})"
+
+    async def __aenter__(self) -> LLMAgent:
+        await self.client.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.client.__aexit__(*exc_info)
+
+    # ------------------------------------------------------------------ step
+
+    async def step(self, ctx: RunContext) -> Step:
+        """Take one model turn: answer tool results, deliver nudges, call the model."""
+        self._ctx = ctx
+        if not self._started:
+            self._open(ctx.resumed_from)
+            self._started = True
+        else:
+            self._answer_open_calls(ctx.tool_results)
+        for m in ctx.steer:
+            self.messages.append({"role": "user", "content": m.content})
+
+        def on_retry(r: Retry) -> None:
+            ctx.event("model_retry", name=self.model, payload={
+                "attempt": r.attempt, "reason": r.reason, "status": r.status_code,
+                "wait_ms": round(r.wait_s * 1000, 1)})
+
+        try:
+            data, call = await self.client.complete(self._request(), deadline=ctx.deadline,
+                                                    on_retry=on_retry)
+            comp = parse_completion(data, self.client.display_url)
+        except LLMError as exc:
+            ctx.event("model_call", name=self.model, payload={
+                "model": self.model, "url": self.client.display_url, "error": str(exc),
+                "status": getattr(exc, "status_code", None),
+                "attempts": getattr(exc, "attempts", None)})
+            raise
+        self.messages.append(comp.message)
+        usage = self._usage(comp)
+        ctx.event("model_call", name=self.model, duration_ms=call.latency_s * 1000, payload={
+            "model": self.model, "served_by": comp.model, "url": self.client.display_url,
+            "status": call.status_code, "attempts": call.attempts, "retries": call.attempts - 1,
+            "latency_ms": round(call.latency_s * 1000, 1),
+            "waited_ms": round(call.waited_s * 1000, 1),
+            "input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens,
+            "thinking_tokens": usage.thinking_tokens, "cost_usd": usage.cost_usd,
+            "finish_reason": comp.finish_reason, "tool_calls": len(comp.tool_calls)})
+        payload = {"model": self.model, "finish_reason": comp.finish_reason,
+                   "calls": [c.name for c in comp.tool_calls]}
+        if not comp.tool_calls:
+            return Step(output=comp.content or "", final=True, usage=usage, name="turn",
+                        payload=payload)
+        calls: list[ToolCall] = []
+        for c in comp.tool_calls:
+            if c.args is None:
+                self._reject(ctx, c)
+            else:
+                calls.append(ToolCall(c.name, c.args, c.id))
+        return Step(output=comp.content, tool_calls=calls, usage=usage, name="turn",
+                    payload=payload)
+
+    async def simulate(self, ctx: RunContext) -> str:
+        """What a dry run reports: the model, the endpoint, the tools and the prompt."""
+        tools = ", ".join(self.specs) or "none"
+        return (f"would ask {self.model} at {self.client.display_url} (tools: {tools}): "
+                f"{(self.prompt or '')[:200]}")
+
+    def snapshot(self) -> dict[str, Any]:
+        """The checkpoint state: the conversation, with the latest tool results answered."""
+        messages = _plain(self.messages)
+        if self._ctx is not None and _open_calls(messages):
+            # The kernel saves after running a step's tools, before the next
+            # step appends their results: put them in now, or a resumed run
+            # would lose them.
+            messages.extend(self._tool_messages(messages[-1], self._ctx.tool_results))
+        return {"version": _STATE_VERSION, "model": self.model, "messages": messages}
+
+    # ------------------------------------------------------------- internals
+
+    def _open(self, state: Any) -> None:
+        if state is not None:
+            messages = state.get("messages") if isinstance(state, dict) else None
+            if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+                raise AgentError("cannot resume: the checkpoint state is not an LLM "
+                                 "conversation (no 'messages' list)")
+            self.messages = _plain(messages)
+            open_calls = _open_calls(self.messages)
+            for call in open_calls:
+                self.messages.append(
+                    {"role": "tool", "tool_call_id": call.get("id", ""), "content": _INTERRUPTED})
+            return
+        if self.prompt is None and not self.opening:
+            raise AgentError("LLMAgent has no prompt and no opening messages")
+        if self.system:
+            self.messages.append({"role": "system", "content": self.system})
+        self.messages.extend(_plain(self.opening))
+        if self.prompt is not None:
+            self.messages.append({"role": "user", "content": self.prompt})
+
+    def _request(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": self.model, "messages": self.messages}
+        if self.specs:
+            body["tools"] = [spec.schema() for spec in self.specs.values()]
+        if self.temperature is not None:
+            body["temperature"] = self.temperature
+        if self.max_tokens is not None:
+            body["max_tokens"] = self.max_tokens
+        body.update(self.extra_body)
+        return body
+
+    def _usage(self, comp: Completion) -> Usage:
+        price = self.prices.get(self.model) or (
+            self.prices.get(comp.model) if comp.model is not None else None)
+        cost = (price.cost(comp.input_tokens, comp.output_tokens + comp.thinking_tokens)
+                if price is not None else 0.0)
+        return Usage(comp.input_tokens, comp.output_tokens, comp.thinking_tokens, cost)
+
+    def _reject(self, ctx: RunContext, call: ModelToolCall) -> None:
+        """Answer a call whose arguments are unusable ourselves; the model sees why."""
+        error = f"error: tool {call.name!r} not run: {call.error}"
+        self._rejected[call.id] = error
+        ctx.event("tool_rejected", name=call.name, payload={
+            "id": call.id, "error": call.error, "arguments": call.arguments[:1000]})
+
+    def _answer_open_calls(self, results: Sequence[ToolResult]) -> None:
+        if _open_calls(self.messages):
+            self.messages.extend(self._tool_messages(self.messages[-1], results))
+        self._rejected.clear()
+
+    def _tool_messages(self, assistant: Mapping[str, Any],
+                       results: Sequence[ToolResult]) -> list[dict[str, Any]]:
+        """One tool message per call of `assistant`, in call order, whatever happened to it."""
+        by_id = {r.call.id: r for r in results if r.call.id}
+        out: list[dict[str, Any]] = []
+        for call in assistant.get("tool_calls") or []:
+            cid = call.get("id", "")
+            result = by_id.get(cid)
+            if result is not None:
+                content = self._render(result)
+            else:
+                content = self._rejected.get(
+                    cid, "error: no result (the run did not execute this call)")
+            out.append({"role": "tool", "tool_call_id": cid, "content": content})
+        return out
+
+    def _render(self, result: ToolResult) -> str:
+        if result.error is not None:
+            text = f"error: {result.error}"
+        elif isinstance(result.output, str):
+            text = result.output
+        elif result.output is None:
+            text = ""
+        else:
+            text = json.dumps(result.output, default=str)
+        if len(text) > self.max_tool_output:
+            text = (text[: self.max_tool_output]
+                    + f"\n[truncated: {len(text)} characters, showed {self.max_tool_output}]")
+        return text
+
+    def _redacting(self, fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+        """Wrap a tool so the API key never leaves it (its result is audited)."""
+        client = self.client
+
+        async def call(**kwargs: Any) -> Any:
+            try:
+                out = await fn(**kwargs)
+            except Exception as exc:
+                secret = client._api_key
+                if secret and secret in str(exc):
+                    raise RuntimeError(str(exc).replace(secret, "[redacted]")) from None
+                raise
+            secret = client._api_key
+            if not secret:
+                return out
+            if isinstance(out, str):
+                return out.replace(secret, "[redacted]")
+            if out is not None:
+                text = json.dumps(out, default=str)
+                if secret in text:
+                    return text.replace(secret, "[redacted]")
+            return out
+
+        return call
+
+
+def _open_calls(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The tool calls of the last message, if it is an assistant message awaiting results."""
+    if not messages:
+        return []
+    last = messages[-1]
+    if last.get("role") != "assistant":
+        return []
+    calls = last.get("tool_calls")
+    return [c for c in calls if isinstance(c, Mapping)] if isinstance(calls, list) else []
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-plain deep copy (what a checkpoint store would give back)."""
+    return json.loads(json.dumps(value, default=str))
