@@ -304,7 +304,8 @@ class _Run:
                         nursery.start_soon(self.watch, scope)
                     await self.loop()
                     nursery.cancel_scope.cancel()
-            if scope.cancelled_caught:
+            if scope.cancelled_caught and self.status is None:
+                # Nobody recorded why: only the backstop cancels without a word.
                 self._end(Status.TIMEOUT,
                           reason=f"hard timeout of {limits.timeout:g}s expired")
         except BaseException as exc:

@@ -143,5 +143,5 @@ def _resume_one(saved: Any, *, db: str | None, json_out: bool) -> int:
     result = trio.run(partial(_execute, plan.agent, info, limits, opts, spec=spec,
                               resume=saved.checkpoint))
     code = exit_code(result, command=False)
-    _report(result, code, json_out=json_out, echo_output=True)
+    _report(result, code, json_out=json_out, echo_output=not plan.echoes)
     return code

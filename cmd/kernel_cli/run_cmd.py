@@ -147,7 +147,7 @@ def run(
     except ConfigError as exc:
         _fail(str(exc))
     code = exit_code(result, command=plan.is_command)
-    _report(result, code, json_out=json_out, echo_output=not plan.is_command)
+    _report(result, code, json_out=json_out, echo_output=not plan.echoes)
     raise typer.Exit(code)
 
 
@@ -162,6 +162,7 @@ class Plan:
     info: RunInfo
     is_command: bool = False
     limits: Limits | None = None
+    echoes: bool = False  # output lines are echoed live, so the final output is not repeated
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -227,9 +228,9 @@ def plan_from_spec(spec: dict[str, Any], *, quiet: bool) -> Plan:
             from . import loops
         except ModuleNotFoundError as exc:
             raise ConfigError(f"{path}: the loop adapter is not installed ({exc})") from exc
-        loop_agent, info, loop_limits = loops.build_loop(path, ctx_vars,
-                                                         scenario=spec.get("scenario"))
-        return Plan(loop_agent, info, limits=loop_limits)
+        loop_agent, info, loop_limits = loops.build_loop(
+            path, ctx_vars, scenario=spec.get("scenario"), on_line=None if quiet else _echo)
+        return Plan(loop_agent, info, limits=loop_limits, echoes=not quiet)
     if kind == "command":
         from adapters.shell import ShellAgent
 
@@ -239,7 +240,7 @@ def plan_from_spec(spec: dict[str, Any], *, quiet: bool) -> Plan:
         shell = ShellAgent(argv, env=env or None, on_line=None if quiet else _echo)
         info = RunInfo(name=shlex.join(argv)[:200], subject_id=os.path.basename(argv[0]),
                        inputs={"argv": argv, "context": ctx_vars})
-        return Plan(shell, info, is_command=True)
+        return Plan(shell, info, is_command=True, echoes=not quiet)
     raise ConfigError(f"unknown run kind {kind!r} in the run spec")
 
 
@@ -294,7 +295,9 @@ async def _execute(agent: Any, info: RunInfo, limits: Limits, opts: PortOptions,
     warnings: list[PortFailure] = []
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with open_ports(opts, delivery=capture, warnings=warnings) as ports:
-            live = progress.Progress(info.name, limits.timeout) if progress.wanted() else None
+            # No live line for dry runs: a loop simulation may ask questions on the terminal.
+            live = (progress.Progress(info.name, limits.timeout)
+                    if progress.wanted() and not limits.dry_run else None)
             if live is not None:
                 ports.audit = progress.ProgressAudit(ports.audit, live)
             register = getattr(ports.checkpointer, "register", None)

@@ -230,3 +230,11 @@ class TestExclusivity:
         assert delivery.delivered == [result]
         assert audit.runs[result.run_id].status is result.status
         assert audit.kinds(result.run_id).count("run_end") == 1
+
+
+class TestUnboundedRuns:
+    async def test_kill_without_a_backstop(self, autojump_clock: trio.abc.Clock) -> None:
+        """A critic kill of a run with no hard timeout ends killed (no error formatting None)."""
+        result = await Kernel(Ports(critic=ScriptedCritic(kill_after=1))).run(
+            ScriptedAgent([Hang()]), RunInfo(), Limits(timeout=None))
+        assert result.status is Status.KILLED

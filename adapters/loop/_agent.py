@@ -1,0 +1,823 @@
+"""`LoopAgent`: a YAML state machine the kernel steps one state at a time.
+
+One kernel step = one executed state: `state_enter`, the action (run inside
+the step, with `action_start`/`output`/`action_end` events), `evaluate`,
+`route`. Moves that execute nothing (into a terminal state, a `maintain`
+restart, a retry-exhausted detour) happen inside the step that led to
+them, so `max_iterations` counts exactly the states that ran, as the
+kernel's `max_steps` does.
+
+Why actions run inside the step rather than as kernel tool calls: a
+state's verdict needs its action's result in the same step (signals,
+captures, evaluation), per-state timeouts belong to the loop file, and
+repeating the same command is what a loop is *for* (polling, fix-until-
+pass), so feeding each action to the critic's repeated-tool-call detector
+would kill healthy loops. The loop bounds itself (max_iterations,
+max_retries, convergence stalls); the critic still sees every state as a
+step and every output line as activity.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from kernel import ConfigError, Limits, RunContext, RunInfo, Status, Step
+
+from . import _evaluators as ev
+from . import _template as tpl
+from ._process import ActionResult, LineSink, run_process
+from ._spec import (
+    CURRENT,
+    DEFAULT_ACTION_TIMEOUT,
+    DEFAULT_MCP_TIMEOUT,
+    EvaluateSpec,
+    LoopSpec,
+    StateSpec,
+)
+
+SCENARIOS = ("all-pass", "all-fail", "all-error", "first-fail", "alternating")
+SIGNALS = {"CONTEXT_HANDOFF:": "handoff", "FATAL_ERROR:": "error", "LOOP_STOP:": "stop"}
+
+#: Asked, in an interactive dry run, what a state's result should be:
+#: called with (state name, what it would run); returns "pass" | "fail" | "error".
+Asker = Callable[[str, str], Awaitable[str]]
+
+_DEFAULT_EVALUATOR = {"shell": "exit_code", "prompt": "llm_structured", "mcp_tool": "mcp_result"}
+_PREVIEW = 2000
+
+
+@dataclass(slots=True)
+class _Outcome:
+    verdict: str | None
+    target: str | None
+    reason: str
+
+
+class _Simulator:
+    """Decides simulated results: a scenario, or the person at the terminal."""
+
+    def __init__(self, scenario: str | None, ask: Asker | None) -> None:
+        self.scenario = scenario
+        self.ask = ask
+        self.count = 0
+
+    async def outcome(self, state: str, action: str) -> str:
+        self.count += 1
+        n, scenario = self.count, self.scenario
+        if scenario == "all-fail":
+            return "fail"
+        if scenario == "all-error":
+            return "error"
+        if scenario == "first-fail":
+            return "fail" if n == 1 else "pass"
+        if scenario == "alternating":
+            return "fail" if n % 2 else "pass"
+        if scenario is None and self.ask is not None:
+            answer = await self.ask(state, action)
+            return answer if answer in ("pass", "fail", "error") else "pass"
+        return "pass"
+
+
+async def ask_on_terminal(state: str, action: str) -> str:
+    """Ask on stderr/stdin what the simulated result of `state` is (default: pass)."""
+    prompt = (f"[dry run] state '{state}' would run: {action or '(nothing)'}\n"
+              "  result? [p]ass / [f]ail / [e]rror (enter = pass): ")
+    print(prompt, end="", file=sys.stderr, flush=True)
+    line = await trio.to_thread.run_sync(sys.stdin.readline)
+    choice = line.strip().lower()[:1]
+    return {"f": "fail", "e": "error", "2": "fail", "3": "error"}.get(choice, "pass")
+
+
+class _Fatal(Exception):
+    """Ends the run `error` with this message (raised deep, turned into a Step once)."""
+
+
+class LoopAgent:
+    """Runs a `LoopSpec` under the kernel, one state per step.
+
+    Args:
+        spec: The loop (from `load_loop`).
+        context: Variables on top of the file's `context` (the CLI's `--context`).
+        judge: Where `llm_structured` verdicts come from; None gives `error` verdicts.
+        scenario: For dry runs: all-pass | all-fail | all-error | first-fail |
+            alternating. None asks on a terminal (see `ask`), else all-pass.
+        ask: How a dry run without a scenario asks for each result; default: on
+            the terminal when stdin is one.
+        cwd: Working directory of actions (default: the current one).
+        env: Extra environment for actions.
+        prompt_command: The command prompt/slash_command actions run, the prompt
+            appended as the last argument.
+        mcp_command: The command mcp_tool actions run, with the tool name and
+            the JSON params appended.
+        on_line: Called with every action output line (the CLI echoes them).
+        max_output_bytes: How much of each action's stdout/stderr is kept.
+        max_line_events: Output lines written to the audit as `output` events per run.
+        grace: Seconds between SIGTERM and SIGKILL when an action is stopped.
+        warnings: One-line warnings about the loop file, written to the audit
+            at the first step.
+
+    Attributes:
+        captured: Captured action results by name (readable after the run).
+        iteration: States executed so far.
+        current: The state the next step executes.
+    """
+
+    def __init__(self, spec: LoopSpec, *, context: Mapping[str, Any] | None = None,
+                 judge: ev.VerdictSource | None = None, scenario: str | None = None,
+                 ask: Asker | None = None, cwd: str | None = None,
+                 env: Mapping[str, str] | None = None,
+                 prompt_command: Sequence[str] = ("claude", "-p"),
+                 mcp_command: Sequence[str] = ("mcp-call",), on_line: LineSink | None = None,
+                 max_output_bytes: int = 256 << 10, max_line_events: int = 1000,
+                 grace: float = 2.0, warnings: Sequence[str] = ()) -> None:
+        if scenario is not None and scenario not in SCENARIOS:
+            raise ConfigError(f"unknown scenario {scenario!r} (choose from {', '.join(SCENARIOS)})")
+        if spec.initial not in spec.states:
+            raise ConfigError(f"loop {spec.name!r}: initial state {spec.initial!r} is not a state")
+        self.spec = spec
+        self.context: dict[str, Any] = {**spec.context, **(context or {})}
+        self.judge = judge
+        self.scenario = scenario
+        self.ask = ask
+        self.cwd = cwd
+        self.env = dict(env or {})
+        self.prompt_command = tuple(prompt_command)
+        self.mcp_command = tuple(mcp_command)
+        self.on_line = on_line
+        self.max_output_bytes = max_output_bytes
+        self.max_line_events = max_line_events
+        self.grace = grace
+        self.warnings = list(warnings)
+        # Runtime state (what `snapshot` saves).
+        self.current = spec.initial
+        self.iteration = 0
+        self.captured: dict[str, Any] = {}
+        self.prev: dict[str, Any] | None = None
+        self.retries: dict[str, int] = {}
+        self.prev_state: str | None = None
+        self.last_values: dict[str, float] = {}
+        self.output = ""
+        self.elapsed_offset_ms = 0.0
+        self._t0 = 0.0
+        self._started_iso = ""
+        self._begun = False
+        self._backoff_due = False
+        self._line_events = 0
+        self._steer: list[str] = []
+        self._ctx: RunContext | None = None
+        self._sim: _Simulator | None = None
+        self._sim_lines: list[str] = []
+        self._sim_indent = ""
+        self._sim_note = ""
+        self._sim_shown = ""
+        self._step_output: str | None = None
+
+    # ---------------------------------------------------------------- kernel
+
+    async def step(self, ctx: RunContext) -> Step:
+        """Execute one state: enter, act, evaluate, route."""
+        self._ctx = ctx
+        if not self._begun:
+            final = self._begin(ctx)
+            if final is not None:
+                return final
+        self._take_steer(ctx)
+        if self._backoff_due and self.spec.backoff > 0:
+            await self._backoff(ctx)
+        self._backoff_due = False
+        return await self._advance(ctx, sim=False)
+
+    def snapshot(self) -> dict[str, Any]:
+        """The resumable state: where the loop is and what it has captured."""
+        return {
+            "loop": self.spec.name, "state": self.current, "iteration": self.iteration,
+            "captured": self.captured, "prev": self.prev, "retries": self.retries,
+            "prev_state": self.prev_state, "last_values": self.last_values,
+            "output": self.output[-_PREVIEW:], "elapsed_ms": self._elapsed_ms(),
+            "backoff_due": self._backoff_due,
+        }
+
+    def restore(self, state: Mapping[str, Any]) -> bool:
+        """Continue from a `snapshot()`; False (and nothing changed) if it does not fit."""
+        if state.get("loop") != self.spec.name or state.get("state") not in self.spec.states:
+            return False
+        self.current = str(state["state"])
+        self.iteration = _int(state.get("iteration"))
+        self.captured = dict(_mapping(state.get("captured")))
+        prev = state.get("prev")
+        self.prev = dict(prev) if isinstance(prev, Mapping) else None
+        self.retries = {str(k): _int(v) for k, v in _mapping(state.get("retries")).items()}
+        prev_state = state.get("prev_state")
+        self.prev_state = prev_state if isinstance(prev_state, str) else None
+        self.last_values = {str(k): float(v) for k, v in _mapping(state.get("last_values")).items()
+                            if isinstance(v, (int, float))}
+        self.output = str(state.get("output") or "")
+        self.elapsed_offset_ms = float(_int(state.get("elapsed_ms")))
+        self._backoff_due = bool(state.get("backoff_due"))
+        return True
+
+    async def simulate(self, ctx: RunContext) -> str:
+        """A dry run: walk the machine with simulated results, execute nothing.
+
+        Returns the path taken, one line per state, which the kernel makes the
+        run's output (status `dry_run`). The `state_enter`/`evaluate`/`route`
+        events are audited as usual, marked `simulated`.
+        """
+        self._ctx = ctx
+        ask = self.ask
+        note = ""
+        if self.scenario is None and ask is None:
+            if sys.stdin is not None and sys.stdin.isatty():
+                ask = ask_on_terminal
+            else:
+                note = " (no --scenario and no terminal to ask: assuming all-pass)"
+        self._sim = _Simulator(self.scenario, ask)
+        how = f"scenario {self.scenario}" if self.scenario else "asking" if ask else "all-pass"
+        self._sim_lines = [f"dry run of loop '{self.spec.name}' ({how}){note}"]
+        limit = ctx.limits.max_steps if ctx.limits.max_steps is not None \
+            else self.spec.max_iterations
+        await self._simulate_run(ctx, min(limit, self.spec.max_iterations))
+        return "\n".join(self._sim_lines)
+
+    # ----------------------------------------------------------- the machine
+
+    def _begin(self, ctx: RunContext) -> Step | None:
+        self._begun = True
+        self._t0 = trio.current_time()
+        self._started_iso = datetime.now(UTC).isoformat(timespec="seconds")
+        for warning in self.warnings:
+            ctx.event("warning", payload={"message": warning})
+        resumed = ctx.resumed_from
+        if isinstance(resumed, Mapping) and self.restore(resumed):
+            ctx.event("loop_resumed", name=self.current,
+                      payload={"state": self.current, "iteration": self.iteration})
+            return None
+        return self._settle(ctx)
+
+    def _settle(self, ctx: RunContext) -> Step | None:
+        """Make the moves that execute nothing; a final Step if the loop ends here.
+
+        Counts consecutive re-entries against `max_retries`, turns a terminal
+        state into the end of the run (or, with `maintain`, a restart), and
+        takes `on_retry_exhausted` detours.
+        """
+        hops = 0
+        while True:
+            name = self.current
+            st = self.spec.states[name]
+            if self.prev_state is not None:
+                if name == self.prev_state:
+                    self.retries[name] = self.retries.get(name, 0) + 1
+                else:
+                    self.retries.pop(self.prev_state, None)
+            if st.terminal:
+                if not self.spec.maintain:
+                    return Step(output=self.output, final=True, name=name,
+                                payload={"terminal": name, "iteration": self.iteration})
+                target = st.on_maintain or self.spec.initial
+                self._route_event(ctx, name, target, "maintain", None)
+            elif st.max_retries is not None and self.retries.get(name, 0) > st.max_retries:
+                count = self.retries.pop(name)
+                if st.on_retry_exhausted is None:
+                    return Step(output=self.output, final=True, name=name, error=(
+                        f"state '{name}' was re-entered {count} times in a row "
+                        f"(max_retries={st.max_retries}) and has no on_retry_exhausted"))
+                target = st.on_retry_exhausted
+                ctx.event("retry_exhausted", name=name, payload={
+                    "state": name, "retries": count, "max_retries": st.max_retries,
+                    "next": target})
+                self._route_event(ctx, name, target, "retry_exhausted", None)
+            else:
+                return None
+            hops += 1
+            if target not in self.spec.states or hops > len(self.spec.states) + 1:
+                why = (f"'{target}' is not a state" if target not in self.spec.states
+                       else "states route in a circle without executing anything")
+                return Step(output=self.output, final=True, name=name,
+                            error=f"no valid transition from state '{name}': {why}")
+            self.prev_state = name
+            self.current = target
+
+    async def _advance(self, ctx: RunContext, *, sim: bool) -> Step:
+        st = self.spec.states[self.current]
+        name = st.name
+        self.iteration += 1
+        self._sim_note = ""
+        self._step_output = None
+        payload: dict[str, Any] = {"state": name, "iteration": self.iteration, "mode": st.mode}
+        if sim:
+            payload["simulated"] = True
+        ctx.event("state_enter", name=name, payload=payload)
+        try:
+            outcome = await self._execute(st, ctx, sim=sim)
+        except tpl.MissingVariable as exc:
+            return self._sim_end(Step(output=self.output, final=True, name=name,
+                                      error=_missing_message(exc, name)))
+        except (tpl.TemplateError, _Fatal) as exc:
+            return self._sim_end(Step(output=self.output, final=True, name=name,
+                                      error=f"state '{name}': {exc}"))
+        if isinstance(outcome, Step):
+            return self._sim_end(outcome)
+        target, reason = outcome.target, outcome.reason
+        if target is None:
+            if not self.spec.maintain:
+                return self._sim_end(Step(
+                    output=self.output, final=True, name=name,
+                    error=f"no valid transition from state '{name}' for verdict "
+                          f"'{outcome.verdict}'"))
+            target, reason = st.on_maintain or self.spec.initial, f"maintain ({reason})"
+        if target not in self.spec.states:
+            return self._sim_end(Step(output=self.output, final=True, name=name, error=(
+                f"state '{name}' routes to '{target}', which is not a state")))
+        self._route_event(ctx, name, target, reason, outcome.verdict)
+        if sim:
+            self._sim_lines.append(f"{self._sim_indent}{self.iteration:>3}. {name}"
+                                   f"{self._sim_note} -> {target}")
+        self.prev_state, self.current = name, target
+        self._backoff_due = True
+        info = {"state": name, "iteration": self.iteration, "verdict": outcome.verdict,
+                "next": target}
+        final = self._settle(ctx)
+        if final is not None:
+            return replace(final, name=name, payload={**info, **(final.payload or {})})
+        shown = self._step_output[-_PREVIEW:] if self._step_output is not None else None
+        return Step(output=shown, name=name, payload=info)
+
+    def _sim_end(self, step: Step) -> Step:
+        if self._sim is not None:
+            st = self.current
+            what = (f"error: {step.error}" if step.error is not None
+                    else f"handoff: {step.handoff}" if step.handoff is not None
+                    else f"stop: {step.stop}" if step.stop is not None else "end")
+            self._sim_lines.append(f"{self._sim_indent}{self.iteration:>3}. {st}"
+                                   f"{self._sim_note} -> {what}")
+        return step
+
+    async def _execute(self, st: StateSpec, ctx: RunContext, *, sim: bool) -> _Outcome | Step:
+        result: ActionResult | None = None
+        if st.mode == "loop":
+            verdict = await self._subloop(st, ctx, sim=sim)
+        else:
+            if st.action is not None:
+                if sim:
+                    result = self._simulated_action(st, ctx)
+                    stop = self._simulated_signal(st)
+                    if stop is not None:
+                        return stop
+                else:
+                    result = await self._run_action(st, ctx)
+                    stop = self._signal(st, result, ctx)
+                    if stop is not None:
+                        return stop
+                    if result.signal is not None:
+                        table = st.route
+                        target = (table and (table.table.get("error") or table.error)) \
+                            or st.on.get("error")
+                        if target is None:
+                            return Step(output=self.output, final=True, name=st.name, stop=(
+                                f"the action of state '{st.name}' was killed by signal "
+                                f"{result.signal}"))
+                        self._record_prev(st, result)
+                        return _Outcome("error", self._resolve(target, st, ctx, None),
+                                        f"killed by signal {result.signal}")
+            if st.next is not None:
+                self._record_prev(st, result)
+                return _Outcome(None, self._resolve(st.next, st, ctx, None), "next")
+            verdict = await self._evaluate(st, result, ctx, sim=sim)
+        self._record_prev(st, result)
+        target, reason = self._route(st, verdict, ctx)
+        return _Outcome(verdict.verdict, target, reason)
+
+    def _route(self, st: StateSpec, verdict: ev.Verdict,
+               ctx: RunContext) -> tuple[str | None, str]:
+        """next is handled by the caller; then the route table, then the shorthands."""
+        v = verdict.verdict
+        result = {"verdict": v, "details": verdict.details}
+        if st.route is not None:
+            table = st.route
+            if v in table.table:
+                return self._resolve(table.table[v], st, ctx, result), f"route.{v}"
+            if v == "error" and table.error is not None:
+                return self._resolve(table.error, st, ctx, result), "route._error"
+            if table.default is not None:
+                return self._resolve(table.default, st, ctx, result), "route._"
+        if v in st.on:
+            return self._resolve(st.on[v], st, ctx, result), f"on_{v}"
+        return None, f"no route for verdict '{v}'"
+
+    def _resolve(self, target: str, st: StateSpec, ctx: RunContext,
+                 result: Mapping[str, Any] | None) -> str:
+        if target == CURRENT:
+            return st.name
+        if "${" not in target:
+            return target
+        return tpl.render(target, self._ns(ctx, st, result)).strip()
+
+    def _route_event(self, ctx: RunContext, src: str, dst: str, reason: str,
+                     verdict: str | None) -> None:
+        payload: dict[str, Any] = {"from": src, "to": dst, "reason": reason}
+        if verdict is not None:
+            payload["verdict"] = verdict
+        if self._sim is not None:
+            payload["simulated"] = True
+        ctx.event("route", name=src, payload=payload)
+
+    def _record_prev(self, st: StateSpec, result: ActionResult | None) -> None:
+        if result is not None:
+            self.prev = {**_capture(result), "state": st.name}
+
+    # ---------------------------------------------------------------- actions
+
+    async def _run_action(self, st: StateSpec, ctx: RunContext) -> ActionResult:
+        assert st.action is not None
+        ns = self._ns(ctx, st, None)
+        mode = st.mode
+        timeout = st.timeout or self.spec.default_timeout or (
+            DEFAULT_MCP_TIMEOUT if mode == "mcp_tool" else DEFAULT_ACTION_TIMEOUT)
+        env = {**os.environ, **self.env}
+        extra: dict[str, Any] = {}
+        if mode == "shell":
+            cmd = tpl.render_shell(st.action, ns)
+            argv = ["bash", "-c", cmd.command]
+            env.update(cmd.env)
+            shown = cmd.display
+            extra["command"] = _clip(cmd.command, _PREVIEW)
+        elif mode == "prompt":
+            shown = tpl.render(st.action, ns)
+            if self._steer:
+                shown += "\n\nNotes from the supervisor:\n" + "\n".join(
+                    f"- {m}" for m in self._steer)
+                ctx.event("steer_delivered", name=st.name, payload={"messages": self._steer})
+                self._steer = []
+            argv = [*self.prompt_command, shown]
+        else:
+            tool = tpl.render(st.action, ns).strip()
+            params = json.dumps(tpl.render_obj(st.params, ns), default=str)
+            argv = [*self.mcp_command, tool, params]
+            shown = f"{tool} {params}"
+        ctx.event("action_start", name=mode, payload={
+            "state": st.name, "action_type": mode, "action": _clip(shown, _PREVIEW),
+            "timeout": timeout, **extra})
+        result = await run_process(argv, env=env, cwd=self.cwd, timeout=timeout,
+                                   on_line=self._line, max_bytes=self.max_output_bytes,
+                                   grace=self.grace)
+        ctx.event("action_end", name=mode, duration_ms=result.duration_ms, payload={
+            "state": st.name, "exit_code": result.exit_code, "signal": result.signal,
+            "timed_out": result.timed_out, "output_tail": result.output[-_PREVIEW:],
+            "stderr_tail": result.stderr[-_PREVIEW:]})
+        if st.capture:
+            self.captured[st.capture] = _capture(result)
+        self.output = self._step_output = result.output
+        return result
+
+    def _simulated_action(self, st: StateSpec, ctx: RunContext) -> ActionResult:
+        assert st.action is not None
+        ns = self._ns(ctx, st, None)
+        if st.mode == "shell":
+            shown = tpl.render_shell(st.action, ns).display
+        elif st.mode == "mcp_tool":
+            shown = f"{tpl.render(st.action, ns)} {json.dumps(tpl.render_obj(st.params, ns))}"
+        else:
+            shown = tpl.render(st.action, ns)
+        self._sim_shown = shown
+        self._sim_note = f" [{st.mode}] would run: {_clip(' '.join(shown.split()), 120)}"
+        result = ActionResult(f"[simulated output of state {st.name}]", "", 0, 0.0)
+        if st.capture:
+            self.captured[st.capture] = _capture(result)
+        self.output = result.output
+        return result
+
+    def _simulated_signal(self, st: StateSpec) -> Step | None:
+        """In a dry run, an action that visibly prints a signal is taken to send it."""
+        for marker, kind in SIGNALS.items():
+            at = self._sim_shown.find(marker)
+            if at >= 0:
+                text = self._sim_shown[at + len(marker):].split("\n")[0].strip(" '\"")
+                self._sim_note += f" => signals {marker}"
+                return self._signal_step(st, kind, text)
+        return None
+
+    def _signal(self, st: StateSpec, result: ActionResult, ctx: RunContext) -> Step | None:
+        found = detect_signal(result.output)
+        if found is None:
+            return None
+        kind, text = found
+        ctx.event("signal", name=st.name, payload={"signal": kind, "text": text,
+                                                   "state": st.name})
+        return self._signal_step(st, kind, text)
+
+    def _signal_step(self, st: StateSpec, kind: str, text: str) -> Step:
+        if kind == "handoff":
+            return Step(output=text, final=True, name=st.name,
+                        handoff=text or f"handoff requested by state '{st.name}'")
+        if kind == "error":
+            return Step(output=self.output, final=True, name=st.name,
+                        error=text or f"FATAL_ERROR in state '{st.name}'")
+        return Step(output=self.output, final=True, name=st.name,
+                    stop=text or f"LOOP_STOP in state '{st.name}'")
+
+    def _line(self, stream: str, line: str) -> None:
+        ctx = self._ctx
+        if ctx is not None:
+            if self._line_events < self.max_line_events:
+                self._line_events += 1
+                ctx.event("output", name=stream, payload={"line": line[:_PREVIEW],
+                                                          "state": self.current})
+            else:
+                ctx.activity("output")
+        if self.on_line is not None:
+            self.on_line(stream, line)
+
+    def _take_steer(self, ctx: RunContext) -> None:
+        """Critic nudges reach a prompt action; anything else can only record them."""
+        if not ctx.steer:
+            return
+        messages = [m.content for m in ctx.steer]
+        st = self.spec.states[self.current]
+        if st.mode == "prompt":
+            self._steer.extend(messages)
+        else:
+            ctx.event("steer_undeliverable", name=st.name, payload={
+                "messages": messages,
+                "why": f"state '{st.name}' runs {st.mode}, which has no channel for nudges"})
+
+    async def _backoff(self, ctx: RunContext) -> None:
+        """Sleep `backoff` seconds between iterations; any cancellation ends it at once.
+
+        The sleep is a plain trio sleep inside the run's cancel scope, so the
+        run's deadline, a critic kill or Ctrl-C interrupts it. It reports
+        activity every few seconds: waiting on purpose is not a stall.
+        """
+        remaining = self.spec.backoff
+        ctx.event("backoff", name=self.current, payload={"seconds": remaining})
+        while remaining > 0:
+            chunk = min(remaining, 5.0)
+            await trio.sleep(chunk)
+            remaining -= chunk
+            ctx.activity("backoff")
+
+    # -------------------------------------------------------------- evaluate
+
+    async def _evaluate(self, st: StateSpec, result: ActionResult | None, ctx: RunContext,
+                        *, sim: bool) -> ev.Verdict:
+        spec = st.evaluate
+        kind = spec.type if spec is not None else _DEFAULT_EVALUATOR.get(st.mode, "none")
+        if kind == "none":
+            verdict = ev.Verdict("yes", {"reason": "no action and no evaluator"})
+        elif sim:
+            assert self._sim is not None
+            outcome = await self._sim.outcome(st.name, self._sim_note)
+            verdict = ev.Verdict(_simulated_verdict(kind, outcome), {"simulated": outcome})
+            self._sim_note += f" => {outcome} ({verdict.verdict})"
+        else:
+            verdict = await self._judge(kind, spec, st, result, ctx)
+        ctx.event("evaluate", name=st.name, payload={
+            "state": st.name, "type": kind, "verdict": verdict.verdict,
+            "details": verdict.details, **({"simulated": True} if sim else {})})
+        return verdict
+
+    async def _judge(self, kind: str, spec: EvaluateSpec | None, st: StateSpec,
+                     result: ActionResult | None, ctx: RunContext) -> ev.Verdict:
+        ns = self._ns(ctx, st, None)
+        text = result.output if result is not None else ""
+        if spec is not None and spec.source is not None:
+            text = tpl.render(spec.source, ns)
+        code = result.exit_code if result is not None else 0
+        if kind == "exit_code":
+            return ev.exit_code(code)
+        if kind == "mcp_result":
+            return ev.mcp_result(text, code)
+        if kind == "llm_structured":
+            return await ev.llm_structured(text, spec or EvaluateSpec("llm_structured"),
+                                           self.spec.llm, self.judge)
+        assert spec is not None
+        operator = spec.operator or "eq"
+        if kind == "output_contains":
+            return ev.output_contains(text, tpl.render(spec.pattern or "", ns),
+                                      negate=spec.negate)
+        if kind == "output_numeric":
+            return ev.output_numeric(text, operator, self._param(spec.target, ns))
+        if kind == "output_json":
+            return ev.output_json(text, spec.path or ".", operator, self._param(spec.target, ns))
+        # convergence
+        current = ev.parse_number(text)
+        if current is None:
+            return ev.Verdict("error", {"error": f"output is not a number: {text.strip()[:100]!r}"})
+        target = ev.parse_number(str(self._param(spec.target, ns)))
+        if target is None:
+            return ev.Verdict("error", {"error": f"target is not a number: {spec.target!r}"})
+        tolerance = ev.parse_number(str(self._param(spec.tolerance, ns) or 0)) or 0.0
+        previous: float | None = self.last_values.get(st.name)
+        if spec.previous is not None:
+            try:
+                previous = ev.parse_number(tpl.render(spec.previous, ns))
+            except tpl.MissingVariable:
+                previous = None
+        self.last_values[st.name] = current
+        return ev.convergence(current, previous, target, tolerance=abs(tolerance),
+                              direction=spec.direction)
+
+    @staticmethod
+    def _param(value: Any, ns: tpl.Namespaces) -> Any:
+        return tpl.render(value, ns) if isinstance(value, str) and "${" in value else value
+
+    # --------------------------------------------------------------- sub-loop
+
+    async def _subloop(self, st: StateSpec, ctx: RunContext, *, sim: bool) -> ev.Verdict:
+        child_spec = st.child
+        if child_spec is None:
+            try:
+                child_spec = self._load_child(st)
+            except _Fatal as exc:
+                if not st.has_error_route():
+                    raise
+                failed = ev.Verdict("error", {"error": str(exc)})
+                ctx.event("evaluate", name=st.name, payload={
+                    "state": st.name, "type": "loop", "verdict": "error",
+                    "details": failed.details})
+                return failed
+        context: dict[str, Any] = {}
+        if st.context_passthrough:
+            context = {**self.context, **self.captured}
+        child = LoopAgent(
+            child_spec, context=context, judge=self.judge, scenario=self.scenario, ask=self.ask,
+            cwd=self.cwd, env=self.env, prompt_command=self.prompt_command,
+            mcp_command=self.mcp_command, on_line=self.on_line,
+            max_output_bytes=self.max_output_bytes, max_line_events=self.max_line_events,
+            grace=self.grace)
+        if sim:
+            assert self._sim is not None
+            child._sim, child._sim_lines = self._sim, self._sim_lines
+            child._sim_indent = self._sim_indent + "      "
+            self._sim_lines.append(f"{self._sim_indent}     sub-loop '{child_spec.name}':")
+            reached = await child._simulate_run(ctx, child_spec.max_iterations)
+            verdict = ev.Verdict("yes" if reached else "no", {"simulated": True})
+            self._sim_note = f" [loop {child_spec.name}] => {verdict.verdict}"
+        else:
+            info = RunInfo(name=child_spec.name, subject_id=f"loop:{child_spec.name}", inputs={
+                "loop": child_spec.path, "parent_state": st.name,
+                "context": {k: tpl.to_text(v) for k, v in child.context.items()}})
+            limits = self._child_limits(child_spec, ctx)
+            res = await ctx.run_child(child, info, limits)
+            self.output = res.output if isinstance(res.output, str) else tpl.to_text(res.output)
+            self._step_output = self.output
+            status = res.status
+            if status is Status.OK:
+                name = "yes"
+            elif status is Status.ERROR and st.has_error_route():
+                name = "error"
+            else:
+                name = "no"
+            verdict = ev.Verdict(name, {"child_run_id": res.run_id,
+                                        "child_status": str(status), "child_error": res.error,
+                                        "child_reason": res.reason})
+        if st.context_passthrough and child.captured:
+            self.captured[st.name] = dict(child.captured)
+        ctx.event("evaluate", name=st.name, payload={
+            "state": st.name, "type": "loop", "verdict": verdict.verdict,
+            "details": verdict.details, **({"simulated": True} if sim else {})})
+        return verdict
+
+    @staticmethod
+    def _child_limits(child: LoopSpec, ctx: RunContext) -> Limits:
+        """The child's own max_iterations and timeout, always finite.
+
+        The parent's deadline bounds the child anyway (the child runs inside
+        the parent's cancel scope, and is recorded `cancelled` when the parent
+        runs out of time). The child's own backstop is set a little past the
+        parent's, so that when both would fire it is the parent that ends
+        `timeout`, rather than the child ending first and the parent routing
+        on a child timeout in the same instant.
+        """
+        left = ctx.deadline - trio.current_time()
+        timeout = child.timeout if child.timeout is not None else Limits().timeout
+        if math.isfinite(left) and child.timeout is None:
+            timeout = left + 1.0
+        return Limits(max_steps=child.max_iterations, timeout=timeout, tool_timeout=None,
+                      poll_interval=ctx.limits.poll_interval)
+
+    def _load_child(self, st: StateSpec) -> LoopSpec:
+        from ._validate import load_loop, resolve_subloop
+
+        assert st.loop is not None
+        parent = Path(self.spec.path) if self.spec.path else Path.cwd() / "loop.yaml"
+        path = resolve_subloop(parent, st.loop)
+        if path is None:
+            raise _Fatal(f"sub-loop file '{st.loop}' not found")
+        try:
+            return load_loop(path, context=self.context if st.context_passthrough else None)
+        except ConfigError as exc:
+            raise _Fatal(f"sub-loop {st.loop}: {exc}") from None
+
+    async def _simulate_run(self, ctx: RunContext, limit: int) -> bool:
+        """Walk the machine in simulation; True when it reached a terminal state."""
+        self._t0 = trio.current_time()
+        self._begun = True
+        final = self._settle(ctx)
+        steps = 0
+        while final is None:
+            if steps >= limit:
+                self._sim_lines.append(f"{self._sim_indent}stopped: max_iterations={limit} "
+                                       "reached (the run would end max_steps)")
+                return False
+            step = await self._advance(ctx, sim=True)
+            steps += 1
+            if step.final:
+                final = step
+        ended_ok = final.error is None and final.handoff is None and final.stop is None
+        if ended_ok:
+            terminal = self.current
+            self._sim_lines.append(f"{self._sim_indent}reached terminal state '{terminal}' "
+                                   f"after {self.iteration} iteration(s)")
+        return ended_ok
+
+    # ------------------------------------------------------------- variables
+
+    def _ns(self, ctx: RunContext, st: StateSpec,
+            result: Mapping[str, Any] | None) -> tpl.Namespaces:
+        elapsed = self._elapsed_ms()
+        path = Path(self.spec.path).resolve() if self.spec.path else None
+        return tpl.Namespaces(
+            context=self.context, captured=self.captured, prev=self.prev, result=result,
+            state={"name": st.name, "iteration": self.iteration},
+            loop={"name": self.spec.name, "elapsed_ms": int(elapsed),
+                  "elapsed": _duration(elapsed), "started_at": self._started_iso,
+                  "dir": str(path.parent) if path else os.getcwd(),
+                  "file": str(path) if path else "", "run_id": ctx.run_id},
+            env={**os.environ, **self.env})
+
+    def _elapsed_ms(self) -> float:
+        if not self._begun:
+            return self.elapsed_offset_ms
+        return self.elapsed_offset_ms + (trio.current_time() - self._t0) * 1000
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def detect_signal(output: str) -> tuple[str, str] | None:
+    """The first output signal line: ("handoff" | "error" | "stop", its text), or None."""
+    for line in output.splitlines():
+        stripped = line.strip()
+        for marker, kind in SIGNALS.items():
+            if stripped.startswith(marker):
+                return kind, stripped[len(marker):].strip()
+    return None
+
+
+def _simulated_verdict(kind: str, outcome: str) -> str:
+    if outcome == "error":
+        return "error"
+    if kind == "convergence":
+        return "target" if outcome == "pass" else "progress"
+    return "yes" if outcome == "pass" else "no"
+
+
+def _capture(result: ActionResult) -> dict[str, Any]:
+    # Trailing newlines go, as with the shell's $(...): captured paths and
+    # values read back cleanly.
+    return {"output": result.output.rstrip("\n"), "stderr": result.stderr.rstrip("\n"),
+            "exit_code": result.exit_code, "duration_ms": round(result.duration_ms, 3)}
+
+
+def _missing_message(exc: tpl.MissingVariable, state: str) -> str:
+    head = exc.name.split(".")
+    if head[0] == "context":
+        hint = f"; pass it with --context {head[1]}=VALUE"
+    elif head[0] == "env":
+        hint = "; set it in the environment or add :default=VALUE"
+    else:
+        hint = "; add :default=VALUE, or ? for empty"
+    return f"missing variable ${{{exc.name}}} in state '{state}': {exc.why}{hint}"
+
+
+def _duration(ms: float) -> str:
+    seconds = int(ms // 1000)
+    if seconds < 1:
+        return f"{int(ms)}ms"
+    if seconds < 60:
+        return f"{seconds}s"
+    minutes, seconds = divmod(seconds, 60)
+    return f"{minutes}m {seconds}s" if seconds else f"{minutes}m"
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _int(value: Any) -> int:
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0
+
+
+def _mapping(value: Any) -> Mapping[Any, Any]:
+    return value if isinstance(value, Mapping) else {}

@@ -1,0 +1,264 @@
+"""Evaluators: turn what a state produced into a verdict the routes key on.
+
+Every evaluator returns a `Verdict` and never raises on bad input: text
+that does not parse gives the verdict `error` with the reason in `details`.
+Verdicts are `yes`/`no`/`error` (and `partial`/`blocked` from a model);
+`convergence` answers `target`/`progress`/`stall`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import operator as op
+import re
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import trio
+
+from ._spec import EvaluateSpec, LLMSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """An evaluator's answer: the routing key and what it was based on."""
+
+    verdict: str
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+_COMPARE: dict[str, Callable[[Any, Any], bool]] = {
+    "eq": op.eq, "ne": op.ne, "lt": op.lt, "le": op.le, "gt": op.gt, "ge": op.ge,
+}
+
+
+def exit_code(code: int) -> Verdict:
+    """0 -> yes, 1 -> no, anything else (2+, killed, timed out) -> error."""
+    verdict = "yes" if code == 0 else "no" if code == 1 else "error"
+    return Verdict(verdict, {"exit_code": code})
+
+
+def output_contains(text: str, pattern: str, *, negate: bool = False) -> Verdict:
+    """yes when `pattern` (a regex, or plain text if it is not one) occurs; `negate` flips it."""
+    try:
+        matched = re.search(pattern, text, re.MULTILINE) is not None
+        how = "regex"
+    except re.error:
+        matched = pattern in text
+        how = "text"
+    return Verdict("yes" if matched != negate else "no",
+                   {"matched": matched, "pattern": pattern, "negate": negate, "as": how})
+
+
+def parse_number(text: str) -> float | None:
+    """The number `text` holds: the whole (stripped) text, else its last non-empty line."""
+    stripped = text.strip()
+    candidates = [stripped]
+    if "\n" in stripped:
+        candidates.append(stripped.rsplit("\n", 1)[1].strip())
+    for candidate in candidates:
+        try:
+            value = float(candidate)
+        except ValueError:
+            continue
+        if not math.isnan(value):
+            return value
+    return None
+
+
+def output_numeric(text: str, operator: str, target: Any) -> Verdict:
+    """yes when the output, read as a number, compares true against `target`."""
+    value = parse_number(text)
+    if value is None:
+        return Verdict("error", {"error": f"output is not a number: {_clip(text)!r}"})
+    goal = _as_float(target)
+    if goal is None:
+        return Verdict("error", {"error": f"target is not a number: {target!r}"})
+    met = _COMPARE[operator](value, goal)
+    return Verdict("yes" if met else "no",
+                   {"value": value, "operator": operator, "target": goal})
+
+
+def json_path(data: Any, path: str) -> Any:
+    """The value at a jq-like `path` (`.a.b.0`, `a.b[0]`, `.` for the whole); KeyError if absent."""
+    parts = [p for p in re.split(r"\.|\[(\d+)\]", path.strip()) if p]
+    current = data
+    for part in parts:
+        if isinstance(current, Mapping) and part in current:
+            current = current[part]
+        elif isinstance(current, list) and part.lstrip("-").isdigit() and \
+                -len(current) <= int(part) < len(current):
+            current = current[int(part)]
+        else:
+            raise KeyError(path)
+    return current
+
+
+def output_json(text: str, path: str, operator: str, target: Any) -> Verdict:
+    """yes when the JSON value at `path` compares true against `target`.
+
+    Numbers compare numerically (a numeric string on either side counts);
+    other values support only eq/ne.
+    """
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        return Verdict("error", {"error": f"output is not JSON: {exc}"})
+    try:
+        value = json_path(data, path)
+    except KeyError:
+        return Verdict("error", {"error": f"no value at path {path!r}", "path": path})
+    details = {"value": value, "path": path, "operator": operator, "target": target}
+    left, right = _as_float(value), _as_float(target)
+    if left is not None and right is not None and not isinstance(value, bool) \
+            and not isinstance(target, bool):
+        return Verdict("yes" if _COMPARE[operator](left, right) else "no", details)
+    if operator not in ("eq", "ne"):
+        return Verdict("error", {**details, "error": f"{operator} needs numbers"})
+    return Verdict("yes" if (value == target) == (operator == "eq") else "no", details)
+
+
+def convergence(current: float, previous: float | None, target: float, *,
+                tolerance: float = 0.0, direction: str = "minimize") -> Verdict:
+    """Progress of a metric toward `target`.
+
+    `target` when within `tolerance` of the target; otherwise `progress` when
+    it moved toward the target (`direction`) by more than `tolerance` since
+    the previous value (or there is no previous value yet); else `stall`.
+    The tolerance is a noise band: changes inside it are not progress.
+    """
+    details: dict[str, Any] = {"current": current, "previous": previous, "target": target,
+                               "tolerance": tolerance, "direction": direction}
+    if abs(current - target) <= tolerance:
+        return Verdict("target", details)
+    if previous is None:
+        return Verdict("progress", {**details, "delta": None})
+    delta = current - previous
+    gained = -delta if direction == "minimize" else delta
+    return Verdict("progress" if gained > tolerance else "stall", {**details, "delta": delta})
+
+
+def mcp_result(text: str, code: int) -> Verdict:
+    """An MCP tool call's result envelope: yes unless `isError`, error if the call failed.
+
+    The caller (`mcp-call` by default) exits 0 with the result envelope as
+    JSON, 1 when the tool reported an error, 124 on timeout, 127 when the
+    server or tool was not found.
+    """
+    if code == 124:
+        return Verdict("error", {"exit_code": code, "error": "the MCP call timed out"})
+    if code == 127:
+        return Verdict("error", {"exit_code": code, "error": "MCP server or tool not found"})
+    if code not in (0, 1):
+        return Verdict("error", {"exit_code": code, "error": f"the MCP call failed ({code})"})
+    try:
+        envelope = json.loads(text) if text.strip() else {}
+    except ValueError:
+        return Verdict("error", {"exit_code": code, "error": "output is not an MCP result"})
+    if not isinstance(envelope, Mapping):
+        return Verdict("error", {"exit_code": code, "error": "output is not an MCP result"})
+    is_error = bool(envelope.get("isError", code == 1))
+    return Verdict("no" if is_error else "yes", {"exit_code": code, "is_error": is_error})
+
+
+# ---------------------------------------------------------------- the model
+
+
+DEFAULT_PROMPT = "Did the action achieve its goal? Judge from its output."
+DEFAULT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "verdict": {"type": "string", "enum": ["yes", "no", "partial", "blocked"],
+                    "description": "yes: goal met; no: not met, try again; partial: progress "
+                                   "but not done; blocked: needs outside help"},
+        "confidence": {"type": "number", "minimum": 0, "maximum": 1},
+        "reason": {"type": "string"},
+    },
+    "required": ["verdict", "confidence", "reason"],
+}
+_ALIASES = {"success": "yes", "failure": "no", "fail": "no", "pass": "yes"}
+MAX_JUDGED_CHARS = 4000
+
+
+@dataclass(frozen=True, slots=True)
+class JudgeRequest:
+    """What an `llm_structured` evaluation asks a model.
+
+    Attributes:
+        prompt: The instruction (the state's `evaluate.prompt`, or a default).
+        output: The text to judge (the last `MAX_JUDGED_CHARS` characters).
+        schema: The JSON schema the answer must follow (verdict, confidence, reason).
+        model: The loop's `llm.model`, if set.
+        max_tokens: The loop's `llm.max_tokens`.
+    """
+
+    prompt: str
+    output: str
+    schema: Mapping[str, Any]
+    model: str | None = None
+    max_tokens: int = 256
+
+
+class VerdictSource(Protocol):
+    """Where `llm_structured` verdicts come from (the CLI wires the LLM adapter).
+
+    **Protocol:** awaited once per evaluation on the trio thread; returns a
+    mapping with `verdict` (str) and optionally `confidence` (0..1) and
+    `reason`. It may take as long as it needs: the evaluation bounds it by
+    the loop's `llm.timeout` and cancels it after. Raising gives the state
+    the verdict `error` with the exception's text; it never ends the run.
+    """
+
+    def __call__(self, request: JudgeRequest) -> Awaitable[Mapping[str, Any]]: ...
+
+
+async def llm_structured(text: str, spec: EvaluateSpec, llm: LLMSpec,
+                         judge: VerdictSource | None) -> Verdict:
+    """Ask the configured model for a verdict; without one, `error` saying why."""
+    if not llm.enabled:
+        return Verdict("error", {"error": "LLM evaluation is disabled (llm.enabled: false)"})
+    if judge is None:
+        return Verdict("error", {"error": "llm_structured needs a model and none is configured "
+                                          "(wire a VerdictSource into LoopAgent(judge=...))"})
+    request = JudgeRequest(prompt=spec.prompt or DEFAULT_PROMPT, output=text[-MAX_JUDGED_CHARS:],
+                           schema=spec.schema or DEFAULT_SCHEMA, model=llm.model,
+                           max_tokens=llm.max_tokens)
+    answer: Mapping[str, Any] | None = None
+    with trio.move_on_after(llm.timeout):
+        try:
+            answer = await judge(request)
+        except Exception as exc:
+            return Verdict("error", {"error": f"the model failed: {type(exc).__name__}: {exc}"})
+    if answer is None:
+        return Verdict("error", {"error": f"the model did not answer within {llm.timeout:g}s"})
+    if not isinstance(answer, Mapping) or not isinstance(answer.get("verdict"), str):
+        return Verdict("error", {"error": f"the model's answer has no verdict: {answer!r}"[:300]})
+    verdict = answer["verdict"].strip().lower()
+    verdict = _ALIASES.get(verdict, verdict)
+    confidence = _as_float(answer.get("confidence", 1.0))
+    confidence = 1.0 if confidence is None else confidence
+    confident = confidence >= spec.min_confidence
+    if spec.uncertain_suffix and not confident:
+        verdict += "_uncertain"
+    return Verdict(verdict, {"confidence": confidence, "confident": confident,
+                             "reason": str(answer.get("reason", ""))[:1000]})
+
+
+def _as_float(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value.strip())
+        except ValueError:
+            return None
+    return None
+
+
+def _clip(text: str, limit: int = 100) -> str:
+    text = text.strip()
+    return text if len(text) <= limit else text[:limit] + "..."

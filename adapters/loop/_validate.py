@@ -1,0 +1,411 @@
+"""Whole-loop checks and the file loader: what `kernel validate` reports.
+
+Errors mean the loop cannot run as written (an unknown route target, no
+initial state, an evaluator missing its parameters, a malformed template, a
+broken sub-loop); warnings mean it runs but something looks wrong
+(unreachable states, unknown keys, raw shell insertion, a context variable
+that must come from `--context`).
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kernel import ConfigError
+
+from . import _template as tpl
+from ._spec import CURRENT, LoopSpec, Problem, Severity, StateSpec, parse_loop
+from ._yaml import YamlError, load_yaml
+
+MAX_FILE_BYTES = 1 << 20
+
+
+class LoopFileError(ConfigError):
+    """A loop file cannot be run; `problems` lists everything found (errors first).
+
+    `str()` is one line: the first error, its location, and how many more.
+    """
+
+    def __init__(self, problems: list[Problem]) -> None:
+        self.problems = problems
+        errors = [p for p in problems if p.severity == "error"]
+        first = errors[0] if errors else problems[0]
+        more = len(errors) - 1
+        suffix = f" (and {more} more error{'s' if more > 1 else ''}; run 'kernel validate')" \
+            if more > 0 else ""
+        super().__init__(f"{first}{suffix}")
+
+
+@dataclass(slots=True)
+class Report:
+    """The outcome of checking a loop file.
+
+    Attributes:
+        spec: The parsed loop (None when the file could not be read or parsed).
+        problems: Every problem, in file order, errors and warnings mixed.
+    """
+
+    spec: LoopSpec | None
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def errors(self) -> list[Problem]:
+        """The problems that stop the loop from running."""
+        return [p for p in self.problems if p.severity == "error"]
+
+    @property
+    def warnings(self) -> list[Problem]:
+        """The problems that do not."""
+        return [p for p in self.problems if p.severity == "warning"]
+
+    @property
+    def ok(self) -> bool:
+        """True when there is no error (warnings allowed)."""
+        return not self.errors
+
+
+def check_loop(path: str | Path, *, context: Mapping[str, Any] | None = None,
+               context_required: bool = False) -> Report:
+    """Read, parse and validate the loop file at `path`, and its sub-loops.
+
+    Args:
+        path: The loop file.
+        context: Variables that will be given on top of the file's `context`
+            (the CLI's `--context KEY=VALUE`).
+        context_required: Treat a `${context.x}` that neither the file nor
+            `context` defines as an error (at run time) rather than a warning
+            (at `kernel validate`, where `--context` is not known yet).
+    """
+    return _check(Path(path), dict(context or {}), context_required, stack=())
+
+
+def load_loop(path: str | Path, *, context: Mapping[str, Any] | None = None) -> LoopSpec:
+    """The loop at `path`, ready to run, or `LoopFileError` naming the first error.
+
+    Missing context variables are errors here: this is the last check
+    before a run. Warnings are kept on the result of `check_loop`; callers
+    that want them (the CLI) call that instead.
+    """
+    report = check_loop(path, context=context, context_required=True)
+    if report.errors or report.spec is None:
+        raise LoopFileError(report.problems or [Problem("error", "", "cannot load", str(path))])
+    return report.spec
+
+
+def _check(path: Path, context: dict[str, Any], required: bool,
+           stack: tuple[Path, ...]) -> Report:
+    shown = str(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return Report(None, [Problem("error", "", "no such loop file", shown)])
+    except IsADirectoryError:
+        return Report(None, [Problem("error", "", "is a directory, not a loop file", shown)])
+    except OSError as exc:
+        return Report(None, [Problem("error", "", f"cannot read: {exc.strerror or exc}",
+                                     shown)])
+    if len(raw) > MAX_FILE_BYTES:
+        return Report(None, [Problem("error", "", f"too large for a loop file "
+                                                  f"({len(raw)} bytes)", shown)])
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return Report(None, [Problem("error", "", f"not UTF-8 text (byte {exc.start})", shown)])
+    try:
+        data = load_yaml(text)
+    except YamlError as exc:
+        msg = f"YAML syntax error: {exc.message}"
+        return Report(None, [Problem("error", "", msg, shown, exc.line, exc.column)])
+    spec, problems = parse_loop(data, file=shown, default_name=path.stem)
+    if spec is None:
+        return Report(None, problems)
+    _Checker(spec, problems, path, context, required, stack).run()
+    problems.sort(key=lambda p: (p.line or 0))
+    return Report(spec, problems)
+
+
+class _Checker:
+    """The cross-reference checks over one parsed loop."""
+
+    def __init__(self, spec: LoopSpec, problems: list[Problem], path: Path,
+                 context: dict[str, Any], required: bool, stack: tuple[Path, ...]) -> None:
+        self.spec = spec
+        self.problems = problems
+        self.path = path
+        self.context = context
+        self.required = required
+        self.stack = (*stack, path.resolve())
+        self.captures = {s.capture for s in spec.states.values() if s.capture}
+        self.captures |= {s.name for s in spec.states.values() if s.loop is not None}
+
+    def add(self, severity: Severity, where: str, message: str) -> None:
+        self.problems.append(Problem(severity, where, message, self.spec.path,
+                                     self.spec.line_of(where)))
+
+    def run(self) -> None:
+        spec = self.spec
+        if not spec.states:
+            return
+        names = list(spec.states)
+        if spec.initial and spec.initial not in spec.states:
+            self.add("error", "initial", f"initial state '{spec.initial}' is not a state"
+                                         f"{_suggest(spec.initial, names)}")
+        for state in spec.states.values():
+            self.state(state, names)
+        self.reachability()
+        if not spec.maintain and not any(s.terminal for s in spec.states.values()):
+            self.add("warning", "states", "no state is terminal: the loop can only end by "
+                                          "max_iterations, timeout, or a signal")
+
+    # -- one state
+
+    def state(self, st: StateSpec, names: list[str]) -> None:
+        where = f"states.{st.name}"
+        for key, target in st.targets():
+            if target == CURRENT or "${" in target:
+                if "${" in target:
+                    self.template(target, f"{where}.{key}", shell=False)
+                continue
+            if target not in self.spec.states:
+                self.add("error", f"{where}.{key}",
+                         f"route target '{target}' is not a state{_suggest(target, names)}")
+        if st.action is not None and st.loop is not None:
+            self.add("error", f"{where}.loop", "a state has either an action or a loop, not both")
+        if st.terminal:
+            ignored = [k for k, v in (("action", st.action), ("loop", st.loop),
+                                      ("evaluate", st.evaluate), ("next", st.next)) if v]
+            if ignored:
+                self.add("warning", f"{where}.terminal",
+                         f"a terminal state never runs its {', '.join(ignored)}")
+        elif not (st.next or st.route or st.on or self.spec.maintain or _signals(st.action)):
+            self.add("warning", where, "no transition out (no next, route or on_*): the run "
+                                       "ends 'error' after this state unless its output signals")
+        if st.next is not None and (st.route is not None or st.on):
+            self.add("warning", f"{where}.next", "'next' wins: route/on_* keys are never used")
+        if st.action_type is not None and st.action is None:
+            self.add("warning", f"{where}.action_type", "action_type without an action")
+        if st.params and st.mode != "mcp_tool":
+            self.add("warning", f"{where}.params", "params are only used by mcp_tool actions")
+        if st.max_retries is not None and st.on_retry_exhausted is None:
+            self.add("warning", f"{where}.max_retries",
+                     "max_retries without on_retry_exhausted: the run ends 'error' when the "
+                     "retries run out")
+        if st.on_retry_exhausted is not None and st.max_retries is None:
+            self.add("warning", f"{where}.on_retry_exhausted",
+                     "on_retry_exhausted without max_retries is never used")
+        if st.context_passthrough and st.loop is None:
+            self.add("warning", f"{where}.context_passthrough", "only used with 'loop'")
+        if st.action is not None:
+            self.template(st.action, f"{where}.action", shell=st.mode == "shell")
+        for key, value in _strings(st.params, f"{where}.params"):
+            self.template(value, key, shell=False)
+        if st.evaluate is not None:
+            self.evaluate(st, f"{where}.evaluate")
+        elif st.mode == "none" and not st.terminal and st.next is None and (st.on or st.route):
+            # No action, no evaluator: the verdict is always "yes".
+            routes = set(st.on) | (set(st.route.table) if st.route else set())
+            if routes and "yes" not in routes and not (st.route and st.route.default):
+                self.add("warning", where, "without an action or evaluate, the verdict is "
+                                           "always 'yes', and no route takes it")
+        if st.loop is not None:
+            self.subloop(st, f"{where}.loop")
+        self.verdicts_routed(st, where)
+
+    def verdicts_routed(self, st: StateSpec, where: str) -> None:
+        """Warn when a state routes none of the verdicts its evaluator can give."""
+        if st.next is not None or st.terminal or (st.route and st.route.default):
+            return
+        kind = st.evaluate.type if st.evaluate else _DEFAULT_EVALUATOR.get(st.mode)
+        gives = _VERDICTS.get(kind or "")
+        routed = set(st.on) | (set(st.route.table) if st.route else set())
+        if gives is None or not routed or routed & gives:
+            return
+        self.add("warning", where, f"routes none of the verdicts {kind} gives "
+                                   f"({', '.join(sorted(gives))}); routed: "
+                                   f"{', '.join(sorted(routed))}")
+
+    def evaluate(self, st: StateSpec, where: str) -> None:
+        ev = st.evaluate
+        assert ev is not None
+        need: dict[str, tuple[str, ...]] = {
+            "output_contains": ("pattern",),
+            "output_numeric": ("target",),
+            "output_json": ("path", "target"),
+            "convergence": ("target",),
+        }
+        for key in need.get(ev.type, ()):
+            if getattr(ev, key) is None:
+                self.add("error", f"{where}.{key}", f"the {ev.type} evaluator needs '{key}'")
+        if ev.type == "output_numeric" and ev.target is not None:
+            self.numeric(ev.target, f"{where}.target")
+        if ev.type == "convergence":
+            for key in ("target", "tolerance"):
+                value = getattr(ev, key)
+                if value is not None:
+                    self.numeric(value, f"{where}.{key}")
+        if ev.type == "output_contains" and ev.pattern is not None:
+            self.template(ev.pattern, f"{where}.pattern", shell=False)
+        for key in ("source", "previous"):
+            value = getattr(ev, key)
+            if value is not None:
+                self.template(value, f"{where}.{key}", shell=False)
+        if ev.type == "mcp_result" and st.mode not in ("mcp_tool", "none"):
+            self.add("warning", f"{where}.type", "mcp_result expects an mcp_tool action")
+        if st.next is not None:
+            self.add("warning", f"{where}", "'next' skips evaluation: this evaluator never runs")
+
+    def numeric(self, value: Any, where: str) -> None:
+        if isinstance(value, str) and "${" in value:
+            self.template(value, where, shell=False)
+            return
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            self.add("error", where, f"expected a number, got {value!r}")
+            return
+        try:
+            float(value)
+        except ValueError:
+            self.add("error", where, f"expected a number, got {value!r}")
+
+    def template(self, text: str, where: str, *, shell: bool) -> None:
+        try:
+            segments = tpl.parse(text)
+        except tpl.TemplateError as exc:
+            self.add("error", where, str(exc))
+            return
+        holes = [s for s in segments if isinstance(s, tpl.Placeholder)]
+        contexts = tpl.shell_contexts(segments) if shell else ["top"] * len(holes)
+        for ph, context in zip(holes, contexts, strict=False):
+            self.placeholder(ph, where, shell=shell, context=context)
+
+    def placeholder(self, ph: tpl.Placeholder, where: str, *, shell: bool, context: str) -> None:
+        if ph.raw and shell:
+            self.add("warning", where, f"{ph.source} is inserted unquoted (:raw): a value "
+                                       "containing shell syntax will run as code")
+        elif ph.raw:
+            self.add("warning", where, f":raw in {ph.source} only matters in shell actions")
+        if shell and not ph.raw and context == "heredoc_q":
+            self.add("error", where, f"{ph.source} is inside a quoted heredoc, where nothing is "
+                                     "expanded; use an unquoted heredoc (<<EOF)")
+        if shell and context == "arith":
+            self.add("warning", where, f"{ph.source} is used in shell arithmetic, which "
+                                       "evaluates its operands: check the value is a number")
+        fallback = ph.default is not None or ph.optional
+        head = ph.path[0]
+        if ph.namespace == "context":
+            if head not in self.spec.context and head not in self.context and not fallback:
+                msg = (f"context variable '{head}' is not defined (pass --context "
+                       f"{head}=VALUE, or add it under 'context:')")
+                self.add("error" if self.required else "warning", where, msg)
+        elif ph.namespace == "captured":
+            if head not in self.captures and not fallback:
+                self.add("warning", where, f"no state captures '{head}' (capture: {head})")
+            if len(ph.path) == 2 and ph.path[1] not in tpl.CAPTURE_FIELDS:
+                self.add("error", where, f"{ph.source}: a capture has "
+                                         f"{', '.join(tpl.CAPTURE_FIELDS)}")
+        elif ph.namespace == "prev" and head not in tpl.PREV_FIELDS:
+            self.add("error", where, f"{ph.source}: prev has {', '.join(tpl.PREV_FIELDS)}")
+        elif ph.namespace == "state" and head not in tpl.STATE_FIELDS:
+            self.add("error", where, f"{ph.source}: state has {', '.join(tpl.STATE_FIELDS)}")
+        elif ph.namespace == "loop" and head not in tpl.LOOP_FIELDS:
+            self.add("error", where, f"{ph.source}: loop has {', '.join(tpl.LOOP_FIELDS)}")
+        elif ph.namespace == "result" and head not in ("verdict", "details"):
+            self.add("error", where, f"{ph.source}: result has verdict, details")
+
+    def subloop(self, st: StateSpec, where: str) -> None:
+        assert st.loop is not None
+        if "${" in st.loop:
+            self.add("error", where, "a sub-loop path cannot use variables (it is checked "
+                                     "before the run)")
+            return
+        child_path = resolve_subloop(self.path, st.loop)
+        if child_path is None:
+            self.add("error", where, f"sub-loop file '{st.loop}' not found "
+                                     f"(looked in {self.path.parent or '.'})")
+            return
+        if child_path.resolve() in self.stack:
+            chain = " -> ".join(p.name for p in (*self.stack, child_path))
+            self.add("error", where, f"sub-loops form a cycle: {chain}")
+            return
+        given: dict[str, Any] = {}
+        if st.context_passthrough:
+            given = {**self.spec.context, **self.context, **{c: {} for c in self.captures}}
+        report = _check(child_path, given, self.required, self.stack)
+        for p in report.errors:
+            self.add("error", where, f"in sub-loop: {p}")
+        st.child = report.spec if report.ok else None
+
+    # -- the whole machine
+
+    def reachability(self) -> None:
+        spec = self.spec
+        if spec.initial not in spec.states:
+            return
+        dynamic = any("${" in t for s in spec.states.values() for _, t in s.targets())
+        if dynamic:
+            return  # a computed target could go anywhere
+        seen = {spec.initial}
+        todo = [spec.initial]
+        while todo:
+            st = spec.states[todo.pop()]
+            nxt = [t for _, t in st.targets()]
+            if spec.maintain and (st.terminal or not nxt):
+                nxt.append(st.on_maintain or spec.initial)
+            for target in nxt:
+                if target in spec.states and target not in seen:
+                    seen.add(target)
+                    todo.append(target)
+        for name in spec.states:
+            if name not in seen:
+                self.add("warning", f"states.{name}",
+                         f"unreachable: no route from '{spec.initial}' leads here")
+
+
+# The verdicts each evaluator can give besides `error` (llm_structured: whatever the model says).
+_VERDICTS = {
+    "exit_code": {"yes", "no"}, "output_contains": {"yes", "no"},
+    "output_numeric": {"yes", "no"}, "output_json": {"yes", "no"},
+    "convergence": {"target", "progress", "stall"}, "mcp_result": {"yes", "no"},
+    "loop": {"yes", "no"},
+}
+_DEFAULT_EVALUATOR = {"shell": "exit_code", "mcp_tool": "mcp_result", "loop": "loop"}
+
+
+def resolve_subloop(parent: Path, ref: str) -> Path | None:
+    """The file a state's `loop:` names: relative to the parent file, `.yaml`/`.yml` optional."""
+    base = Path(ref).expanduser()
+    if not base.is_absolute():
+        base = parent.parent / base
+    for candidate in (base, base.with_name(base.name + ".yaml"),
+                      base.with_name(base.name + ".yml")):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _signals(action: str | None) -> bool:
+    """True when an action visibly ends the run itself (prints an output signal)."""
+    return action is not None and any(
+        marker in action for marker in ("FATAL_ERROR:", "LOOP_STOP:", "CONTEXT_HANDOFF:"))
+
+
+def _strings(obj: Any, where: str) -> Iterable[tuple[str, str]]:
+    if isinstance(obj, str):
+        yield where, obj
+    elif isinstance(obj, Mapping):
+        for k, v in obj.items():
+            yield from _strings(v, f"{where}.{k}")
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from _strings(v, f"{where}.{i}")
+
+
+def _suggest(name: str, names: list[str]) -> str:
+    close = difflib.get_close_matches(name, names, n=1)
+    if close:
+        return f" (did you mean '{close[0]}'?)"
+    shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+    return f" (states: {shown})"

@@ -1,0 +1,150 @@
+"""Loop files on the command line: `build_loop` for `kernel run`, and `kernel validate`.
+
+Nothing heavy is imported at module import: the loop adapter (and PyYAML
+behind it) loads inside the functions, so `kernel --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import typer
+
+from kernel import Agent, ConfigError, Limits, RunInfo
+
+if TYPE_CHECKING:
+    from adapters.loop import VerdictSource
+
+VALIDATE_HELP = """Check LOOP.yaml without running it: schema, references, variables.
+
+\b
+Reports every problem with its file:line and key path, for example
+  loop.yaml:14: states.test.on_no: route target 'fxi' is not a state (did you mean 'fix'?)
+Errors (exit 2): malformed YAML or keys, unknown route targets, a missing or
+unknown initial state, evaluators missing parameters, bad ${...} templates,
+broken sub-loops. Warnings (exit 0): unknown keys, unreachable states, raw
+(unquoted) shell insertion, context variables that must come from --context.
+"""
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+def build_loop(path: str, context: Mapping[str, str], *, scenario: str | None = None,
+               judge: VerdictSource | None = None,
+               on_line: Callable[[str, str], None] | None = None,
+               warn: Callable[[str], None] | None = _stderr,
+               prompt_command: Sequence[str] | None = None,
+               mcp_command: Sequence[str] | None = None,
+               ) -> tuple[Agent, RunInfo, Limits]:
+    """The agent, run description and bounds for `kernel run LOOP.yaml`.
+
+    Args:
+        path: The loop file.
+        context: `--context KEY=VALUE` pairs; they override the file's `context`.
+        scenario: Dry-run results (all-pass | all-fail | all-error | first-fail |
+            alternating); None asks on a terminal.
+        judge: Where `llm_structured` verdicts come from (the LLM adapter);
+            None makes those evaluations `error` verdicts saying so.
+        on_line: Called with ("stdout" | "stderr", line) for every action output line.
+        warn: Called with each one-line warning about the file (default: stderr).
+            The warnings are also written to the run's audit at its first step.
+        prompt_command: The command prompt actions run, prompt appended
+            (default: `claude -p`).
+        mcp_command: The command mcp_tool actions run, tool and JSON params
+            appended (default: `mcp-call`).
+
+    Raises:
+        ConfigError: one line naming the file, line and key of the first error
+            (a malformed file, a missing context variable, an unknown scenario).
+    """
+    from adapters.loop import SCENARIOS, LoopAgent, check_loop
+    from adapters.loop import LoopFileError as _LoopFileError
+
+    if scenario is not None and scenario not in SCENARIOS:
+        raise ConfigError(f"unknown --scenario {scenario!r} (choose from {', '.join(SCENARIOS)})")
+    report = check_loop(path, context=context, context_required=True)
+    if not report.ok or report.spec is None:
+        raise _LoopFileError(report.problems)
+    spec = report.spec
+    warnings = [f"warning: {p}" for p in report.warnings]
+    if warn is not None:
+        for line in warnings:
+            warn(line)
+    commands: dict[str, Any] = {}
+    if prompt_command is not None:
+        commands["prompt_command"] = tuple(prompt_command)
+    if mcp_command is not None:
+        commands["mcp_command"] = tuple(mcp_command)
+    agent = LoopAgent(spec, context=dict(context), judge=judge, scenario=scenario,
+                      on_line=on_line, warnings=warnings, **commands)
+    info = RunInfo(name=spec.name, subject_id=f"loop:{spec.name}",
+                   inputs={"loop": str(path), "context": dict(context)})
+    limits = spec.limits()
+    if limits.timeout is None:
+        # The file set no timeout: the kernel's default backstop applies.
+        limits = Limits(max_steps=limits.max_steps, tool_timeout=None)
+    return agent, info, limits
+
+
+def parse_pairs(pairs: list[str]) -> dict[str, str]:
+    """Parse repeated `--context KEY=VALUE` options; a malformed one is a ConfigError."""
+    out: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"--context expects KEY=VALUE, got {pair!r}")
+        out[key] = value
+    return out
+
+
+def validate(
+    loop: Path = typer.Argument(..., metavar="LOOP.yaml", help="The loop file to check.",
+                                show_default=False),
+    context: list[str] | None = typer.Option(
+        None, "--context", "-c", metavar="KEY=VALUE",
+        help="A context variable the run will get (repeatable); a ${context.x} that "
+             "neither the file nor --context defines is then an error."),
+    json_out: bool = typer.Option(False, "--json", help="Print the problems as JSON."),
+) -> None:
+    """Check a loop file: exit 2 on errors, 0 when it can run (warnings allowed)."""
+    from adapters.loop import check_loop
+
+    try:
+        given = parse_pairs(context or [])
+    except ConfigError as exc:
+        print(f"kernel validate: error: {exc}", file=sys.stderr)
+        raise typer.Exit(2) from None
+    report = check_loop(loop, context=given, context_required=context is not None)
+    code = 0 if report.ok else 2
+    if json_out:
+        doc: dict[str, Any] = {
+            "file": str(loop), "ok": report.ok,
+            "states": len(report.spec.states) if report.spec else 0,
+            "problems": [{"severity": p.severity, "line": p.line, "column": p.column,
+                          "where": p.where, "message": p.message, "text": str(p)}
+                         for p in report.problems]}
+        print(json.dumps(doc, indent=2))
+        raise typer.Exit(code)
+    for p in report.problems:
+        print(f"{p.severity}: {p}")
+    errors, warnings = len(report.errors), len(report.warnings)
+    if report.ok and report.spec is not None:
+        summary = f"{loop}: ok ({len(report.spec.states)} states, initial '{report.spec.initial}'"
+        summary += f", {warnings} warning{'s' if warnings != 1 else ''})" if warnings else ")"
+    else:
+        summary = (f"{loop}: {errors} error{'s' if errors != 1 else ''}"
+                   f", {warnings} warning{'s' if warnings != 1 else ''}")
+    print(summary)
+    raise typer.Exit(code)
+
+
+def register(app: typer.Typer) -> None:
+    """Add `kernel validate` to the app."""
+    app.command("validate", help=VALIDATE_HELP)(validate)

@@ -1,0 +1,230 @@
+"""Interpolation: the syntax, every namespace and modifier, and injection-proof shell quoting."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from loop_support import events, run, spec_of
+
+from adapters.loop import _template as tpl
+from kernel import Status
+
+EVIL = "a'; touch INJECTED; echo '"
+
+
+def namespaces(**over: Any) -> tpl.Namespaces:
+    """A full set of namespaces with recognisable values."""
+    base: dict[str, Any] = dict(
+        context={"x": "cx", "nested": {"deep": 7}, "flag": True, "none": None},
+        captured={"lint": {"output": "3 issues", "stderr": "warn", "exit_code": 1,
+                           "duration_ms": 12.5}},
+        prev={"output": "prev out", "stderr": "", "exit_code": 0, "duration_ms": 1,
+              "state": "lint"},
+        result={"verdict": "no", "details": {"exit_code": 1}},
+        state={"name": "fix", "iteration": 4},
+        loop={"name": "demo", "elapsed_ms": 1500, "elapsed": "1s", "started_at": "T",
+              "dir": "/d", "file": "/d/l.yaml", "run_id": "r1"},
+        env={"HOME": "/home/me"},
+    )
+    base.update(over)
+    return tpl.Namespaces(**base)
+
+
+class TestSyntax:
+    def test_a_placeholder_with_every_modifier(self) -> None:
+        """`?`, `:raw` and `:default=` are parsed; the default takes the rest, colons included."""
+        (ph,) = tpl.placeholders("${captured.lint.output?:raw:default=a:b c}")
+        assert (ph.namespace, ph.path, ph.optional, ph.raw, ph.default) == (
+            "captured", ("lint", "output"), True, True, "a:b c")
+
+    def test_double_dollar_is_a_literal(self) -> None:
+        """`$${...}` renders as a literal `${...}` and is not a placeholder."""
+        assert tpl.render("echo $${HOME} ${context.x}", namespaces()) == "echo ${HOME} cx"
+        assert tpl.placeholders("$${HOME}") == []
+
+    @pytest.mark.parametrize(("template", "message"), [
+        ("echo ${context.x", "unclosed '${'"),
+        ("${work}", "unknown namespace 'work'"),
+        ("${work}", "write $${work} for a shell variable"),
+        ("${context}", "needs a path after 'context.'"),
+        ("${context..x}", "needs a path"),
+        ("${context.x:upper}", "unknown modifier ':upper'"),
+        ("${}", "empty variable"),
+    ])
+    def test_malformed_templates_are_rejected(self, template: str, message: str) -> None:
+        """Each malformed template raises TemplateError saying what is wrong."""
+        with pytest.raises(tpl.TemplateError) as info:
+            tpl.parse(template)
+        assert message in str(info.value)
+
+
+class TestNamespaces:
+    @pytest.mark.parametrize(("template", "expected"), [
+        ("${context.x}", "cx"),
+        ("${context.nested.deep}", "7"),
+        ("${context.flag}", "true"),
+        ("${context.none}", ""),
+        ("${context.nested}", '{"deep": 7}'),
+        ("${captured.lint.output}", "3 issues"),
+        ("${captured.lint.stderr}", "warn"),
+        ("${captured.lint.exit_code}", "1"),
+        ("${captured.lint.duration_ms}", "12.5"),
+        ("${prev.output}", "prev out"),
+        ("${prev.exit_code}", "0"),
+        ("${prev.state}", "lint"),
+        ("${result.verdict}", "no"),
+        ("${result.details.exit_code}", "1"),
+        ("${state.name}", "fix"),
+        ("${state.iteration}", "4"),
+        ("${loop.name}", "demo"),
+        ("${loop.elapsed_ms}", "1500"),
+        ("${loop.dir}", "/d"),
+        ("${loop.run_id}", "r1"),
+        ("${env.HOME}", "/home/me"),
+    ])
+    def test_every_namespace_resolves(self, template: str, expected: str) -> None:
+        """Each namespace and field reads the value it names."""
+        assert tpl.render(template, namespaces()) == expected
+
+    @pytest.mark.parametrize(("template", "why"), [
+        ("${context.y}", "'context.y' is not defined"),
+        ("${captured.test.output}", "no state has captured 'test' yet"),
+        ("${captured.lint.nope}", "'captured.lint.nope' does not exist"),
+        ("${env.NOPE}", "environment variable NOPE is not set"),
+    ])
+    def test_missing_variables_say_why(self, template: str, why: str) -> None:
+        """A missing variable raises MissingVariable with its name and the reason."""
+        with pytest.raises(tpl.MissingVariable) as info:
+            tpl.render(template, namespaces())
+        assert info.value.why == why
+        assert info.value.name == template[2:-1]
+
+    def test_prev_and_result_are_missing_until_they_exist(self) -> None:
+        """${prev.*} before any action and ${result.*} outside routing are missing."""
+        ns = namespaces(prev=None, result=None)
+        for template in ("${prev.output}", "${result.verdict}"):
+            with pytest.raises(tpl.MissingVariable):
+                tpl.render(template, ns)
+
+    def test_default_and_optional_apply_only_when_missing(self) -> None:
+        """`:default=` and `?` fill in for a missing variable and never shadow a present one."""
+        ns = namespaces()
+        assert tpl.render("${context.y:default=fallback}", ns) == "fallback"
+        assert tpl.render("${context.x:default=fallback}", ns) == "cx"
+        assert tpl.render("[${context.y?}]", ns) == "[]"
+
+    def test_params_are_interpolated_recursively(self) -> None:
+        """MCP params: every string inside nested mappings and lists is interpolated."""
+        params = {"q": "${context.x}", "n": 3, "list": ["${state.name}", {"k": "${loop.name}"}]}
+        assert tpl.render_obj(params, namespaces()) == {
+            "q": "cx", "n": 3, "list": ["fix", {"k": "demo"}]}
+
+
+class TestShellReferences:
+    @pytest.mark.parametrize(("template", "context"), [
+        ("echo ${context.x}", "top"),
+        ('echo "say ${context.x}"', "dq"),
+        ("echo 'say ${context.x}'", "sq"),
+        ("echo $'say ${context.x}'", "ansi"),
+        ("echo $(cat ${context.x})", "sub"),
+        ('echo "$(cat ${context.x})"', "sub"),
+        ("echo `cat ${context.x}`", "bq"),
+        ("echo $(( ${context.x} + 1 ))", "arith"),
+        ("echo hi # ${context.x}", "comment"),
+        ("cat <<EOF\n${context.x}\nEOF\necho ${context.x}", "heredoc"),
+        ("cat <<'EOF'\n${context.x}\nEOF", "heredoc_q"),
+        ("echo 'it''s' ${context.x}", "top"),
+        ('echo "a \\" ${context.x}"', "dq"),
+    ])
+    def test_the_scanner_knows_the_quoting_context(self, template: str, context: str) -> None:
+        """The first placeholder's quoting context is recognised."""
+        assert tpl.shell_contexts(tpl.parse(template))[0] == context
+
+    def test_values_travel_as_environment_variables(self) -> None:
+        """The command refers to KLOOP_n variables; the values are only in the environment."""
+        ns = namespaces(context={"x": EVIL})
+        cmd = tpl.render_shell("echo ${context.x} \"${context.x}\" '${context.x}'", ns)
+        assert cmd.command == "echo \"${KLOOP_1}\" \"${KLOOP_2}\" ''\"${KLOOP_3}\"''"
+        assert cmd.env == {"KLOOP_1": EVIL, "KLOOP_2": EVIL, "KLOOP_3": EVIL}
+        assert "touch" not in cmd.command
+
+    def test_raw_pastes_the_value_into_the_command(self) -> None:
+        """`:raw` opts out: the value becomes part of the command text."""
+        cmd = tpl.render_shell("${context.x:raw} --flag", namespaces(context={"x": "ls -l"}))
+        assert (cmd.command, cmd.env) == ("ls -l --flag", {})
+
+    def test_display_shows_values_quoted_for_people(self) -> None:
+        """The display string is what a person would have typed, values quoted."""
+        cmd = tpl.render_shell('grep ${context.x} "in ${context.x}"',
+                               namespaces(context={"x": "two words"}))
+        assert cmd.display == "grep 'two words' \"in two words\""
+
+    def test_a_quoted_heredoc_refuses_a_placeholder(self) -> None:
+        """Nothing expands in a quoted heredoc, so a value cannot be placed there safely."""
+        with pytest.raises(tpl.TemplateError, match="quoted heredoc"):
+            tpl.render_shell("cat <<'EOF'\n${context.x}\nEOF", namespaces())
+
+
+@pytest.mark.realtime
+class TestShellExecution:
+    @pytest.mark.parametrize(("template", "expected"), [
+        ("printf '%s\\n' ${context.x}", EVIL),
+        ('printf \'%s\\n\' "<${context.x}>"', f"<{EVIL}>"),
+        ("printf '%s\\n' '<${context.x}>'", f"<{EVIL}>"),
+        ("printf '%s\\n' $'<${context.x}>'", f"<{EVIL}>"),
+        ("printf '%s\\n' \"$(printf '%s' ${context.x})\"", EVIL),
+        ("printf '%s\\n' `printf '%s' ${context.x}`", "a';"),
+        ("cat <<EOF\n<${context.x}>\nEOF", f"<{EVIL}>"),
+        ("printf '%s\\n' ${context.x} # ${context.x}", EVIL),
+        ("x=${context.x}; printf '%s\\n' \"$x\"", EVIL),
+    ])
+    def test_a_hostile_value_stays_data_in_every_context(self, tmp_path: Path, template: str,
+                                                         expected: str) -> None:
+        """bash prints the value verbatim and never runs the `touch` inside it."""
+        cmd = tpl.render_shell(template, namespaces(context={"x": EVIL}))
+        proc = subprocess.run(["bash", "-c", cmd.command], cwd=tmp_path, capture_output=True,
+                              text=True, env={**os.environ, **cmd.env}, timeout=10)
+        assert not (tmp_path / "INJECTED").exists()
+        assert proc.stdout.splitlines()[0] == expected
+
+    def test_raw_really_is_unsafe(self, tmp_path: Path) -> None:
+        """The control: the same value inserted with :raw does run its `touch`."""
+        cmd = tpl.render_shell("echo '${context.x:raw}'", namespaces(context={"x": EVIL}))
+        subprocess.run(["bash", "-c", cmd.command], cwd=tmp_path, capture_output=True,
+                       env={**os.environ, **cmd.env}, timeout=10)
+        assert (tmp_path / "INJECTED").exists()
+
+
+@pytest.mark.realtime
+class TestInjection:
+    async def test_a_captured_value_cannot_inject_into_a_shell_action(self,
+                                                                      tmp_path: Path) -> None:
+        """A capture holding `a'; touch INJECTED; echo '` is one argument in the next action."""
+        (tmp_path / "evil.txt").write_text(EVIL + "\n")
+        spec = spec_of(tmp_path, """
+            initial: read
+            states:
+              read:
+                action: cat evil.txt
+                capture: evil
+                next: use
+              use:
+                action: |
+                  printf '[%s]\\n' ${captured.evil.output}
+                  printf '[%s]\\n' "${captured.evil.output}"
+                  echo '${captured.evil.output}'
+                capture: used
+                next: done
+              done: {terminal: true}
+        """)
+        result, audit, agent = await run(spec, cwd=str(tmp_path))
+        assert result.status is Status.OK
+        assert not (tmp_path / "INJECTED").exists()
+        assert agent.captured["used"]["output"].splitlines() == [f"[{EVIL}]", f"[{EVIL}]", EVIL]
+        start = next(e for e in events(audit, result.run_id, "action_start")
+                     if e.payload["state"] == "use")
+        assert "touch" not in start.payload["command"]
