@@ -543,9 +543,8 @@ class _Run:
     async def maybe_checkpoint(self) -> None:
         lim = self.limits
         now = trio.current_time()
-        due = self.steps - self.last_save_steps >= lim.checkpoint_every_steps or (
-            lim.checkpoint_every_seconds > 0
-            and now - self.last_save_time >= lim.checkpoint_every_seconds)
+        due = self.steps - self.last_save_steps >= lim.checkpoint_every_steps and (
+            now - self.last_save_time >= lim.checkpoint_every_seconds)
         if not due:
             return
         snapshot = getattr(self.agent, "snapshot", None)

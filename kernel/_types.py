@@ -91,7 +91,8 @@ class Limits:
             Per-run usage limits, checked after each step; exceeding one ends
             `budget_exceeded` naming the limit.
         checkpoint_every_steps, checkpoint_every_seconds: Checkpoint throttle; a save
-            happens when either has passed since the last one.
+            happens once both that many steps and that many seconds have passed since
+            the last one (the default: after every step).
         poll_interval: How often the watch task consults the critic.
         finalize_timeout: Bound on the shielded end-of-run work (audit close, delivery, ...).
         dry_run: Simulate: the agent's `simulate(ctx)` is asked instead of `step(ctx)`.
@@ -122,6 +123,9 @@ class Limits:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"Limits.{name} must be > 0 or None, got {value}")
+        if self.checkpoint_every_steps < 1 or self.checkpoint_every_seconds < 0:
+            raise ValueError("Limits.checkpoint_every_steps must be >= 1 and "
+                             "checkpoint_every_seconds >= 0")
         if self.poll_interval <= 0:
             raise ValueError(f"Limits.poll_interval must be > 0, got {self.poll_interval}")
 

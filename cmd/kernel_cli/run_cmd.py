@@ -127,6 +127,8 @@ def run(
             soft_timeout=(soft_timeout or None) if soft_timeout is not None
             else base.soft_timeout,
             tool_timeout=base.tool_timeout, dry_run=dry_run,
+            # Each save is a short write transaction on the shared file: at most one a second.
+            checkpoint_every_seconds=max(base.checkpoint_every_seconds, 1.0),
             # A terminal user waits on kills: look at the critic four times a second.
             poll_interval=min(base.poll_interval, 0.25))
     except ValueError as exc:

@@ -1,0 +1,129 @@
+"""`DuckDBRecorder`: the hot-path half of the DuckDB audit.
+
+Every recorder call appends one row to the audit's column buffers and
+returns: no I/O, no locks, no awaiting. Payloads are encoded to capped JSON
+here (the payload may be mutated by its owner after the call returns, so it
+cannot be kept by reference), which is the only per-event cost beyond a few
+list appends.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from kernel import AuditWriteError, RunInfo, RunStats, Step, ToolResult
+
+from ._encode import EMPTY, encode_payload, tail, to_text
+
+if TYPE_CHECKING:
+    from ._audit import DuckDBAudit
+
+
+class DuckDBRecorder:
+    """Records one run into a `DuckDBAudit` (see `kernel.RunRecorder` for the contract).
+
+    Attributes:
+        run_id: The run being recorded.
+        count: Events buffered so far by this recorder (its next relative seq).
+        dropped: Events refused because the audit's buffer was full.
+    """
+
+    __slots__ = ("audit", "base", "closed", "count", "dropped", "info", "run_id", "started_us")
+
+    def __init__(self, audit: DuckDBAudit, info: RunInfo) -> None:
+        self.audit = audit
+        self.info = info
+        self.run_id = info.run_id
+        self.started_us = time.time_ns() // 1000
+        # Set by the writer (in a worker thread) once the run's rows are
+        # committed: the absolute seq of this recorder's relative seq 0.
+        self.base: int | None = None
+        self.count = 0
+        self.dropped = 0
+        self.closed = False
+
+    def _add(self, kind: str, name: str | None, payload: str, duration_ms: float | None,
+             iteration: int | None, *, force: bool = False) -> None:
+        audit = self.audit
+        buf = audit._pending
+        recs = buf.recs
+        n = len(recs)
+        if n + audit._retry_len >= audit.max_pending_events and not force:
+            self.dropped += 1
+            return
+        recs.append(self)
+        buf.seqs.append(self.count)
+        self.count += 1
+        buf.ts.append(time.time_ns() // 1000)
+        buf.kinds.append(kind)
+        buf.iters.append(iteration)
+        buf.names.append(name)
+        buf.durs.append(duration_ms)
+        buf.payloads.append(payload)
+        if n == 0:
+            audit._dirty.set()  # start the flush timer
+        if n + 1 >= audit.batch_size:
+            audit._wake.set()
+
+    def on_step(self, iteration: int, step: Step, duration_s: float) -> None:
+        """Buffer a `step` event (payload: final, tool_calls, output, and the step's payload)."""
+        payload: dict[str, Any] = {"final": step.final, "tool_calls": len(step.tool_calls)}
+        if step.output is not None:
+            payload["output"] = step.output
+        if step.payload:
+            payload.update(step.payload)
+        self._add("step", step.name, self._encode(payload), duration_s * 1000, iteration)
+
+    def on_tool(self, result: ToolResult, iteration: int) -> None:
+        """Buffer a `tool_end` event named for the tool, with its typed duration."""
+        self._add("tool_end", result.call.name,
+                  self._encode({"output": result.output, "error": result.error}),
+                  result.duration_s * 1000, iteration)
+
+    def log_event(self, kind: str, *, name: str | None = None,
+                  payload: Mapping[str, Any] | None = None, duration_ms: float | None = None,
+                  iteration: int | None = None) -> None:
+        """Buffer any event (tool_start, steer, critic, checkpoint, adapter kinds, ...)."""
+        self._add(kind, name, self._encode(payload) if payload else EMPTY, duration_ms,
+                  iteration)
+
+    def log_error(self, message: str, *, payload: Mapping[str, Any] | None = None) -> None:
+        """Buffer an `error` event."""
+        self._add("error", None, self._encode({"message": message, **(payload or {})}),
+                  None, None)
+
+    def _encode(self, payload: Mapping[str, Any]) -> str:
+        return encode_payload(payload, self.audit.max_output_bytes, self.audit.max_payload_bytes)
+
+    async def close(self, stats: RunStats) -> None:
+        """Buffer `run_end` and the run's roll-up, then wait until the run's rows are durable.
+
+        Raises:
+            AuditWriteError: The rows could not be written (they stay buffered
+                and are retried by later flushes), or events were dropped
+                because the buffer was full.
+            AuditError: The audit was already closed.
+        """
+        if self.closed:
+            return
+        self.closed = True
+        status = str(stats.status)
+        self._add("run_end", status,
+                  self._encode({"status": status, "reason": stats.reason, "error": stats.error}),
+                  stats.runtime_seconds * 1000, None, force=True)
+        cap = self.audit.max_output_bytes
+        output, truncated = (None, False) if stats.output is None else tail(
+            to_text(stats.output), cap)
+        error = None if stats.error is None else tail(stats.error, cap)[0]
+        usage = stats.usage
+        row = (self.run_id, time.time_ns() // 1000, status, output, error, stats.steps,
+               stats.tool_calls, stats.runtime_seconds, usage.input_tokens,
+               usage.output_tokens, usage.thinking_tokens, usage.cost_usd, stats.reason,
+               stats.exit_code, truncated)
+        await self.audit._close_run(self, row)
+        if self.dropped:
+            raise AuditWriteError(
+                f"{self.dropped} events of run {self.run_id} were dropped: the audit buffer "
+                f"was full (max_pending_events={self.audit.max_pending_events})")

@@ -1,0 +1,240 @@
+"""The analysts' schema (DESIGN.md "Analysts' schema") and its forward migrations.
+
+The schema is a contract: analysts open the file in DuckDB, pandas or polars
+and query `runs`, `events` and the views directly. Columns analysts aggregate
+(durations, counts, tokens, cost) are typed columns, not JSON fields: a p95
+over a typed DOUBLE is several times faster than over a value extracted from
+JSON. `payload` and `inputs` are DuckDB `JSON` for everything else.
+
+Migrations only go forward. Each is a numbered list of statements applied in
+one transaction together with its `schema_version` row, so a process that
+dies half-way leaves the previous version intact. Never edit a released
+migration: append a new one.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    import duckdb
+
+#: The schema version this code writes and expects.
+SCHEMA_VERSION = 2
+
+#: Columns of `runs`, in insert order.
+RUN_COLUMNS: tuple[str, ...] = (
+    "run_id", "parent_run_id", "subject_id", "name", "caller_id", "channel_id", "inputs",
+    "started_at", "ended_at", "status", "output", "error", "steps", "tool_calls",
+    "runtime_seconds", "input_tokens", "output_tokens", "thinking_tokens", "cost_usd",
+    "host", "pid", "reason", "exit_code", "output_truncated",
+)
+
+#: Columns of `events`, in insert order.
+EVENT_COLUMNS: tuple[str, ...] = (
+    "run_id", "seq", "ts", "kind", "iteration", "name", "duration_ms", "payload",
+)
+
+#: The columns `RunRecorder.close` sets on a run's row.
+CLOSE_COLUMNS: tuple[str, ...] = (
+    "run_id", "ended_at", "status", "output", "error", "steps", "tool_calls",
+    "runtime_seconds", "input_tokens", "output_tokens", "thinking_tokens", "cost_usd",
+    "reason", "exit_code", "output_truncated",
+)
+
+TABLES: tuple[str, ...] = ("runs", "events", "schema_version")
+VIEWS: tuple[str, ...] = ("run_stats", "tool_stats", "critic_decisions", "attempts")
+
+
+class Migration(NamedTuple):
+    """One forward step of the schema."""
+
+    version: int
+    description: str
+    statements: tuple[str, ...]
+
+
+_V1 = Migration(1, "runs, events, views", (
+    """
+    CREATE TABLE IF NOT EXISTS runs (
+        run_id           VARCHAR NOT NULL,
+        parent_run_id    VARCHAR,
+        subject_id       VARCHAR,
+        name             VARCHAR,
+        caller_id        VARCHAR,
+        channel_id       VARCHAR,
+        inputs           JSON,
+        started_at       TIMESTAMPTZ NOT NULL,
+        ended_at         TIMESTAMPTZ,
+        status           VARCHAR,
+        output           VARCHAR,
+        error            VARCHAR,
+        steps            INTEGER,
+        tool_calls       INTEGER,
+        runtime_seconds  DOUBLE,
+        input_tokens     BIGINT,
+        output_tokens    BIGINT,
+        thinking_tokens  BIGINT,
+        cost_usd         DOUBLE,
+        host             VARCHAR,
+        pid              INTEGER,
+        reason           VARCHAR,
+        exit_code        INTEGER,
+        output_truncated BOOLEAN
+    )
+    """,
+    """
+    CREATE TABLE IF NOT EXISTS events (
+        run_id      VARCHAR NOT NULL,
+        seq         INTEGER NOT NULL,
+        ts          TIMESTAMPTZ NOT NULL,
+        kind        VARCHAR NOT NULL,
+        iteration   INTEGER,
+        name        VARCHAR,
+        duration_ms DOUBLE,
+        payload     JSON
+    )
+    """,
+    # Count / mean / p95 runtime by subject and status (open runs show as "running").
+    """
+    CREATE OR REPLACE VIEW run_stats AS
+    SELECT subject_id,
+           coalesce(status, 'running')          AS status,
+           count(*)                             AS runs,
+           avg(runtime_seconds)                 AS mean_runtime_s,
+           quantile_cont(runtime_seconds, 0.5)  AS p50_runtime_s,
+           quantile_cont(runtime_seconds, 0.95) AS p95_runtime_s,
+           sum(steps)::BIGINT                   AS steps,
+           sum(tool_calls)::BIGINT              AS tool_calls,
+           sum(cost_usd)                        AS cost_usd,
+           max(started_at)                      AS last_started_at
+    FROM runs
+    GROUP BY subject_id, coalesce(status, 'running')
+    """,
+    # Latency by tool, from the typed duration of each `tool_end` event.
+    """
+    CREATE OR REPLACE VIEW tool_stats AS
+    SELECT name                             AS tool,
+           count(*)                         AS calls,
+           avg(duration_ms)                 AS mean_ms,
+           quantile_cont(duration_ms, 0.5)  AS p50_ms,
+           quantile_cont(duration_ms, 0.95) AS p95_ms,
+           max(duration_ms)                 AS max_ms
+    FROM events
+    WHERE kind = 'tool_end'
+    GROUP BY name
+    """,
+    # Every critic intervention with its reason (`name` is the decision).
+    """
+    CREATE OR REPLACE VIEW critic_decisions AS
+    SELECT e.run_id,
+           e.seq,
+           e.ts,
+           e.iteration,
+           e.name                                                   AS decision,
+           coalesce(e.payload ->> 'reason', e.payload ->> 'message') AS reason,
+           e.payload -> 'evidence'                                  AS evidence,
+           e.payload,
+           r.subject_id,
+           r.name                                                   AS run_name,
+           r.status                                                 AS run_status
+    FROM events e
+    LEFT JOIN runs r USING (run_id)
+    WHERE e.kind = 'critic'
+    """,
+))
+
+_V2 = Migration(2, "attempts view (pane actions)", (
+    # One row per pane-action attempt (adapters/pane writes one `attempt` event each).
+    """
+    CREATE OR REPLACE VIEW attempts AS
+    SELECT run_id,
+           payload ->> 'agent'                                 AS agent,
+           payload ->> 'action'                                AS action,
+           payload ->> 'outcome'                               AS outcome,
+           TRY_CAST(payload ->> 'elapsed_s' AS DOUBLE)         AS elapsed_s,
+           TRY_CAST(payload ->> 'started_at' AS TIMESTAMPTZ)   AS started_at,
+           payload -> 'pane_before'                            AS pane_before,
+           payload -> 'pane_after'                             AS pane_after,
+           payload -> 'extras'                                 AS extras,
+           ts
+    FROM events
+    WHERE kind = 'attempt'
+    """,
+))
+
+#: Every migration, in order. Append; never edit one that has shipped.
+MIGRATIONS: tuple[Migration, ...] = (_V1, _V2)
+
+_VERSION_TABLE = """
+CREATE TABLE IF NOT EXISTS schema_version (
+    version     INTEGER NOT NULL,
+    applied_at  TIMESTAMPTZ NOT NULL DEFAULT now(),
+    description VARCHAR
+)
+"""
+
+
+def current_version(cur: duckdb.DuckDBPyConnection) -> int | None:
+    """The schema version of the database `cur` uses, or None if it has no `schema_version`."""
+    # fetchall, not fetchone: DuckDB refuses new work on a cursor with an unfinished result.
+    found = cur.execute(
+        "SELECT count(*) FROM duckdb_tables() "
+        "WHERE database_name = current_database() AND table_name = 'schema_version'"
+    ).fetchall()
+    if not found[0][0]:
+        return None
+    row = cur.execute("SELECT max(version) FROM schema_version").fetchall()
+    return int(row[0][0]) if row[0][0] is not None else 0
+
+
+def migrate(cur: duckdb.DuckDBPyConnection) -> int:
+    """Bring the database `cur` uses up to `SCHEMA_VERSION`; return the version found.
+
+    Each pending migration runs in its own transaction with its version row.
+    A database newer than this code is left alone (columns are only added,
+    and every insert names its columns).
+    """
+    found = current_version(cur)
+    version = found or 0
+    for m in MIGRATIONS:
+        if m.version <= version:
+            continue
+        cur.execute("BEGIN TRANSACTION")
+        try:
+            cur.execute(_VERSION_TABLE)
+            for sql in m.statements:
+                cur.execute(sql)
+            cur.execute("INSERT INTO schema_version (version, description) VALUES (?, ?)",
+                        [m.version, m.description])
+            cur.execute("COMMIT")
+        except BaseException:
+            cur.execute("ROLLBACK")
+            raise
+    return version
+
+
+def arrow_schemas() -> dict[str, Any]:
+    """The Arrow schemas the writer builds its batches with (pyarrow imported lazily)."""
+    import pyarrow as pa  # type: ignore[import-untyped, unused-ignore]
+
+    ts = pa.timestamp("us", tz="UTC")
+    return {
+        "events": pa.schema([
+            ("run_id", pa.string()), ("seq", pa.int32()), ("ts", ts), ("kind", pa.string()),
+            ("iteration", pa.int32()), ("name", pa.string()), ("duration_ms", pa.float64()),
+            ("payload", pa.string()),
+        ]),
+        "runs": pa.schema([
+            ("run_id", pa.string()), ("parent_run_id", pa.string()),
+            ("subject_id", pa.string()), ("name", pa.string()), ("caller_id", pa.string()),
+            ("channel_id", pa.string()), ("inputs", pa.string()), ("started_at", ts),
+            ("ended_at", ts), ("status", pa.string()), ("output", pa.string()),
+            ("error", pa.string()), ("steps", pa.int32()), ("tool_calls", pa.int32()),
+            ("runtime_seconds", pa.float64()), ("input_tokens", pa.int64()),
+            ("output_tokens", pa.int64()), ("thinking_tokens", pa.int64()),
+            ("cost_usd", pa.float64()), ("host", pa.string()), ("pid", pa.int32()),
+            ("reason", pa.string()), ("exit_code", pa.int32()),
+            ("output_truncated", pa.bool_()),
+        ]),
+    }

@@ -1,0 +1,572 @@
+"""Short, retrying sessions on the DuckDB file, and the batch writer.
+
+Why sessions are short: DuckDB lets one process at a time open a file
+read-write, and while it is open read-write no other process can open it at
+all (not even read-only). Several `kernel run` processes and an analyst must
+share one file, so nobody may keep it open: every access (a writer's batch,
+a reader's query) attaches the file, does its work in one transaction and
+detaches it.
+
+How waiting works: kernel processes queue on a sidecar lock, `<file>.lock`
+(flock: shared for readers, exclusive for writers), polled every 0.5-4 ms,
+so the file changes hands within milliseconds of its release. DuckDB's own
+lock still guards against programs that do not know the sidecar (an
+analyst's `duckdb` shell): ATTACH is retried with capped exponential backoff
+and jitter. Both waits share one deadline (`lock_timeout`), after which the
+session fails with one clear line (`AuditBusyError`).
+
+Why ATTACH instead of `duckdb.connect(path)`: creating a DuckDB instance
+costs ~25 ms of CPU (it builds the catalog of built-in functions), which would
+be paid on every batch and on every failed attempt while another process holds
+the lock. Each process instead keeps one in-memory DuckDB instance for its
+whole life and ATTACHes / DETACHes the file (~1 ms); DETACH checkpoints and
+releases the file lock, so another process can take it at once.
+
+All functions here block: they run in worker threads (`trio.to_thread`), or
+in the CLI, never on the trio thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import random
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kernel import AuditError, AuditWriteError, ConfigError
+
+from ._schema import (
+    CLOSE_COLUMNS,
+    EVENT_COLUMNS,
+    RUN_COLUMNS,
+    SCHEMA_VERSION,
+    current_version,
+    migrate,
+)
+
+if TYPE_CHECKING:
+    import duckdb
+
+    from ._recorder import DuckDBRecorder
+
+#: Env var: how long (seconds) to keep retrying a locked database before giving up.
+LOCK_TIMEOUT_ENV = "KERNEL_AUDIT_LOCK_TIMEOUT"
+DEFAULT_LOCK_TIMEOUT = 10.0
+
+_BACKOFF_FIRST = 0.004
+_BACKOFF_CAP = 0.05
+_SIDECAR_FIRST = 0.0005
+_SIDECAR_CAP = 0.004
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX: rely on DuckDB's own lock
+    fcntl = None  # type: ignore[assignment]
+
+
+def lock_timeout_from_env() -> float:
+    """`$KERNEL_AUDIT_LOCK_TIMEOUT` in seconds (default 10).
+
+    Raises:
+        ConfigError: The variable is not a number >= 0.
+    """
+    raw = os.environ.get(LOCK_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_LOCK_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{LOCK_TIMEOUT_ENV} must be a number of seconds, "
+                          f"got {raw!r}") from None
+    if not value >= 0:
+        raise ConfigError(f"{LOCK_TIMEOUT_ENV} must be >= 0, got {raw!r}")
+    return value
+
+
+class AuditBusyError(AuditError):
+    """The database stayed locked by another process for longer than the lock timeout."""
+
+
+# ----------------------------------------------------------------- engine
+
+_engine: duckdb.DuckDBPyConnection | None = None
+_engine_guard = threading.Lock()
+_path_locks: dict[str, threading.Lock] = {}
+
+
+def _cursor() -> duckdb.DuckDBPyConnection:
+    """A new connection to this process's one in-memory DuckDB instance."""
+    global _engine
+    import duckdb
+
+    with _engine_guard:
+        if _engine is None:
+            _engine = duckdb.connect(":memory:")
+        return _engine.cursor()
+
+
+def _path_lock(key: str) -> threading.Lock:
+    """The in-process lock for one database file (one session per file at a time)."""
+    with _engine_guard:
+        lock = _path_locks.get(key)
+        if lock is None:
+            lock = _path_locks[key] = threading.Lock()
+        return lock
+
+
+def _is_lock_error(exc: BaseException) -> bool:
+    import duckdb
+
+    return isinstance(exc, duckdb.IOException) and "lock" in str(exc).lower()
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (DuckDB's can run to several lines)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _sql_string(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+# ------------------------------------------------------------------ store
+
+
+class Store:
+    """One audit database file, accessed in short sessions from any thread.
+
+    Args:
+        path: The DuckDB file (created with its parent directories on first write).
+        lock_timeout: Seconds to keep retrying while another process holds the
+            file; None means `$KERNEL_AUDIT_LOCK_TIMEOUT`, else 10.
+
+    Raises:
+        ConfigError: `lock_timeout` is None and the variable holds a bad value.
+    """
+
+    def __init__(self, path: str | Path, *, lock_timeout: float | None = None) -> None:
+        self.path = Path(path).expanduser().absolute()
+        self.lock_timeout = lock_timeout if lock_timeout is not None else lock_timeout_from_env()
+        # resolve() follows symlinks in the part that exists, so two spellings
+        # of one file share one in-process lock (DuckDB refuses to attach a
+        # file twice in one process).
+        key = str(self.path.resolve())
+        self._key = key
+        self._alias = "kaudit_" + hashlib.sha1(key.encode()).hexdigest()[:16]
+        self._sidecar = self.path.with_name(self.path.name + ".lock")
+
+    def __repr__(self) -> str:
+        return f"Store({str(self.path)!r})"
+
+    @contextmanager
+    def session(self, *, write: bool) -> Iterator[duckdb.DuckDBPyConnection]:
+        """Attach the file (waiting while it is locked), yield a cursor using it, detach.
+
+        Unqualified table names in the cursor refer to the audit database.
+
+        Raises:
+            AuditBusyError: Still locked by another process after `lock_timeout`.
+            AuditError: The file cannot be opened (missing for a reader, not a
+                DuckDB file, a directory that cannot be created, ...).
+        """
+        cur = _cursor()
+        try:
+            with self._attached(cur, write=write) as alias:
+                cur.execute(f"USE {alias}")
+                try:
+                    yield cur
+                finally:
+                    cur.execute("USE memory")
+        finally:
+            cur.close()
+
+    @contextmanager
+    def _attached(self, cur: duckdb.DuckDBPyConnection, *, write: bool) -> Iterator[str]:
+        """Hold the file attached to `cur` (as the yielded alias) for the `with` body.
+
+        Three locks, outermost first: this process's lock for the file (one
+        session per file per process: the alias is shared), the sidecar
+        `<file>.lock` (flock; shared for readers, exclusive for writers), and
+        DuckDB's own file lock, taken by ATTACH. The sidecar is what kernel
+        processes queue on: polling it costs a syscall, so a waiter takes
+        the file within a millisecond or two of its release, where polling
+        ATTACH would cost ~1 ms of CPU per try and leave the file idle
+        between tries. DuckDB's lock still guards against processes that do
+        not know the sidecar (an analyst's `duckdb` shell): ATTACH is retried
+        with backoff until the same deadline.
+        """
+        deadline = time.monotonic() + self.lock_timeout
+        lock = _path_lock(self._key)
+        if not lock.acquire(timeout=max(self.lock_timeout, 0.001)):
+            raise self._busy("is busy in this process")
+        try:
+            if write:
+                try:
+                    self.path.parent.mkdir(parents=True, exist_ok=True)
+                except OSError as exc:
+                    raise AuditError(f"cannot create {self.path.parent}: "
+                                     f"{exc.strerror or exc}") from exc
+            elif not self.path.exists():
+                raise AuditError(f"no audit database at {self.path}")
+            fd = self._lock_sidecar(write, deadline)
+            try:
+                self._attach(cur, write, deadline)
+                try:
+                    yield self._alias
+                finally:
+                    self._detach(cur)
+            finally:
+                if fd is not None:
+                    os.close(fd)  # releases the flock
+        finally:
+            lock.release()
+
+    def _busy(self, what: str) -> AuditBusyError:
+        return AuditBusyError(f"audit database {self.path} {what} "
+                              f"(gave up after {self.lock_timeout:g}s)")
+
+    def _lock_sidecar(self, write: bool, deadline: float) -> int | None:
+        """flock the sidecar file; None if there can be none (no fcntl, read-only directory)."""
+        if fcntl is None:
+            return None
+        try:
+            fd = os.open(self._sidecar, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError:
+            try:
+                fd = os.open(self._sidecar, os.O_RDONLY)
+            except OSError:
+                return None  # DuckDB's own lock still protects the file
+        mode = (fcntl.LOCK_EX if write else fcntl.LOCK_SH) | fcntl.LOCK_NB
+        delay = _SIDECAR_FIRST
+        while True:
+            try:
+                fcntl.flock(fd, mode)
+                return fd
+            except BlockingIOError:
+                now = time.monotonic()
+                if now >= deadline:
+                    os.close(fd)
+                    raise self._busy("is locked by another process") from None
+                time.sleep(min(delay, deadline - now) * random.uniform(0.5, 1.0))
+                delay = min(delay * 2, _SIDECAR_CAP)
+            except OSError:
+                os.close(fd)
+                return None  # a filesystem without flock: rely on DuckDB's lock
+
+    def _attach(self, cur: duckdb.DuckDBPyConnection, write: bool, deadline: float) -> None:
+        import duckdb
+
+        sql = f"ATTACH {_sql_string(str(self.path))} AS {self._alias}"
+        if not write:
+            sql += " (READ_ONLY)"
+        delay = _BACKOFF_FIRST
+        stale = True
+        while True:
+            try:
+                cur.execute(sql)
+                return
+            except duckdb.Error as exc:
+                if stale and ("already attached" in str(exc) or "already exists" in str(exc)):
+                    stale = False
+                    self._detach(cur)  # a previous session died before detaching
+                    continue
+                if not _is_lock_error(exc):
+                    raise AuditError(f"cannot open audit database {self.path}: "
+                                     f"{first_line(exc)}") from exc
+                now = time.monotonic()
+                if now >= deadline:
+                    raise self._busy("is locked by another process") from exc
+                # Equal jitter: never 0 (no hot spinning), never in lockstep.
+                pause = min(delay, deadline - now)
+                time.sleep(pause / 2 + random.uniform(0, pause / 2))
+                delay = min(delay * 2, _BACKOFF_CAP)
+
+    def _detach(self, cur: duckdb.DuckDBPyConnection) -> None:
+        import duckdb
+
+        try:
+            cur.execute(f"DETACH DATABASE IF EXISTS {self._alias}")
+        except duckdb.Error as exc:
+            raise AuditError(f"cannot close audit database {self.path}: "
+                             f"{first_line(exc)}") from exc
+
+    # -------------------------------------------------------------- schema
+
+    def ensure_schema(self) -> int:
+        """Create or migrate the schema; return the version found before (0 = new file)."""
+        import duckdb
+
+        with self.session(write=True) as cur:
+            try:
+                return migrate(cur)
+            except duckdb.Error as exc:
+                raise AuditError(f"cannot set up audit database {self.path}: "
+                                 f"{first_line(exc)}") from exc
+
+    @contextmanager
+    def reader(self) -> Iterator[duckdb.DuckDBPyConnection]:
+        """A read-only session on an existing audit database, migrated first if it is older.
+
+        Raises:
+            AuditError: No database there, or the file is not a kernel audit database.
+        """
+        with self.session(write=False) as cur:
+            version = current_version(cur)
+            if version is None:
+                raise AuditError(f"{self.path} is not a kernel audit database "
+                                 "(it has no schema_version table)")
+            if version >= SCHEMA_VERSION:
+                yield cur
+                return
+        self.ensure_schema()
+        with self.session(write=False) as cur:
+            yield cur
+
+    # --------------------------------------------------------------- write
+
+    def write(self, batch: Batch) -> None:
+        """Make `batch` durable in one transaction; then tell its new recorders their bases.
+
+        The Arrow tables are built before the file is locked, on the guess
+        that every new recorder is a new run; inside the lock one query
+        checks the guess, and only a resumed run makes the batch rebuilt.
+
+        Raises:
+            AuditBusyError: The file stayed locked.
+            AuditWriteError: DuckDB refused the batch (nothing of it was written).
+        """
+        import duckdb
+
+        prepared = _prepare(batch, {})
+        cur = _cursor()
+        try:
+            prepared.register(cur)
+            with self._attached(cur, write=True) as alias:
+                for strict in (True, False):
+                    cur.execute("BEGIN TRANSACTION")
+                    try:
+                        if prepared.new_ids:
+                            existing = _existing_runs(cur, alias)
+                            if existing:
+                                prepared = _prepare(batch, existing)
+                                prepared.register(cur)
+                        prepared.apply(cur, alias, strict_json=strict)
+                        cur.execute("COMMIT")
+                        break
+                    except BaseException as exc:
+                        # If the transaction is already gone, the original error says why.
+                        with contextlib.suppress(duckdb.Error):
+                            cur.execute("ROLLBACK")
+                        if strict and isinstance(exc, duckdb.ConversionException):
+                            continue  # a payload DuckDB cannot parse: retry, wrapping bad ones
+                        if isinstance(exc, duckdb.Error):
+                            raise AuditWriteError(f"cannot write to audit database {self.path}: "
+                                                  f"{first_line(exc)}") from exc
+                        raise
+        finally:
+            cur.close()
+        # Only now, with the rows committed, do the recorders learn their bases.
+        for rec, base in prepared.bases.items():
+            rec.base = base
+
+
+# ------------------------------------------------------------------ batch
+
+
+@dataclass(slots=True, eq=False)
+class Batch:
+    """Rows buffered on the trio thread, handed whole to a worker thread to write.
+
+    Events are stored column-wise (one list append per column is the
+    cheapest thing the hot path can do, and the writer needs columns):
+    `recs[i]` is the recorder of event `i` and `seqs[i]` its seq *relative
+    to that recorder*. The absolute seq is known once the writer has looked
+    the run up: 1 + relative for a new run (after its `run_start` at 0),
+    last seq + 1 + relative for a resumed one.
+    """
+
+    recs: list[DuckDBRecorder] = field(default_factory=list)
+    seqs: list[int] = field(default_factory=list)
+    ts: list[int] = field(default_factory=list)
+    kinds: list[str] = field(default_factory=list)
+    iters: list[int | None] = field(default_factory=list)
+    names: list[str | None] = field(default_factory=list)
+    durs: list[float | None] = field(default_factory=list)
+    payloads: list[str] = field(default_factory=list)
+    new: list[DuckDBRecorder] = field(default_factory=list)
+    closes: list[tuple[DuckDBRecorder, tuple[Any, ...]]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.recs)
+
+    def empty(self) -> bool:
+        """True when there is nothing to write."""
+        return not (self.recs or self.new or self.closes)
+
+    def extend(self, other: Batch) -> None:
+        """Append `other`'s rows after this batch's."""
+        self.recs += other.recs
+        self.seqs += other.seqs
+        self.ts += other.ts
+        self.kinds += other.kinds
+        self.iters += other.iters
+        self.names += other.names
+        self.durs += other.durs
+        self.payloads += other.payloads
+        self.new += other.new
+        self.closes += other.closes
+
+
+@dataclass(slots=True)
+class _Prepared:
+    """A batch as Arrow tables, ready to insert, and the seq bases it assumes."""
+
+    runs: Any
+    events: Any
+    updates: Any
+    new_ids: list[str]
+    bases: dict[DuckDBRecorder, int]
+
+    def register(self, cur: duckdb.DuckDBPyConnection) -> None:
+        for name, tbl in (("_kaudit_runs", self.runs), ("_kaudit_events", self.events),
+                          ("_kaudit_updates", self.updates)):
+            if tbl is not None:
+                cur.register(name, tbl)
+
+    def apply(self, cur: duckdb.DuckDBPyConnection, alias: str, *, strict_json: bool) -> None:
+        if self.runs is not None:
+            _insert(cur, f"{alias}.runs", "_kaudit_runs", RUN_COLUMNS,
+                    () if strict_json else ("inputs",))
+        if self.events is not None:
+            _insert(cur, f"{alias}.events", "_kaudit_events", EVENT_COLUMNS,
+                    () if strict_json else ("payload",))
+        if self.updates is not None:
+            sets = ", ".join(f"{c} = u.{c}" for c in CLOSE_COLUMNS[1:])
+            cur.execute(f"UPDATE {alias}.runs AS r SET {sets} FROM _kaudit_updates AS u "
+                        "WHERE r.run_id = u.run_id")
+
+
+def _insert(cur: duckdb.DuckDBPyConnection, table: str, view: str, columns: Sequence[str],
+            lenient: Sequence[str]) -> None:
+    """INSERT `view` into `table`; `lenient` JSON columns keep unparsable text as a JSON string."""
+    cols = ", ".join(columns)
+    sel = ", ".join(f"CASE WHEN json_valid({c}) THEN {c} ELSE to_json({c}) END" if c in lenient
+                    else c for c in columns)
+    cur.execute(f"INSERT INTO {table} ({cols}) SELECT {sel} FROM {view}")
+
+
+def _existing_runs(cur: duckdb.DuckDBPyConnection, alias: str) -> dict[str, int | None]:
+    """Which of the batch's new run ids already have a row, with their last seq."""
+    found = [str(r[0]) for r in cur.execute(
+        f"SELECT run_id FROM {alias}.runs "
+        "WHERE run_id IN (SELECT run_id FROM _kaudit_runs)").fetchall()]
+    if not found:  # the common case: one cheap semi-join and done
+        return {}
+    last = dict(cur.execute(
+        f"SELECT run_id, max(seq) FROM {alias}.events "
+        "WHERE run_id IN (SELECT unnest(?::VARCHAR[])) GROUP BY run_id", [found]).fetchall())
+    return {rid: (None if last.get(rid) is None else int(last[rid])) for rid in found}
+
+
+def _strings(values: Sequence[str | None]) -> Any:
+    """An Arrow string array; text that is not valid Unicode (lone surrogates) is replaced."""
+    import pyarrow as pa  # type: ignore[import-untyped, unused-ignore]
+
+    try:
+        return pa.array(values, pa.string())
+    except (UnicodeEncodeError, pa.ArrowException):
+        return pa.array([None if v is None else v.encode("utf-8", "replace").decode("utf-8")
+                         for v in values], pa.string())
+
+
+def _prepare(batch: Batch, existing: dict[str, int | None]) -> _Prepared:
+    """Build the Arrow tables for `batch`, treating run ids in `existing` as resumed runs."""
+    import pyarrow as pa  # type: ignore[import-untyped, unused-ignore]
+
+    from ._encode import dumps
+
+    ts_type = pa.timestamp("us", tz="UTC")
+    bases: dict[DuckDBRecorder, int] = {}
+    closes = {rec.run_id: row for rec, row in batch.closes}  # the last close of a run wins
+    start_rows: list[tuple[Any, ...]] = []
+    starters: list[DuckDBRecorder] = []
+    next_in_batch: dict[str, int] = {}
+    for rec in batch.new:
+        rid = rec.run_id
+        if rid in next_in_batch:  # the same run started twice in one batch
+            base = next_in_batch[rid]
+        elif rid in existing:  # a resumed run: continue after its last event
+            last = existing[rid]
+            base = 0 if last is None else last + 1
+        else:  # a new run: its row (with its roll-up if it already ended) and run_start
+            info = rec.info
+            end = closes.pop(rid, None) or (rid, *([None] * 14))
+            start_rows.append((
+                rid, info.parent_run_id, info.subject_id, info.name, info.caller_id,
+                info.channel_id, dumps(info.inputs), rec.started_us, *end[1:12],
+                rec.audit.host, rec.audit.pid, *end[12:15]))
+            starters.append(rec)
+            base = 1
+        bases[rec] = base
+        next_in_batch[rid] = base + rec.count
+
+    runs = None
+    if start_rows:
+        c = list(zip(*start_rows, strict=True))
+        runs = pa.Table.from_arrays([
+            *(_strings(c[i]) for i in range(7)), pa.array(c[7], ts_type),
+            pa.array(c[8], ts_type), _strings(c[9]), _strings(c[10]), _strings(c[11]),
+            pa.array(c[12], pa.int32()), pa.array(c[13], pa.int32()),
+            pa.array(c[14], pa.float64()), pa.array(c[15], pa.int64()),
+            pa.array(c[16], pa.int64()), pa.array(c[17], pa.int64()),
+            pa.array(c[18], pa.float64()), _strings(c[19]), pa.array(c[20], pa.int32()),
+            _strings(c[21]), pa.array(c[22], pa.int32()), pa.array(c[23], pa.bool_()),
+        ], names=list(RUN_COLUMNS))
+
+    events = None
+    if starters or batch.recs:
+        n = len(starters)
+        seqs = [0] * n
+        seqs += [(bases[r] if r.base is None else r.base) + s
+                 for r, s in zip(batch.recs, batch.seqs, strict=True)]
+        if n:
+            events = pa.Table.from_arrays([
+                _strings([r.run_id for r in starters] + [r.run_id for r in batch.recs]),
+                pa.array(seqs, pa.int32()),
+                pa.array([r.started_us for r in starters] + batch.ts, ts_type),
+                _strings(["run_start"] * n + batch.kinds),
+                pa.array([None] * n + batch.iters, pa.int32()),
+                _strings([r.info.name for r in starters] + batch.names),
+                pa.array([None] * n + batch.durs, pa.float64()),
+                _strings([dumps({"inputs": r.info.inputs, "caller_id": r.info.caller_id})
+                          for r in starters] + batch.payloads),
+            ], names=list(EVENT_COLUMNS))
+        else:  # no list copies on the bulk path
+            events = pa.Table.from_arrays([
+                _strings([r.run_id for r in batch.recs]), pa.array(seqs, pa.int32()),
+                pa.array(batch.ts, ts_type), _strings(batch.kinds),
+                pa.array(batch.iters, pa.int32()), _strings(batch.names),
+                pa.array(batch.durs, pa.float64()), _strings(batch.payloads),
+            ], names=list(EVENT_COLUMNS))
+
+    updates = None
+    if closes:
+        c = list(zip(*closes.values(), strict=True))
+        updates = pa.Table.from_arrays([
+            _strings(c[0]), pa.array(c[1], ts_type), _strings(c[2]), _strings(c[3]),
+            _strings(c[4]), pa.array(c[5], pa.int32()), pa.array(c[6], pa.int32()),
+            pa.array(c[7], pa.float64()), pa.array(c[8], pa.int64()),
+            pa.array(c[9], pa.int64()), pa.array(c[10], pa.int64()),
+            pa.array(c[11], pa.float64()), _strings(c[12]), pa.array(c[13], pa.int32()),
+            pa.array(c[14], pa.bool_()),
+        ], names=list(CLOSE_COLUMNS))
+    new_ids = sorted({r.run_id for r in starters})
+    return _Prepared(runs, events, updates, new_ids, bases)

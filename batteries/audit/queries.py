@@ -1,0 +1,352 @@
+"""The analysts' questions, as functions on a session cursor (what `kernel runs/show/...` call).
+
+Each function takes a cursor from `Store.reader()` (or `Store.session(write=True)`
+for `purge`), blocks, and returns plain Python values; the CLI only formats
+them. Bad input (an unknown run id, a malformed `--since`, a write statement
+given to `read_only_query`) raises `kernel.ConfigError` with a one-line message.
+
+Results are fetched through Arrow, which turns TIMESTAMPTZ into timezone-aware
+datetimes with the standard library (DuckDB's row fetch would need pytz).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kernel import ConfigError, Status
+
+from ._schema import TABLES
+
+if TYPE_CHECKING:
+    import duckdb
+
+_SINCE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_HEX = re.compile(r"^[0-9a-f]+$")
+#: Statement types `read_only_query` accepts.
+READ_ONLY_TYPES = frozenset({"SELECT", "EXPLAIN"})
+#: The `--status` values `list_runs` accepts: every Status, and "running" for open runs.
+STATUS_CHOICES = (*(str(s) for s in Status), "running")
+STATS_BY = ("subject", "status", "tool")
+
+
+def parse_since(text: str) -> timedelta:
+    """`30s`, `30m`, `24h`, `7d` or `2w` as a timedelta.
+
+    Raises:
+        ConfigError: Anything else.
+    """
+    m = _SINCE.match(text)
+    if m is None:
+        raise ConfigError(f"--since expects a duration like 30s, 30m, 24h, 7d or 2w, "
+                          f"got {text!r}")
+    return timedelta(seconds=float(m.group(1)) * _UNIT_SECONDS[m.group(2)])
+
+
+def cutoff(since: timedelta | None) -> datetime | None:
+    """The instant `since` ago (None for no bound)."""
+    return None if since is None else datetime.now(UTC) - since
+
+
+def rows(cur: duckdb.DuckDBPyConnection, sql: str,
+         params: list[Any] | None = None) -> tuple[list[str], list[tuple[Any, ...]]]:
+    """Run `sql` and return (column names, rows), duplicate column names kept."""
+    rel = cur.sql(sql, params=params) if params else cur.sql(sql)
+    if rel is None:
+        return [], []
+    tbl = rel.to_arrow_table()
+    cols = [c.to_pylist() for c in tbl.columns]
+    return list(tbl.column_names), list(zip(*cols, strict=True)) if cols else []
+
+
+def dicts(cur: duckdb.DuckDBPyConnection, sql: str,
+          params: list[Any] | None = None) -> list[dict[str, Any]]:
+    """Run `sql` and return one dict per row."""
+    names, data = rows(cur, sql, params)
+    return [dict(zip(names, r, strict=True)) for r in data]
+
+
+# ------------------------------------------------------------------- runs
+
+_RUN_FIELDS = ("run_id, parent_run_id, subject_id, name, caller_id, channel_id, started_at, "
+               "ended_at, coalesce(status, 'running') AS status, steps, tool_calls, "
+               "runtime_seconds, input_tokens, output_tokens, thinking_tokens, cost_usd, "
+               "exit_code, reason, error")
+
+
+def list_runs(cur: duckdb.DuckDBPyConnection, *, status: str | None = None,
+              since: timedelta | None = None, limit: int = 20) -> list[dict[str, Any]]:
+    """The most recent runs first, optionally only one status and only since a time ago.
+
+    Raises:
+        ConfigError: An unknown status or a limit below 1.
+    """
+    if status is not None and status not in STATUS_CHOICES:
+        raise ConfigError(f"--status must be one of {', '.join(STATUS_CHOICES)}, "
+                          f"got {status!r}")
+    if limit < 1:
+        raise ConfigError(f"--limit must be at least 1, got {limit}")
+    where, params = _where(since, "started_at")
+    if status == "running":
+        where.append("status IS NULL")
+    elif status is not None:
+        where.append("status = ?")
+        params.append(status)
+    sql = f"SELECT {_RUN_FIELDS} FROM runs"
+    if where:
+        sql += " WHERE " + " AND ".join(where)
+    sql += " ORDER BY started_at DESC, run_id DESC LIMIT ?"
+    return dicts(cur, sql, [*params, limit])
+
+
+def _where(since: timedelta | None, column: str) -> tuple[list[str], list[Any]]:
+    at = cutoff(since)
+    return ([f"{column} >= ?"], [at]) if at is not None else ([], [])
+
+
+def resolve_run_id(cur: duckdb.DuckDBPyConnection, prefix: str) -> str:
+    """The one run id starting with `prefix` (case and dashes ignored), as git does.
+
+    Raises:
+        ConfigError: Not hex, no run matches, or several do.
+    """
+    want = prefix.strip().lower().replace("-", "")
+    if not want or not _HEX.match(want) or len(want) > 32:
+        raise ConfigError(f"run id must be up to 32 hex digits, got {prefix!r}")
+    found = [r[0] for r in cur.execute(
+        "SELECT run_id FROM runs WHERE starts_with(run_id, ?) ORDER BY run_id LIMIT 6",
+        [want]).fetchall()]
+    if not found:
+        raise ConfigError(f"no run matches {prefix!r}")
+    if len(found) > 1:
+        shared = next((i for i, chars in enumerate(zip(*found, strict=False))
+                       if len(set(chars)) > 1), len(want))
+        width = shared + 1
+        more = ", ".join(f[:width] for f in found[:5])
+        raise ConfigError(f"run id {prefix!r} is ambiguous: it matches {more}"
+                          f"{', ...' if len(found) > 5 else ''}; give more digits")
+    return str(found[0])
+
+
+def timeline(cur: duckdb.DuckDBPyConnection, run_id: str) -> tuple[dict[str, Any],
+                                                                     list[dict[str, Any]]]:
+    """The run's row and its events in seq order, each with `offset_ms` since the run started.
+
+    Raises:
+        ConfigError: No run with exactly this id.
+    """
+    found = dicts(cur, "SELECT *, coalesce(status, 'running') AS status FROM runs "
+                       "WHERE run_id = ?", [run_id])
+    if not found:
+        raise ConfigError(f"no run {run_id!r}")
+    run = found[0]
+    run["inputs"] = _json(run.get("inputs"))
+    events = dicts(cur, """
+        SELECT seq, ts,
+               (epoch_us(ts) - epoch_us(min(ts) OVER ())) / 1000.0 AS offset_ms,
+               kind, iteration, name, duration_ms, payload
+        FROM events WHERE run_id = ? ORDER BY seq""", [run_id])
+    for e in events:
+        e["payload"] = _json(e["payload"])
+        e["summary"] = summarize(e["kind"], e["payload"])
+    return run, events
+
+
+def _json(text: Any) -> Any:
+    if not isinstance(text, str):
+        return text
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _short(value: Any, width: int = 100) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, default=str,
+                                                          ensure_ascii=False)
+    text = " ".join(text.split())  # one line
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def summarize(kind: str, payload: Any) -> str:
+    """One line saying what an event was about, for `kernel show`."""
+    if not isinstance(payload, dict):
+        return _short(payload) if payload else ""
+    p = dict(payload)
+    truncated = " (truncated)" if p.pop("truncated", False) else ""
+    if kind == "run_start":
+        text = f"inputs {_short(p.get('inputs') or {}, 60)}"
+        if p.get("caller_id"):
+            text += f" caller {p['caller_id']}"
+    elif kind == "run_end":
+        text = str(p.get("status", ""))
+        why = p.get("error") or p.get("reason")
+        if why:
+            text += f": {why}"
+    elif kind == "step":
+        parts = ["final" if p.get("final") else ""]
+        if p.get("tool_calls"):
+            parts.append(f"{p['tool_calls']} tool call(s)")
+        if p.get("exit_code") is not None:
+            parts.append(f"exit {p['exit_code']}")
+        if p.get("output") not in (None, ""):
+            parts.append(f"output {_short(p['output'], 70)}")
+        text = ", ".join(x for x in parts if x)
+    elif kind == "tool_start":
+        text = _short(p.get("args") or {})
+    elif kind == "tool_end":
+        text = (f"error: {_short(p['error'])}" if p.get("error")
+                else f"-> {_short(p.get('output'))}")
+    elif kind == "error":
+        text = _short(p.get("message", p))
+    elif kind == "critic":
+        why = p.get("reason") or p.get("message")
+        text = _short(why) if why else _short(p)
+    elif kind == "steer":
+        text = _short(" | ".join(str(m) for m in p.get("messages") or []))
+    elif kind == "output":
+        text = _short(p.get("line", p))
+    else:
+        text = _short(p) if p else ""
+    return text + truncated
+
+
+# ------------------------------------------------------------------ stats
+
+
+def stats(cur: duckdb.DuckDBPyConnection, *, by: str = "subject",
+          since: timedelta | None = None) -> list[dict[str, Any]]:
+    """Counts and runtimes by subject and status, by status, or tool latencies by tool.
+
+    Raises:
+        ConfigError: `by` is not subject, status or tool.
+    """
+    if by not in STATS_BY:
+        raise ConfigError(f"--by must be one of {', '.join(STATS_BY)}, got {by!r}")
+    if by == "tool":
+        where, params = _where(since, "ts")
+        cond = " AND ".join(["kind = 'tool_end'", *where])
+        return dicts(cur, f"""
+            SELECT name AS tool, count(*) AS calls,
+                   count(*) FILTER (WHERE payload ->> 'error' IS NOT NULL) AS errors,
+                   avg(duration_ms) AS mean_ms,
+                   quantile_cont(duration_ms, 0.5) AS p50_ms,
+                   quantile_cont(duration_ms, 0.95) AS p95_ms,
+                   max(duration_ms) AS max_ms
+            FROM events WHERE {cond}
+            GROUP BY name ORDER BY calls DESC, tool""", params)
+    where, params = _where(since, "started_at")
+    keys = "subject_id AS subject, coalesce(status, 'running') AS status" if by == "subject" \
+        else "coalesce(status, 'running') AS status"
+    group = "1, 2" if by == "subject" else "1"
+    return dicts(cur, f"""
+        SELECT {keys}, count(*) AS runs,
+               avg(runtime_seconds) AS mean_s,
+               quantile_cont(runtime_seconds, 0.95) AS p95_s,
+               sum(steps)::BIGINT AS steps, sum(tool_calls)::BIGINT AS tool_calls,
+               sum(cost_usd) AS cost_usd
+        FROM runs {'WHERE ' + ' AND '.join(where) if where else ''}
+        GROUP BY {group} ORDER BY {group}""", params)
+
+
+# ------------------------------------------------------------------ query
+
+
+def check_read_only(sql: str) -> None:
+    """Accept exactly one SELECT (or EXPLAIN) statement; refuse anything that could write.
+
+    Raises:
+        ConfigError: Not exactly one statement, a statement that is not a
+            query (DELETE, INSERT, COPY, ATTACH, SET, ...), or SQL that does not parse.
+    """
+    import duckdb
+
+    try:
+        statements = duckdb.extract_statements(sql)
+    except duckdb.Error as exc:
+        raise ConfigError(f"invalid SQL: {_first_line(exc)}") from exc
+    if len(statements) != 1:
+        raise ConfigError(f"query takes exactly one statement, got {len(statements)}")
+    kind = statements[0].type.name
+    if kind not in READ_ONLY_TYPES:
+        raise ConfigError(f"query is read-only: {kind} statements are refused")
+
+
+def read_only_query(cur: duckdb.DuckDBPyConnection,
+                    sql: str) -> tuple[list[str], list[tuple[Any, ...]]]:
+    """Run one SELECT (or EXPLAIN) statement after `check_read_only`.
+
+    The session is also attached READ_ONLY, so the check is the friendly
+    message, not the only guard.
+
+    Raises:
+        ConfigError: The statement is refused, or DuckDB rejects it.
+    """
+    import duckdb
+
+    check_read_only(sql)
+    try:
+        return rows(cur, sql)
+    except duckdb.Error as exc:
+        raise ConfigError(f"query failed: {_first_line(exc)}") from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+# ------------------------------------------------------- purge and export
+
+
+def purge(cur: duckdb.DuckDBPyConnection, days: float) -> tuple[int, int]:
+    """Delete runs that ended (or, never ended, started) more than `days` ago, with their events.
+
+    Returns:
+        (runs deleted, events deleted).
+
+    Raises:
+        ConfigError: `days` is negative.
+    """
+    if not days >= 0:
+        raise ConfigError(f"--days must be >= 0, got {days:g}")
+    at = datetime.now(UTC) - timedelta(days=days)
+    old = "SELECT run_id FROM runs WHERE coalesce(ended_at, started_at) < ?"
+    cur.execute("BEGIN TRANSACTION")
+    try:
+        ev = cur.execute(f"DELETE FROM events WHERE run_id IN ({old})", [at]).fetchall()
+        rn = cur.execute("DELETE FROM runs WHERE coalesce(ended_at, started_at) < ?",
+                         [at]).fetchall()
+        cur.execute("COMMIT")
+    except BaseException:
+        cur.execute("ROLLBACK")
+        raise
+    return (int(rn[0][0]) if rn else 0), (int(ev[0][0]) if ev else 0)
+
+
+def export(cur: duckdb.DuckDBPyConnection, directory: str | Path) -> list[Path]:
+    """Write each table to `directory/<table>.parquet`; return the files written.
+
+    Raises:
+        ConfigError: `directory` exists and is not a directory, or cannot be created.
+    """
+    out = Path(directory).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"export target {out} exists and is not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot create {out}: {exc.strerror or exc}") from exc
+    written = []
+    for table in TABLES:
+        target = (out / f"{table}.parquet").absolute()
+        quoted = "'" + str(target).replace("'", "''") + "'"
+        order = " ORDER BY run_id, seq" if table == "events" else (
+            " ORDER BY started_at" if table == "runs" else "")
+        cur.execute(f"COPY (SELECT * FROM {table}{order}) TO {quoted} (FORMAT parquet)")
+        written.append(target)
+    return written

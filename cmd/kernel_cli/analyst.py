@@ -1,0 +1,370 @@
+"""The analysts' commands: `kernel runs`, `show`, `stats`, `query`, `purge`, `export`.
+
+Each command opens the audit database for one short session (retrying while
+a `kernel run` holds it, up to `$KERNEL_AUDIT_LOCK_TIMEOUT` seconds) and
+closes it before printing. duckdb and the audit battery are imported inside
+the commands, so `kernel --help` stays light.
+
+Exit codes: 0 on success; 2 for bad input (a malformed `--since`, an unknown
+or ambiguous run id, a write statement given to `query`, ...); 1 when the
+database cannot be read (missing, not an audit database, locked too long).
+Either way the error is one line on stderr.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from datetime import date, datetime
+from decimal import Decimal
+from typing import TYPE_CHECKING, Any
+
+import typer
+
+if TYPE_CHECKING:
+    from batteries.audit import Store
+
+RETENTION_ENV = "KERNEL_RETENTION_DAYS"
+DEFAULT_RETENTION_DAYS = 30
+
+_DB_HELP = ("Audit database (default: $KERNEL_DB, else kernel.duckdb in the user data "
+            "directory).")
+
+
+def register(app: typer.Typer) -> None:
+    """Add the analysts' commands to `app`."""
+    app.command("runs")(runs)
+    app.command("show")(show)
+    app.command("stats")(stats)
+    app.command("query")(query)
+    app.command("purge")(purge)
+    app.command("export")(export)
+
+
+# ---------------------------------------------------------------- commands
+
+
+def runs(
+    status: str | None = typer.Option(
+        None, "--status", metavar="S",
+        help="Only runs with this status (ok, error, timeout, killed, ..., or running)."),
+    since: str | None = typer.Option(
+        None, "--since", metavar="AGE", help="Only runs started within AGE: 30s, 30m, 24h, 7d."),
+    limit: int = typer.Option(20, "--limit", metavar="N", help="At most N runs."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    db: str | None = typer.Option(None, "--db", metavar="PATH", help=_DB_HELP),
+) -> None:
+    """List recent runs, newest first."""
+    from batteries.audit import queries
+
+    with _errors():
+        age = queries.parse_since(since) if since is not None else None
+        with _reader(db) as cur:
+            found = queries.list_runs(cur, status=status, since=age, limit=limit)
+    if json_out:
+        _print_json(found)
+        return
+    if not found:
+        print("no runs")
+        return
+    print(_table(
+        ("RUN", "STARTED", "STATUS", "STEPS", "TOOLS", "RUNTIME", "NAME"),
+        [(r["run_id"], _when(r["started_at"]), r["status"], r["steps"], r["tool_calls"],
+          _secs(r["runtime_seconds"]), _cell(r["name"])) for r in found],
+        right=(3, 4, 5)))
+
+
+def show(
+    run_id: str = typer.Argument(..., metavar="RUN_ID",
+                                 help="A run id, or any unique prefix of one."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a timeline."),
+    db: str | None = typer.Option(None, "--db", metavar="PATH", help=_DB_HELP),
+) -> None:
+    """Show one run and its timeline: seq, +ms, kind, name, duration, summary."""
+    from batteries.audit import queries
+
+    with _errors(), _reader(db) as cur:
+        full = queries.resolve_run_id(cur, run_id)
+        run, events = queries.timeline(cur, full)
+    if json_out:
+        _print_json({"run": run, "events": events})
+        return
+    status = run["status"] + (f" (exit {run['exit_code']})"
+                              if run.get("exit_code") is not None else "")
+    lines = [f"run      {run['run_id']}  {_cell(run.get('name'))}".rstrip(),
+             f"status   {status}"]
+    who = [f"{k} {run[k]}" for k in ("subject_id", "caller_id", "channel_id", "parent_run_id")
+           if run.get(k)]
+    if who:
+        lines.append("         " + "  ".join(who))
+    lines.append(f"started  {_when(run['started_at'])}  runtime {_secs(run['runtime_seconds'])}"
+                 f"  steps {_num(run['steps'])}  tool calls {_num(run['tool_calls'])}")
+    for key in ("reason", "error"):
+        if run.get(key):
+            lines.append(f"{key:<8} {_one_line(run[key])}")
+    print("\n".join(lines))
+    print()
+    print(_table(
+        ("SEQ", "+MS", "KIND", "NAME", "DURATION", "SUMMARY"),
+        [(e["seq"], f"{e['offset_ms']:.0f}", e["kind"], _cell(e["name"]),
+          _ms(e["duration_ms"]), e["summary"]) for e in events],
+        right=(0, 1, 4)))
+
+
+def stats(
+    since: str | None = typer.Option(
+        None, "--since", metavar="AGE", help="Only runs (or tool calls) within AGE: 24h, 7d."),
+    by: str = typer.Option("subject", "--by", metavar="subject|status|tool",
+                           help="Group runs by subject and status, by status, or tool calls "
+                                "by tool."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    db: str | None = typer.Option(None, "--db", metavar="PATH", help=_DB_HELP),
+) -> None:
+    """Counts, mean and p95 runtime (or tool latency) for the usual groupings."""
+    from batteries.audit import queries
+
+    with _errors():
+        age = queries.parse_since(since) if since is not None else None
+        if by not in queries.STATS_BY:
+            raise _config_error(f"--by must be one of {', '.join(queries.STATS_BY)}, "
+                                f"got {by!r}")
+        with _reader(db) as cur:
+            found = queries.stats(cur, by=by, since=age)
+    if json_out:
+        _print_json(found)
+        return
+    if not found:
+        print("no runs" if by != "tool" else "no tool calls")
+        return
+    headers = tuple(found[0])
+    print(_table([h.upper() for h in headers],
+                 [tuple(_cell(r[h]) for h in headers) for r in found],
+                 right=tuple(i for i, h in enumerate(headers)
+                             if h not in ("subject", "status", "tool"))))
+
+
+def query(
+    sql: str = typer.Argument(..., metavar="SQL", help="One SELECT statement."),
+    fmt: str = typer.Option("table", "--format", metavar="table|json|csv",
+                            help="Output format."),
+    db: str | None = typer.Option(None, "--db", metavar="PATH", help=_DB_HELP),
+) -> None:
+    """Run one read-only SQL query against the audit database (writes are refused)."""
+    from batteries.audit import queries
+
+    with _errors():
+        if fmt not in ("table", "json", "csv"):
+            raise _config_error(f"--format must be table, json or csv, got {fmt!r}")
+        # Refuse a write before touching the database at all.
+        queries.check_read_only(sql)
+        with _reader(db) as cur:
+            names, data = queries.read_only_query(cur, sql)
+    if fmt == "json":
+        _print_json([dict(zip(_unique(names), r, strict=True)) for r in data])
+    elif fmt == "csv":
+        buf = io.StringIO()
+        w = csv.writer(buf, lineterminator="\n")
+        w.writerow(names)
+        w.writerows([tuple(_csv_cell(v) for v in r) for r in data])
+        sys.stdout.write(buf.getvalue())
+    else:
+        print(_table(names, [tuple(_cell(v) for v in r) for r in data],
+                     right=_numeric_columns(data)))
+
+
+def purge(
+    days: int | None = typer.Option(
+        None, "--days", metavar="N",
+        help=f"Delete runs older than N days (default: ${RETENTION_ENV}, else "
+             f"{DEFAULT_RETENTION_DAYS})."),
+    db: str | None = typer.Option(None, "--db", metavar="PATH", help=_DB_HELP),
+) -> None:
+    """Delete runs (and their events) that ended more than N days ago."""
+    from batteries.audit import queries
+
+    with _errors():
+        keep = _retention_days() if days is None else days
+        if keep < 0:
+            raise _config_error(f"--days must be >= 0, got {keep}")
+        store = _store(db)
+        if not store.path.exists():
+            raise _audit_error(f"no audit database at {store.path}")
+        with store.session(write=True) as cur:
+            n_runs, n_events = queries.purge(cur, keep)
+    print(f"purged {n_runs} runs ({n_events} events) older than {keep} days")
+
+
+def export(
+    directory: str = typer.Argument(..., metavar="DIR", help="Where to write the Parquet files."),
+    db: str | None = typer.Option(None, "--db", metavar="PATH", help=_DB_HELP),
+) -> None:
+    """Export every table to DIR/<table>.parquet."""
+    from batteries.audit import queries
+
+    with _errors(), _reader(db) as cur:
+        written = queries.export(cur, directory)
+    for path in written:
+        print(path)
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def _store(db: str | None) -> Store:
+    from batteries.audit import Store, resolve_db_path
+
+    return Store(resolve_db_path(db))
+
+
+@contextmanager
+def _reader(db: str | None) -> Iterator[Any]:
+    with _store(db).reader() as cur:
+        yield cur
+
+
+@contextmanager
+def _errors() -> Iterator[None]:
+    """Turn the library's errors into one line on stderr and an exit code."""
+    from kernel import ConfigError, KernelError
+
+    try:
+        yield
+    except ConfigError as exc:
+        _fail(str(exc), 2)
+    except KernelError as exc:
+        _fail(str(exc), 1)
+
+
+def _fail(message: str, code: int) -> None:
+    print(f"kernel: error: {_one_line(message)}", file=sys.stderr)
+    raise typer.Exit(code)
+
+
+def _config_error(message: str) -> Exception:
+    from kernel import ConfigError
+
+    return ConfigError(message)
+
+
+def _audit_error(message: str) -> Exception:
+    from kernel import AuditError
+
+    return AuditError(message)
+
+
+def _retention_days() -> int:
+    raw = os.environ.get(RETENTION_ENV, "").strip()
+    if not raw:
+        return DEFAULT_RETENTION_DAYS
+    try:
+        return int(raw)
+    except ValueError:
+        raise _config_error(f"{RETENTION_ENV} must be a whole number of days, "
+                            f"got {raw!r}") from None
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _when(value: Any) -> str:
+    if isinstance(value, datetime):
+        return value.astimezone().strftime("%Y-%m-%d %H:%M:%S")
+    return "" if value is None else str(value)
+
+
+def _secs(value: Any) -> str:
+    if value is None:
+        return "-"
+    s = float(value)
+    if s < 60:
+        return f"{s:.2f}s"
+    m, s = divmod(int(s), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
+
+
+def _ms(value: Any) -> str:
+    if value is None:
+        return ""
+    ms = float(value)
+    return f"{ms:.1f}ms" if ms < 1000 else _secs(ms / 1000)
+
+
+def _num(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.3f}" if math.isfinite(value) else str(value)
+    if isinstance(value, datetime):
+        return _when(value)
+    if isinstance(value, (dict, list)):
+        return json.dumps(value, default=str, ensure_ascii=False)
+    return _one_line(str(value))
+
+
+def _csv_cell(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, (dict, list)):
+        return json.dumps(value, default=str, ensure_ascii=False)
+    return value
+
+
+def _numeric_columns(data: Sequence[Sequence[Any]]) -> tuple[int, ...]:
+    if not data:
+        return ()
+    return tuple(i for i, v in enumerate(data[0])
+                 if isinstance(v, (int, float, Decimal)) and not isinstance(v, bool))
+
+
+def _unique(names: Sequence[str]) -> list[str]:
+    seen: dict[str, int] = {}
+    out = []
+    for n in names:
+        seen[n] = seen.get(n, 0) + 1
+        out.append(n if seen[n] == 1 else f"{n}_{seen[n]}")
+    return out
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *,
+           right: Sequence[int] = ()) -> str:
+    """Plain aligned columns (no box drawing), so the output pipes cleanly into grep/awk."""
+    cells = [[str(h) for h in headers]] + [["" if v is None else str(v) for v in r]
+                                          for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    last = len(headers) - 1
+    lines = []
+    for r in cells:
+        parts = []
+        for i, v in enumerate(r):
+            if i in right:
+                parts.append(v.rjust(widths[i]))
+            else:
+                parts.append(v if i == last else v.ljust(widths[i]))
+        lines.append("  ".join(parts).rstrip())
+    return "\n".join(lines)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, (datetime, date)):
+        return value.isoformat()
+    if isinstance(value, Decimal):
+        return float(value)
+    if isinstance(value, bytes):
+        return value.hex()
+    return str(value)
+
+
+def _print_json(value: Any) -> None:
+    print(json.dumps(value, default=_jsonable, ensure_ascii=False, indent=2))

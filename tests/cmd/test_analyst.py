@@ -1,0 +1,378 @@
+"""The analysts' commands: `kernel runs / show / stats / query / purge / export`."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+import trio
+from typer.testing import CliRunner
+
+from batteries.audit import DuckDBAudit, Store
+from kernel import RunInfo, RunStats, Status, Step, ToolCall, ToolResult, Usage
+from kernel_cli.app import app
+
+PROCS = Path(__file__).resolve().parent.parent / "batteries" / "audit_procs.py"
+
+# Hand-picked run ids so prefixes are predictable: abc1/abc2 share "abc".
+A, B, C, D, E = ("abc1" + "0" * 28, "abc2" + "0" * 28, "def0" + "0" * 28,
+                 "0dd0" + "0" * 28, "e0e0" + "0" * 28)
+
+
+async def _populate(db: Path) -> None:
+    async with DuckDBAudit.open(db) as audit:
+        rec = await audit.start_run(RunInfo(name="lint ok", run_id=A, subject_id="lint",
+                                            caller_id="ci", inputs={"repo": "x"}))
+        rec.log_event("tool_start", name="grep", payload={"args": {"pattern": "TODO"}},
+                      iteration=0)
+        for ms in (10.0, 20.0, 30.0, 40.0, 100.0):
+            rec.on_tool(ToolResult(ToolCall("grep"), output="3 matches", duration_s=ms / 1000),
+                        0)
+        rec.on_step(0, Step(output="all clean", final=True), 0.5)
+        await rec.close(RunStats(Status.OK, output="all clean", steps=1, tool_calls=5,
+                                 runtime_seconds=2.0,
+                                 usage=Usage(input_tokens=10, cost_usd=0.5)))
+        rec = await audit.start_run(RunInfo(name="lint failed", run_id=B, subject_id="lint"))
+        rec.log_error("exploded")
+        await rec.close(RunStats(Status.ERROR, error="RuntimeError: exploded", steps=1,
+                                 runtime_seconds=4.0))
+        rec = await audit.start_run(RunInfo(name="deploy", run_id=C, subject_id="deploy"))
+        rec.on_tool(ToolResult(ToolCall("kubectl"), error="denied", duration_s=1.0), 0)
+        rec.log_event("critic", name="kill", payload={"reason": "looping"}, iteration=3)
+        await rec.close(RunStats(Status.KILLED, reason="looping", steps=4, runtime_seconds=8.0))
+        rec = await audit.start_run(RunInfo(name="ancient", run_id=D, subject_id="lint"))
+        await rec.close(RunStats(Status.OK, steps=1, runtime_seconds=1.0))
+        rec = await audit.start_run(RunInfo(name="in flight", run_id=E, subject_id="deploy"))
+        rec.log_event("state_enter", name="build")
+        await audit.flush()  # E stays open: no close
+    old = datetime.now(UTC) - timedelta(days=40)
+    with Store(db).session(write=True) as cur:
+        cur.execute("UPDATE runs SET started_at = ?, ended_at = ? WHERE run_id = ?",
+                    [old, old + timedelta(seconds=1), D])
+        cur.execute("UPDATE events SET ts = ? WHERE run_id = ?", [old, D])
+
+
+@pytest.fixture
+def db(_isolated_db: Path) -> Path:
+    """The test's $KERNEL_DB, holding five runs: ok, error, killed, 40 days old, in flight."""
+    trio.run(_populate, _isolated_db)
+    return _isolated_db
+
+
+runner = CliRunner()
+
+
+def kernel(*args: str) -> tuple[int, str, str]:
+    """Invoke the real app in-process; return (exit code, stdout, stderr)."""
+    result = runner.invoke(app, list(args), catch_exceptions=False)
+    return result.exit_code, result.stdout, result.stderr
+
+
+def one_line_error(code: int, out: str, err: str, want_code: int, *fragments: str) -> None:
+    assert code == want_code, (code, out, err)
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("kernel: error: ")
+    for f in fragments:
+        assert f in lines[0], lines[0]
+
+
+def runs_json(*args: str) -> list[dict[str, object]]:
+    code, out, err = kernel("runs", "--json", *args)
+    assert code == 0, err
+    result: list[dict[str, object]] = json.loads(out)
+    return result
+
+
+class TestRuns:
+    def test_lists_runs_newest_first(self, db: Path) -> None:
+        """The table shows every run, newest first, with status, steps and runtime."""
+        code, out, _ = kernel("runs")
+        assert code == 0
+        lines = out.splitlines()
+        assert lines[0].split() == ["RUN", "STARTED", "STATUS", "STEPS", "TOOLS", "RUNTIME",
+                                    "NAME"]
+        assert [ln.split()[0] for ln in lines[1:]] == [E, C, B, A, D]
+        assert "running" in lines[1] and "killed" in lines[2]
+
+    def test_filters_by_status_since_and_limit(self, db: Path) -> None:
+        """--status, --since and --limit narrow the list ("running" means still open)."""
+        assert [r["run_id"] for r in runs_json("--status", "error")] == [B]
+        assert [r["run_id"] for r in runs_json("--status", "running")] == [E]
+        assert D not in [r["run_id"] for r in runs_json("--since", "7d")]
+        assert D in [r["run_id"] for r in runs_json("--since", "60d")]
+        assert len(runs_json("--limit", "2")) == 2
+
+    def test_json_has_full_ids_and_iso_times(self, db: Path) -> None:
+        """--json prints full run ids and ISO-8601 timestamps."""
+        first = runs_json("--status", "ok", "--since", "1d")[0]
+        assert first["run_id"] == A
+        assert (first["status"], first["steps"], first["tool_calls"]) == ("ok", 1, 5)
+        assert datetime.fromisoformat(str(first["started_at"])).tzinfo is not None
+
+    @pytest.mark.parametrize(("args", "fragment"), [
+        (["--since", "5 fortnights"], "--since expects a duration"),
+        (["--status", "great"], "--status must be one of"),
+        (["--limit", "0"], "--limit must be at least 1"),
+    ])
+    def test_bad_input_is_one_line_and_exit_2(self, db: Path, args: list[str],
+                                              fragment: str) -> None:
+        """Malformed options give one error line and exit code 2."""
+        one_line_error(*kernel("runs", *args), 2, fragment)
+
+    def test_a_missing_database_is_one_line_and_exit_1(self, tmp_path: Path) -> None:
+        """No database at the path: one line naming it, exit code 1."""
+        missing = tmp_path / "nowhere.duckdb"
+        one_line_error(*kernel("runs", "--db", str(missing)), 1, "no audit database",
+                       str(missing))
+
+
+class TestShow:
+    def test_a_unique_prefix_shows_the_timeline(self, db: Path) -> None:
+        """A unique prefix finds the run; the timeline lists seq, +ms, kind, name, summary."""
+        code, out, _ = kernel("show", "abc1")
+        assert code == 0
+        assert f"run      {A}  lint ok" in out
+        assert "status   ok" in out
+        header = next(ln for ln in out.splitlines() if ln.startswith("SEQ"))
+        assert header.split() == ["SEQ", "+MS", "KIND", "NAME", "DURATION", "SUMMARY"]
+        rows = out.split(header)[1].strip().splitlines()
+        assert [r.split()[0] for r in rows] == [str(i) for i in range(9)]
+        assert [r.split()[2] for r in rows] == ["run_start", "tool_start"] + ["tool_end"] * 5 \
+            + ["step", "run_end"]
+        assert "-> 3 matches" in rows[2] and "100.0ms" in rows[6]
+        assert "final, output all clean" in rows[7]
+
+    def test_json_has_the_run_and_its_events(self, db: Path) -> None:
+        """--json prints the run row and its events with parsed payloads and offsets."""
+        code, out, _ = kernel("show", C, "--json")
+        assert code == 0
+        shown = json.loads(out)
+        assert (shown["run"]["run_id"], shown["run"]["status"]) == (C, "killed")
+        assert [e["kind"] for e in shown["events"]] == ["run_start", "tool_end", "critic",
+                                                        "run_end"]
+        critic = shown["events"][2]
+        assert (critic["name"], critic["payload"], critic["summary"]) == (
+            "kill", {"reason": "looping"}, "looping")
+        assert all(e["offset_ms"] >= 0 for e in shown["events"])
+
+    def test_a_uuid_with_dashes_is_accepted(self, db: Path) -> None:
+        """Ids pasted in UUID form (with dashes, any case) resolve too."""
+        code, out, _ = kernel("show", "DEF00000-0000", "--json")
+        assert code == 0 and json.loads(out)["run"]["run_id"] == C
+
+    @pytest.mark.parametrize(("prefix", "fragment"), [
+        ("abc", "is ambiguous: it matches abc1, abc2"),
+        ("fff", "no run matches 'fff'"),
+        ("not-hex!", "run id must be up to 32 hex digits"),
+    ])
+    def test_bad_ids_are_one_line_and_exit_2(self, db: Path, prefix: str,
+                                             fragment: str) -> None:
+        """Ambiguous, unknown and malformed ids: one error line, exit code 2."""
+        one_line_error(*kernel("show", prefix), 2, fragment)
+
+
+class TestStats:
+    def test_by_subject_and_status(self, db: Path) -> None:
+        """--by subject groups runs by subject and status, with count, mean and p95."""
+        code, out, _ = kernel("stats", "--json")
+        assert code == 0
+        rows = {(r["subject"], r["status"]): r for r in json.loads(out)}
+        assert rows[("lint", "ok")]["runs"] == 2  # A and the old D
+        assert rows[("lint", "ok")]["mean_s"] == pytest.approx(1.5)
+        assert rows[("deploy", "killed")]["p95_s"] == pytest.approx(8.0)
+        assert rows[("deploy", "running")]["runs"] == 1
+
+    def test_since_excludes_old_runs(self, db: Path) -> None:
+        """--since drops runs started before the window."""
+        code, out, _ = kernel("stats", "--by", "status", "--since", "7d", "--json")
+        assert code == 0
+        rows = {r["status"]: r["runs"] for r in json.loads(out)}
+        assert rows == {"ok": 1, "error": 1, "killed": 1, "running": 1}
+
+    def test_by_tool_gives_latency_percentiles(self, db: Path) -> None:
+        """--by tool reports calls, errors and p95 latency per tool, as a table too."""
+        code, out, _ = kernel("stats", "--by", "tool", "--json")
+        assert code == 0
+        rows = {r["tool"]: r for r in json.loads(out)}
+        assert rows["grep"]["calls"] == 5 and rows["grep"]["errors"] == 0
+        assert rows["grep"]["p95_ms"] == pytest.approx(88.0)  # 40 + 0.8 * (100 - 40)
+        assert rows["kubectl"]["errors"] == 1
+        code, out, _ = kernel("stats", "--by", "tool")
+        assert out.splitlines()[0].split()[:3] == ["TOOL", "CALLS", "ERRORS"]
+
+    def test_a_bad_grouping_is_one_line_and_exit_2(self, db: Path) -> None:
+        """--by accepts only subject, status or tool."""
+        one_line_error(*kernel("stats", "--by", "colour"), 2, "--by must be one of")
+
+
+class TestQuery:
+    def test_formats(self, db: Path) -> None:
+        """A SELECT prints as an aligned table, JSON records, or CSV with a header."""
+        sql = "SELECT name, steps FROM runs WHERE status = 'ok' ORDER BY name"
+        code, out, _ = kernel("query", sql)
+        assert code == 0
+        assert [ln.split() for ln in out.splitlines()] == [["name", "steps"],
+                                                           ["ancient", "1"],
+                                                           ["lint", "ok", "1"]]
+        code, out, _ = kernel("query", sql, "--format", "json")
+        assert json.loads(out) == [{"name": "ancient", "steps": 1},
+                                   {"name": "lint ok", "steps": 1}]
+        code, out, _ = kernel("query", sql, "--format", "csv")
+        assert list(csv.reader(io.StringIO(out))) == [["name", "steps"], ["ancient", "1"],
+                                                      ["lint ok", "1"]]
+
+    def test_the_views_are_queryable(self, db: Path) -> None:
+        """The ready-made views answer through `kernel query`."""
+        code, out, _ = kernel("query", "SELECT decision, reason FROM critic_decisions",
+                              "--format", "json")
+        assert code == 0 and json.loads(out) == [{"decision": "kill", "reason": "looping"}]
+
+    @pytest.mark.parametrize("sql", [
+        "DELETE FROM runs",
+        "UPDATE runs SET status = 'ok'",
+        "DROP TABLE events",
+        "CREATE TABLE x AS SELECT 1",
+        "COPY runs TO 'stolen.csv'",
+        "ATTACH 'other.duckdb' AS o",
+        "SET threads = 1",
+    ])
+    def test_writes_are_refused_and_change_nothing(self, db: Path, sql: str) -> None:
+        """Anything but a query is refused with one line, exit 2, and the data is untouched."""
+        code, out, err = kernel("query", sql)
+        kind = sql.split()[0].upper()
+        one_line_error(code, out, err, 2, "query is read-only", kind)
+        with Store(db).reader() as cur:
+            assert cur.execute("SELECT count(*) FROM runs").fetchall() == [(5,)]
+            assert cur.execute("SELECT count(*) FROM runs WHERE status = 'ok'"
+                               ).fetchall() == [(2,)]
+
+    @pytest.mark.parametrize(("args", "fragment"), [
+        (["SELECT 1; SELECT 2"], "exactly one statement"),
+        (["SELEKT nonsense"], "invalid SQL"),
+        (["SELECT * FROM no_such_table"], "query failed"),
+        (["SELECT 1", "--format", "xml"], "--format must be table, json or csv"),
+    ])
+    def test_bad_queries_are_one_line_and_exit_2(self, db: Path, args: list[str],
+                                                 fragment: str) -> None:
+        """Several statements, bad SQL, unknown tables and formats: one line, exit 2."""
+        one_line_error(*kernel("query", *args), 2, fragment)
+
+
+class TestPurgeAndExport:
+    def test_purge_deletes_runs_older_than_the_retention(self, db: Path) -> None:
+        """The default retention (30 days) removes the 40-day-old run and its events only."""
+        code, out, _ = kernel("purge")
+        assert code == 0
+        assert out.strip() == "purged 1 runs (2 events) older than 30 days"
+        assert D not in [r["run_id"] for r in runs_json("--limit", "100")]
+        assert len(runs_json("--limit", "100")) == 4
+
+    def test_purge_days_come_from_the_environment(self, db: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+        """$KERNEL_RETENTION_DAYS sets the default; --days overrides it."""
+        monkeypatch.setenv("KERNEL_RETENTION_DAYS", "100")
+        _, out, _ = kernel("purge")
+        assert out.startswith("purged 0 runs")
+        _, out, _ = kernel("purge", "--days", "0")
+        assert out.startswith("purged 5 runs")
+        monkeypatch.setenv("KERNEL_RETENTION_DAYS", "a month")
+        one_line_error(*kernel("purge"), 2, "KERNEL_RETENTION_DAYS")
+
+    def test_export_writes_one_parquet_file_per_table(self, db: Path, tmp_path: Path) -> None:
+        """export DIR writes runs, events and schema_version as Parquet with every row."""
+        import duckdb
+
+        out_dir = tmp_path / "export"
+        code, out, _ = kernel("export", str(out_dir))
+        assert code == 0
+        written = [Path(p) for p in out.split()]
+        assert [p.name for p in written] == ["runs.parquet", "events.parquet",
+                                             "schema_version.parquet"]
+        con = duckdb.connect()
+        counts = [con.execute(f"SELECT count(*) FROM read_parquet('{p}')").fetchall()[0][0]
+                  for p in written]
+        con.close()
+        assert counts == [5, 20, 1]
+
+    def test_export_to_a_file_is_refused(self, db: Path, tmp_path: Path) -> None:
+        """An export target that is a file gives one line and exit 2."""
+        target = tmp_path / "file.txt"
+        target.write_text("x")
+        one_line_error(*kernel("export", str(target)), 2, "is not a directory")
+
+
+@pytest.mark.realtime
+class TestInstalledExecutable:
+    def test_a_delete_through_the_real_cli_is_refused(self, db: Path, kernel_exe: str,
+                                                      cli_env: dict[str, str]) -> None:
+        """`kernel query "DELETE FROM runs"` exits 2 with one stderr line; nothing is deleted."""
+        env = {**cli_env, "KERNEL_DB": str(db)}
+        proc = subprocess.run([kernel_exe, "query", "DELETE FROM runs"], env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2
+        assert proc.stdout == ""
+        assert proc.stderr.splitlines() == [
+            "kernel: error: query is read-only: DELETE statements are refused"]
+        with Store(db).reader() as cur:
+            assert cur.execute("SELECT count(*) FROM runs").fetchall() == [(5,)]
+
+    def test_kernel_run_is_recorded_and_shown(self, kernel_exe: str,
+                                              cli_env: dict[str, str]) -> None:
+        """`kernel run -- CMD` writes the database that `kernel runs` and `show` read."""
+        ran = subprocess.run([kernel_exe, "run", "--json", "--", "echo", "hello"], env=cli_env,
+                             capture_output=True, text=True, timeout=60)
+        assert ran.returncode == 0, ran.stderr
+        run_id = json.loads(ran.stdout)["run_id"]
+        listed = subprocess.run([kernel_exe, "runs", "--json"], env=cli_env,
+                                capture_output=True, text=True, timeout=60)
+        assert [r["run_id"] for r in json.loads(listed.stdout)] == [run_id]
+        shown = subprocess.run([kernel_exe, "show", run_id[:16]], env=cli_env,
+                               capture_output=True, text=True, timeout=60)
+        assert shown.returncode == 0, shown.stderr
+        assert "process_exit" in shown.stdout and "output hello" in shown.stdout
+
+    def test_a_reader_waits_for_a_writer_then_answers(self, db: Path, kernel_exe: str,
+                                                      cli_env: dict[str, str]) -> None:
+        """While another process holds the file, `kernel runs` waits (bounded) then answers;
+        past its lock timeout it fails with one line and exit 1."""
+        env = {**cli_env, "KERNEL_DB": str(db)}
+        holder = subprocess.Popen([sys.executable, str(PROCS), "hold", str(db)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert holder.stdout is not None and "held" in holder.stdout.readline()
+        gave_up = subprocess.run([kernel_exe, "runs"], capture_output=True, text=True,
+                                 env={**env, "KERNEL_AUDIT_LOCK_TIMEOUT": "0.2"}, timeout=60)
+        waiting = subprocess.Popen([kernel_exe, "runs", "--json"], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True, env=env)
+        time.sleep(1.5)
+        assert waiting.poll() is None  # still waiting (its lock timeout is 10 s)
+        assert holder.stdin is not None
+        holder.stdin.close()
+        holder.wait(timeout=30)
+        out, err = waiting.communicate(timeout=60)
+        assert gave_up.returncode == 1
+        assert gave_up.stderr.splitlines() == [
+            f"kernel: error: audit database {db} is locked by another process "
+            "(gave up after 0.2s)"]
+        assert waiting.returncode == 0, err
+        assert len(json.loads(out)) == 5
+
+    def test_help_does_not_import_duckdb(self) -> None:
+        """Loading the CLI (with the analysts' commands) imports neither duckdb nor pyarrow."""
+        probe = ("import sys, kernel_cli.app as a; "
+                 "names = {c.name for c in a.app.registered_commands}; "
+                 "assert {'runs', 'show', 'stats', 'query', 'purge', 'export'} <= names, names; "
+                 "print(sorted(m for m in ('duckdb', 'pyarrow', 'batteries.audit') "
+                 "if m in sys.modules))")
+        proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.strip() == "[]"
