@@ -147,6 +147,7 @@ class DuckDBBudget:
         """Create or replace a caller's budget (blocking; for the CLI and hosts)."""
         if window_seconds <= 0:
             raise ValueError("the budget window must be > 0 seconds")
+        self.store.ensure_schema()  # the file may be new: make it a full audit database
         with self.store.session(write=True) as con:
             self._ensure(con)
             con.execute("DELETE FROM budgets WHERE caller_id = ?", [caller_id])

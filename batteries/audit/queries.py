@@ -329,7 +329,7 @@ def purge(cur: duckdb.DuckDBPyConnection, days: float) -> tuple[int, int]:
 
 
 def export(cur: duckdb.DuckDBPyConnection, directory: str | Path) -> list[Path]:
-    """Write each table to `directory/<table>.parquet`; return the files written.
+    """Write every table to `directory/<table>.parquet`; return the files written.
 
     Raises:
         ConfigError: `directory` exists and is not a directory, or cannot be created.
@@ -342,7 +342,12 @@ def export(cur: duckdb.DuckDBPyConnection, directory: str | Path) -> list[Path]:
     except OSError as exc:
         raise ConfigError(f"cannot create {out}: {exc.strerror or exc}") from exc
     written = []
-    for table in TABLES:
+    # The audit's own tables first, then any others in the file (budgets,
+    # budget_spend, checkpoints: batteries that share it).
+    others = [r[0] for r in cur.execute(
+        "SELECT table_name FROM duckdb_tables() WHERE database_name = current_database() "
+        "ORDER BY table_name").fetchall() if r[0] not in TABLES]
+    for table in (*TABLES, *others):
         target = (out / f"{table}.parquet").absolute()
         quoted = "'" + str(target).replace("'", "''") + "'"
         order = " ORDER BY run_id, seq" if table == "events" else (

@@ -354,7 +354,7 @@ def _report(result: Result, code: int, *, json_out: bool, echo_output: bool) -> 
         if text:
             sys.stdout.write(text.rstrip("\n") + "\n")
     if result.status is not Status.OK or sys.stderr.isatty():
-        why = result.reason or result.error
+        why = result.error or result.reason
         print(f"kernel: run {result.run_id[:12]} {result.status} after "
               f"{result.runtime_seconds:.1f}s, {result.steps} step(s)"
               + (f": {why}" if why and why != str(result.status) else "")

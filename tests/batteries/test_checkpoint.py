@@ -76,3 +76,20 @@ class TestDuckDBCheckpointer:
         assert [r.run_id for r in cp.find("deadbe")] == [saved.run_id]
         cp.mark_failed(saved.run_id, "given up")
         assert cp.interrupted() == []
+
+
+def test_export_includes_the_batteries_tables(tmp_path: Path) -> None:
+    """`kernel export` writes the checkpoint and budget tables too, not only runs/events."""
+    import subprocess
+    import sys
+
+    from batteries.budget import DuckDBBudget
+
+    db = tmp_path / "k.duckdb"
+    DuckDBBudget(db).set("x", max_runs=1)
+    trio.run(DuckDBCheckpointer(db).register, "ab" * 16, SPEC)
+    exe = str(Path(sys.executable).parent / "kernel")
+    out = subprocess.run([exe, "export", str(tmp_path / "out"), "--db", str(db)],
+                         check=True, capture_output=True, text=True).stdout
+    names = {Path(p).name for p in out.split()}
+    assert {"runs.parquet", "events.parquet", "budgets.parquet", "checkpoints.parquet"} <= names
