@@ -32,13 +32,16 @@ class Progress:
 
     def render(self) -> str:
         elapsed = trio.current_time() - self.started
-        parts = [f"{self.name[:40]}", self.state, f"step {self.steps}", f"{elapsed:.1f}s"]
-        if self.lines:
-            parts.append(f"{self.lines} lines")
+        # Most useful first: the line is cut to the terminal's width.
+        parts = [f"step {self.steps}", f"{elapsed:.1f}s"]
         if self.timeout is not None:
             parts.append(f"deadline in {max(0.0, self.timeout - elapsed):.0f}s")
         if self.decisions:
             parts.append("critic: " + ", ".join(self.decisions))
+        parts.append(self.state)
+        if self.lines:
+            parts.append(f"{self.lines} lines")
+        parts.append(self.name[:60])
         return " | ".join(parts)
 
 
@@ -65,7 +68,7 @@ class ProgressRecorder:
                   iteration: int | None = None) -> None:
         if kind == "output":
             self.p.lines += 1
-        elif kind == "critic":
+        elif kind == "critic" and name != "watch":  # "watch" only records the thresholds
             self.p.decisions.append(name or "?")
         elif kind in ("state_enter", "tool_start", "process_start"):
             self.p.state = f"{kind.replace('_', ' ')} {name or ''}".strip()
@@ -109,9 +112,13 @@ async def show(progress: Progress, *, interval: float = 0.25) -> None:
     from rich.text import Text
 
     console = Console(file=sys.stderr)
-    with Live(Text(progress.render()), console=console, transient=True,
+    def line() -> Text:
+        # One line, cut to the terminal's width: a wrapped line would leave debris.
+        return Text(progress.render(), style="dim", no_wrap=True, overflow="ellipsis")
+
+    with Live(line(), console=console, transient=True,
               redirect_stdout=sys.stdout.isatty(), redirect_stderr=True,
               auto_refresh=False) as live:
         while True:
-            live.update(Text(progress.render(), style="dim"), refresh=True)
+            live.update(line(), refresh=True)
             await trio.sleep(interval)
