@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from contextlib import AsyncExitStack, contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -88,15 +89,30 @@ class TestOpenFailures:
             async with DuckDBAudit.open(blocker / "kernel.duckdb"):
                 pass
 
-    @pytest.mark.skipif(os.geteuid() == 0, reason="root ignores file permissions")
-    async def test_a_read_only_file_is_an_audit_error(self, tmp_path: Path) -> None:
-        """A database file without write permission fails open() with AuditError."""
+    async def test_a_read_only_file_is_an_audit_error(self, read_only: Any,
+                                                      tmp_path: Path) -> None:
+        """A database file that cannot be written fails open() with AuditError."""
         db = tmp_path / "ro.duckdb"
         Store(db).ensure_schema()
-        db.chmod(0o444)
+        read_only(db)
         with pytest.raises(AuditError):
             async with DuckDBAudit.open(db):
                 pass
+
+    def test_kernel_run_on_a_read_only_file(self, read_only: Any, tmp_path: Path) -> None:
+        """`kernel run` on a read-only database: one warning line, the command's own status."""
+        db = tmp_path / "ro.duckdb"
+        Store(db).ensure_schema()
+        read_only(db)
+        exe = str(Path(sys.executable).parent / "kernel")
+        proc = subprocess.run([exe, "run", "--json", "--db", str(db), "--", "sh", "-c",
+                               "exit 3"], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 3
+        doc = json.loads(proc.stdout)
+        assert doc["status"] == "error" and doc["port_failures"][0].startswith("audit.open: ")
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("kernel: warning: audit.open: ")
+        assert "Traceback" not in proc.stderr
 
     def test_a_bad_lock_timeout_setting_is_a_config_error(
             self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -203,3 +219,22 @@ class TestKernelRunCommand:
         assert result["status"] == "error"
         assert any(f.startswith("audit.open: ") and "locked" in f
                    for f in result["port_failures"])
+
+
+@pytest.fixture
+def read_only() -> Iterator[Any]:
+    """Make a file unwritable even for root (chattr +i), undone after the test."""
+    made: list[Path] = []
+
+    def apply(path: Path) -> None:
+        if os.geteuid() != 0:
+            path.chmod(0o444)
+            return
+        proc = subprocess.run(["chattr", "+i", str(path)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot make a file read-only for root here: {proc.stderr.strip()}")
+        made.append(path)
+
+    yield apply
+    for path in made:
+        subprocess.run(["chattr", "-i", str(path)], check=False)
