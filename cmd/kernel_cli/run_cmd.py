@@ -76,6 +76,10 @@ def run(
         None, "--db", metavar="PATH", help="Audit database (default: $KERNEL_DB or the "
                                            "user data dir)."),
     no_audit: bool = typer.Option(False, "--no-audit", help="Record nothing."),
+    checkpoint_interval: float = typer.Option(
+        1.0, "--checkpoint-interval", metavar="S", min=0,
+        help="Save a loop's or agent's resumable state at most this often (0 = after "
+             "every step), for `kernel recover`."),
     deliver_dir: str | None = typer.Option(
         None, "--deliver-dir", metavar="DIR",
         help="Also write the result to DIR/RUN_ID/ (result.json, output.txt, artifacts/)."),
@@ -128,7 +132,7 @@ def run(
             else base.soft_timeout,
             tool_timeout=base.tool_timeout, dry_run=dry_run,
             # Each save is a short write transaction on the shared file: at most one a second.
-            checkpoint_every_seconds=max(base.checkpoint_every_seconds, 1.0),
+            checkpoint_every_seconds=max(base.checkpoint_every_seconds, checkpoint_interval),
             # A terminal user waits on kills: look at the critic four times a second.
             poll_interval=min(base.poll_interval, 0.25))
     except ValueError as exc:
