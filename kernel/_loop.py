@@ -211,8 +211,13 @@ class _Run:
             except Exception as exc:
                 self.critic_failed("record_activity", exc)
 
-    def tool_started(self, call: ToolCall, payload: Mapping[str, Any] | None) -> None:
-        """A tool call the agent runs itself: audit it and show it to the critic."""
+    def tool_started(self, call: ToolCall, payload: Mapping[str, Any] | None = None,
+                     iteration: int | None = None) -> None:
+        """A tool call is starting: count it, show it to the critic, audit `tool_start`.
+
+        Called for the tools the kernel runs and, through `ctx.tool_start`, for
+        tools an agent runs itself.
+        """
         self.tool_calls += 1
         handle = self.handle
         if handle is not None:
@@ -505,17 +510,9 @@ class _Run:
         for call in calls:
             if not isinstance(call, ToolCall):
                 call = ToolCall(name=str(call))
-            self.tool_calls += 1
-            handle = self.handle
-            if handle is not None:
-                try:
-                    handle.record_tool_start(call)
-                except Exception as exc:
-                    self.critic_failed("record_tool_start", exc)
-                if self.killed_now():  # e.g. a looping call: do not run it again
-                    return results
-            self.log_event("tool_start", name=call.name,
-                           payload={"args": dict(call.args), "id": call.id}, iteration=iteration)
+            self.tool_started(call, iteration=iteration)
+            if self.handle is not None and self.killed_now():
+                return results  # e.g. a looping call: do not run it again
             fn = self.tools.get(call.name)
             t0 = trio.current_time()
             if fn is None:
