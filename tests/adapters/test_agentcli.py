@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import trio
+from procs import gone
 
 from adapters.agentcli import (
     AgentCLI,
@@ -27,22 +27,6 @@ FAKE = str(Path(__file__).with_name("fake_agent_cli.py"))
 LIMITS = Limits(timeout=20, poll_interval=0.02)
 
 
-def alive(pid: int) -> bool:
-    """True while `pid` is a running (not zombie) process."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-async def gone(pid: int, within: float = 2.0) -> bool:
-    """True once `pid` has died (a SIGKILLed process takes a moment to be torn down)."""
-    for _ in range(int(within / 0.02)):
-        if not alive(pid):
-            return True
-        await trio.sleep(0.02)
-    return not alive(pid)
 
 
 def fake(scenario: str, *extra: str, **kw: Any) -> AgentCLI:

@@ -8,26 +8,9 @@ from pathlib import Path
 
 import pytest
 import trio
+from procs import gone
 
 from adapters.llm import Tool, read_file_tool, shell_tool
-
-
-def alive(pid: int) -> bool:
-    """True while `pid` is a running (not zombie) process."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-async def gone(pid: int, within: float = 2.0) -> bool:
-    """True once `pid` has died (a SIGKILLed process takes a moment to be torn down)."""
-    for _ in range(int(within / 0.02)):
-        if not alive(pid):
-            return True
-        await trio.sleep(0.02)
-    return not alive(pid)
 
 
 class TestReadFileTool:

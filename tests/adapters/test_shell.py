@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import sys
-import time
 import tracemalloc
 
 import pytest
 import trio
+from procs import group_gone
 
 from adapters.shell import ShellAgent
 from kernel import Kernel, Limits, Ports, RunInfo, Status
@@ -17,31 +16,6 @@ from kernel.testing import MemoryAudit, ScriptedCritic
 pytestmark = pytest.mark.realtime
 
 
-def live_members(pgid: int) -> list[int]:
-    """Pids of the non-zombie processes in process group `pgid` (from /proc)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        state, group = fields[0], int(fields[2])
-        if group == pgid and state != "Z":
-            pids.append(int(entry))
-    return pids
-
-
-def gone(pgid: int) -> bool:
-    """True once no live process of the group is left (zombies await their reaper)."""
-    deadline = time.monotonic() + 2
-    while live_members(pgid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def started_pid(audit: MemoryAudit, run_id: str) -> int:
@@ -117,7 +91,7 @@ class TestProcessHygiene:
             ShellAgent(["sh", "-c", "sleep 30 & sleep 30 & wait"]), RunInfo(), Limits(timeout=1))
         assert result.status is Status.TIMEOUT
         assert trio.current_time() - start < 3
-        assert gone(started_pid(audit, result.run_id))
+        assert group_gone(started_pid(audit, result.run_id))
 
     async def test_sigterm_ignored_gets_sigkill(self) -> None:
         """A command ignoring SIGTERM is SIGKILLed after the grace period."""
@@ -129,7 +103,7 @@ class TestProcessHygiene:
             ShellAgent([sys.executable, "-c", code], grace=0.5), RunInfo(), Limits(timeout=1))
         assert result.status is Status.TIMEOUT
         assert trio.current_time() - start < 4
-        assert gone(started_pid(audit, result.run_id))
+        assert group_gone(started_pid(audit, result.run_id))
 
     async def test_leftover_children_are_reaped(self) -> None:
         """A command that exits leaving a background child ends promptly; the child is stopped."""
@@ -139,7 +113,7 @@ class TestProcessHygiene:
             ShellAgent(["sh", "-c", "sleep 30 & echo done"]), RunInfo(), Limits(timeout=20))
         assert result.status is Status.OK and result.output == "done"
         assert trio.current_time() - start < 4
-        assert gone(started_pid(audit, result.run_id))
+        assert group_gone(started_pid(audit, result.run_id))
 
     async def test_outer_cancel_stops_the_command(self) -> None:
         """Cancelling the caller stops the command's group, and the run is cancelled."""
@@ -148,7 +122,7 @@ class TestProcessHygiene:
             await Kernel(Ports(audit=audit)).run(ShellAgent(["sleep", "30"]))
         [row] = audit.runs.values()
         assert row.status is Status.CANCELLED
-        assert gone(started_pid(audit, row.info.run_id))
+        assert group_gone(started_pid(audit, row.info.run_id))
 
 
 class TestSteer:
