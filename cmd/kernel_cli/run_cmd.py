@@ -153,7 +153,8 @@ def run(
     except ConfigError as exc:
         _fail(str(exc))
     code = exit_code(result, command=plan.is_command)
-    _report(result, code, json_out=json_out, echo_output=not plan.echoes)
+    # A dry run echoes nothing as it goes: its output (the path it would take) is the answer.
+    _report(result, code, json_out=json_out, echo_output=not plan.echoes or dry_run)
     raise typer.Exit(code)
 
 
@@ -357,7 +358,7 @@ def _report(result: Result, code: int, *, json_out: bool, echo_output: bool) -> 
             result.output, default=str)
         if text:
             sys.stdout.write(text.rstrip("\n") + "\n")
-    if result.status is not Status.OK or sys.stderr.isatty():
+    if result.status not in (Status.OK, Status.DRY_RUN) or sys.stderr.isatty():
         why = result.error or result.reason
         print(f"kernel: run {result.run_id[:12]} {result.status} after "
               f"{result.runtime_seconds:.1f}s, {result.steps} step(s)"

@@ -173,3 +173,26 @@ class TestDelivery:
                       "--", "sh", "-c", "exit 6", timeout=90)
         assert proc.returncode == 6
         assert "kernel: warning: delivery.deliver" in proc.stderr
+
+
+class TestDryRun:
+    def test_dry_run_command(self, kernel_exe: str, cli_env: dict[str, str],
+                             tmp_path: object) -> None:
+        """--dry-run prints what would run, runs nothing, exits 0."""
+        from pathlib import Path
+
+        target = Path(str(tmp_path)) / "must-survive"
+        target.write_text("x")
+        proc = kernel(kernel_exe, cli_env, "run", "--dry-run", "--", "rm", str(target))
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout == f"would run: rm {target}\n"
+        assert target.exists()
+
+    def test_dry_run_loop_prints_the_path(self, kernel_exe: str,
+                                          cli_env: dict[str, str]) -> None:
+        """A loop's dry run prints the path it would take under the scenario."""
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        proc = kernel(kernel_exe, cli_env, "run", "--dry-run", "--scenario", "first-fail",
+                      os.path.join(root, "examples", "ci-gate.yaml"))
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.startswith("dry run of loop 'ci-gate' (scenario first-fail)")
