@@ -320,8 +320,11 @@ async def _execute(agent: Any, info: RunInfo, limits: Limits, opts: PortOptions,
                 if live is not None:
                     nursery.start_soon(progress.show, live)
 
+                got: list[int] = []
+
                 async def on_signal() -> None:
                     async for signum in signals:
+                        got.append(signum)
                         print(f"kernel: {signal.Signals(signum).name}: cancelling the run",
                               file=sys.stderr)
                         run_scope.cancel()
@@ -330,6 +333,14 @@ async def _execute(agent: Any, info: RunInfo, limits: Limits, opts: PortOptions,
                 with run_scope:
                     await kernel.run(agent, info, limits, resume=resume)
                 nursery.cancel_scope.cancel()
+            if got and got[0] == signal.SIGINT and ports.checkpointer is not None:
+                # Ctrl-C is a person deciding to stop: not a run for `kernel recover`.
+                # SIGTERM (a shutdown) leaves the checkpoint in place to resume.
+                with trio.CancelScope(shield=True):
+                    try:
+                        await ports.checkpointer.fail(info.run_id, "cancelled with Ctrl-C")
+                    except Exception as exc:
+                        warnings.append(PortFailure("checkpointer", "fail", str(exc)))
     result = capture.result
     assert result is not None, "the kernel delivers every result"
     result.port_failures[:0] = warnings

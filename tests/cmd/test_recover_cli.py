@@ -128,3 +128,27 @@ class TestRecover:
         assert proc.stderr.strip().splitlines() == [
             "kernel: error: no run 'ffff' with a checkpoint"]
 
+
+
+class TestSignals:
+    @pytest.mark.parametrize(("sig", "listed"), [(signal.SIGTERM, 1), (signal.SIGINT, 0)],
+                             ids=["sigterm-resumable", "ctrl-c-final"])
+    def test_shutdown_vs_ctrl_c(self, sig: int, listed: int, kernel_exe: str,
+                                cli_env: dict[str, str], tmp_path: Path) -> None:
+        """SIGTERM (shutdown) leaves a loop run to `kernel recover`; Ctrl-C ends it for good."""
+        loop = tmp_path / "count.yaml"
+        loop.write_text(COUNTER)
+        marker = tmp_path / "ticks"
+        proc = subprocess.Popen(
+            [kernel_exe, "run", "--no-critic", str(loop), "-c", f"marker={marker}"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env, cwd=tmp_path)
+        deadline = time.monotonic() + 30
+        while ticks(marker) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        proc.send_signal(sig)
+        proc.communicate(timeout=30)
+        assert proc.returncode == 130
+        out = subprocess.run([kernel_exe, "recover", "--list", "--json"], capture_output=True,
+                             text=True, env=cli_env, timeout=60).stdout
+        assert len(out.strip().splitlines()) == listed
