@@ -97,10 +97,12 @@ def run(
                                  "first-fail|alternating."),
     agent: str | None = typer.Option(
         None, "--agent", metavar="KIND", help="Run an agent instead: llm | agentcli."),
-    model: str | None = typer.Option(None, "--model", help="Model name (--agent llm)."),
+    model: str | None = typer.Option(
+        None, "--model", help="Model name (--agent llm; for a loop, the model its "
+                              "llm_structured evaluations ask unless the file sets llm.model)."),
     base_url: str | None = typer.Option(
-        None, "--base-url", help="OpenAI-compatible API base URL (--agent llm; "
-                                 "default $OPENAI_BASE_URL)."),
+        None, "--base-url", help="OpenAI-compatible API base URL (--agent llm and loop "
+                                 "llm_structured evaluations; default $OPENAI_BASE_URL)."),
     prompt: str | None = typer.Option(None, "--prompt", help="The task (--agent llm|agentcli)."),
     cmd: str | None = typer.Option(
         None, "--cmd", help="The agent's command line (--agent agentcli)."),
@@ -205,7 +207,8 @@ def agent_spec(target: list[str], ctx_vars: dict[str, str], *, agent: str | None
         if not Path(path).is_file():
             raise ConfigError(f"loop file not found: {path}")
         return {"kind": "loop", "path": str(Path(path).resolve()), "context": ctx_vars,
-                "scenario": scenario}
+                "scenario": scenario, "model": model, "base_url": base_url,
+                "api_key_env": api_key_env}
     if scenario is not None:
         raise ConfigError("--scenario applies to loop files only")
     return {"kind": "command", "argv": list(target), "context": ctx_vars}
@@ -235,8 +238,13 @@ def plan_from_spec(spec: dict[str, Any], *, quiet: bool) -> Plan:
             from . import loops
         except ModuleNotFoundError as exc:
             raise ConfigError(f"{path}: the loop adapter is not installed ({exc})") from exc
+        from .judges import llm_judge
+
+        judge = llm_judge(model=spec.get("model"), base_url=spec.get("base_url"),
+                          api_key_env=spec.get("api_key_env"))
         loop_agent, info, loop_limits = loops.build_loop(
-            path, ctx_vars, scenario=spec.get("scenario"), on_line=None if quiet else _echo)
+            path, ctx_vars, scenario=spec.get("scenario"), judge=judge,
+            on_line=None if quiet else _echo)
         return Plan(loop_agent, info, limits=loop_limits, echoes=not quiet)
     if kind == "command":
         from adapters.shell import ShellAgent

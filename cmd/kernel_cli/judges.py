@@ -1,0 +1,92 @@
+"""Wire the LLM adapter into loops: the `llm_structured` evaluator's verdict source.
+
+A loop's `llm_structured` evaluation asks a model whether a state's output
+met its goal. The loop adapter only knows the `VerdictSource` protocol; this
+module (in the CLI, the one place that joins adapters) answers it with a
+chat-completions call through `adapters.llm.ChatClient`, so the same
+`--model`, `--base-url` and `--api-key-env` that drive `--agent llm` also
+judge loop states.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from kernel import ConfigError
+
+#: What `build_loop` accepts as `judge=`.
+Judge = Callable[[Any], Awaitable[Mapping[str, Any]]]
+
+_SYSTEM = (
+    "You judge the output of one step of an automated loop. Answer with exactly one JSON "
+    "object that follows this JSON schema, and nothing else:\n{schema}"
+)
+_FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.S)
+
+
+def llm_judge(*, model: str | None, base_url: str | None, api_key_env: str | None) -> Judge:
+    """A verdict source asking an OpenAI-compatible model (built lazily, used per call).
+
+    Args:
+        model: The model to ask; the loop file's `llm.model` wins when it sets one.
+        base_url: The API root (default `$OPENAI_BASE_URL`, then OpenAI's).
+        api_key_env: The environment variable holding the key (default OPENAI_API_KEY).
+    """
+    url = base_url or os.environ.get("OPENAI_BASE_URL") or None
+    key_env = api_key_env or "OPENAI_API_KEY"
+    client: Any = None
+
+    async def judge(request: Any) -> Mapping[str, Any]:
+        nonlocal client
+        from adapters.llm import DEFAULT_BASE_URL, ChatClient, parse_completion
+
+        chosen = request.model or model
+        if not chosen:
+            raise ConfigError("llm_structured needs a model: set llm.model in the loop file "
+                              "or pass --model")
+        if client is None:
+            client = ChatClient(base_url=url or DEFAULT_BASE_URL, api_key_env=key_env)
+            if (url or DEFAULT_BASE_URL) == DEFAULT_BASE_URL and not client.has_key:
+                raise ConfigError(f"llm_structured: no API key in ${key_env} for "
+                                  f"{DEFAULT_BASE_URL} (or pass --base-url)")
+        body = {
+            "model": chosen,
+            "max_tokens": request.max_tokens,
+            "temperature": 0,
+            "messages": [
+                {"role": "system",
+                 "content": _SYSTEM.format(schema=json.dumps(request.schema))},
+                {"role": "user",
+                 "content": f"{request.prompt}\n\nThe step's output:\n{request.output}"},
+            ],
+        }
+        data, _ = await client.complete(body)
+        completion = parse_completion(data, client.display_url)
+        return parse_answer(completion.content or "")
+
+    return judge
+
+
+def parse_answer(text: str) -> Mapping[str, Any]:
+    """The JSON object in a model's answer (a ```json fence is allowed); ValueError if none."""
+    stripped = text.strip()
+    fenced = _FENCE.match(stripped)
+    if fenced:
+        stripped = fenced.group(1)
+    if not stripped.startswith("{"):
+        start, end = stripped.find("{"), stripped.rfind("}")
+        if start < 0 or end < start:
+            raise ValueError(f"the model did not answer with a JSON object: {text[:200]!r}")
+        stripped = stripped[start:end + 1]
+    try:
+        answer = json.loads(stripped)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"the model's answer is not valid JSON ({exc.msg}): "
+                         f"{text[:200]!r}") from exc
+    if not isinstance(answer, dict):
+        raise ValueError(f"the model's answer is not a JSON object: {text[:200]!r}")
+    return answer

@@ -1,0 +1,132 @@
+"""Loops judged by a model: llm_structured through the LLM adapter, end to end (real time)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from kernel_cli.judges import parse_answer
+
+pytestmark = pytest.mark.realtime
+
+LOOP = """\
+name: judged
+initial: check
+states:
+  check:
+    action: echo "all 12 tests passed"
+    evaluate:
+      type: llm_structured
+      prompt: Did the tests pass?
+    route:
+      yes: done
+      no: failed
+  done:
+    terminal: true
+  failed:
+    action: 'echo "FATAL_ERROR: the model judged a failure"'
+"""
+
+
+class ChatServer:
+    """A chat-completions endpoint on 127.0.0.1 answering with a scripted message."""
+
+    def __init__(self, content: str) -> None:
+        self.content = content
+        self.requests: list[dict[str, object]] = []
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                server.requests.append(body)
+                answer = json.dumps({
+                    "id": "c1", "object": "chat.completion", "model": body["model"],
+                    "choices": [{"index": 0, "finish_reason": "stop",
+                                 "message": {"role": "assistant", "content": server.content}}],
+                    "usage": {"prompt_tokens": 10, "completion_tokens": 5}}).encode()
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(answer)))
+                self.end_headers()
+                self.wfile.write(answer)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+
+@pytest.fixture
+def chat() -> Iterator[type[ChatServer]]:
+    made: list[ChatServer] = []
+
+    class Made(ChatServer):
+        def __init__(self, content: str) -> None:
+            super().__init__(content)
+            made.append(self)
+
+    yield Made
+    for server in made:
+        server.httpd.shutdown()
+        server.httpd.server_close()
+
+
+class TestLoopJudge:
+    @pytest.mark.parametrize(("verdict", "code"), [("yes", 0), ("no", 1)])
+    def test_model_verdict_routes_the_loop(self, verdict: str, code: int,
+                                           chat: type[ChatServer], kernel_exe: str,
+                                           cli_env: dict[str, str], tmp_path: Path) -> None:
+        """The model's verdict (from a real local server) decides the route."""
+        server = chat(f'```json\n{{"verdict": "{verdict}", "confidence": 0.9, '
+                      f'"reason": "read the summary"}}\n```')
+        loop = tmp_path / "judged.yaml"
+        loop.write_text(LOOP)
+        proc = subprocess.run(
+            [kernel_exe, "run", "--json", str(loop), "--model", "judge-1", "--base-url",
+             server.url], capture_output=True, text=True, env=cli_env, timeout=60)
+        assert proc.returncode == code, proc.stderr
+        doc = json.loads(proc.stdout)
+        assert doc["status"] == ("ok" if code == 0 else "error")
+        [request] = server.requests
+        assert request["model"] == "judge-1"
+        messages = request["messages"]
+        assert isinstance(messages, list)
+        assert "all 12 tests passed" in messages[1]["content"]
+        assert "Did the tests pass?" in messages[1]["content"]
+
+    def test_no_model_is_an_error_verdict(self, kernel_exe: str, cli_env: dict[str, str],
+                                          tmp_path: Path) -> None:
+        """Without a model anywhere, the evaluation says why; the loop routes on `error`."""
+        loop = tmp_path / "judged.yaml"
+        loop.write_text(LOOP)
+        proc = subprocess.run([kernel_exe, "run", "--json", str(loop)], capture_output=True,
+                              text=True, env=cli_env, timeout=60)
+        assert proc.returncode == 1
+        run_id = json.loads(proc.stdout)["run_id"]
+        shown = subprocess.run([kernel_exe, "show", run_id, "--json"], capture_output=True,
+                               text=True, env=cli_env, timeout=60).stdout
+        assert "llm_structured needs a model" in shown
+
+
+class TestParseAnswer:
+    @pytest.mark.parametrize("text", [
+        '{"verdict": "yes"}', '```json\n{"verdict": "yes"}\n```',
+        'Sure! {"verdict": "yes"} Hope that helps.'])
+    def test_finds_the_object(self, text: str) -> None:
+        """A bare object, a fenced one, or one wrapped in chatter is found."""
+        assert parse_answer(text)["verdict"] == "yes"
+
+    @pytest.mark.parametrize("text", ["yes", "[1, 2]", "{not json}"])
+    def test_refuses_non_objects(self, text: str) -> None:
+        """Anything but a JSON object is a ValueError (an `error` verdict for the loop)."""
+        with pytest.raises(ValueError, match="JSON"):
+            parse_answer(text)
