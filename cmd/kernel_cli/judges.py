@@ -13,13 +13,13 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from kernel import ConfigError
 
-#: What `build_loop` accepts as `judge=`.
-Judge = Callable[[Any], Awaitable[Mapping[str, Any]]]
+if TYPE_CHECKING:
+    from adapters.loop import JudgeRequest, VerdictSource
 
 _SYSTEM = (
     "You judge the output of one step of an automated loop. Answer with exactly one JSON "
@@ -28,7 +28,8 @@ _SYSTEM = (
 _FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.S)
 
 
-def llm_judge(*, model: str | None, base_url: str | None, api_key_env: str | None) -> Judge:
+def llm_judge(*, model: str | None, base_url: str | None,
+              api_key_env: str | None) -> VerdictSource:
     """A verdict source asking an OpenAI-compatible model (built lazily, used per call).
 
     Args:
@@ -40,7 +41,7 @@ def llm_judge(*, model: str | None, base_url: str | None, api_key_env: str | Non
     key_env = api_key_env or "OPENAI_API_KEY"
     client: Any = None
 
-    async def judge(request: Any) -> Mapping[str, Any]:
+    async def judge(request: JudgeRequest) -> Mapping[str, Any]:
         nonlocal client
         from adapters.llm import DEFAULT_BASE_URL, ChatClient, parse_completion
 
