@@ -20,7 +20,6 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
-import structlog
 import trio
 
 from ._errors import APIError, MalformedResponse
@@ -28,7 +27,11 @@ from ._errors import APIError, MalformedResponse
 if TYPE_CHECKING:
     import httpx
 
-log = structlog.get_logger("adapters.llm")
+def _log() -> Any:
+    """The module's logger; structlog is imported on the first message, not at import."""
+    import structlog
+
+    return structlog.get_logger("adapters.llm")
 
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
 
@@ -265,7 +268,7 @@ class ChatClient:
                 raise APIError(
                     f"{self.display_url}: {reason}; the retry wait of {wait:.1f}s "
                     "would pass the run's deadline", status_code=status, attempts=attempt)
-            log.warning("model call retrying", url=self.display_url, attempt=attempt,
+            _log().warning("model call retrying", url=self.display_url, attempt=attempt,
                         reason=reason, wait_s=round(wait, 3))
             if on_retry is not None:
                 on_retry(Retry(attempt, reason, wait, status))

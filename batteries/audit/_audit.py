@@ -25,7 +25,6 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-import structlog
 import trio
 
 from kernel import AuditError, AuditWriteError, RunInfo
@@ -41,7 +40,12 @@ from ._recorder import DuckDBRecorder
 from ._store import AuditBusyError, Batch, Store
 from .paths import resolve_db_path
 
-log = structlog.get_logger("kernel.audit")
+
+def _log() -> Any:
+    """The module's logger; structlog is imported on the first message, not at import."""
+    import structlog
+
+    return structlog.get_logger("kernel.audit")
 
 
 def _import_pyarrow() -> None:
@@ -240,11 +244,11 @@ class DuckDBAudit:
         if self._retry_failures >= 2:
             self.unwritten += len(batch)
             self._retry_failures = 0
-            log.error("audit batch dropped", path=str(self.path), events=len(batch),
+            _log().error("audit batch dropped", path=str(self.path), events=len(batch),
                       error=str(exc))
             return
         self._retry, self._retry_len = batch, len(batch)
-        log.warning("audit flush failed; will retry", path=str(self.path), events=len(batch),
+        _log().warning("audit flush failed; will retry", path=str(self.path), events=len(batch),
                     error=str(exc))
 
     async def _shutdown(self, scope: trio.CancelScope) -> None:
@@ -255,6 +259,6 @@ class DuckDBAudit:
             self._running = False
             if self._retry is not None:
                 self.unwritten += len(self._retry)
-                log.error("audit events could not be written", path=str(self.path),
+                _log().error("audit events could not be written", path=str(self.path),
                           events=len(self._retry), error=self.last_error)
                 self._retry, self._retry_len = None, 0

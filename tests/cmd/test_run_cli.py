@@ -168,11 +168,14 @@ class TestDelivery:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
         s.close()
-        env = {**cli_env}
-        proc = kernel(kernel_exe, env, "run", "--webhook", f"http://127.0.0.1:{port}/x",
-                      "--", "sh", "-c", "exit 6", timeout=90)
+        env = {**cli_env, "KERNEL_LOG_LEVEL": "warning"}
+        proc = kernel(kernel_exe, env, "run", "--json", "--webhook",
+                      f"http://127.0.0.1:{port}/x", "--", "sh", "-c", "exit 6", timeout=90)
         assert proc.returncode == 6
         assert "kernel: warning: delivery.deliver" in proc.stderr
+        # The structured log goes to stderr too: stdout stays one JSON object.
+        assert "port failed" in proc.stderr
+        assert json.loads(proc.stdout)["port_failures"][0].startswith("delivery.deliver")
 
 
 class TestDryRun:
