@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -112,3 +113,18 @@ class TestProgressingCommand:
                 "SELECT count(*) FROM events WHERE run_id = ? AND kind = 'critic' "
                 "AND name = 'extend'", [run_id]).fetchone()
         assert row is not None and row[0] >= 1
+
+
+@pytest.mark.realtime
+def test_critic_decisions_view_lists_interventions_only(tmp_path: Path) -> None:
+    """critic_decisions shows the steer and the kill of a stalled run, not the thresholds."""
+    db = tmp_path / "k.duckdb"
+    exe = str(Path(sys.executable).parent / "kernel")
+    subprocess.run([exe, "run", "--db", str(db), "--idle-timeout", "1", "--", "sleep", "10"],
+                   capture_output=True, timeout=60)
+    out = subprocess.run([exe, "query", "--db", str(db), "--format", "json",
+                          "SELECT decision, reason FROM critic_decisions ORDER BY seq"],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    rows = json.loads(out)
+    assert [(r["decision"], r["reason"]) for r in rows] == [("steer", "stalled"),
+                                                           ("kill", "stalled")]
