@@ -42,6 +42,7 @@ from ._mux import Multiplexer as Multiplexer
 from ._mux import TargetState as TargetState
 from ._mux import TargetStatus as TargetStatus
 from ._mux import TmuxMultiplexer as TmuxMultiplexer
+from ._pane_agent import PaneAgent as PaneAgent
 
 __all__ = [
     "ACTIONS",
@@ -55,6 +56,7 @@ __all__ = [
     "NonceProbe",
     "Outcome",
     "PaneAction",
+    "PaneAgent",
     "PaneError",
     "ProbeState",
     "TargetState",

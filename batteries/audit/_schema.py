@@ -140,7 +140,8 @@ _V1 = Migration(1, "runs, events, views", (
            r.status                                                 AS run_status
     FROM events e
     LEFT JOIN runs r USING (run_id)
-    WHERE e.kind = 'critic' AND e.name IS DISTINCT FROM 'watch'  -- watch: thresholds, not a decision
+    -- `watch` only records the critic's thresholds: it is not a decision.
+    WHERE e.kind = 'critic' AND e.name IS DISTINCT FROM 'watch'
     """,
 ))
 

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 from kernel import Agent, ConfigError, RunInfo
 
-KINDS = ("llm", "agentcli")
+KINDS = ("llm", "agentcli", "pane")
 
 _CONTEXT_REF = re.compile(r"\$\$\{|\$\{context\.([A-Za-z0-9_.-]+)\}")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -28,11 +28,12 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 def build_agent(kind: str, *, model: str | None, base_url: str | None, prompt: str | None,
                 cmd: str | None, api_key_env: str | None, allow_shell: bool,
-                context: dict[str, str]) -> tuple[Agent, RunInfo]:
+                context: dict[str, str], target: str | None = None) -> tuple[Agent, RunInfo]:
     """The agent and its `RunInfo` for `kernel run --agent KIND ...`.
 
     Args:
-        kind: "llm" (chat-completions API) or "agentcli" (a CLI agent process).
+        kind: "llm" (chat-completions API), "agentcli" (a CLI agent process) or
+            "pane" (an agent already running in a tmux pane).
         model: The model name (llm; required).
         base_url: The API root (llm); default `$OPENAI_BASE_URL`, then OpenAI's.
         prompt: The task. llm: required, the first user message. agentcli:
@@ -42,6 +43,7 @@ def build_agent(kind: str, *, model: str | None, base_url: str | None, prompt: s
         allow_shell: Give the llm agent the `shell` tool.
         context: `--context` variables, for `${context.KEY}` and (agentcli) the
             environment as `KERNEL_CTX_KEY`.
+        target: The tmux pane (pane; required), e.g. "dev" or "dev:0.1".
 
     Raises:
         ConfigError: An unknown kind, a missing or inapplicable option, a
@@ -49,6 +51,12 @@ def build_agent(kind: str, *, model: str | None, base_url: str | None, prompt: s
             `${context.KEY}`, or an agent command that is not found.
     """
     name = kind.strip().lower()
+    if name != "pane" and target is not None:
+        raise ConfigError("--target is for --agent pane")
+    if name == "pane":
+        return _build_pane(target=target, prompt=prompt, context=context,
+                           others={"--model": model, "--base-url": base_url, "--cmd": cmd,
+                                   "--api-key-env": api_key_env})
     if name == "llm":
         return _build_llm(model=model, base_url=base_url, prompt=prompt, cmd=cmd,
                           api_key_env=api_key_env, allow_shell=allow_shell, context=context)
@@ -57,6 +65,31 @@ def build_agent(kind: str, *, model: str | None, base_url: str | None, prompt: s
                                api_key_env=api_key_env, allow_shell=allow_shell,
                                context=context)
     raise ConfigError(f"unknown agent kind {kind!r} (choose one of: {', '.join(KINDS)})")
+
+
+def _build_pane(*, target: str | None, prompt: str | None, context: dict[str, str],
+                others: dict[str, str | None]) -> tuple[Agent, RunInfo]:
+    from adapters.pane import PaneAgent, TmuxMultiplexer
+
+    for flag, value in others.items():
+        if value is not None:
+            raise ConfigError(f"{flag} does not apply to --agent pane")
+    if not target or not target.strip():
+        raise ConfigError("--agent pane needs --target SESSION[:WINDOW[.PANE]]")
+    if prompt is None or not prompt.strip():
+        raise ConfigError("--agent pane needs --prompt TEXT (what to type into the pane)")
+    if shutil.which("tmux") is None:
+        raise ConfigError("--agent pane needs tmux, which is not installed")
+    text = interpolate(prompt, context, where="--prompt")
+    try:
+        mux = TmuxMultiplexer(socket=os.environ.get("KERNEL_TMUX_SOCKET") or None)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    agent = PaneAgent(target.strip(), text, mux)
+    info = RunInfo(name=f"pane {target.strip()}", subject_id=f"pane:{target.strip()}",
+                   inputs={"agent": "pane", "target": target.strip(), "prompt": text,
+                           "context": dict(context)})
+    return agent, info
 
 
 def interpolate(text: str, context: dict[str, str], *, where: str) -> str:

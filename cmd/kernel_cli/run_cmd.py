@@ -42,7 +42,7 @@ def register(app: typer.Typer) -> None:
 
 
 def run(
-    target: list[str] | None = typer.Argument(
+    args: list[str] | None = typer.Argument(
         None, metavar="[-- CMD [ARGS...] | LOOP.yaml]", show_default=False,
         help="The command to run (after --), or a loop file."),
     timeout: float | None = typer.Option(
@@ -96,14 +96,19 @@ def run(
         None, "--scenario", help="Dry-run results for a loop: all-pass|all-fail|all-error|"
                                  "first-fail|alternating."),
     agent: str | None = typer.Option(
-        None, "--agent", metavar="KIND", help="Run an agent instead: llm | agentcli."),
+        None, "--agent", metavar="KIND", help="Run an agent instead: llm | agentcli | pane."),
+    target: str | None = typer.Option(
+        None, "--target", metavar="PANE",
+        help="The tmux pane an --agent pane lives in (session[:window[.pane]]); "
+             "$KERNEL_TMUX_SOCKET picks the tmux server."),
     model: str | None = typer.Option(
         None, "--model", help="Model name (--agent llm; for a loop, the model its "
                               "llm_structured evaluations ask unless the file sets llm.model)."),
     base_url: str | None = typer.Option(
         None, "--base-url", help="OpenAI-compatible API base URL (--agent llm and loop "
                                  "llm_structured evaluations; default $OPENAI_BASE_URL)."),
-    prompt: str | None = typer.Option(None, "--prompt", help="The task (--agent llm|agentcli)."),
+    prompt: str | None = typer.Option(
+        None, "--prompt", help="The task (--agent llm|agentcli|pane; a pane gets it typed)."),
     cmd: str | None = typer.Option(
         None, "--cmd", help="The agent's command line (--agent agentcli)."),
     api_key_env: str | None = typer.Option(
@@ -115,9 +120,9 @@ def run(
     """Run one thing, supervised and audited, and exit with its status's code."""
     try:
         ctx_vars = parse_context(context or [])
-        spec = agent_spec(target or [], ctx_vars, agent=agent, model=model, base_url=base_url,
+        spec = agent_spec(args or [], ctx_vars, agent=agent, model=model, base_url=base_url,
                           prompt=prompt, cmd=cmd, api_key_env=api_key_env,
-                          allow_shell=allow_shell, scenario=scenario)
+                          allow_shell=allow_shell, scenario=scenario, target=target)
         plan = plan_from_spec(spec, quiet=quiet or json_out)
     except ConfigError as exc:
         _fail(str(exc))
@@ -189,21 +194,23 @@ def parse_context(pairs: list[str]) -> dict[str, str]:
     return out
 
 
-def agent_spec(target: list[str], ctx_vars: dict[str, str], *, agent: str | None,
+def agent_spec(args: list[str], ctx_vars: dict[str, str], *, agent: str | None,
                model: str | None, base_url: str | None, prompt: str | None, cmd: str | None,
-               api_key_env: str | None, allow_shell: bool, scenario: str | None
-               ) -> dict[str, Any]:
+               api_key_env: str | None, allow_shell: bool, scenario: str | None,
+               target: str | None = None) -> dict[str, Any]:
     """What to run, as a JSON-ready spec (kept with the checkpoint, for `kernel resume`)."""
     if agent is not None:
-        if target:
+        if args:
             raise ConfigError("--agent takes no command or loop file; use --prompt/--cmd")
         return {"kind": "agent", "agent": agent, "model": model, "base_url": base_url,
                 "prompt": prompt, "cmd": cmd, "api_key_env": api_key_env,
-                "allow_shell": allow_shell, "context": ctx_vars}
-    if not target:
+                "allow_shell": allow_shell, "context": ctx_vars, "target": target}
+    if target is not None:
+        raise ConfigError("--target is for --agent pane")
+    if not args:
         raise ConfigError("nothing to run: give -- CMD [ARGS...], a LOOP.yaml, or --agent KIND")
-    if len(target) == 1 and target[0].endswith((".yaml", ".yml")):
-        path = target[0]
+    if len(args) == 1 and args[0].endswith((".yaml", ".yml")):
+        path = args[0]
         if not Path(path).is_file():
             raise ConfigError(f"loop file not found: {path}")
         return {"kind": "loop", "path": str(Path(path).resolve()), "context": ctx_vars,
@@ -211,7 +218,7 @@ def agent_spec(target: list[str], ctx_vars: dict[str, str], *, agent: str | None
                 "api_key_env": api_key_env}
     if scenario is not None:
         raise ConfigError("--scenario applies to loop files only")
-    return {"kind": "command", "argv": list(target), "context": ctx_vars}
+    return {"kind": "command", "argv": list(args), "context": ctx_vars}
 
 
 def plan_from_spec(spec: dict[str, Any], *, quiet: bool) -> Plan:
@@ -228,7 +235,7 @@ def plan_from_spec(spec: dict[str, Any], *, quiet: bool) -> Plan:
             spec["agent"], model=spec.get("model"), base_url=spec.get("base_url"),
             prompt=spec.get("prompt"), cmd=spec.get("cmd"),
             api_key_env=spec.get("api_key_env"), allow_shell=bool(spec.get("allow_shell")),
-            context=ctx_vars)
+            context=ctx_vars, target=spec.get("target"))
         return Plan(built_agent, info)
     if kind == "loop":
         path = spec["path"]

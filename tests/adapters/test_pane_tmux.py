@@ -369,3 +369,23 @@ class TestActionsCli:
         [line] = res.stdout.splitlines()
         assert line.startswith(f"precondition_fail: nonce-probe on {name} after ")
         assert "probe=busy" in line and "[run " in line
+
+
+class TestPaneAgentCli:
+    def test_kernel_run_agent_pane(self, kernel_exe: str, env: dict[str, str],
+                                   tmux: Tmux) -> None:
+        """`kernel run --agent pane` types the task into a real pane and returns the answer."""
+        name = tmux.agent("alive")
+        proc = kernel(kernel_exe, env, "run", "--json", "--agent", "pane", "--target", name,
+                      "--prompt", "Repeat kiwi")
+        assert proc.returncode == 0, proc.stderr
+        doc = json.loads(proc.stdout)
+        assert doc["status"] == "ok" and doc["output"].splitlines()[0] == "kiwi"
+        assert "Repeat kiwi" in tmux.capture(name)
+
+    def test_unknown_target(self, kernel_exe: str, env: dict[str, str]) -> None:
+        """A pane that does not exist ends the run error (1) naming it."""
+        proc = kernel(kernel_exe, env, "run", "--agent", "pane", "--target", "no-such-pane",
+                      "--prompt", "hi")
+        assert proc.returncode == 1
+        assert "pane no-such-pane is unknown" in proc.stderr

@@ -144,7 +144,7 @@ class TestBuildAgentCLI:
     def test_unknown_kind(self) -> None:
         """An agent kind we do not have is named in the error with the choices."""
         with pytest.raises(ConfigError, match=r"unknown agent kind 'robot' \(choose one of: "
-                                              r"llm, agentcli\)"):
+                                              r"llm, agentcli, pane\)"):
             build_agent("robot", model=None, base_url=None, prompt=None, cmd=None,
                         api_key_env=None, allow_shell=False, context={})
 
@@ -238,3 +238,31 @@ class TestKernelRunAgents:
         assert proc.returncode == 2
         (line,) = proc.stderr.strip().splitlines()
         assert line.endswith("--agent llm needs --model NAME")
+
+
+class TestBuildPaneAgent:
+    def test_pane_needs_target_and_prompt(self) -> None:
+        """--agent pane without --target or --prompt is a one-line ConfigError."""
+        with pytest.raises(ConfigError, match="needs --target"):
+            build_agent("pane", model=None, base_url=None, prompt="hi", cmd=None,
+                        api_key_env=None, allow_shell=False, context={})
+        with pytest.raises(ConfigError, match="needs --prompt"):
+            build_agent("pane", model=None, base_url=None, prompt=None, cmd=None,
+                        api_key_env=None, allow_shell=False, context={}, target="dev")
+
+    def test_options_that_do_not_apply(self) -> None:
+        """LLM options with --agent pane, or --target with another kind, are refused."""
+        with pytest.raises(ConfigError, match="--model does not apply to --agent pane"):
+            build_agent("pane", model="m", base_url=None, prompt="hi", cmd=None,
+                        api_key_env=None, allow_shell=False, context={}, target="dev")
+        with pytest.raises(ConfigError, match="--target is for --agent pane"):
+            build_agent("llm", model="m", base_url=None, prompt="hi", cmd=None,
+                        api_key_env=None, allow_shell=False, context={}, target="dev")
+
+    def test_prompt_context(self) -> None:
+        """${context.KEY} in the prompt is filled in; the pane is named in the run info."""
+        agent, info = build_agent("pane", model=None, base_url=None,
+                                  prompt="fix ${context.bug}", cmd=None, api_key_env=None,
+                                  allow_shell=False, context={"bug": "#12"}, target="dev:0")
+        assert agent.prompt == "fix #12"  # type: ignore[attr-defined]
+        assert info.subject_id == "pane:dev:0"

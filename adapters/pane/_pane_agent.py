@@ -1,0 +1,126 @@
+"""`PaneAgent`: an agent living in a terminal pane, given one task as one kernel step.
+
+`kernel run --agent pane --target dev:0 --prompt "..."` types the prompt into
+the pane, then watches the screen: every change is activity for the critic,
+and the turn is over once the pane has stopped changing for `settle`
+seconds with no busy marker ("esc to interrupt", "Thinking…", "Working…")
+in its tail. The text that appeared after the prompt is the run's output.
+
+A pane that never answers is the critic's business: with no change on the
+screen there is no activity, so the idle timeout nudges it (the nudge is
+typed into the pane) and then kills the run `stalled`. A pane whose program
+exits mid-turn ends the run `error`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import trio
+
+from kernel import Message, RunContext, Step
+
+from ._errors import MultiplexerError
+from ._liveness import is_busy
+from ._mux import Multiplexer
+
+
+@dataclass
+class PaneAgent:
+    """Type `prompt` into the pane `target` and wait for the agent there to finish.
+
+    Args:
+        target: The tmux target (session, session:window, session:window.pane).
+        prompt: The task to type.
+        mux: The multiplexer that reaches the pane.
+        settle: Seconds the pane must stay unchanged, and not busy, to count as done.
+        poll_interval: How often the pane is read.
+        max_output_chars: The output keeps at most this many characters (the tail).
+    """
+
+    target: str
+    prompt: str
+    mux: Multiplexer
+    settle: float = 2.0
+    poll_interval: float = 0.25
+    max_output_chars: int = 20_000
+    _lock: trio.Lock = field(default_factory=trio.Lock, init=False, repr=False)
+    _ctx: RunContext | None = field(default=None, init=False, repr=False)
+    _nudges: int = field(default=0, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.prompt.strip():
+            raise ValueError("PaneAgent needs a prompt to type")
+        if self.settle <= 0 or self.poll_interval <= 0:
+            raise ValueError("settle and poll_interval must be > 0")
+
+    async def simulate(self, ctx: RunContext) -> str:
+        """A dry run reports what would be typed where."""
+        return f"would type into pane {self.target}: {self.prompt}"
+
+    async def step(self, ctx: RunContext) -> Step:
+        """One turn: wait for a free pane, type the prompt, wait until the pane settles."""
+        self._ctx = ctx
+        try:
+            return await self._turn(ctx)
+        except MultiplexerError as exc:
+            return Step(final=True, name="pane", error=f"pane {self.target}: {exc}")
+
+    async def _turn(self, ctx: RunContext) -> Step:
+        status = await self.mux.target_status(self.target)
+        if not status.alive:
+            return Step(final=True, name="pane",
+                        error=f"pane {self.target} is {status.state}: {status.detail}")
+        screen = await self.mux.capture(self.target)
+        while is_busy(screen):  # someone else's turn is still running: wait for it
+            ctx.activity("pane_busy")
+            await trio.sleep(self.poll_interval)
+            screen = await self.mux.capture(self.target)
+        async with self._lock:
+            await self.mux.send_text(self.target, self.prompt)
+        ctx.event("pane_send", name=self.target, payload={"prompt": self.prompt[:2000]})
+        sent = await self.mux.capture(self.target)
+        last, changed_at, answered = sent, trio.current_time(), False
+        nudges = self._nudges
+        while True:
+            await trio.sleep(self.poll_interval)
+            if not (await self.mux.target_status(self.target)).alive:
+                return Step(final=True, name="pane", output=_after(last, self.prompt),
+                            error=f"the program in pane {self.target} exited mid-turn")
+            screen = await self.mux.capture(self.target)
+            now = trio.current_time()
+            if self._nudges != nudges:
+                # We typed a nudge: what it changed on the screen is ours, not an answer.
+                nudges, sent, last = self._nudges, screen, screen
+                continue
+            if screen != last:
+                last, changed_at = screen, now
+                answered = answered or screen != sent
+                ctx.activity("pane_output")
+                continue
+            if answered and not is_busy(screen) and now - changed_at >= self.settle:
+                break
+        output = _after(last, self.prompt)[-self.max_output_chars:]
+        ctx.event("pane_done", name=self.target, payload={"chars": len(output)})
+        return Step(output=output, final=True, name="pane",
+                    payload={"target": self.target})
+
+    async def on_steer(self, messages: list[Message]) -> None:
+        """Type critic nudges into the pane (never in the middle of the prompt's typing)."""
+        async with self._lock:
+            for m in messages:
+                await self.mux.send_text(self.target, m.content)
+            self._nudges += 1
+        if self._ctx is not None:
+            self._ctx.event("pane_steer", name=self.target, activity=False,
+                            payload={"messages": [m.content for m in messages]})
+
+
+def _after(screen: str, prompt: str) -> str:
+    """The pane's text after the last line showing the prompt (the answer), trimmed."""
+    lines = screen.rstrip().splitlines()
+    key = prompt.strip().splitlines()[-1][:60] if prompt.strip() else ""
+    for i in range(len(lines) - 1, -1, -1):
+        if key and key in lines[i]:
+            return "\n".join(lines[i + 1:]).strip()
+    return "\n".join(lines).strip()
