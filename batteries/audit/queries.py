@@ -210,9 +210,25 @@ def summarize(kind: str, payload: Any) -> str:
         text = _short(" | ".join(str(m) for m in p.get("messages") or []))
     elif kind == "output":
         text = _short(p.get("line", p))
+    elif kind == "attempt":  # a pane action
+        text = f"{p.get('outcome')} after {_seconds(p.get('elapsed_s'))}"
+        if p.get("agent"):
+            text += f" on {p['agent']}"
+    elif kind in ("state_enter", "evaluate", "route") and p:
+        text = _short({k: v for k, v in p.items() if k not in ("iteration", "simulated")})
+    elif "lifecycle" in p:  # a CLI agent's event: its state machine first
+        rest = p.get("text") or p.get("source") or ""
+        text = f"[{p['lifecycle']}/{p.get('state')}] {_short(rest, 70)}".rstrip()
     else:
         text = _short(p) if p else ""
     return text + truncated
+
+
+def _seconds(value: Any) -> str:
+    try:
+        return f"{float(value):.2f}s"
+    except (TypeError, ValueError):
+        return "?"
 
 
 # ------------------------------------------------------------------ stats

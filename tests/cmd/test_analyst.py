@@ -378,3 +378,16 @@ class TestInstalledExecutable:
                               timeout=60)
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.strip() == "[]"
+
+
+class TestSummaries:
+    def test_adapter_events_read_well(self) -> None:
+        """kernel show summarises pane attempts and CLI-agent events by what matters."""
+        from batteries.audit.queries import summarize
+
+        assert summarize("attempt", {"outcome": "success", "elapsed_s": 1.234,
+                                     "agent": "claude-1", "pane_before": "x" * 500}) == (
+            "success after 1.23s on claude-1")
+        assert summarize("agent_event", {"event": "text_delta", "state": "responding",
+                                         "lifecycle": "working", "text": "Hello"}) == (
+            "[working/responding] Hello")
