@@ -163,6 +163,7 @@ class _Run:
         self.last_save_steps = self.steps
         self.last_save_time = 0.0
         self.caps = _merge_caps(limits, None)
+        self.capped = self.caps != _NO_CAPS  # skip the per-step usage check when uncapped
         self.ctx: RunContext
 
     # ---------------------------------------------------------------- faults
@@ -267,6 +268,7 @@ class _Run:
                     raise TypeError(f"Budget {type(k._budget).__name__}.check returned "
                                     f"{type(caps).__name__}, not UsageLimits or None")
                 self.caps = _merge_caps(limits, caps)
+                self.capped = self.caps != _NO_CAPS
             except BudgetRefused as exc:
                 refused = True
                 self._end(Status.BUDGET_EXCEEDED, error=str(exc) or "budget refused",
@@ -442,7 +444,7 @@ class _Run:
                     return
             elif ctx.tool_results:
                 ctx.tool_results = []
-            exceeded = self.usage_exceeded()
+            exceeded = self.usage_exceeded() if self.capped else None
             if exceeded is not None:
                 name, detail = exceeded
                 self._end(Status.BUDGET_EXCEEDED,
@@ -687,6 +689,9 @@ class _Run:
             self.fault("kernel", "finalize", TimeoutError(
                 f"end-of-run work exceeded finalize_timeout={self.limits.finalize_timeout:g}s"))
         return result
+
+
+_NO_CAPS = UsageLimits()
 
 
 def _tighter(a: Any, b: Any) -> Any:
