@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -230,6 +231,8 @@ def read_only() -> Iterator[Any]:
         if os.geteuid() != 0:
             path.chmod(0o444)
             return
+        if shutil.which("chattr") is None:
+            pytest.skip("chattr is not installed: cannot make a file read-only for root")
         proc = subprocess.run(["chattr", "+i", str(path)], capture_output=True, text=True)
         if proc.returncode != 0:
             pytest.skip(f"cannot make a file read-only for root here: {proc.stderr.strip()}")
