@@ -259,37 +259,16 @@ class _Run:
                               run_child=self.run_child, tool_start=self.tool_started,
                               resumed_from=self.resume.state if self.resume else None)
         self.ctx.usage = self.usage
-        refused = False
-
-        if k._budget is not None:
-            try:
-                caps = await k._budget.check(info.caller_id)
-                if caps is not None and not isinstance(caps, UsageLimits):
-                    raise TypeError(f"Budget {type(k._budget).__name__}.check returned "
-                                    f"{type(caps).__name__}, not UsageLimits or None")
-                self.caps = _merge_caps(limits, caps)
-                self.capped = self.caps != _NO_CAPS
-            except BudgetRefused as exc:
-                refused = True
-                self._end(Status.BUDGET_EXCEEDED, error=str(exc) or "budget refused",
-                          reason="budget refused")
-            except Exception as exc:
-                # Deciders fail closed.
-                refused = True
-                self.fault("budget", "check", exc)
-                self._end(Status.BUDGET_EXCEEDED,
-                          error=f"budget check failed: {type(exc).__name__}: {exc}",
-                          reason="budget check failed")
-
-        if k._audit is not None:
-            try:
-                rec = await k._audit.start_run(info)
-                if rec is not None:
-                    self.recorder = rec
-            except Exception as exc:
-                self.fault("audit", "start_run", exc)
-        if self.resume is not None:
-            self.log_event("resumed", payload={"steps": self.steps})
+        try:
+            refused = await self.open_run()
+        except BaseException as exc:
+            if not _only_cancelled(exc):
+                raise
+            # Cancelled before the first step (in the budget check or audit start):
+            # still close whatever was opened, then let the Cancelled go on.
+            self._end(Status.CANCELLED, reason="cancelled by the caller")
+            await self.finalize(commit_budget=False)
+            raise
 
         if refused:
             return await self.finalize(commit_budget=False)
@@ -345,6 +324,41 @@ class _Run:
                        payload={"child_run_id": info.run_id, "status": str(result.status)},
                        duration_ms=result.runtime_seconds * 1000, iteration=self.steps)
         return result
+
+    async def open_run(self) -> bool:
+        """The budget check, then the audit's start; True if the budget refused the run."""
+        k, info, limits = self.k, self.info, self.limits
+        refused = False
+        if k._budget is not None:
+            try:
+                caps = await k._budget.check(info.caller_id)
+                if caps is not None and not isinstance(caps, UsageLimits):
+                    raise TypeError(f"Budget {type(k._budget).__name__}.check returned "
+                                    f"{type(caps).__name__}, not UsageLimits or None")
+                self.caps = _merge_caps(limits, caps)
+                self.capped = self.caps != _NO_CAPS
+            except BudgetRefused as exc:
+                refused = True
+                self._end(Status.BUDGET_EXCEEDED, error=str(exc) or "budget refused",
+                          reason="budget refused")
+            except Exception as exc:
+                # Deciders fail closed.
+                refused = True
+                self.fault("budget", "check", exc)
+                self._end(Status.BUDGET_EXCEEDED,
+                          error=f"budget check failed: {type(exc).__name__}: {exc}",
+                          reason="budget check failed")
+
+        if k._audit is not None:
+            try:
+                rec = await k._audit.start_run(info)
+                if rec is not None:
+                    self.recorder = rec
+            except Exception as exc:
+                self.fault("audit", "start_run", exc)
+        if self.resume is not None:
+            self.log_event("resumed", payload={"steps": self.steps})
+        return refused
 
     def _critic_event(self, kind: str, *, name: str | None = None,
                       payload: Mapping[str, Any] | None = None) -> None:

@@ -238,3 +238,19 @@ class TestUnboundedRuns:
         result = await Kernel(Ports(critic=ScriptedCritic(kill_after=1))).run(
             ScriptedAgent([Hang()]), RunInfo(), Limits(timeout=None))
         assert result.status is Status.KILLED
+
+
+class TestCancelledEarly:
+    async def test_cancel_during_budget_check(self, autojump_clock: trio.abc.Clock) -> None:
+        """A cancel while the budget check waits still delivers a `cancelled` result."""
+
+        class SlowBudget(RecordingBudget):
+            async def check(self, caller_id: str) -> None:
+                await trio.sleep_forever()
+
+        delivery = RecordingDelivery()
+        agent = ScriptedAgent([Step(final=True)])
+        with trio.move_on_after(3) as scope:
+            await Kernel(Ports(budget=SlowBudget(), delivery=delivery)).run(agent)
+        assert scope.cancelled_caught and agent.calls == 0
+        assert [r.status for r in delivery.delivered] == [Status.CANCELLED]
