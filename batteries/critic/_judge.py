@@ -10,6 +10,7 @@ and lets the rules be tested as a pure function of a `RunView`.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -208,6 +209,12 @@ class Judge(Protocol):
     def judge(self, view: RunView) -> Verdict | None:
         """Decide, or return None."""
 
+    # Optional: `quiet_until(view) -> float | None`. Right after `judge` returned
+    # None for `view`, the time (seconds since the run started) before which the
+    # judge promises to return None again as long as no new evidence arrives (no
+    # step, tool call, activity or drained nudge). The handle then skips those
+    # looks. None, or no such method: every look asks the judge.
+
 
 class RulesJudge:
     """The default judge: progress extends, silence is nudged then killed, loops likewise.
@@ -257,6 +264,25 @@ class RulesJudge:
         if view.due:
             return self._progress(view)
         return None
+
+    def quiet_until(self, view: RunView) -> float | None:
+        """When the next time-based rule can fire, if no new evidence arrives.
+
+        Silence reaching `idle_timeout` (or `idle_timeout + grace` after a
+        stall nudge) and the deadline falling due are the only rules that
+        fire on the clock alone; everything else needs new evidence.
+        """
+        p = self.policy
+        times: list[float] = []
+        last_activity = view.elapsed - view.idle
+        if p.idle_timeout is not None:
+            iv = view.intervention
+            stalled = iv is not None and iv.reason == STALLED
+            times.append(last_activity + p.idle_timeout
+                         + (p.effective_grace if stalled else 0.0))
+        if view.deadline is not None and not view.due:
+            times.append(view.deadline)
+        return min(times) if times else math.inf
 
     # ---------------------------------------------------------------- rules
 

@@ -129,6 +129,11 @@ class WatchHandle:
         self._kill: str | None = None
         self._stopped = False
         self._judging = False
+        # Skipping looks that cannot decide anything: the evidence's version, and
+        # until when (trio time) the judge said it stays quiet without new evidence.
+        self._version = 0
+        self._quiet_version = -1
+        self._quiet_until = -math.inf
 
     # ------------------------------------------------------- the run task
 
@@ -175,6 +180,7 @@ class WatchHandle:
         if not self._queue:
             return []
         msgs, self._queue = self._queue, []
+        self._version += 1
         if self._open is not None:
             self._open.delivered = True
         return msgs
@@ -205,6 +211,7 @@ class WatchHandle:
     # ---------------------------------------------------------- internals
 
     def _touch(self) -> None:
+        self._version += 1
         self._last_activity = trio.current_time()
         if self._open is not None:
             self._open.activity_since += 1
@@ -216,18 +223,36 @@ class WatchHandle:
     def _look(self, trigger: Trigger) -> None:
         if self._stopped or self._kill is not None or self._judging:
             return
+        now = trio.current_time()
+        if (trigger == "poll" and self._version == self._quiet_version
+                and now < self._quiet_until):
+            return  # nothing new, and the judge said nothing is due before then
         self._judging = True
         try:
-            now = trio.current_time()
             for _ in range(_MAX_VERDICTS_PER_LOOK):
-                verdict = self._judge.judge(self._view(trigger, now))
+                view = self._view(trigger, now)
+                verdict = self._judge.judge(view)
                 if verdict is None:
+                    self._note_quiet(view)
                     break
                 self._apply(verdict, now)
+                self._version += 1
                 if self._kill is not None:
                     break
         finally:
             self._judging = False
+
+    def _note_quiet(self, view: RunView) -> None:
+        """Remember until when a look with no new evidence would find nothing to do."""
+        quiet_until = getattr(self._judge, "quiet_until", None)
+        if quiet_until is None:
+            return
+        rel = quiet_until(view)
+        if rel is None:
+            return
+        # A hair early rather than late: a skipped look must never miss a deadline.
+        self._quiet_version = self._version
+        self._quiet_until = self._start + rel - 1e-6
 
     def _view(self, trigger: Trigger, now: float) -> RunView:
         dl, bs = self._deadline, self._backstop

@@ -250,3 +250,58 @@ class TestSurface:
         isort_style = sorted(names, key=lambda n: (not n.isupper(), not n[0].isupper(), n))
         assert names == isort_style and len(set(names)) == len(names)
         assert all(hasattr(batteries.critic, n) for n in names)
+
+
+class CountingJudge(RulesJudge):
+    """The default rules, counting how often they are asked."""
+
+    calls = 0
+
+    def judge(self, view: RunView) -> Verdict | None:
+        self.calls += 1
+        return super().judge(view)
+
+
+class TestQuietLooks:
+    def test_quiet_until(self) -> None:
+        """The rules name when the clock alone can next change their mind."""
+        judge = RulesJudge(CriticPolicy(soft_timeout=600, idle_timeout=100, grace=20))
+        # Last activity 30 s ago at 50 s: the stall nudge is due at 120 s.
+        assert judge.quiet_until(view(elapsed=50, idle=30, deadline=600)) == 120
+        # After a stall nudge, the kill is due at idle_timeout + grace.
+        nudged = Intervention(STALLED, 110.0, True, 0, 0, {})
+        assert judge.quiet_until(view(elapsed=115, idle=95, deadline=600,
+                                      intervention=nudged)) == 140
+        # The deadline comes first when it is nearer.
+        assert judge.quiet_until(view(elapsed=580, idle=5, deadline=600)) == 600
+
+    async def test_unchanged_evidence_is_not_judged_again(
+            self, autojump_clock: trio.abc.Clock) -> None:
+        """After a step, the kernel's steer/max_steps/kill_cause calls cost no judgment."""
+        judge = CountingJudge(CriticPolicy(soft_timeout=600, idle_timeout=100))
+        handle = WatchCritic(judge=judge).monitor(RunInfo(), 600, backstop=None,
+                                                   max_steps=10, events=Sink())
+        handle.record_step(0, Step())
+        before = judge.calls
+        for _ in range(5):
+            handle.steer()
+            handle.max_steps()
+            handle.kill_cause()
+        assert judge.calls == before
+        handle.record_activity("output")  # new evidence: the next look judges
+        handle.kill_cause()
+        assert judge.calls == before + 1
+
+    async def test_clock_rules_still_fire_on_time(self, autojump_clock: trio.abc.Clock) -> None:
+        """Skipped looks never delay a time rule: the nudge comes at exactly idle_timeout."""
+        sink = Sink()
+        judge = CountingJudge(CriticPolicy(soft_timeout=600, idle_timeout=100))
+        handle = WatchCritic(judge=judge).monitor(RunInfo(), 600, backstop=None,
+                                                   max_steps=10, events=sink)
+        handle.record_step(0, Step())
+        await trio.sleep(99.99)
+        assert handle.steer() == []
+        await trio.sleep(0.01)
+        [nudge] = handle.steer()
+        assert "No progress for 100s" in nudge.content
+        assert sink.names == ["watch", "steer"]
