@@ -36,8 +36,23 @@ app = typer.Typer(
 
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            print(f"kernel {version('run-kernel')}")
+        except PackageNotFoundError:  # pragma: no cover - only when run from a bare checkout
+            print("kernel (version unknown: run-kernel is not installed)")
+        raise typer.Exit(0)
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    _version: bool = typer.Option(
+        False, "--version", "-V", is_eager=True, callback=_print_version,
+        help="Print the version and exit."),
+) -> None:
     """Keep `kernel` a command group even while it has a single command."""
 
 
@@ -123,6 +138,9 @@ def main(argv: list[str] | None = None) -> None:
         cmd = ctx.command_path if ctx is not None else "kernel"
         code = getattr(exc, "exit_code", 2)
         hint = f" (see '{cmd} --help')" if code == 2 else ""
+        if cmd == "kernel run" and type(exc).__name__ == "NoSuchOption":
+            # `kernel run ls -l`: -l was meant for the command, not for us.
+            hint = " (put the command after --, as in: kernel run [OPTIONS] -- CMD ARGS...)"
         print(f"{cmd}: error: {fmt()}{hint}", file=sys.stderr)
         sys.exit(code)
     sys.exit(code if isinstance(code, int) else 0)

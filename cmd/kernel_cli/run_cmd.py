@@ -94,7 +94,7 @@ def run(
     dry_run: bool = typer.Option(False, "--dry-run", help="Simulate: execute nothing."),
     scenario: str | None = typer.Option(
         None, "--scenario", help="Dry-run results for a loop: all-pass|all-fail|all-error|"
-                                 "first-fail|alternating."),
+                                 "first-fail|alternating. Implies --dry-run."),
     agent: str | None = typer.Option(
         None, "--agent", metavar="KIND", help="Run an agent instead: llm | agentcli | pane."),
     target: str | None = typer.Option(
@@ -118,6 +118,8 @@ def run(
         False, "--allow-shell", help="Give an llm agent the shell tool (off by default)."),
 ) -> None:
     """Run one thing, supervised and audited, and exit with its status's code."""
+    # A scenario only decides simulated verdicts: it never runs a loop for real.
+    dry_run = dry_run or scenario is not None
     try:
         ctx_vars = parse_context(context or [])
         spec = agent_spec(args or [], ctx_vars, agent=agent, model=model, base_url=base_url,

@@ -199,3 +199,39 @@ class TestDryRun:
                       os.path.join(root, "examples", "ci-gate.yaml"))
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.startswith("dry run of loop 'ci-gate' (scenario first-fail)")
+
+    def test_scenario_implies_dry_run(self, kernel_exe: str, cli_env: dict[str, str],
+                                      tmp_path: object) -> None:
+        """--scenario without --dry-run simulates: the loop's action never runs."""
+        from pathlib import Path
+
+        marker = Path(str(tmp_path)) / "ran"
+        loop = Path(str(tmp_path)) / "touch.yaml"
+        loop.write_text(
+            "name: touch\ninitial: act\nstates:\n"
+            f"  act:\n    action: touch {marker}\n    next: done\n"
+            "  done:\n    terminal: true\n")
+        proc = kernel(kernel_exe, cli_env, "run", "--scenario", "all-pass", str(loop))
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.startswith("dry run of loop 'touch' (scenario all-pass)")
+        assert not marker.exists()
+
+
+class TestUsability:
+    def test_version(self, kernel_exe: str, cli_env: dict[str, str]) -> None:
+        """`kernel --version` prints the installed package's version."""
+        from importlib.metadata import version
+
+        proc = kernel(kernel_exe, cli_env, "--version")
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout == f"kernel {version('run-kernel')}\n"
+
+    def test_an_option_meant_for_the_command_suggests_double_dash(
+            self, kernel_exe: str, cli_env: dict[str, str]) -> None:
+        """`kernel run ls -l` says to put the command after `--`, in one line, exit 2."""
+        proc = kernel(kernel_exe, cli_env, "run", "ls", "-l")
+        assert proc.returncode == 2
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1, proc.stderr
+        assert "No such option: -l" in lines[0]
+        assert "kernel run [OPTIONS] -- CMD ARGS" in lines[0]
