@@ -51,7 +51,7 @@ class RunContext:
         *,
         started_at: float,
         log: Callable[..., None],
-        activity: Callable[[str], None],
+        activity: Callable[..., None],
         deadline: Callable[[], float],
         run_child: Callable[[Any, RunInfo, Limits | None], Awaitable[Result]],
         tool_start: Callable[[ToolCall, Mapping[str, Any] | None], None],
@@ -94,17 +94,25 @@ class RunContext:
         payload: Mapping[str, Any] | None = None,
         duration_ms: float | None = None,
         activity: bool = True,
+        text: str | None = None,
     ) -> None:
         """Record an adapter event (state_enter, route, output, ...) and count it as activity.
 
         Never blocks and never raises: the audit buffers it. Pass
         `activity=False` for events that are not signs of life (a nudge that
-        could not be delivered, bookkeeping).
+        could not be delivered, bookkeeping). `text` is what the event said
+        (an output line, an agent's message), shown to the critic so it can
+        tell new output from the same line again. If the critic decides to
+        kill the run on it, the run's scope is cancelled at once: the step's
+        next checkpoint raises `trio.Cancelled`.
         """
         self._log(kind, name=name, payload=payload, duration_ms=duration_ms,
                   iteration=self.iteration)
         if activity:
-            self._activity(kind)
+            if text is None:
+                self._activity(kind)
+            else:
+                self._activity(kind, text)
 
     async def run_child(self, agent: Any, info: RunInfo, limits: Limits | None = None) -> Result:
         """Run `agent` as a child run: same kernel and ports, `parent_run_id` set to this run.
@@ -124,6 +132,13 @@ class RunContext:
         """
         self._tool_start(call, payload)
 
-    def activity(self, kind: str = "activity") -> None:
-        """Tell the critic the agent is alive without writing an audit event."""
-        self._activity(kind)
+    def activity(self, kind: str = "activity", text: str | None = None) -> None:
+        """Tell the critic the agent is alive without writing an audit event.
+
+        `text` (an output line, a streamed chunk, a message) lets the critic
+        judge whether it is new; None counts as plain activity.
+        """
+        if text is None:
+            self._activity(kind)
+        else:
+            self._activity(kind, text)

@@ -165,6 +165,8 @@ class _Run:
         self.caps = _merge_caps(limits, None)
         self.capped = self.caps != _NO_CAPS  # skip the per-step usage check when uncapped
         self.ctx: RunContext
+        self.scope: trio.CancelScope | None = None  # the run's one cancel scope, once open
+        self._wake: trio.Event | None = None  # set to wake the watch task early
 
     # ---------------------------------------------------------------- faults
 
@@ -204,13 +206,34 @@ class _Run:
         except Exception as exc:
             self.fault("audit", "log_event", exc)
 
-    def activity(self, kind: str) -> None:
+    def activity(self, kind: str, text: str | None = None) -> None:
+        """Something happened inside a step: show it to the critic; a kill takes effect now."""
         handle = self.handle
         if handle is not None:
             try:
-                handle.record_activity(kind)
+                if text is None:
+                    handle.record_activity(kind)
+                else:
+                    handle.record_activity(kind, text)
             except Exception as exc:
                 self.critic_failed("record_activity", exc)
+                return
+            self.kill_if_decided()
+
+    def kill_if_decided(self) -> bool:
+        """If the critic has decided to kill, end the run `killed` and cancel its scope now.
+
+        Called right after every `record_*` call, from whatever task made it,
+        so a verdict reached while recording takes effect at once: the
+        agent's step is cancelled at its next checkpoint, and nothing
+        recorded later (a final step, a tool result) can turn it into `ok`.
+        """
+        if not self.killed_now():
+            return False
+        scope = self.scope
+        if scope is not None:
+            scope.cancel()
+        return True
 
     def tool_started(self, call: ToolCall, payload: Mapping[str, Any] | None = None,
                      iteration: int | None = None) -> None:
@@ -229,6 +252,25 @@ class _Run:
         self.log_event("tool_start", name=call.name,
                        payload={"args": dict(call.args), "id": call.id, **(payload or {})},
                        iteration=self.steps)
+        if handle is not None and self.handle is not None:
+            self.kill_if_decided()
+
+    def tool_ended(self, result: ToolResult, iteration: int) -> None:
+        """A tool call finished: show its outcome to the critic, then audit it."""
+        handle = self.handle
+        if handle is not None:
+            record = getattr(handle, "record_tool_end", None)
+            if record is not None:
+                try:
+                    record(result)
+                except Exception as exc:
+                    self.critic_failed("record_tool_end", exc)
+        try:
+            self.recorder.on_tool(result, iteration)
+        except Exception as exc:
+            self.fault("audit", "on_tool", exc)
+        if handle is not None and self.handle is not None:
+            self.kill_if_decided()
 
     def critic_failed(self, method: str, exc: BaseException) -> None:
         """A failing critic is dropped; the hard backstop stays in charge."""
@@ -285,6 +327,7 @@ class _Run:
         pending: BaseException | None = None
         try:
             with trio.CancelScope(deadline=self.backstop) as scope:
+                self.scope = scope
                 async with trio.open_nursery() as nursery:
                     if self.handle is not None:
                         nursery.start_soon(self.watch, scope)
@@ -371,6 +414,8 @@ class _Run:
             return
         base_ceiling = limits.max_steps
         while True:
+            if self.status is not None:
+                return  # killed while the last step was being recorded
             ceiling = base_ceiling
             handle = self.handle
             if handle is not None:
@@ -428,6 +473,11 @@ class _Run:
                 self.fault("audit", "on_step", exc)
 
             if step.final:
+                if self.handle is not None and self.killed_now():
+                    # A kill verdict reached during the step (or on it) wins over
+                    # whatever the step says: it is never lost to a quick finish.
+                    self.output = step.output
+                    return
                 if step.kill is not None:
                     self._end(Status.KILLED, reason=step.kill, output=step.output,
                               error=step.error or f"killed by the agent: {step.kill}")
@@ -526,8 +576,10 @@ class _Run:
         for call in calls:
             if not isinstance(call, ToolCall):
                 call = ToolCall(name=str(call))
+            if self.status is not None:
+                return results  # killed while recording the previous call: start nothing
             self.tool_started(call, iteration=iteration)
-            if self.handle is not None and self.killed_now():
+            if self.status is not None:
                 return results  # e.g. a looping call: do not run it again
             fn = self.tools.get(call.name)
             t0 = trio.current_time()
@@ -547,10 +599,7 @@ class _Run:
                 result = ToolResult(call, output=output, error=error,
                                     duration_s=trio.current_time() - t0)
             results.append(result)
-            try:
-                self.recorder.on_tool(result, iteration)
-            except Exception as exc:
-                self.fault("audit", "on_tool", exc)
+            self.tool_ended(result, iteration)
         return results
 
     async def maybe_checkpoint(self) -> None:

@@ -148,6 +148,14 @@ class CriticHandle(Protocol):
     None of the methods may block. Times are `trio.current_time()` values.
     Observer: if any method raises, the kernel stops consulting the critic
     and the hard backstop stays in charge.
+
+    **Kill at once:** the kernel asks `kill_cause()` right after every
+    `record_*` call, from the task that made it. A cause ends the run
+    `killed` and cancels its scope there and then: the step in flight is
+    cancelled at its next checkpoint, no further tool call starts, and a
+    step that finishes without a checkpoint cannot turn the run `ok` (the
+    kernel asks again before deciding a final step's status). So
+    `kill_cause` must be cheap; judge in `record_*`, not in it.
     """
 
     def record_step(self, iteration: int, step: Step) -> None:
@@ -156,8 +164,13 @@ class CriticHandle(Protocol):
     def record_tool_start(self, call: ToolCall) -> None:
         """A tool call is starting: fresh activity, and evidence for loop detection."""
 
-    def record_activity(self, kind: str) -> None:
-        """Something happened inside a long step (an output line, an agent event)."""
+    def record_activity(self, kind: str, text: str | None = None) -> None:
+        """Something happened inside a long step (an output line, an agent event).
+
+        `text` is what it said, when there is something to say (the line, the
+        agent's message); the kernel passes it only when the adapter gave one,
+        so `record_activity(kind)` stays a valid call.
+        """
 
     def steer(self) -> list[Message]:
         """Drain the messages the critic wants delivered to the agent now."""

@@ -193,7 +193,9 @@ class ScriptedHandle:
         self.started = trio.current_time()
         self.steps: list[int] = []
         self.tool_starts: list[ToolCall] = []
+        self.tool_ends: list[ToolResult] = []
         self.activities: list[str] = []
+        self.texts: list[str | None] = []
         self.stopped = False
         self._deadline = (self.started + critic.deadline_after
                           if critic.deadline_after is not None else None)
@@ -214,9 +216,16 @@ class ScriptedHandle:
         if self.critic.kill_at_tool is not None and call.name == self.critic.kill_at_tool:
             self._kill()
 
-    def record_activity(self, kind: str) -> None:
-        """Remember the activity."""
+    def record_tool_end(self, result: ToolResult) -> None:
+        """Remember the outcome."""
+        self.tool_ends.append(result)
+
+    def record_activity(self, kind: str, text: str | None = None) -> None:
+        """Remember the activity; a kill cued on this kind fires."""
         self.activities.append(kind)
+        self.texts.append(text)
+        if self.critic.kill_at_activity is not None and kind == self.critic.kill_at_activity:
+            self._kill()
 
     def steer(self) -> list[Message]:
         """Messages cued for steps already taken."""
@@ -269,6 +278,7 @@ class ScriptedCritic:
         kill_after: Kill when this many seconds have passed.
         kill_at_step: Kill once this many steps have been recorded.
         kill_at_tool: Kill when a call of the tool with this name starts.
+        kill_at_activity: Kill when an activity of this kind is recorded.
         reason: The kill reason.
         steer_at_step: {n: message} delivered once n steps have been recorded.
         steer_after: {seconds: message} delivered once that much time has passed.
@@ -278,7 +288,8 @@ class ScriptedCritic:
     def __init__(self, *, deadline_after: float | None = None,
                  extensions: Sequence[tuple[float, float]] = (),
                  kill_after: float | None = None, kill_at_step: int | None = None,
-                 kill_at_tool: str | None = None, reason: str = "scripted kill",
+                 kill_at_tool: str | None = None, kill_at_activity: str | None = None,
+                 reason: str = "scripted kill",
                  steer_at_step: Mapping[int, str] | None = None,
                  steer_after: Mapping[float, str] | None = None,
                  max_steps: int | None = None) -> None:
@@ -287,6 +298,7 @@ class ScriptedCritic:
         self.kill_after = kill_after
         self.kill_at_step = kill_at_step
         self.kill_at_tool = kill_at_tool
+        self.kill_at_activity = kill_at_activity
         self.reason = reason
         self.steer_at_step = dict(steer_at_step or {})
         self.steer_after = dict(steer_after or {})

@@ -112,6 +112,35 @@ def _cursor() -> duckdb.DuckDBPyConnection:
         return _engine.cursor()
 
 
+#: What a sealed instance is created with: no extension is installed or loaded behind
+#: the analyst's back.
+_SEALED_CONFIG = {"autoinstall_known_extensions": False, "autoload_known_extensions": False,
+                  "allow_community_extensions": False, "allow_unsigned_extensions": False,
+                  "allow_persistent_secrets": False}
+#: Run once the audit file is attached READ_ONLY, in this order (DuckDB refuses the
+#: first once the local file system is gone). `enable_external_access = false`
+#: alone still lets COPY write the attached file and its WAL (DuckDB allows the
+#: paths of attached databases); removing the local file system stops that, and
+#: every read of another file. `lock_configuration` keeps all of it from being
+#: SET back. The attached file stays readable through the handle ATTACH opened.
+_SEAL = ("SET enable_external_access = false",
+         "SET disabled_filesystems = 'LocalFileSystem'",
+         "SET lock_configuration = true")
+
+
+def _sealed_cursor() -> duckdb.DuckDBPyConnection:
+    """A connection to a new in-memory DuckDB instance of its own (settings are per instance)."""
+    import duckdb
+
+    return duckdb.connect(":memory:", config=dict(_SEALED_CONFIG))
+
+
+def _seal(cur: duckdb.DuckDBPyConnection) -> None:
+    """Make `cur`'s instance unable to open, write or read any file from now on."""
+    for statement in _SEAL:
+        cur.execute(statement)
+
+
 def _path_lock(key: str) -> threading.Lock:
     """The in-process lock for one database file (one session per file at a time)."""
     with _engine_guard:
@@ -167,20 +196,28 @@ class Store:
         return f"Store({str(self.path)!r})"
 
     @contextmanager
-    def session(self, *, write: bool) -> Iterator[duckdb.DuckDBPyConnection]:
+    def session(self, *, write: bool,
+                sealed: bool = False) -> Iterator[duckdb.DuckDBPyConnection]:
         """Attach the file (waiting while it is locked), yield a cursor using it, detach.
 
         Unqualified table names in the cursor refer to the audit database.
+        `sealed` (read-only sessions only) runs the session in a DuckDB
+        instance of its own that can touch no file at all once the audit is
+        attached (`_sealed_cursor`): what `kernel query` runs an analyst's SQL in.
 
         Raises:
             AuditBusyError: Still locked by another process after `lock_timeout`.
             AuditError: The file cannot be opened (missing for a reader, not a
                 DuckDB file, a directory that cannot be created, ...).
         """
-        cur = _cursor()
+        if sealed and write:
+            raise ValueError("a sealed session is read-only")
+        cur = _sealed_cursor() if sealed else _cursor()
         try:
             with self._attached(cur, write=write) as alias:
                 cur.execute(f"USE {alias}")
+                if sealed:
+                    _seal(cur)
                 try:
                     yield cur
                 finally:
@@ -312,13 +349,15 @@ class Store:
                                  f"{first_line(exc)}") from exc
 
     @contextmanager
-    def reader(self) -> Iterator[duckdb.DuckDBPyConnection]:
+    def reader(self, *, sealed: bool = False) -> Iterator[duckdb.DuckDBPyConnection]:
         """A read-only session on an existing audit database, migrated first if it is older.
+
+        `sealed`: see `session`.
 
         Raises:
             AuditError: No database there, or the file is not a kernel audit database.
         """
-        with self.session(write=False) as cur:
+        with self.session(write=False, sealed=sealed) as cur:
             version = current_version(cur)
             if version is None:
                 raise AuditError(f"{self.path} is not a kernel audit database "
@@ -327,7 +366,7 @@ class Store:
                 yield cur
                 return
         self.ensure_schema()
-        with self.session(write=False) as cur:
+        with self.session(write=False, sealed=sealed) as cur:
             yield cur
 
     # --------------------------------------------------------------- write

@@ -27,8 +27,8 @@ if TYPE_CHECKING:
 _SINCE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _HEX = re.compile(r"^[0-9a-f]+$")
-#: Statement types `read_only_query` accepts.
-READ_ONLY_TYPES = frozenset({"SELECT", "EXPLAIN"})
+#: Statement types `read_only_query` accepts (and EXPLAIN of one of them).
+READ_ONLY_TYPES = frozenset({"SELECT"})
 #: The `--status` values `list_runs` accepts: every Status, and "running" for open runs.
 STATUS_CHOICES = (*(str(s) for s in Status), "running")
 STATS_BY = ("subject", "status", "tool")
@@ -273,34 +273,59 @@ def stats(cur: duckdb.DuckDBPyConnection, *, by: str = "subject",
 
 
 def check_read_only(sql: str) -> None:
-    """Accept exactly one SELECT (or EXPLAIN) statement; refuse anything that could write.
+    """Accept exactly one SELECT, or EXPLAIN [ANALYZE] of one; refuse anything else.
+
+    This is the friendly message; the guard is the session: `kernel query`
+    runs in `Store.reader(sealed=True)`, which can neither write nor open any
+    file whatever the statement (an EXPLAIN ANALYZE of a COPY, a table
+    function, ...).
 
     Raises:
         ConfigError: Not exactly one statement, a statement that is not a
-            query (DELETE, INSERT, COPY, ATTACH, SET, ...), or SQL that does not parse.
+            query (DELETE, INSERT, COPY, ATTACH, SET, PREPARE, ...), an EXPLAIN
+            of one, or SQL that does not parse.
     """
-    import duckdb
-
-    try:
-        statements = duckdb.extract_statements(sql)
-    except duckdb.Error as exc:
-        raise ConfigError(f"invalid SQL: {_first_line(exc)}") from exc
+    statements = _statements(sql)
     if len(statements) != 1:
         raise ConfigError(f"query takes exactly one statement, got {len(statements)}")
     kind = statements[0].type.name
-    if kind not in READ_ONLY_TYPES:
+    if kind == "EXPLAIN":
+        m = _EXPLAIN.match(statements[0].query.strip())
+        try:
+            inner = _statements(m.group("inner")) if m else []
+        except ConfigError:
+            inner = []
+        if len(inner) != 1 or inner[0].type.name != "SELECT":
+            raise ConfigError("query is read-only: EXPLAIN is accepted only for one SELECT")
+    elif kind not in READ_ONLY_TYPES:
         raise ConfigError(f"query is read-only: {kind} statements are refused")
+
+
+#: `EXPLAIN [ANALYZE] [(options)] <statement>`; anything fancier (a comment inside
+#: the prefix) does not match and is refused.
+_EXPLAIN = re.compile(r"EXPLAIN\s+(?:ANALY[SZ]E\s+)?(?:\([^()]*\)\s*)?(?P<inner>.*)\Z",
+                      re.IGNORECASE | re.DOTALL)
+
+
+def _statements(sql: str) -> list[Any]:
+    import duckdb
+
+    try:
+        return list(duckdb.extract_statements(sql))
+    except (duckdb.Error, ValueError) as exc:  # ValueError: a type Python does not know
+        raise ConfigError(f"invalid SQL: {_first_line(exc)}") from exc
 
 
 def read_only_query(cur: duckdb.DuckDBPyConnection,
                     sql: str) -> tuple[list[str], list[tuple[Any, ...]]]:
-    """Run one SELECT (or EXPLAIN) statement after `check_read_only`.
+    """Run one SELECT (or EXPLAIN of one) statement after `check_read_only`.
 
-    The session is also attached READ_ONLY, so the check is the friendly
-    message, not the only guard.
+    Give it a cursor from `Store.reader(sealed=True)`: the check is the
+    friendly message, the sealed session the guard.
 
     Raises:
-        ConfigError: The statement is refused, or DuckDB rejects it.
+        ConfigError: The statement is refused, or DuckDB rejects it (writing
+            or reading a file in a sealed session, an unknown table, ...).
     """
     import duckdb
 

@@ -158,7 +158,7 @@ class WatchHandle:
         self._touch()
         self._look("tool_start")
 
-    def record_activity(self, kind: str) -> None:
+    def record_activity(self, kind: str, text: str | None = None) -> None:
         """Something happened inside a long step: the activity clock restarts.
 
         Except for kinds starting with "steer" (an adapter reporting what it
@@ -198,8 +198,12 @@ class WatchHandle:
         return self._base_max_steps + self._bonus
 
     def kill_cause(self) -> str | None:
-        """The kill reason once the judge has killed the run."""
-        self._look("poll")
+        """The kill reason once the judge has killed the run.
+
+        No judging here: the kernel asks after every record (the hot path);
+        the judge looks in the `record_*` calls and when the watch task asks
+        for the deadline.
+        """
         return self._kill
 
     def stop(self) -> None:

@@ -155,7 +155,13 @@ def query(
                             help="Output format."),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help=_DB_HELP),
 ) -> None:
-    """Run one read-only SQL query against the audit database (writes are refused)."""
+    """Run one read-only SQL query against the audit database.
+
+    Only SELECT (or EXPLAIN [ANALYZE] of one) is accepted, and it runs in a
+    DuckDB session that can neither write nor read any file but the audit:
+    COPY, EXPORT, ATTACH, INSTALL/LOAD, SET, read_csv('/etc/...') all fail
+    with one line and exit 2.
+    """
     from batteries.audit import queries
 
     with _errors():
@@ -163,7 +169,9 @@ def query(
             raise _config_error(f"--format must be table, json or csv, got {fmt!r}")
         # Refuse a write before touching the database at all.
         queries.check_read_only(sql)
-        with _reader(db) as cur:
+        # A sealed session: the audit attached read-only in an instance that
+        # can open no file, so no statement can write (or read) anything else.
+        with _store(db).reader(sealed=True) as cur:
             names, data = queries.read_only_query(cur, sql)
     if fmt == "json":
         _print_json([dict(zip(_unique(names), r, strict=True)) for r in data])

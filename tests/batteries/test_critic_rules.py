@@ -289,7 +289,7 @@ class TestQuietLooks:
             handle.kill_cause()
         assert judge.calls == before
         handle.record_activity("output")  # new evidence: the next look judges
-        handle.kill_cause()
+        handle.deadline()
         assert judge.calls == before + 1
 
     async def test_clock_rules_still_fire_on_time(self, autojump_clock: trio.abc.Clock) -> None:

@@ -207,6 +207,72 @@ class TestImmediateKill:
         result = await Kernel(Ports(critic=critic)).run(agent, RunInfo(), Limits())
         assert result.status is Status.KILLED and agent.calls == 3
 
+    async def test_kill_at_an_agent_run_tool_start_cancels_the_step(
+            self, autojump_clock: trio.abc.Clock) -> None:
+        """A CLI agent reporting a tool call the critic kills on never gets to run it."""
+        ran: list[str] = []
+        critic = ScriptedCritic(kill_at_tool="Bash", reason="looping")
+
+        async def uses_tool(ctx: RunContext) -> Step:
+            ctx.tool_start(ToolCall("Bash", {"command": "ls"}))
+            await trio.lowlevel.checkpoint()  # cancelled here
+            ran.append("Bash")
+            return Step(final=True, output="done")
+
+        start = trio.current_time()
+        result = await Kernel(Ports(critic=critic)).run(ScriptedAgent([uses_tool]), RunInfo(),
+                                                        Limits())
+        assert result.status is Status.KILLED and result.reason == "looping"
+        assert ran == [] and trio.current_time() == start
+
+    async def test_no_tool_starts_after_a_kill_verdict(
+            self, autojump_clock: trio.abc.Clock) -> None:
+        """Of three calls in one step, a kill at the second leaves the third unstarted."""
+        ran: list[str] = []
+
+        async def tool(name: str) -> str:
+            ran.append(name)
+            return name
+
+        critic = ScriptedCritic(kill_at_tool="b", reason="looping")
+        agent = ScriptedAgent([Step(tool_calls=[ToolCall("a", {"name": "a"}),
+                                                ToolCall("b", {"name": "b"}),
+                                                ToolCall("c", {"name": "c"})])],
+                              tools={"a": tool, "b": tool, "c": tool})
+        result = await Kernel(Ports(critic=critic)).run(agent, RunInfo(), Limits())
+        assert result.status is Status.KILLED and ran == ["a"]
+        assert [c.name for c in critic.handles[0].tool_starts] == ["a", "b"]
+
+    async def test_a_step_finishing_right_after_a_kill_verdict_still_ends_killed(
+            self, autojump_clock: trio.abc.Clock) -> None:
+        """A verdict reached via an activity inside the step is not lost to a final step."""
+        critic = ScriptedCritic(kill_at_activity="assistant", reason="looping")
+
+        async def finishes_at_once(ctx: RunContext) -> Step:
+            ctx.event("assistant", payload={"text": "same again"}, text="same again")
+            return Step(final=True, output="all done")  # no checkpoint in between
+
+        result = await Kernel(Ports(critic=critic)).run(ScriptedAgent([finishes_at_once]),
+                                                        RunInfo(), Limits())
+        assert result.status is Status.KILLED and result.reason == "looping"
+        assert critic.handles[0].texts == ["same again"]
+
+    async def test_a_kill_via_activity_cancels_a_long_step_at_once(
+            self, autojump_clock: trio.abc.Clock) -> None:
+        """The step is cancelled at its next checkpoint, not a poll interval later."""
+        critic = ScriptedCritic(kill_at_activity="output", reason="spinner")
+
+        async def long_step(ctx: RunContext) -> Step:
+            ctx.activity("output", "|")
+            await trio.sleep(3600)
+            return Step(final=True)
+
+        start = trio.current_time()
+        result = await Kernel(Ports(critic=critic)).run(ScriptedAgent([long_step]), RunInfo(),
+                                                        Limits(poll_interval=60))
+        assert result.status is Status.KILLED and result.reason == "spinner"
+        assert trio.current_time() == start
+
 
 class TestAgentReports:
     async def test_agent_kill(self, autojump_clock: trio.abc.Clock) -> None:
