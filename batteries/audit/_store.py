@@ -32,6 +32,8 @@ import contextlib
 import hashlib
 import os
 import random
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -50,6 +52,7 @@ from ._schema import (
     current_version,
     migrate,
 )
+from .paths import make_private_dir, make_private_file, open_private_file
 
 if TYPE_CHECKING:
     import duckdb
@@ -247,7 +250,7 @@ class Store:
         try:
             if write:
                 try:
-                    self.path.parent.mkdir(parents=True, exist_ok=True)
+                    make_private_dir(self.path.parent)
                 except OSError as exc:
                     raise AuditError(f"cannot create {self.path.parent}: "
                                      f"{exc.strerror or exc}") from exc
@@ -255,6 +258,8 @@ class Store:
                 raise AuditError(f"no audit database at {self.path}")
             fd = self._lock_sidecar(write, deadline)
             try:
+                if write and not self.path.exists():
+                    self._create_file(cur)
                 self._attach(cur, write, deadline)
                 try:
                     yield self._alias
@@ -266,6 +271,43 @@ class Store:
         finally:
             lock.release()
 
+    def _create_file(self, cur: duckdb.DuckDBPyConnection) -> None:
+        """Create the database file with mode 0600, never readable by others even for a moment.
+
+        DuckDB creates files with the umask's mode and refuses an empty
+        file made in advance, so it creates the file in a private (0700)
+        directory beside the target; it is set to 0600 there and linked into
+        place (an existing file, made meanwhile by another process, wins).
+        """
+        import duckdb
+
+        try:
+            stage = Path(tempfile.mkdtemp(prefix=".kernel-new-", dir=self.path.parent))
+        except OSError as exc:
+            raise AuditError(f"cannot create audit database {self.path}: "
+                             f"{exc.strerror or exc}") from exc
+        try:
+            staged = stage / self.path.name
+            alias = self._alias + "_new"
+            try:
+                cur.execute(f"ATTACH {_sql_string(str(staged))} AS {alias}")
+                cur.execute(f"DETACH {alias}")
+            except duckdb.Error as exc:
+                raise AuditError(f"cannot create audit database {self.path}: "
+                                 f"{first_line(exc)}") from exc
+            make_private_file(staged)
+            try:
+                os.link(staged, self.path)
+            except FileExistsError:
+                pass
+            except OSError:  # no hard links here: we hold the writers' lock, rename
+                os.rename(staged, self.path)
+        except OSError as exc:
+            raise AuditError(f"cannot create audit database {self.path}: "
+                             f"{exc.strerror or exc}") from exc
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
+
     def _busy(self, what: str) -> AuditBusyError:
         return AuditBusyError(f"audit database {self.path} {what} "
                               f"(gave up after {self.lock_timeout:g}s)")
@@ -275,7 +317,7 @@ class Store:
         if fcntl is None:
             return None
         try:
-            fd = os.open(self._sidecar, os.O_RDWR | os.O_CREAT, 0o666)
+            fd = open_private_file(self._sidecar, os.O_RDWR)
         except OSError:
             try:
                 fd = os.open(self._sidecar, os.O_RDONLY)

@@ -12,7 +12,10 @@ datetimes with the standard library (DuckDB's row fetch would need pytz).
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import tempfile
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from kernel import ConfigError, Status
 
 from ._schema import TABLES
+from .paths import make_private_dir, make_private_file
 
 if TYPE_CHECKING:
     import duckdb
@@ -372,27 +376,42 @@ def purge(cur: duckdb.DuckDBPyConnection, days: float) -> tuple[int, int]:
 def export(cur: duckdb.DuckDBPyConnection, directory: str | Path) -> list[Path]:
     """Write every table to `directory/<table>.parquet`; return the files written.
 
+    The files are 0600 and a directory created for them 0700 (they hold
+    what the audit holds). Each file is written into a private staging
+    directory and renamed into place, so it is never readable by others.
+
     Raises:
-        ConfigError: `directory` exists and is not a directory, or cannot be created.
+        ConfigError: `directory` exists and is not a directory, or cannot be
+            created or written.
     """
     out = Path(directory).expanduser()
     if out.exists() and not out.is_dir():
         raise ConfigError(f"export target {out} exists and is not a directory")
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        make_private_dir(out)
+        stage = Path(tempfile.mkdtemp(prefix=".kernel-export-", dir=out))
     except OSError as exc:
         raise ConfigError(f"cannot create {out}: {exc.strerror or exc}") from exc
     written = []
-    # The audit's own tables first, then any others in the file (budgets,
-    # budget_spend, checkpoints: batteries that share it).
-    others = [r[0] for r in cur.execute(
-        "SELECT table_name FROM duckdb_tables() WHERE database_name = current_database() "
-        "ORDER BY table_name").fetchall() if r[0] not in TABLES]
-    for table in (*TABLES, *others):
-        target = (out / f"{table}.parquet").absolute()
-        quoted = "'" + str(target).replace("'", "''") + "'"
-        order = " ORDER BY run_id, seq" if table == "events" else (
-            " ORDER BY started_at" if table == "runs" else "")
-        cur.execute(f"COPY (SELECT * FROM {table}{order}) TO {quoted} (FORMAT parquet)")
-        written.append(target)
+    try:
+        # The audit's own tables first, then any others in the file (budgets,
+        # budget_spend, checkpoints: batteries that share it).
+        others = [r[0] for r in cur.execute(
+            "SELECT table_name FROM duckdb_tables() WHERE database_name = current_database() "
+            "ORDER BY table_name").fetchall() if r[0] not in TABLES]
+        for table in (*TABLES, *others):
+            target = (out / f"{table}.parquet").absolute()
+            staged = stage / target.name
+            quoted = "'" + str(staged).replace("'", "''") + "'"
+            order = " ORDER BY run_id, seq" if table == "events" else (
+                " ORDER BY started_at" if table == "runs" else "")
+            cur.execute(f"COPY (SELECT * FROM {table}{order}) TO {quoted} (FORMAT parquet)")
+            try:
+                make_private_file(staged)
+                os.replace(staged, target)
+            except OSError as exc:
+                raise ConfigError(f"cannot write {target}: {exc.strerror or exc}") from exc
+            written.append(target)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
     return written
