@@ -377,8 +377,10 @@ def export(cur: duckdb.DuckDBPyConnection, directory: str | Path) -> list[Path]:
     """Write every table to `directory/<table>.parquet`; return the files written.
 
     The files are 0600 and a directory created for them 0700 (they hold
-    what the audit holds). Each file is written into a private staging
-    directory and renamed into place, so it is never readable by others.
+    what the audit holds). The files are written into a private staging
+    directory and renamed into place once all are written, so none is ever
+    readable by others and a table DuckDB cannot read (a damaged block:
+    `duckdb.Error`) leaves the directory as it was.
 
     Raises:
         ConfigError: `directory` exists and is not a directory, or cannot be
@@ -406,12 +408,15 @@ def export(cur: duckdb.DuckDBPyConnection, directory: str | Path) -> list[Path]:
             order = " ORDER BY run_id, seq" if table == "events" else (
                 " ORDER BY started_at" if table == "runs" else "")
             cur.execute(f"COPY (SELECT * FROM {table}{order}) TO {quoted} (FORMAT parquet)")
+            written.append(target)
+        # Only once every table is out: a damaged table leaves no partial export.
+        for target in written:
+            staged = stage / target.name
             try:
                 make_private_file(staged)
                 os.replace(staged, target)
             except OSError as exc:
                 raise ConfigError(f"cannot write {target}: {exc.strerror or exc}") from exc
-            written.append(target)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     return written

@@ -6,8 +6,9 @@ closes it before printing. duckdb and the audit battery are imported inside
 the commands, so `kernel --help` stays light.
 
 Exit codes: 0 on success; 2 for bad input (a malformed `--since`, an unknown
-or ambiguous run id, a write statement given to `query`, ...); 1 when the
-database cannot be read (missing, not an audit database, locked too long).
+or ambiguous run id, a write statement given to `query`, a database that
+opens but is damaged inside, ...); 1 when the database cannot be opened
+(missing, not an audit database, locked too long).
 Either way the error is one line on stderr.
 """
 
@@ -238,11 +239,18 @@ def _reader(db: str | None) -> Iterator[Any]:
 
 @contextmanager
 def _errors() -> Iterator[None]:
-    """Turn the library's errors into one line on stderr and an exit code."""
+    """Turn the library's errors into one line on stderr and an exit code.
+
+    A damaged database (DuckDB's own error in the middle of a read) is one
+    line and exit 2 too (`dberrors.database_errors`).
+    """
     from kernel import ConfigError, KernelError
 
+    from .dberrors import database_errors
+
     try:
-        yield
+        with database_errors():
+            yield
     except ConfigError as exc:
         _fail(str(exc), 2)
     except KernelError as exc:

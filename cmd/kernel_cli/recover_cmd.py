@@ -20,14 +20,15 @@ import typer
 
 from kernel import ConfigError, Limits, RunInfo
 
+from .dberrors import guard_database
 from .run_cmd import _execute, _report, exit_code, plan_from_spec
 from .wiring import PortOptions
 
 
 def register(app: typer.Typer) -> None:
     """Add `kernel recover` and `kernel resume` to the app."""
-    app.command("recover")(recover)
-    app.command("resume")(resume)
+    app.command("recover")(guard_database(recover))
+    app.command("resume")(guard_database(resume))
 
 
 def _checkpointer(db: str | None) -> Any:
