@@ -1,0 +1,245 @@
+"""The process behaviours of the critic corpus (bench/critic_corpus.py), one per case.
+
+    python bench/corpus_proc.py CASE PROGRESS_FILE [SCALE]
+
+Each behaviour writes the moment of its last real progress (a Unix time)
+to PROGRESS_FILE, overwriting it, so the harness can measure how long after
+that moment the run was stopped. SCALE (default 1) multiplies every duration;
+the fast test runs cases at a fraction of their length.
+
+Healthy behaviours end by themselves with exit 0; stuck ones never end.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+
+class Case:
+    """What every behaviour gets: where to write progress, and the time scale."""
+
+    def __init__(self, progress: str, scale: float) -> None:
+        self.progress_path = progress
+        self.scale = scale
+
+    def progress(self) -> None:
+        """Record that real progress happened now."""
+        tmp = self.progress_path + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(repr(time.time()))
+        os.replace(tmp, self.progress_path)
+
+    def s(self, seconds: float) -> float:
+        """A duration, scaled."""
+        return seconds * self.scale
+
+
+def say(text: str) -> None:
+    print(text, flush=True)
+
+
+def burn(seconds: float) -> int:
+    """Busy CPU work for `seconds` of wall time; returns a checksum of it."""
+    end = time.monotonic() + seconds
+    h = hashlib.sha256()
+    n = 0
+    while time.monotonic() < end:
+        for _ in range(2000):
+            h.update(n.to_bytes(8, "little"))
+            n += 1
+    return int.from_bytes(h.digest()[:4], "little")
+
+
+def forever() -> None:
+    while True:
+        time.sleep(3600)
+
+
+# ------------------------------------------------------------------ healthy
+
+
+def cpu_silent(c: Case) -> None:
+    """A CPU-bound computation that prints nothing for 8 s, then its answer."""
+    c.progress()
+    digest = burn(c.s(8))
+    c.progress()
+    say(f"result: {digest:08x}")
+
+
+def io_writer(c: Case) -> None:
+    """Writes 1 MiB to a file every 0.1 s for 8 s without printing."""
+    block = os.urandom(1 << 20)
+    end = time.monotonic() + c.s(8)
+    written = 0
+    with open("data.bin", "wb") as f:
+        while time.monotonic() < end:
+            if f.tell() >= 16 << 20:  # keep the file small: rewrite from the start
+                f.seek(0)
+                f.truncate()
+            f.write(block)
+            f.flush()
+            os.fsync(f.fileno())
+            written += 1
+            c.progress()
+            time.sleep(0.1)
+    os.unlink("data.bin")
+    say(f"wrote {written} MiB")
+
+
+def child_worker(c: Case) -> None:
+    """A silent parent whose child process does the work and logs to a file."""
+    rc = subprocess.call([sys.executable, __file__, "_worker", c.progress_path, str(c.scale)])
+    c.progress()
+    say(f"worker finished: {rc}")
+    sys.exit(rc)
+
+
+def _worker(c: Case) -> None:
+    end = time.monotonic() + c.s(8)
+    with open("worker.log", "a") as log:
+        i = 0
+        while time.monotonic() < end:
+            burn(0.5 * c.scale)
+            i += 1
+            log.write(f"chunk {i} done\n")
+            log.flush()
+            c.progress()
+
+
+def steady_output(c: Case) -> None:
+    """A line every 0.5 s, each with a new counter, for 8 s."""
+    n = max(1, round(c.s(8) / 0.5))
+    for i in range(1, n + 1):
+        say(f"processed item {i}/{n}")
+        c.progress()
+        time.sleep(0.5)
+
+
+def bursty_output(c: Case) -> None:
+    """Bursts of output separated by 6 s of silent CPU work."""
+    for burst in range(1, 4):
+        for i in range(1, 21):
+            say(f"batch {burst}: record {i}/20 ok")
+        c.progress()
+        if burst < 3:
+            burn(c.s(6))
+            c.progress()
+
+
+def quiet_build(c: Case) -> None:
+    """A build: many short compiler-like child processes for 10 s, nothing printed."""
+    os.makedirs("obj", exist_ok=True)
+    end = time.monotonic() + c.s(10)
+    units = 0
+    while time.monotonic() < end:
+        units += 1
+        unit = f"obj/unit{units % 8}.o"
+        subprocess.run(["sh", "-c", f"head -c 1048576 /dev/urandom | gzip -6 > {unit}"],
+                       check=True)
+        c.progress()
+    say(f"built {units} units")
+
+
+# -------------------------------------------------------------------- stuck
+
+
+def sleep_forever(c: Case) -> None:
+    """Starts, then sleeps: silent, every counter flat."""
+    say("connecting to the license server...")
+    c.progress()
+    os.execvp("sleep", ["sleep", "1000000"])
+
+
+def fifo_read(c: Case) -> None:
+    """Blocked reading a named pipe nobody writes."""
+    path = Path("input.fifo")
+    if not path.exists():
+        os.mkfifo(path)
+    say("waiting for records on input.fifo")
+    c.progress()
+    # Read-write open so the open itself returns: the read then blocks for good.
+    fd = os.open(path, os.O_RDWR)
+    os.read(fd, 1)
+
+
+def deadlock(c: Case) -> None:
+    """Two threads, each holding the lock the other waits for."""
+    a, b = threading.Lock(), threading.Lock()
+    both = threading.Barrier(2)
+
+    def one(first: threading.Lock, second: threading.Lock) -> None:
+        with first:
+            both.wait()
+            with second:
+                pass
+
+    say("starting transfer workers")
+    c.progress()
+    threads = [threading.Thread(target=one, args=(a, b)), threading.Thread(target=one, args=(b, a))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def spinner(c: Case) -> None:
+    """A status line redrawn with carriage returns every 0.5 s, forever."""
+    say("installing dependencies")
+    c.progress()
+    frames = "|/-\\"
+    i = 0
+    while True:
+        sys.stdout.write(f"\r{frames[i % 4]} Waiting for the package lock...")
+        sys.stdout.flush()
+        i += 1
+        time.sleep(0.5)
+
+
+def repeated_line(c: Case) -> None:
+    """The same status line printed again every 0.5 s, forever."""
+    say("deploying release 2.4.1")
+    c.progress()
+    while True:
+        say("waiting for lock on /var/lib/deploy/lock (held by pid 4242)")
+        time.sleep(0.5)
+
+
+def waiting_input(c: Case) -> None:
+    """Asks a question and reads the answer from a terminal nobody types into.
+
+    `kernel run` gives a command /dev/null as stdin (a prompt there reads EOF
+    at once), so the behaviour makes its own pseudo-terminal its stdin: the
+    read then blocks the way it does for a user who walked away.
+    """
+    master, slave = os.openpty()
+    os.dup2(slave, 0)
+    os.close(slave)
+    say("config.yaml already exists.")
+    c.progress()
+    try:
+        answer = input("Overwrite it? [y/N] ")
+    finally:
+        os.close(master)
+    say(f"answer: {answer!r}")
+
+
+CASES: dict[str, Callable[[Case], None]] = {f.__name__: f for f in (
+    cpu_silent, io_writer, child_worker, _worker, steady_output, bursty_output, quiet_build,
+    sleep_forever, fifo_read, deadlock, spinner, repeated_line, waiting_input)}
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) not in (2, 3) or argv[0] not in CASES:
+        sys.exit(f"usage: corpus_proc.py CASE PROGRESS_FILE [SCALE]; cases: {', '.join(CASES)}")
+    CASES[argv[0]](Case(argv[1], float(argv[2]) if len(argv) == 3 else 1.0))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
