@@ -11,6 +11,7 @@ import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -90,11 +91,17 @@ def load_procs() -> ModuleType:
 @pytest.mark.realtime
 def test_three_cases_run_through_kernel_run(kernel_exe: str) -> None:
     """A healthy process, a stuck process and a looping model, under the step cap."""
-    cases = [c for c in cc.CASES if c.name in ("steady_output", "sleep_forever",
-                                               "llm_exact_loop")]
     stepcap = cc.modes(3.0)["stepcap"]
-    got = {o.case: o for o in cc.run_all(cases, [stepcap], kernel=kernel_exe, timeout=2,
-                                          concurrency=3, scale=0.05)}
+
+    def run(names: tuple[str, ...], timeout: float) -> dict[str, Any]:
+        cases = [c for c in cc.CASES if c.name in names]
+        return {o.case: o for o in cc.run_all(cases, [stepcap], kernel=kernel_exe,
+                                               timeout=timeout, concurrency=2, scale=0.05)}
+
+    # Only the stuck case may meet its hard timeout; the others get a wide margin so a
+    # loaded machine cannot turn their real end into a timeout.
+    got: dict[str, Any] = {**run(("sleep_forever",), 2), **run(("steady_output",
+                                                                  "llm_exact_loop"), 120)}
 
     healthy = got["steady_output"]
     assert (healthy.status, healthy.exit_code, healthy.verdict) == ("ok", 0, "ok")
