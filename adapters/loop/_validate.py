@@ -277,11 +277,13 @@ class _Checker:
             self.add("error", where, str(exc))
             return
         holes = [s for s in segments if isinstance(s, tpl.Placeholder)]
-        contexts = tpl.shell_contexts(segments) if shell else ["top"] * len(holes)
-        for ph, context in zip(holes, contexts, strict=False):
-            self.placeholder(ph, where, shell=shell, context=context)
+        spots = tpl.shell_holes(segments) if shell else [tpl.Hole("top")] * len(holes)
+        for ph, spot in zip(holes, spots, strict=False):
+            self.placeholder(ph, where, shell=shell, spot=spot)
 
-    def placeholder(self, ph: tpl.Placeholder, where: str, *, shell: bool, context: str) -> None:
+    def placeholder(self, ph: tpl.Placeholder, where: str, *, shell: bool,
+                    spot: tpl.Hole) -> None:
+        context = spot.kind
         if ph.raw and shell:
             self.add("warning", where, f"{ph.source} is inserted unquoted (:raw): a value "
                                        "containing shell syntax will run as code")
@@ -290,9 +292,12 @@ class _Checker:
         if shell and not ph.raw and context == "heredoc_q":
             self.add("error", where, f"{ph.source} is inside a quoted heredoc, where nothing is "
                                      "expanded; use an unquoted heredoc (<<EOF)")
-        if shell and context == "arith":
-            self.add("warning", where, f"{ph.source} is used in shell arithmetic, which "
-                                       "evaluates its operands: check the value is a number")
+        if shell and spot.arith:
+            how = ("is pasted unquoted (:raw) into shell arithmetic, which runs "
+                   "a value like a[$(cmd)]" if ph.raw else
+                   "stands where bash evaluates arithmetic: a value that is not a plain "
+                   "integer stops the run before the action runs")
+            self.add("warning", where, f"{ph.source} {how}")
         fallback = ph.default is not None or ph.optional
         head = ph.path[0]
         if ph.namespace == "context":
