@@ -24,7 +24,8 @@ to suit the quoting context it lands in (a small scanner tracks quotes,
 worst word splitting, never execution: the value is not in the text. One
 place cannot take a reference and is refused by validation: a quoted
 heredoc body (nothing is expanded there). `:raw` opts out (validation
-warns).
+warns). Large values go through a file instead of the environment (see
+`spill`).
 
 Quoting cannot protect arithmetic: bash evaluates the *value* of a variable
 there, and `a[$(cmd)]` runs `cmd`. The scanner marks the spots where bash
@@ -39,9 +40,10 @@ out of the scanner's sight.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -623,7 +625,7 @@ def render_shell(template: str, ns: Namespaces) -> ShellCommand:
             continue
         hole = next(holes, Hole("top"))
         context = hole.kind
-        value = value_of(seg, ns)
+        value = value_of(seg, ns).replace("\x00", "")
         quoted = seg.raw or context not in ("top", "sub", "bq", "arith")
         display.append(_clip(value) if quoted else shlex.quote(_clip(value)))
         if seg.raw:
@@ -641,6 +643,43 @@ def render_shell(template: str, ns: Namespaces) -> ShellCommand:
         env[var] = value
         command.append(_REFERENCE[context].format(var))
     return ShellCommand("".join(command), env, "".join(display))
+
+
+#: A value up to this many bytes travels in bash's environment; a larger one,
+#: or one past `ENV_TOTAL_LIMIT` for the action, through a file.
+ENV_VALUE_LIMIT = 16 << 10
+ENV_TOTAL_LIMIT = 64 << 10
+
+
+def spill(cmd: ShellCommand, directory: Callable[[], str]) -> tuple[str, dict[str, str]]:
+    """The text and environment bash gets, with large values moved to files.
+
+    Linux caps one environment string at 128 KiB and argv plus environment
+    at ARG_MAX, so a large value cannot travel as a variable. It is written
+    to a file (mode 0600) in `directory()` (called once, only if needed), the
+    environment gets the file's path, and a prefix on the command's first
+    line reads the file into the same variable name, byte for byte (bash
+    cannot hold NUL bytes; values never contain them). The rest of the
+    command is unchanged.
+    """
+    env: dict[str, str] = {}
+    prefix: list[str] = []
+    total = 0
+    where: str | None = None
+    for name, value in cmd.env.items():
+        size = len(value.encode("utf-8", "surrogateescape"))
+        if size <= ENV_VALUE_LIMIT and total + size <= ENV_TOTAL_LIMIT:
+            env[name] = value
+            total += size
+            continue
+        where = where or directory()
+        path = os.path.join(where, name)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8", errors="surrogateescape") as f:
+            f.write(value)
+        env[f"{name}_FILE"] = path
+        prefix.append(f"IFS= read -r -d '' {name} <\"${{{name}_FILE}}\" || :; ")
+    return "".join(prefix) + cmd.command, env
 
 
 def _clip(value: str, limit: int = 200) -> str:
