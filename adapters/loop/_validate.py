@@ -10,6 +10,8 @@ that must come from `--context`).
 from __future__ import annotations
 
 import difflib
+import os
+import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,18 +101,9 @@ def load_loop(path: str | Path, *, context: Mapping[str, Any] | None = None) -> 
 def _check(path: Path, context: dict[str, Any], required: bool,
            stack: tuple[Path, ...]) -> Report:
     shown = str(path)
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        return Report(None, [Problem("error", "", "no such loop file", shown)])
-    except IsADirectoryError:
-        return Report(None, [Problem("error", "", "is a directory, not a loop file", shown)])
-    except OSError as exc:
-        return Report(None, [Problem("error", "", f"cannot read: {exc.strerror or exc}",
-                                     shown)])
-    if len(raw) > MAX_FILE_BYTES:
-        return Report(None, [Problem("error", "", f"too large for a loop file "
-                                                  f"({len(raw)} bytes)", shown)])
+    raw = _read_bounded(path)
+    if isinstance(raw, str):
+        return Report(None, [Problem("error", "", raw, shown)])
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -118,7 +111,7 @@ def _check(path: Path, context: dict[str, Any], required: bool,
     try:
         data = load_yaml(text)
     except YamlError as exc:
-        msg = f"YAML syntax error: {exc.message}"
+        msg = f"YAML syntax error: {exc.message}" if exc.syntax else exc.message
         return Report(None, [Problem("error", "", msg, shown, exc.line, exc.column)])
     spec, problems = parse_loop(data, file=shown, default_name=path.stem)
     if spec is None:
@@ -126,6 +119,50 @@ def _check(path: Path, context: dict[str, Any], required: bool,
     _Checker(spec, problems, path, context, required, stack).run()
     problems.sort(key=lambda p: (p.line or 0))
     return Report(spec, problems)
+
+
+def _read_bounded(path: Path) -> bytes | str:
+    """The file's bytes, or why not: never blocks on a FIFO, never reads past the size limit."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return "no such loop file"
+    except IsADirectoryError:
+        return "is a directory, not a loop file"
+    except OSError as exc:
+        return f"cannot read: {exc.strerror or exc}"
+    try:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            return "is a directory, not a loop file"
+        if not stat.S_ISREG(info.st_mode):
+            return f"not a regular file ({_file_kind(info.st_mode)}), not a loop file"
+        if info.st_size > MAX_FILE_BYTES:
+            return f"too large for a loop file ({info.st_size} bytes; the limit is " \
+                   f"{MAX_FILE_BYTES})"
+        chunks: list[bytes] = []
+        size = 0
+        while size <= MAX_FILE_BYTES:
+            chunk = os.read(fd, MAX_FILE_BYTES + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > MAX_FILE_BYTES:
+            return f"too large for a loop file (over {MAX_FILE_BYTES} bytes)"
+        return b"".join(chunks)
+    except OSError as exc:
+        return f"cannot read: {exc.strerror or exc}"
+    finally:
+        os.close(fd)
+
+
+def _file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "a special file"
 
 
 class _Checker:
