@@ -30,6 +30,7 @@ from ._spec import StateSpec as StateSpec
 from ._spec import parse_loop as parse_loop
 from ._template import MissingVariable as MissingVariable
 from ._template import TemplateError as TemplateError
+from ._template import UnsafeValue as UnsafeValue
 from ._validate import LoopFileError as LoopFileError
 from ._validate import Report as Report
 from ._validate import check_loop as check_loop
@@ -51,6 +52,7 @@ __all__ = [
     "RouteSpec",
     "StateSpec",
     "TemplateError",
+    "UnsafeValue",
     "Verdict",
     "VerdictSource",
     "ask_on_terminal",

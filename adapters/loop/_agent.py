@@ -22,7 +22,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
@@ -446,10 +448,12 @@ class LoopAgent:
             DEFAULT_MCP_TIMEOUT if mode == "mcp_tool" else DEFAULT_ACTION_TIMEOUT)
         env = {**os.environ, **self.env}
         extra: dict[str, Any] = {}
+        spill_dir: list[str] = []
         if mode == "shell":
             cmd = tpl.render_shell(st.action, ns)
-            argv = ["bash", "-c", cmd.command]
-            env.update(cmd.env)
+            text, values = tpl.spill(cmd, lambda: _mkdtemp(spill_dir))
+            argv = ["bash", "-c", text]
+            env.update(values)
             shown = cmd.display
             extra["command"] = _clip(cmd.command, _PREVIEW)
         elif mode == "prompt":
@@ -468,9 +472,14 @@ class LoopAgent:
         ctx.event("action_start", name=mode, payload={
             "state": st.name, "action_type": mode, "action": _clip(shown, _PREVIEW),
             "timeout": timeout, **extra})
-        result = await run_process(argv, env=env, cwd=self.cwd, timeout=timeout,
-                                   on_line=self._line, max_bytes=self.max_output_bytes,
-                                   grace=self.grace)
+        try:
+            _check_exec_size(argv, env)
+            result = await run_process(argv, env=env, cwd=self.cwd, timeout=timeout,
+                                       on_line=self._line, max_bytes=self.max_output_bytes,
+                                       grace=self.grace)
+        finally:
+            for path in spill_dir:
+                shutil.rmtree(path, ignore_errors=True)
         ctx.event("action_end", name=mode, duration_ms=result.duration_ms, payload={
             "state": st.name, "exit_code": result.exit_code, "signal": result.signal,
             "timed_out": result.timed_out, "output_tail": result.output[-_PREVIEW:],
@@ -788,6 +797,41 @@ def _capture(result: ActionResult) -> dict[str, Any]:
     # values read back cleanly.
     return {"output": result.output.rstrip("\n"), "stderr": result.stderr.rstrip("\n"),
             "exit_code": result.exit_code, "duration_ms": round(result.duration_ms, 3)}
+
+
+def _mkdtemp(made: list[str]) -> str:
+    """A private directory for values too large for the environment (removed after the action)."""
+    made.append(tempfile.mkdtemp(prefix="kernel-loop-"))
+    return made[-1]
+
+
+# Linux: one argv/environment string may not exceed MAX_ARG_STRLEN (32 pages).
+_MAX_ARG_STRLEN = 32 * 4096
+
+
+def _check_exec_size(argv: Sequence[str], env: Mapping[str, str]) -> None:
+    """Fail the run, clearly, when the process could not be started for its size (E2BIG).
+
+    Shell values never get here too large (see `tpl.spill`); a prompt, MCP
+    parameters, a `:raw` value or the inherited environment can.
+    """
+    strings = [*argv, *(f"{k}={v}" for k, v in env.items())]
+    sizes = [len(x.encode("utf-8", "surrogateescape")) + 1 for x in strings]
+    biggest = max(range(len(strings)), key=sizes.__getitem__)
+    try:
+        arg_max = os.sysconf("SC_ARG_MAX")
+    except (ValueError, OSError):
+        arg_max = 2 << 20
+    total = sum(sizes) + 8 * (len(sizes) + 2)
+    if sizes[biggest] > _MAX_ARG_STRLEN:
+        what = (f"argument {biggest}" if biggest < len(argv)
+                else f"environment variable {strings[biggest].partition('=')[0]}")
+        raise _Fatal(f"the action cannot start: its {what} is "
+                     f"{sizes[biggest]} bytes, over the system's {_MAX_ARG_STRLEN}-byte "
+                     "limit for one argument")
+    if total > arg_max - 4096:
+        raise _Fatal(f"the action cannot start: its arguments and "
+                     f"environment take {total} bytes, over the system's limit ({arg_max})")
 
 
 def _missing_message(exc: tpl.MissingVariable, state: str) -> str:

@@ -24,15 +24,26 @@ to suit the quoting context it lands in (a small scanner tracks quotes,
 worst word splitting, never execution: the value is not in the text. One
 place cannot take a reference and is refused by validation: a quoted
 heredoc body (nothing is expanded there). `:raw` opts out (validation
-warns), and a command that itself evaluates its arguments (eval, bash -c,
-arithmetic) is outside what any quoting can protect.
+warns). Large values go through a file instead of the environment (see
+`spill`).
+
+Quoting cannot protect arithmetic: bash evaluates the *value* of a variable
+there, and `a[$(cmd)]` runs `cmd`. The scanner marks the spots where bash
+evaluates arithmetic (`$(( ))`, `(( ))`, `$[ ]`, `let`, `declare -i` and
+kin, `[[ ]]` numeric tests, array subscripts, `${var:offset}`), and a value
+placed there must be a plain integer or `render_shell` raises `UnsafeValue`
+before anything runs. A command that evaluates its arguments itself (eval,
+bash -c) or a value copied into a variable and used in arithmetic later is
+out of the scanner's sight.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import shlex
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +60,10 @@ ENV_PREFIX = "KLOOP_"
 
 class TemplateError(ValueError):
     """A template is malformed (unclosed `${`, unknown namespace or modifier)."""
+
+
+class UnsafeValue(TemplateError):
+    """A value cannot stand where a shell action puts it (arithmetic needs an integer)."""
 
 
 class MissingVariable(LookupError):
@@ -275,10 +290,41 @@ _REFERENCE = {
 
 _HOLE = "\x00"
 _WORD_BREAK = set(" \t\n;&|()<>")
+_CODE = ("top", "sub", "bq")
+# Frames that do not change how a reference is written (the enclosing quoting decides).
+_TRANSPARENT = ("param", "subs", "cond")
+_ARITH_TESTS = {"-eq", "-ne", "-lt", "-le", "-gt", "-ge"}
+_DECLARERS = {"declare", "local", "typeset", "readonly", "export"}
+_PREFIX_WORDS = {"!", "then", "do", "else", "elif", "if", "while", "until", "time", "{", "}",
+                 "command", "builtin"}
+_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\[[^]]*\])?\+?=")
+_SUBSCRIPTED = re.compile(r"(?:^|[\s;&|(])[A-Za-z_][A-Za-z0-9_]*$")
+_INTEGER = re.compile(r"\s*[-+]?[0-9]+\s*", re.ASCII)
+
+
+@dataclass(frozen=True, slots=True)
+class Hole:
+    """Where a placeholder stands in a shell action.
+
+    Attributes:
+        kind: The quoting context (how a reference must be written there).
+        arith: True when bash evaluates the text there as arithmetic (`$(( ))`,
+            `(( ))`, `$[ ]`, `let`, `declare -i`, a `[[ ]]` numeric test, an
+            array subscript, a `${var:offset}`), where a value like
+            `a[$(cmd)]` would run `cmd`.
+    """
+
+    kind: str
+    arith: bool = False
 
 
 def shell_contexts(segments: list[Segment]) -> list[str]:
     """The quoting context of each placeholder of a shell template, in order."""
+    return [h.kind for h in shell_holes(segments)]
+
+
+def shell_holes(segments: list[Segment]) -> list[Hole]:
+    """Where each placeholder of a shell template stands, in order."""
     text = "".join(s if isinstance(s, str) else _HOLE for s in segments)
     return _Scanner(text).run()
 
@@ -286,25 +332,29 @@ def shell_contexts(segments: list[Segment]) -> list[str]:
 class _Scanner:
     """Walks shell text and reports the quoting context at each hole.
 
-    It knows single/double/ANSI quotes, backslash escapes, `$(...)` and
-    `$((...))`, backquotes, `#` comments and heredocs (`<<`, `<<-`, quoted or
-    not). It is not a shell parser; see the module docstring for why an
-    imperfect answer is still safe.
+    It knows single/double/ANSI quotes, backslash escapes, `$(...)`,
+    `$((...))` and `((...))`, `$[...]`, backquotes, `#` comments, heredocs
+    (`<<`, `<<-`, quoted or not), `${...}` with its subscripts and offsets,
+    `[[ ... ]]`, and the commands that evaluate their arguments as arithmetic
+    (`let`, `declare -i` and its kin). It is not a shell parser; see the
+    module docstring for why an imperfect answer is still safe.
     """
 
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str, kind: str = "top") -> None:
         self.text = text
-        self.found: list[str] = []
-        self.stack: list[list[Any]] = [["top", 0]]
+        self.found: list[Hole] = []
+        # Each frame: [kind, depth, start]; `start` is where the current simple
+        # command began (code frames), the `[[` (cond) or the `${` (param).
+        self.stack: list[list[Any]] = [[kind, 0, 0]]
         self.heredocs: list[tuple[str, bool, bool]] = []
 
-    def run(self) -> list[str]:
+    def run(self) -> list[Hole]:
         text, i, n = self.text, 0, len(self.text)
         while i < n:
             ch = text[i]
             kind = self.stack[-1][0]
             if ch == _HOLE:
-                self.found.append(kind)
+                self.found.append(self._hole(i))
                 i += 1
                 continue
             if kind == "sq":
@@ -324,28 +374,118 @@ class _Scanner:
                     i = self._newline(i)
                 else:
                     i += 1
-            elif kind == "dq":
+            elif kind in ("dq", "heredoc"):
                 i = self._in_dq(i)
+            elif kind == "param":
+                i = self._in_param(i)
+            elif kind == "subs" and ch == "]":
+                frame = self.stack[-1]
+                frame[1] -= 1
+                if frame[1] <= 0:
+                    self.stack.pop()
+                i += 1
+            elif kind == "cond" and text.startswith("]]", i) and text[i - 1] in " \t\n":
+                self.stack.pop()
+                i += 2
             else:
                 i = self._in_code(i)
         return self.found
 
+    # -- what a hole is
+
+    def _hole(self, i: int) -> Hole:
+        kind = next((f[0] for f in reversed(self.stack) if f[0] not in _TRANSPARENT), "top")
+        arith = any(f[0] in ("arith", "subs") or (f[0] == "param" and f[1] < 0)
+                    for f in self.stack)
+        if not arith:
+            arith = self._arith_word(i)
+        return Hole(kind, arith)
+
+    def _arith_word(self, i: int) -> bool:
+        """A hole in a `[[` numeric test, or an argument of `let` / `declare -i`."""
+        for frame in reversed(self.stack):
+            if frame[0] == "cond":
+                return self._cond_operand(frame[2], i)
+            if frame[0] in _CODE:
+                return self._arith_command(frame[2], i)
+            if frame[0] not in ("dq", "sq", "ansi", "param"):
+                return False
+        return False
+
+    def _cond_operand(self, start: int, i: int) -> bool:
+        left, right = self.text[start:i], self.text[i + 1:]
+        right = right[:right.find("]]")] if "]]" in right else right
+        before, after = left.split(), right.split()
+        prev = (before[-1:] if left[-1:].isspace() or not left else before[-2:-1])
+        nxt = (after[:1] if right[:1].isspace() or not right else after[1:2])
+        return bool(set(prev + nxt) & _ARITH_TESTS)
+
+    def _arith_command(self, start: int, i: int) -> bool:
+        words = self.text[start:i].split()
+        while words and (words[0] in _PREFIX_WORDS or _ASSIGNMENT.match(words[0])):
+            words.pop(0)
+        if not words or (len(words) == 1 and not self.text[i - 1:i].isspace()):
+            return False
+        if words[0] == "let":
+            return True
+        return words[0] in _DECLARERS and any(
+            w.startswith("-") and not w.startswith("--") and "i" in w[1:] for w in words[1:])
+
+    # -- the contexts
+
     def _in_dq(self, i: int) -> int:
-        text, ch = self.text, self.text[i]
+        ch = self.text[i]
         if ch == "\\":
             return i + 2
-        if ch == '"':
+        if ch == '"' and self.stack[-1][0] == "dq":
             self.stack.pop()
             return i + 1
+        return self._expansion(i) or i + 1
+
+    def _expansion(self, i: int) -> int:
+        """`$((`, `$(`, `$[`, `${` or a backquote at `i`: push its frame; 0 if none."""
+        text, ch = self.text, self.text[i]
         if text.startswith("$((", i):
-            self.stack.append(["arith", 2])
+            self.stack.append(["arith", 2, i])
             return i + 3
         if text.startswith("$(", i):
-            self.stack.append(["sub", 1])
+            self.stack.append(["sub", 1, i + 2])
             return i + 2
+        if text.startswith("$[", i):
+            self.stack.append(["subs", 1, i])
+            return i + 2
+        if text.startswith("${", i):
+            j = i + 2
+            while j < len(text) and text[j] in "#!":
+                j += 1
+            while j < len(text) and (text[j].isalnum() or text[j] in "_@*?-$"):
+                j += 1
+                if text[j - 1] in "@*?-$#" and j - 1 == i + 2:
+                    break
+            self.stack.append(["param", 1, i])
+            if text.startswith("[", j):
+                self.stack.append(["subs", 1, j])
+                return j + 1
+            return j
         if ch == "`":
-            self.stack.append(["bq", 0])
-        return i + 1
+            if self.stack[-1][0] == "bq":
+                self.stack.pop()
+            else:
+                self.stack.append(["bq", 0, i + 1])
+            return i + 1
+        return 0
+
+    def _in_param(self, i: int) -> int:
+        text, ch = self.text, self.text[i]
+        frame = self.stack[-1]
+        if ch == "}":
+            self.stack.pop()
+            return i + 1
+        if ch == ":" and frame[1] > 0 and text[i + 1:i + 2] not in ("-", "=", "?", "+"):
+            frame[1] = -1  # ${var:offset:length}: arithmetic up to the brace
+            return i + 1
+        frame[1] = frame[1] if frame[1] < 0 else 0
+        return self._in_code(i)
 
     def _in_code(self, i: int) -> int:
         text, ch = self.text, self.text[i]
@@ -354,40 +494,54 @@ class _Scanner:
         if ch == "\\":
             return i + 2
         if ch == "'":
-            self.stack.append(["sq", 0])
+            self.stack.append(["sq", 0, i])
             return i + 1
         if ch == '"':
-            self.stack.append(["dq", 0])
+            self.stack.append(["dq", 0, i])
             return i + 1
         if text.startswith("$'", i):
-            self.stack.append(["ansi", 0])
+            self.stack.append(["ansi", 0, i])
             return i + 2
-        if text.startswith("$((", i) or (text.startswith("((", i) and self._word_start(i)):
-            start = 3 if ch == "$" else 2
-            self.stack.append(["arith", 2])
-            return i + start
-        if text.startswith("$(", i):
-            self.stack.append(["sub", 1])
+        if text.startswith("((", i) and self._word_start(i):
+            self.stack.append(["arith", 2, i])
             return i + 2
-        if ch == "`":
-            if kind == "bq":
-                self.stack.pop()
-            else:
-                self.stack.append(["bq", 0])
-            return i + 1
+        if text.startswith("[[", i) and self._word_start(i) and text[i + 2:i + 3].isspace():
+            self.stack.append(["cond", 0, i + 2])
+            return i + 2
+        pushed = self._expansion(i)
+        if pushed:
+            return pushed
         if kind in ("sub", "arith") and ch in "()":
             frame[1] += 1 if ch == "(" else -1
             if frame[1] <= 0:
                 self.stack.pop()
             return i + 1
+        if kind == "subs" and ch == "[":
+            frame[1] += 1
+            return i + 1
+        if ch == "[" and kind in _CODE and self._assigns_subscript(i):
+            self.stack.append(["subs", 1, i])
+            return i + 1
         if ch == "#" and self._word_start(i):
-            self.stack.append(["comment", 0])
+            self.stack.append(["comment", 0, i])
             return i + 1
         if text.startswith("<<", i) and not text.startswith("<<<", i):
             return self._heredoc_op(i + 2)
         if ch == "\n":
-            return self._newline(i)
+            i = self._newline(i)
+            if kind in _CODE:
+                frame[2] = i
+            return i
+        if kind in _CODE and ch in ";&|()":
+            frame[2] = i + 1
         return i + 1
+
+    def _assigns_subscript(self, i: int) -> bool:
+        """`name[...]=` or `name[...]+=`: the subscript of an indexed array assignment."""
+        if not _SUBSCRIPTED.search(self.text[max(0, i - 200):i]):
+            return False
+        close = self.text.find("]", i)
+        return close > 0 and self.text.startswith(("=", "+="), close + 1)
 
     def _word_start(self, i: int) -> bool:
         return i == 0 or self.text[i - 1] in _WORD_BREAK
@@ -421,32 +575,46 @@ class _Scanner:
         return i
 
     def _newline(self, i: int) -> int:
-        """At a newline in code: read any pending heredoc bodies, line by line."""
+        """At a newline in code: read any pending heredoc bodies."""
         i += 1
         text, n = self.text, len(self.text)
         while self.heredocs and i <= n:
             delim, quoted, strip = self.heredocs.pop(0)
+            body_start = i
+            body_end = n
             while i < n:
                 end = text.find("\n", i)
                 end = n if end < 0 else end
                 line = text[i:end]
                 if (line.lstrip("\t") if strip else line) == delim:
+                    body_end = i
                     i = end + 1
                     break
-                self.found.extend(["heredoc_q" if quoted else "heredoc"] * line.count(_HOLE))
                 i = end + 1
+            else:
+                body_end = n
+            body = text[body_start:body_end]
+            if quoted:
+                self.found.extend([Hole("heredoc_q")] * body.count(_HOLE))
+            else:
+                self.found.extend(_Scanner(body, "heredoc").run())
         return i
 
 
 def render_shell(template: str, ns: Namespaces) -> ShellCommand:
     """Interpolate a shell action: values travel as environment variables, never as text.
 
+    A value where bash evaluates arithmetic must be a plain integer (digits,
+    an optional sign, surrounding whitespace): anything else raises
+    `UnsafeValue` and the action does not run.
+
     Raises:
         MissingVariable: a variable without value or default.
+        UnsafeValue: a value that is not an integer in an arithmetic context.
         TemplateError: a placeholder inside a quoted heredoc.
     """
     segments = parse(template)
-    contexts = iter(shell_contexts(segments))
+    holes = iter(shell_holes(segments))
     command: list[str] = []
     display: list[str] = []
     env: dict[str, str] = {}
@@ -455,8 +623,9 @@ def render_shell(template: str, ns: Namespaces) -> ShellCommand:
             command.append(seg)
             display.append(seg)
             continue
-        context = next(contexts, "top")
-        value = value_of(seg, ns)
+        hole = next(holes, Hole("top"))
+        context = hole.kind
+        value = value_of(seg, ns).replace("\x00", "")
         quoted = seg.raw or context not in ("top", "sub", "bq", "arith")
         display.append(_clip(value) if quoted else shlex.quote(_clip(value)))
         if seg.raw:
@@ -466,10 +635,51 @@ def render_shell(template: str, ns: Namespaces) -> ShellCommand:
             raise TemplateError(
                 f"{seg.source} is inside a quoted heredoc, where nothing is expanded; "
                 "use an unquoted heredoc (<<EOF) or :raw")
+        if hole.arith and not _INTEGER.fullmatch(value):
+            raise UnsafeValue(
+                f"{seg.source} stands where bash evaluates arithmetic, and its value "
+                f"{_excerpt(value)} is not a plain integer; the action was not run")
         var = f"{ENV_PREFIX}{len(env) + 1}"
         env[var] = value
         command.append(_REFERENCE[context].format(var))
     return ShellCommand("".join(command), env, "".join(display))
+
+
+#: A value up to this many bytes travels in bash's environment; a larger one,
+#: or one past `ENV_TOTAL_LIMIT` for the action, through a file.
+ENV_VALUE_LIMIT = 16 << 10
+ENV_TOTAL_LIMIT = 64 << 10
+
+
+def spill(cmd: ShellCommand, directory: Callable[[], str]) -> tuple[str, dict[str, str]]:
+    """The text and environment bash gets, with large values moved to files.
+
+    Linux caps one environment string at 128 KiB and argv plus environment
+    at ARG_MAX, so a large value cannot travel as a variable. It is written
+    to a file (mode 0600) in `directory()` (called once, only if needed), the
+    environment gets the file's path, and a prefix on the command's first
+    line reads the file into the same variable name, byte for byte (bash
+    cannot hold NUL bytes; values never contain them). The rest of the
+    command is unchanged.
+    """
+    env: dict[str, str] = {}
+    prefix: list[str] = []
+    total = 0
+    where: str | None = None
+    for name, value in cmd.env.items():
+        size = len(value.encode("utf-8", "surrogateescape"))
+        if size <= ENV_VALUE_LIMIT and total + size <= ENV_TOTAL_LIMIT:
+            env[name] = value
+            total += size
+            continue
+        where = where or directory()
+        path = os.path.join(where, name)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8", errors="surrogateescape") as f:
+            f.write(value)
+        env[f"{name}_FILE"] = path
+        prefix.append(f"IFS= read -r -d '' {name} <\"${{{name}_FILE}}\" || :; ")
+    return "".join(prefix) + cmd.command, env
 
 
 def _clip(value: str, limit: int = 200) -> str:

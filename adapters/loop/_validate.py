@@ -10,6 +10,8 @@ that must come from `--context`).
 from __future__ import annotations
 
 import difflib
+import os
+import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,18 +101,9 @@ def load_loop(path: str | Path, *, context: Mapping[str, Any] | None = None) -> 
 def _check(path: Path, context: dict[str, Any], required: bool,
            stack: tuple[Path, ...]) -> Report:
     shown = str(path)
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        return Report(None, [Problem("error", "", "no such loop file", shown)])
-    except IsADirectoryError:
-        return Report(None, [Problem("error", "", "is a directory, not a loop file", shown)])
-    except OSError as exc:
-        return Report(None, [Problem("error", "", f"cannot read: {exc.strerror or exc}",
-                                     shown)])
-    if len(raw) > MAX_FILE_BYTES:
-        return Report(None, [Problem("error", "", f"too large for a loop file "
-                                                  f"({len(raw)} bytes)", shown)])
+    raw = _read_bounded(path)
+    if isinstance(raw, str):
+        return Report(None, [Problem("error", "", raw, shown)])
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -118,7 +111,7 @@ def _check(path: Path, context: dict[str, Any], required: bool,
     try:
         data = load_yaml(text)
     except YamlError as exc:
-        msg = f"YAML syntax error: {exc.message}"
+        msg = f"YAML syntax error: {exc.message}" if exc.syntax else exc.message
         return Report(None, [Problem("error", "", msg, shown, exc.line, exc.column)])
     spec, problems = parse_loop(data, file=shown, default_name=path.stem)
     if spec is None:
@@ -126,6 +119,50 @@ def _check(path: Path, context: dict[str, Any], required: bool,
     _Checker(spec, problems, path, context, required, stack).run()
     problems.sort(key=lambda p: (p.line or 0))
     return Report(spec, problems)
+
+
+def _read_bounded(path: Path) -> bytes | str:
+    """The file's bytes, or why not: never blocks on a FIFO, never reads past the size limit."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return "no such loop file"
+    except IsADirectoryError:
+        return "is a directory, not a loop file"
+    except OSError as exc:
+        return f"cannot read: {exc.strerror or exc}"
+    try:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            return "is a directory, not a loop file"
+        if not stat.S_ISREG(info.st_mode):
+            return f"not a regular file ({_file_kind(info.st_mode)}), not a loop file"
+        if info.st_size > MAX_FILE_BYTES:
+            return f"too large for a loop file ({info.st_size} bytes; the limit is " \
+                   f"{MAX_FILE_BYTES})"
+        chunks: list[bytes] = []
+        size = 0
+        while size <= MAX_FILE_BYTES:
+            chunk = os.read(fd, MAX_FILE_BYTES + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > MAX_FILE_BYTES:
+            return f"too large for a loop file (over {MAX_FILE_BYTES} bytes)"
+        return b"".join(chunks)
+    except OSError as exc:
+        return f"cannot read: {exc.strerror or exc}"
+    finally:
+        os.close(fd)
+
+
+def _file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "a special file"
 
 
 class _Checker:
@@ -277,11 +314,13 @@ class _Checker:
             self.add("error", where, str(exc))
             return
         holes = [s for s in segments if isinstance(s, tpl.Placeholder)]
-        contexts = tpl.shell_contexts(segments) if shell else ["top"] * len(holes)
-        for ph, context in zip(holes, contexts, strict=False):
-            self.placeholder(ph, where, shell=shell, context=context)
+        spots = tpl.shell_holes(segments) if shell else [tpl.Hole("top")] * len(holes)
+        for ph, spot in zip(holes, spots, strict=False):
+            self.placeholder(ph, where, shell=shell, spot=spot)
 
-    def placeholder(self, ph: tpl.Placeholder, where: str, *, shell: bool, context: str) -> None:
+    def placeholder(self, ph: tpl.Placeholder, where: str, *, shell: bool,
+                    spot: tpl.Hole) -> None:
+        context = spot.kind
         if ph.raw and shell:
             self.add("warning", where, f"{ph.source} is inserted unquoted (:raw): a value "
                                        "containing shell syntax will run as code")
@@ -290,9 +329,12 @@ class _Checker:
         if shell and not ph.raw and context == "heredoc_q":
             self.add("error", where, f"{ph.source} is inside a quoted heredoc, where nothing is "
                                      "expanded; use an unquoted heredoc (<<EOF)")
-        if shell and context == "arith":
-            self.add("warning", where, f"{ph.source} is used in shell arithmetic, which "
-                                       "evaluates its operands: check the value is a number")
+        if shell and spot.arith:
+            how = ("is pasted unquoted (:raw) into shell arithmetic, which runs "
+                   "a value like a[$(cmd)]" if ph.raw else
+                   "stands where bash evaluates arithmetic: a value that is not a plain "
+                   "integer stops the run before the action runs")
+            self.add("warning", where, f"{ph.source} {how}")
         fallback = ph.default is not None or ph.optional
         head = ph.path[0]
         if ph.namespace == "context":

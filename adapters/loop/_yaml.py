@@ -33,9 +33,11 @@ class Located(dict[Any, Any]):
 class YamlError(Exception):
     """The text is not YAML (or repeats a key); `line` is 1-based when known."""
 
-    def __init__(self, message: str, line: int | None = None, column: int | None = None) -> None:
+    def __init__(self, message: str, line: int | None = None, column: int | None = None,
+                 *, syntax: bool = True) -> None:
         super().__init__(message)
         self.message = message
+        self.syntax = syntax
         self.line = line
         self.column = column
 
@@ -81,12 +83,24 @@ def _loader() -> type[Any]:
     return Loader
 
 
+#: How large a document may become once its aliases are expanded, in
+#: characters of scalars plus one per node. A loop file is at most 1 MiB, so
+#: only aliases can go past this; an "alias bomb" (a billion laughs) does.
+MAX_EXPANDED = 4 << 20
+
+
 def load_yaml(text: str) -> Any:
     """Parse `text` as one YAML document; raise `YamlError` with a one-line message."""
     import yaml
 
+    loader: Any = None
     try:
-        return yaml.load(text, Loader=_loader())  # a SafeLoader subclass
+        loader = _loader()(text)  # a SafeLoader subclass
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_expansion(node)
+        return loader.construct_document(node)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         what = " ".join(part for part in (exc.context, exc.problem) if part) or "invalid YAML"
@@ -96,6 +110,46 @@ def load_yaml(text: str) -> Any:
         raise YamlError(_one_line(str(exc) or "invalid YAML")) from None
     except RecursionError:
         raise YamlError("the document is nested too deeply") from None
+    finally:
+        if loader is not None:
+            loader.dispose()
+
+
+def _check_expansion(root: Any) -> None:
+    """Refuse a document whose aliases expand it past `MAX_EXPANDED`, or refer to themselves.
+
+    PyYAML builds an alias as a second reference to one object, so loading is
+    cheap; but everything that later walks the value (rendering it as JSON,
+    writing it to the audit) pays for the expanded size.
+    """
+    sizes: dict[int, int] = {}
+    active: set[int] = set()
+
+    def size(node: Any) -> int:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in active:
+            raise YamlError("an alias refers to the node that contains it",
+                            node.start_mark.line + 1, node.start_mark.column + 1, syntax=False)
+        active.add(key)
+        if isinstance(node.value, str):
+            total = 1 + len(node.value)
+        else:
+            total = 1
+            for item in node.value:
+                for child in item if isinstance(item, tuple) else (item,):
+                    total += size(child)
+                    if total > MAX_EXPANDED:
+                        raise YamlError(
+                            f"the document's aliases expand it past {MAX_EXPANDED} characters "
+                            "(an alias bomb?)", child.start_mark.line + 1,
+                            child.start_mark.column + 1, syntax=False)
+        active.discard(key)
+        sizes[key] = total
+        return total
+
+    size(root)
 
 
 def _one_line(text: str) -> str:

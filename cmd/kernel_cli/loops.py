@@ -24,7 +24,9 @@ VALIDATE_HELP = """Check LOOP.yaml without running it: schema, references, varia
 \b
 Reports every problem with its file:line and key path, for example
   loop.yaml:14: states.test.on_no: route target 'fxi' is not a state (did you mean 'fix'?)
-Errors (exit 2): malformed YAML or keys, unknown route targets, a missing or
+Errors (exit 2): a path that is not a regular file or is over 1 MiB (checked
+before reading), YAML whose aliases expand past 4 MiB or refer to themselves,
+malformed YAML or keys, unknown route targets, a missing or
 unknown initial state, evaluators missing parameters, bad ${...} templates,
 broken sub-loops. Warnings (exit 0): unknown keys, unreachable states, raw
 (unquoted) shell insertion, context variables that must come from --context.

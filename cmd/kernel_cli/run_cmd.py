@@ -213,7 +213,7 @@ def agent_spec(args: list[str], ctx_vars: dict[str, str], *, agent: str | None,
         raise ConfigError("nothing to run: give -- CMD [ARGS...], a LOOP.yaml, or --agent KIND")
     if len(args) == 1 and args[0].endswith((".yaml", ".yml")):
         path = args[0]
-        if not Path(path).is_file():
+        if not Path(path).exists():  # the loader refuses FIFOs, devices, directories
             raise ConfigError(f"loop file not found: {path}")
         return {"kind": "loop", "path": str(Path(path).resolve()), "context": ctx_vars,
                 "scenario": scenario, "model": model, "base_url": base_url,
@@ -241,7 +241,7 @@ def plan_from_spec(spec: dict[str, Any], *, quiet: bool) -> Plan:
         return Plan(built_agent, info)
     if kind == "loop":
         path = spec["path"]
-        if not Path(path).is_file():
+        if not Path(path).exists():  # the loader refuses FIFOs, devices, directories
             raise ConfigError(f"loop file not found: {path}")
         try:
             from . import loops

@@ -5,6 +5,7 @@ Real time, kept short: every action is a quick shell command or a tiny Python.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 import textwrap
@@ -402,3 +403,70 @@ class TestSubLoops:
         assert result.runtime_seconds < 5
         child = next(r for r in audit.runs.values() if r.info.parent_run_id)
         assert child.status is not None and child.status is not Status.OK
+
+
+class TestLargeValues:
+    """Issue 13.8: a captured value over 128 KiB used to make the next action fail with
+    `Argument list too long` (values travel as environment variables), and the run still
+    ended `ok` because the failure was routed as a verdict."""
+
+    async def test_a_large_capture_reaches_the_next_action_byte_for_byte(
+            self, tmp_path: Path) -> None:
+        """200 KiB (and ten 50 KiB values at once) pass through, unchanged."""
+        (tmp_path / "gen.py").write_text(
+            "for i in range(200):\n    print('x' * 999)\nprint(' \\\\ \\\\n \"$(x)\\'')\n")
+        spec = spec_of(tmp_path, """
+            initial: big
+            states:
+              big:
+                action: python3 gen.py
+                capture: big
+                next: medium
+              medium:
+                action: python3 -c "print('y' * 50000)"
+                capture: medium
+                next: use
+              use:
+                action: |
+                  printf '%s' "${captured.big.output}" | sha256sum
+                  printf '%s' ${captured.medium.output} ${captured.medium.output} \\
+                    ${captured.medium.output} ${captured.medium.output} \\
+                    ${captured.medium.output} ${captured.medium.output} \\
+                    ${captured.medium.output} ${captured.medium.output} \\
+                    ${captured.medium.output} ${captured.medium.output} | wc -c
+                  printf '%s' "${captured.big.output}" | wc -c
+                capture: used
+                on_yes: done
+                on_no: failed
+              done: {terminal: true}
+              failed: {terminal: true}
+        """)
+        result, audit, agent = await run(spec, cwd=str(tmp_path))
+        assert result.status is Status.OK, result.error
+        assert routes(audit, result.run_id)[-1] == ("use", "done", "on_yes")
+        big = agent.captured["big"]["output"]
+        assert big == ("x" * 999 + "\n") * 200 + ' \\ \\n "$(x)\''
+        lines = agent.captured["used"]["output"].split()
+        assert lines[0] == hashlib.sha256(big.encode()).hexdigest()
+        assert lines[2:] == [str(10 * 50000), str(len(big))]
+        assert not list(tmp_path.glob("kernel-loop-*"))
+
+    async def test_too_large_for_a_prompt_fails_the_run_and_is_never_a_verdict(
+            self, tmp_path: Path) -> None:
+        """A prompt must be one argument: past the limit the run ends `error`, naming it."""
+        spec = spec_of(tmp_path, """
+            initial: big
+            states:
+              big: {action: "python3 -c \\"print('x' * 200000)\\"", capture: big, next: ask}
+              ask:
+                action: "/summarise ${captured.big.output}"
+                on_yes: done
+                on_no: done
+                on_error: done
+              done: {terminal: true}
+        """)
+        result, audit, _ = await run(spec, prompt_command=TestPromptAndMcp.ECHO_PROMPT)
+        assert result.status is Status.ERROR
+        assert "cannot start" in (result.error or "")
+        assert "over the system's" in (result.error or "")
+        assert path_taken(audit, result.run_id) == ["big", "ask"]

@@ -228,3 +228,101 @@ class TestInjection:
         start = next(e for e in events(audit, result.run_id, "action_start")
                      if e.payload["state"] == "use")
         assert "touch" not in start.payload["command"]
+
+
+# Every place where bash evaluates text as arithmetic (issue 13, item 4). A value
+# such as `a[$(cmd)]` there runs `cmd`, quoted or not; so a value in these spots
+# must be a plain integer, checked before the action runs.
+ARITH_PAYLOAD = "a[$(touch INJECTED)]"
+ARITHMETIC = [
+    "(( ${context.x} > 3 )) && echo big",
+    "echo $(( ${context.x} + 1 ))",
+    'echo $(( "${context.x}" + 1 ))',
+    'echo "$(( ${context.x} * 2 ))"',
+    "echo $[ ${context.x} + 1 ]",
+    "[[ ${context.x} -gt 3 ]] && echo big",
+    '[[ "${context.x}" -ge 3 ]] && echo big',
+    "[[ 3 -lt ${context.x} ]] && echo big",
+    'if [[ a == a && "${context.x}" -eq 7 ]]; then echo seven; fi',
+    'let "y = ${context.x} + 1"; echo $y',
+    "let y=${context.x}+1; echo $y",
+    "declare -i y=${context.x}; echo $y",
+    "declare -ri y=${context.x}; echo $y",
+    'f() { local -i y="${context.x}"; echo $y; }; f',
+    "typeset -i y=${context.x}; echo $y",
+    "a=(1 2 3 4 5 6 7 8 9); echo $${a[${context.x}]}",
+    'a=(1 2 3 4 5 6 7 8 9); echo "$${a[${context.x}]}"',
+    "a=(); a[${context.x}]=1; echo $${#a[@]}",
+    "s=abcdefghij; echo $${s:${context.x}}",
+    's=abcdefghij; echo "$${s:1:${context.x}}"',
+    "for (( i = 0; i < ${context.x}; i++ )); do :; done; echo $i",
+    "cat <<EOF\n$(( ${context.x} + 1 ))\nEOF",
+    "echo $(echo $(( ${context.x} )))",
+]
+
+
+class TestArithmetic:
+    @pytest.mark.parametrize("template", ARITHMETIC)
+    def test_the_scanner_sees_arithmetic(self, template: str) -> None:
+        """Each of these spots is recognised as arithmetic."""
+        assert tpl.shell_holes(tpl.parse(template))[0].arith
+
+    @pytest.mark.parametrize("template", [
+        "echo ${context.x}", '[[ ${context.x} == foo ]]', "[ ${context.x} -gt 3 ]",
+        "x=${context.x}", "echo $${s:-${context.x}}", "ls file[${context.x}]",
+        'printf "%d" ${context.x}', "cat <<EOF\n${context.x}\nEOF",
+        "declare -a y=${context.x}",
+    ])
+    def test_other_spots_take_any_text(self, template: str) -> None:
+        """Text that bash does not evaluate keeps taking any value."""
+        assert not tpl.shell_holes(tpl.parse(template))[0].arith
+        tpl.render_shell(template, namespaces(context={"x": ARITH_PAYLOAD}))
+
+    @pytest.mark.parametrize("template", ARITHMETIC)
+    def test_a_non_integer_never_reaches_arithmetic(self, tmp_path: Path,
+                                                    template: str) -> None:
+        """`a[$(touch INJECTED)]` is refused before bash sees it."""
+        ns = namespaces(context={"x": ARITH_PAYLOAD})
+        try:
+            cmd = tpl.render_shell(template, ns)
+        except tpl.UnsafeValue as exc:
+            assert "not a plain integer" in str(exc)
+            return
+        subprocess.run(["bash", "-c", cmd.command], cwd=tmp_path, capture_output=True,
+                       env={**os.environ, **cmd.env}, timeout=10)
+        assert not (tmp_path / "INJECTED").exists()
+        pytest.fail("the value reached bash arithmetic")
+
+    @pytest.mark.realtime
+    @pytest.mark.parametrize("template", ARITHMETIC)
+    def test_an_integer_works_as_before(self, tmp_path: Path, template: str) -> None:
+        """A captured number (trailing newline included) gives what the plain text gives."""
+        cmd = tpl.render_shell(template, namespaces(context={"x": "7\n"}))
+        plain = tpl.render_shell(template.replace("${context.x}", "${context.x:raw}"),
+                                 namespaces(context={"x": "7"}))
+        got, want = (subprocess.run(["bash", "-c", c.command], cwd=tmp_path,
+                                    capture_output=True, text=True, timeout=10,
+                                    env={**os.environ, **c.env}) for c in (cmd, plain))
+        assert (got.returncode, got.stdout) == (want.returncode, want.stdout)
+        assert want.stdout.strip()
+
+    @pytest.mark.realtime
+    async def test_a_captured_payload_fails_the_run_and_runs_nothing(self,
+                                                                    tmp_path: Path) -> None:
+        """End to end: the run ends in error naming the placeholder; the action never ran."""
+        (tmp_path / "evil.txt").write_text(ARITH_PAYLOAD + "\n")
+        spec = spec_of(tmp_path, """
+            initial: read
+            states:
+              read: {action: cat evil.txt, capture: n, next: use}
+              use:
+                action: '[[ "${captured.n.output}" -gt 3 ]] && echo big; touch RAN'
+                next: done
+              done: {terminal: true}
+        """)
+        result, _audit, _agent = await run(spec, cwd=str(tmp_path))
+        assert result.status is Status.ERROR
+        assert "${captured.n.output}" in (result.error or "")
+        assert "not a plain integer" in (result.error or "")
+        assert not (tmp_path / "INJECTED").exists()
+        assert not (tmp_path / "RAN").exists()

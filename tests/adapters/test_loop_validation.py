@@ -233,7 +233,7 @@ class TestWarnings:
         ("initial: a\nstates:\n  a: {action: 'echo ${env.X:raw}', next: b}\n"
          "  b: {terminal: true}\n", "inserted unquoted (:raw)"),
         ("initial: a\nstates:\n  a: {action: 'echo $(( ${env.N} + 1 ))', next: b}\n"
-         "  b: {terminal: true}\n", "shell arithmetic"),
+         "  b: {terminal: true}\n", "evaluates arithmetic"),
         ("initial: a\nstates:\n  a: {action: ls}\n", "no transition out"),
         ("initial: a\nstates:\n  a: {action: ls, max_retries: 2, on_yes: a}\n",
          "max_retries without on_retry_exhausted"),
@@ -362,3 +362,19 @@ class TestGeneratedFiles:
     def test_arbitrary_text(self, tmp_path: Path, text: str) -> None:
         """Random text (broken YAML, odd characters) gives a one-line error or loads."""
         check_any(tmp_path, text)
+
+
+class TestArithmeticWarnings:
+    def test_every_arithmetic_spot_is_reported_with_its_line(self, tmp_path: Path) -> None:
+        """`kernel validate` names each placeholder that must hold an integer (issue 13.4)."""
+        from test_loop_template import ARITHMETIC
+
+        for template in ARITHMETIC:
+            body = template.replace("${context.x}", "${env.N}")
+            text = ("initial: a\nstates:\n  a:\n    action: |\n"
+                    + "".join(f"      {line}\n" for line in body.splitlines())
+                    + "    next: b\n  b: {terminal: true}\n")
+            report = check_loop(write(tmp_path, text))
+            assert report.ok, report.errors
+            found = [p for p in report.warnings if "evaluates arithmetic" in p.message]
+            assert found and found[0].line == 4, (template, report.warnings)

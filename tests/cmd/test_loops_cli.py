@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import textwrap
 from pathlib import Path
@@ -104,6 +105,52 @@ class TestValidate:
             assert proc.returncode == 2, proc
             assert "Traceback" not in proc.stdout + proc.stderr
             assert f"{path}:3: states.a.next: expected a state name" in proc.stdout + proc.stderr
+
+
+def _bounded() -> None:
+    """In the child: 1 GiB of address space, so a loader that reads without limit fails fast."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+
+
+BOMB = "initial: a\ncontext:\n  l0: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
+    f"  l{i}: &{chr(97 + i)} [{', '.join([f'*{chr(96 + i)}'] * 9)}]\n" for i in range(1, 10)
+) + "states:\n  a: {action: 'echo ${context.l9}', next: b}\n  b: {terminal: true}\n"
+
+
+@pytest.mark.realtime
+class TestHostileFiles:
+    """Issue 13.9: the loader used to read a file whole before checking it."""
+
+    @pytest.mark.parametrize("kind", ["fifo", "device", "huge", "bomb", "self-alias"])
+    def test_refused_at_once_with_one_line(self, tmp_path: Path, kernel_exe: str,
+                                          cli_env: dict[str, str], kind: str) -> None:
+        """A FIFO, a device, a file past 1 MiB, an alias bomb, a recursive alias: exit 2,
+        one line saying why, from both `kernel validate` and `kernel run`."""
+        path = tmp_path / "loop.yaml"
+        if kind == "fifo":
+            os.mkfifo(path)
+            why = "not a regular file (a FIFO)"
+        elif kind == "device":
+            path.symlink_to("/dev/zero")
+            why = "not a regular file (a character device)"
+        elif kind == "huge":
+            with path.open("wb") as f:
+                f.truncate(8 << 30)  # sparse: 8 GiB without using the disk
+            why = "too large for a loop file"
+        elif kind == "bomb":
+            path.write_text(BOMB)
+            why = f"{path}:8:7: the document's aliases expand it past"
+        else:
+            path.write_text("initial: a\nstates: &s\n  a: {terminal: true}\n  x: *s\n")
+            why = "an alias refers to the node that contains it"
+        for args in (["validate", str(path)], ["run", "--no-audit", str(path)]):
+            proc = subprocess.run([kernel_exe, *args], capture_output=True, text=True,
+                                  env=cli_env, timeout=120, preexec_fn=_bounded)
+            assert proc.returncode == 2, proc
+            assert why in proc.stdout + proc.stderr
+            assert "Traceback" not in proc.stdout + proc.stderr
 
 
 class TestBuildLoop:
