@@ -94,6 +94,19 @@ class TestStalledCommand:
 
 
 @pytest.mark.realtime
+class TestBusyQuietCommand:
+    def test_a_silent_cpu_bound_command_is_not_stalled(self, kernel_exe: str,
+                                                        cli_env: dict[str, str]) -> None:
+        """Six seconds of computation printing nothing, at --idle-timeout 2: the critic sees
+        the process working (CPU time advancing) and lets it finish."""
+        code = "import time\nt = time.monotonic()\nwhile time.monotonic() - t < 6: pass"
+        proc = kernel(kernel_exe, cli_env, "run", "--json", "--idle-timeout", "2",
+                      "--timeout", "120", "--", sys.executable, "-c", code)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert json.loads(proc.stdout)["status"] == "ok"
+
+
+@pytest.mark.realtime
 class TestProgressingCommand:
     def test_extended_past_its_soft_timeout_exits_0(self, kernel_exe: str,
                                                     cli_env: dict[str, str],
