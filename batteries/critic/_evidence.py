@@ -39,7 +39,9 @@ _NONCE = re.compile(r"\b(?=[A-Za-z0-9_-]*\d)(?=[A-Za-z0-9_-]*[A-Za-z])[A-Za-z0-9
 _LONG_NUMBER = re.compile(r"\b\d{9,}(?:\.\d+)?\b")
 _DURATION = re.compile(r"\b\d+(?:\.\d+)?\s?(?:ns|us|µs|ms|s|sec|secs|seconds?|m|mins?|"
                        r"minutes?|h|hours?)\b")
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+# A number standing on its own (a JSON value, `attempt 3`, `?page=2`), not digits
+# inside a name (`file_2.py`, `v2`, `sha256`): those name different things.
+_NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?(?![\w])")
 _SPACE = re.compile(r"\s+")
 
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]"          # CSI: colours, cursor moves
@@ -74,7 +76,8 @@ def mask_volatile(text: str) -> str:
 
 
 def mask_call_text(text: str) -> str:
-    """Arguments with every volatile value masked, numbers included (counters, pages, seeds)."""
+    """Arguments with every volatile value masked, free-standing numbers included
+    (counters, attempts, pages, seeds); digits inside a name (`file_2.py`) stay."""
     return _NUMBER.sub("<n>", mask_volatile(text))
 
 
@@ -127,6 +130,25 @@ def render_result(result: ToolResult) -> str:
 def result_key(result: ToolResult) -> str:
     """What a result said, with meaningless changes masked; the same answer gives the same key."""
     return mask_volatile(render_result(result))
+
+
+_FAILED = re.compile(r"^\s*exit (?:code|status) [1-9]|\b(?:error|exception|traceback|fatal|"
+                     r"failed|failure|denied|not found|no such file)\b", re.IGNORECASE)
+
+
+def failure_text(result: ToolResult) -> str | None:
+    """What a failed tool call said: its error, or an output that reports a failure.
+
+    Tools that return their failures as output (a shell tool's `exit code 1`
+    and stderr, an API's error body) count too: the start of the output is
+    checked for a non-zero exit or an error word.
+    """
+    if result.error is not None:
+        return result.error
+    out = result.output
+    if isinstance(out, str) and _FAILED.search(out[:500]):
+        return out
+    return None
 
 
 def error_key(error: str) -> str:

@@ -365,8 +365,14 @@ class ProcessSampler:
             cpu_rate = max(0.0, sample.cpu_s - tree.cpu) / dt
             io_rate = max(0, sample.io_bytes - tree.io) / dt
             working = cpu_rate >= self.cpu_busy or io_rate >= self.io_busy
-        if working:
-            tree.last_working = now
+            if working:
+                # When did the work happen? I/O at this rate is taken as ongoing; a
+                # burst of CPU (a start-up, then sleep) is placed at the start of
+                # the interval, as long as the CPU time it took: a sleeper is not
+                # credited with a second of work it did in 50 ms.
+                cpu_used = max(0.0, sample.cpu_s - tree.cpu)
+                at = now if io_rate >= self.io_busy else tree.t + min(dt, cpu_used)
+                tree.last_working = max(tree.last_working, at)
         tree.t, tree.cpu, tree.io, tree.pids = now, sample.cpu_s, sample.io_bytes, sample.pids
         forget = getattr(self._probe, "forget", None)
         if gone and forget is not None:

@@ -32,6 +32,7 @@ from ._evidence import (
     Novelty,
     call_label,
     error_key,
+    failure_text,
     masked_call_key,
     message_key,
     preview,
@@ -274,13 +275,14 @@ class WatchHandle:
         if len(rkey) > _RESULT_KEY_LIMIT:
             rkey = hashlib.blake2b(rkey.encode("utf-8", "replace"), digest_size=16).hexdigest()
         err = None
-        if result.error is not None:
-            err = error_key(result.error)
+        failed = failure_text(result)
+        if failed is not None:
+            err = error_key(failed[:_RESULT_KEY_LIMIT])
             if err == self._error_key:
                 self._error_streak += 1
             else:
                 self._error_key, self._error_streak = err, 1
-            self._error_text = result.error
+            self._error_text = preview(failed, 200)
         else:
             self._error_key, self._error_streak = None, 0
         self._outcomes.append(Outcome(masked, label, rkey, preview(text), err))
@@ -389,10 +391,11 @@ class WatchHandle:
 
     # ---------------------------------------------------------- internals
 
-    def _progress(self) -> float:
-        """Fresh progress now: the idle clock restarts. Returns the time."""
-        now = trio.current_time()
-        self._last_progress = now
+    def _progress(self, at: float | None = None) -> float:
+        """Fresh progress (now, or at `at`): the idle clock restarts. Returns the time."""
+        now = trio.current_time() if at is None else at
+        if now > self._last_progress:
+            self._last_progress = now
         op = self._open
         if op is not None:
             op.activity_since += 1
@@ -405,7 +408,7 @@ class WatchHandle:
         self._figures[root] = figures
         if figures.working:
             self._window[2] += 1
-            self._progress()
+            self._progress(trio.current_time() - figures.idle)
 
     def _rel(self, t: float | None) -> float | None:
         """A trio time as seconds since the run started (None stays None)."""

@@ -91,6 +91,8 @@ class TestStalledCommand:
         show = kernel(kernel_exe, env, "show", run_id)
         assert show.returncode == 0, show.stderr
         assert "stalled" in show.stdout
+        # The decision as a sentence, with its evidence.
+        assert "critic   killed: stalled — no progress for" in show.stdout
 
 
 @pytest.mark.realtime
