@@ -114,6 +114,7 @@ class ShellAgent:
         self._proc = proc
         ctx.event("process_start", name=self.argv[0],
                   payload={"argv": list(self.argv), "pid": proc.pid})
+        ctx.process_started(proc.pid)  # the critic samples its tree: busy is not stalled
         try:
             drained = trio.Event()
 
@@ -139,6 +140,7 @@ class ShellAgent:
         finally:
             with trio.CancelScope(shield=True):
                 await self._terminate(proc)
+            ctx.process_exited(proc.pid)
             self._proc = None
         rc = proc.returncode
         assert rc is not None
@@ -193,9 +195,9 @@ class ShellAgent:
         if ctx is not None:
             if self._events < self.max_line_events:
                 self._events += 1
-                ctx.event("output", name=stream, payload={"line": line[:4096]})
+                ctx.event("output", name=stream, payload={"line": line[:4096]}, text=line)
             else:
-                ctx.activity("output")
+                ctx.activity("output", line)
         if self.on_line is not None:
             self.on_line(stream, line)
 

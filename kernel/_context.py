@@ -32,7 +32,9 @@ class RunContext:
         "_activity",
         "_deadline",
         "_log",
+        "_processes",
         "_run_child",
+        "_tool_end",
         "_tool_start",
         "info",
         "iteration",
@@ -55,6 +57,8 @@ class RunContext:
         deadline: Callable[[], float],
         run_child: Callable[[Any, RunInfo, Limits | None], Awaitable[Result]],
         tool_start: Callable[[ToolCall, Mapping[str, Any] | None], None],
+        tool_end: Callable[[ToolResult], None] | None = None,
+        processes: tuple[Callable[[int], None], Callable[[int], None]] | None = None,
         resumed_from: Any = None,
     ) -> None:
         self.info = info
@@ -70,6 +74,8 @@ class RunContext:
         self._deadline = deadline
         self._run_child = run_child
         self._tool_start = tool_start
+        self._tool_end = tool_end
+        self._processes = processes
 
     @property
     def run_id(self) -> str:
@@ -131,6 +137,31 @@ class RunContext:
         Tools the kernel runs from `Step.tool_calls` are reported already.
         """
         self._tool_start(call, payload)
+
+    def tool_end(self, result: ToolResult) -> None:
+        """Report the outcome of a tool call the agent ran itself (after `tool_start`).
+
+        Shown to the critic (a call repeated with an unchanged result is a
+        loop; a changing one is progress); not audited here (the adapter's
+        own events carry it). Tools the kernel runs are reported already.
+        """
+        if self._tool_end is not None:
+            self._tool_end(result)
+
+    def process_started(self, pid: int) -> None:
+        """Report a process this run started (a command, a tool, a CLI agent).
+
+        The critic samples its whole tree (CPU, I/O, children, a blocked
+        terminal read): a working process is not stalled however silent.
+        Call `process_exited` when it ends. Never blocks, never raises.
+        """
+        if self._processes is not None:
+            self._processes[0](pid)
+
+    def process_exited(self, pid: int) -> None:
+        """Report that a process given to `process_started` has exited."""
+        if self._processes is not None:
+            self._processes[1](pid)
 
     def activity(self, kind: str = "activity", text: str | None = None) -> None:
         """Tell the critic the agent is alive without writing an audit event.

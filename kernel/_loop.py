@@ -255,6 +255,21 @@ class _Run:
         if handle is not None and self.handle is not None:
             self.kill_if_decided()
 
+    def agent_tool_ended(self, result: ToolResult) -> None:
+        """An agent reports the outcome of a tool call it ran itself (`ctx.tool_end`)."""
+        handle = self.handle
+        if handle is None:
+            return
+        record = getattr(handle, "record_tool_end", None)
+        if record is None:
+            return
+        try:
+            record(result)
+        except Exception as exc:
+            self.critic_failed("record_tool_end", exc)
+            return
+        self.kill_if_decided()
+
     def tool_ended(self, result: ToolResult, iteration: int) -> None:
         """A tool call finished: show its outcome to the critic, then audit it."""
         handle = self.handle
@@ -299,6 +314,8 @@ class _Run:
         self.ctx = RunContext(info, limits, started_at=self.started, log=self.log_event,
                               activity=self.activity, deadline=self.effective_deadline,
                               run_child=self.run_child, tool_start=self.tool_started,
+                              tool_end=self.agent_tool_ended, processes=(
+                                  self.process_started, self.process_exited),
                               resumed_from=self.resume.state if self.resume else None)
         self.ctx.usage = self.usage
         try:
@@ -646,12 +663,25 @@ class _Run:
     async def watch(self, scope: trio.CancelScope) -> None:
         """Follow the critic: kill cause -> killed, passed deadline -> timeout.
 
-        Order per poll: `deadline()` first (a critic may judge and extend
+        Order per look: `deadline()` first (a critic may judge and extend
         there), then `kill_cause()`, then, during a step, `steer()` for
-        agents that take nudges mid-step.
+        agents that take nudges mid-step. Then it sleeps: until the handle's
+        `next_look()` (the next moment a rule could fire) or the deadline,
+        whichever is first, or until the handle wakes it through `attach`.
+        A handle without `next_look` is polled every `Limits.poll_interval`.
         """
         poll = self.limits.poll_interval
         on_steer = getattr(self.agent, "on_steer", None)
+        handle = self.handle
+        next_look = getattr(handle, "next_look", None)
+        attach = getattr(handle, "attach", None)
+        if attach is not None:
+            try:
+                attach(self.wake_watch)
+            except Exception as exc:
+                self.critic_failed("attach", exc)
+                return
+        immediate = 0  # looks in a row the handle asked for at once
         while True:
             handle = self.handle
             if handle is None:
@@ -676,10 +706,54 @@ class _Run:
                 return
             if on_steer is not None and self.in_step:
                 await self.steer_mid_step(handle, on_steer)
-            wake = now + poll
+            if next_look is None:
+                wake = now + poll
+            else:
+                try:
+                    nl = next_look()
+                except Exception as exc:
+                    self.critic_failed("next_look", exc)
+                    return
+                wake = math.inf if nl is None else nl
+                if wake <= now:
+                    # Asked to look again at once: allowed a few times in a row (a
+                    # rounding hair before a clock rule), then it waits a poll.
+                    immediate += 1
+                    wake = now + (1e-6 if immediate <= 3 else poll)
+                else:
+                    immediate = 0
             if dl is not None:
                 wake = min(wake, max(dl, now))
-            await trio.sleep_until(wake)
+            event = self._wake = trio.Event()
+            with trio.move_on_at(wake):
+                await event.wait()
+            self._wake = None
+
+    def wake_watch(self) -> None:
+        """Wake the watch task now (the critic has something to act on)."""
+        event = self._wake
+        if event is not None:
+            event.set()
+
+    def process_started(self, pid: int) -> None:
+        """An adapter started a process for this run: the critic may sample it."""
+        self._process_hook("record_process", pid)
+
+    def process_exited(self, pid: int) -> None:
+        """A process an adapter started for this run has exited."""
+        self._process_hook("record_process_exit", pid)
+
+    def _process_hook(self, method: str, pid: int) -> None:
+        handle = self.handle
+        if handle is None:
+            return
+        fn = getattr(handle, method, None)
+        if fn is None:
+            return
+        try:
+            fn(pid)
+        except Exception as exc:
+            self.critic_failed(method, exc)
 
     async def steer_mid_step(self, handle: CriticHandle, on_steer: Any) -> None:
         try:

@@ -230,6 +230,10 @@ class Step:
         exit_code: The agent's own exit code, when it has one (commands).
         name: A label for the step in the audit (an FSM state, "turn").
         payload: Extra JSON-serialisable detail for the audit `step` event.
+        message: What the agent said this step, as text (an LLM's reply; ""
+            for a reply with no text), for the critic: the same message over
+            and over, or an empty answer, is a sign of a stuck agent. None
+            when the agent has no messages (a command, a state machine).
         artifacts: Named files the step produced (name -> text or bytes); the
             run's artifacts are all its steps' artifacts, later names winning.
     """
@@ -246,6 +250,7 @@ class Step:
     name: str | None = None
     payload: Mapping[str, Any] | None = None
     artifacts: Mapping[str, str | bytes] | None = None
+    message: str | None = None
 
 
 @dataclass(slots=True)

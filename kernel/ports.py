@@ -156,6 +156,23 @@ class CriticHandle(Protocol):
     step that finishes without a checkpoint cannot turn the run `ok` (the
     kernel asks again before deciding a final step's status). So
     `kill_cause` must be cheap; judge in `record_*`, not in it.
+
+    **Optional methods** (the kernel uses them when present; older handles
+    without them keep working):
+
+    - `record_tool_end(result: ToolResult)`: a tool call finished (kernel-run,
+      or reported by an agent through `ctx.tool_end`), with its output or
+      error: a call repeated with an unchanged result is a loop, a changing
+      one is progress.
+    - `record_process(pid)` / `record_process_exit(pid)`: an adapter started
+      (ended) a process for the run (`ctx.process_started`); the critic may
+      sample its tree.
+    - `next_look() -> float | None`: when (trio time) the watch task should
+      next consult the handle; None: not until woken. Without it the watch
+      task polls every `Limits.poll_interval`.
+    - `attach(wake: Callable[[], None])`: called once with a function that
+      wakes the watch task at once (call it after queuing a nudge for
+      mid-step delivery or deciding a kill outside a `record_*` call).
     """
 
     def record_step(self, iteration: int, step: Step) -> None:

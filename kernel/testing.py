@@ -196,6 +196,7 @@ class ScriptedHandle:
         self.tool_ends: list[ToolResult] = []
         self.activities: list[str] = []
         self.texts: list[str | None] = []
+        self.processes: list[tuple[str, int]] = []
         self.stopped = False
         self._deadline = (self.started + critic.deadline_after
                           if critic.deadline_after is not None else None)
@@ -219,6 +220,14 @@ class ScriptedHandle:
     def record_tool_end(self, result: ToolResult) -> None:
         """Remember the outcome."""
         self.tool_ends.append(result)
+
+    def record_process(self, pid: int) -> None:
+        """Remember a process the run started."""
+        self.processes.append(("start", pid))
+
+    def record_process_exit(self, pid: int) -> None:
+        """Remember a process the run saw exit."""
+        self.processes.append(("exit", pid))
 
     def record_activity(self, kind: str, text: str | None = None) -> None:
         """Remember the activity; a kill cued on this kind fires."""

@@ -37,7 +37,7 @@ from typing import Any
 
 import trio
 
-from kernel import Message, RunContext, Step, ToolCall, Usage
+from kernel import Message, RunContext, Step, ToolCall, ToolResult, Usage
 
 from ._events import AgentEvent, EventType, parse_line
 from ._state import Lifecycle, StateMachine, Transition
@@ -142,6 +142,7 @@ class AgentCLI:
         t0 = trio.current_time()
         ctx.event("process_start", name=self.argv[0], payload={
             "argv": list(self.argv), "pid": proc.pid, **self._views()})
+        ctx.process_started(proc.pid)  # the critic samples the CLI's process tree
         try:
             if ctx.steer:
                 await self.on_steer(list(ctx.steer))
@@ -162,6 +163,7 @@ class AgentCLI:
         finally:
             with trio.CancelScope(shield=True):
                 await self._terminate(proc)
+            ctx.process_exited(proc.pid)
             self._proc = None
             state_at_exit = m.state
             m.mark_killed()
@@ -291,9 +293,18 @@ class AgentCLI:
                                           if k not in ("args", "id")})
         elif self._audited < self.max_audit_events or kind == "tool_end":
             self._audited += 1
-            ctx.event(kind, name=name, payload=payload, duration_ms=duration_ms)
+            text = payload.get("text")
+            ctx.event(kind, name=name, payload=payload, duration_ms=duration_ms,
+                      text=text if isinstance(text, str) else None)
+            if kind == "tool_end":
+                # The outcome, so the critic tells a loop (same call, same result)
+                # from a poll whose answer changes.
+                out, err = payload.get("output"), payload.get("error")
+                ctx.tool_end(ToolResult(ToolCall(name, {}, str(payload.get("id") or "")),
+                                        output=out, error=err if isinstance(err, str) else None))
         else:
-            ctx.activity(kind)
+            text = payload.get("text")
+            ctx.activity(kind, text if isinstance(text, str) else None)
 
     # ------------------------------------------------------------ processes
 

@@ -7,7 +7,16 @@ How a turn maps onto the kernel::
       deliver critic nudges                     ctx.steer        -> role "user" messages
       POST /chat/completions                    retries, audit event "model_call"
       the model called tools  -> Step(tool_calls=[ToolCall(name, args, id)], usage=...)
-      the model answered      -> Step(output=text, final=True, usage=...)
+      the model answered      -> Step(output=text, final=True, usage=..., message=text)
+      the reply was empty     -> Step(message="") (not final: the critic nudges, the
+                                 model is asked again; the 3rd in a row ends the run
+                                 `killed` `empty_answer`)
+
+Each step tells the critic what it needs: `ctx.activity("model_request")` before
+the request (a request in flight is judged by the critic's `model_timeout`,
+not its idle timeout) and the reply's text as `Step.message` (the same message
+over and over is a loop). Tool results reach the critic from the kernel,
+which runs the tools.
 
 The kernel runs the tool calls (with `Limits.tool_timeout`, audited as
 tool_start/tool_end) between two steps; the conversation (`messages`) is the
@@ -30,6 +39,9 @@ from ._protocol import Completion, ModelToolCall, parse_completion
 from ._tools import Tool, as_tool, read_file_tool, shell_tool
 
 _STATE_VERSION = 1
+#: Empty replies in a row (no text, no tool call) after which the run ends `killed`
+#: `empty_answer` even without a critic (the critic nudges at the first).
+_EMPTY_LIMIT = 3
 _INTERRUPTED = ("error: the run was interrupted before this tool call's result was saved; "
                 "call the tool again if you still need it")
 
@@ -111,7 +123,8 @@ class LLMAgent:
         if read_file:
             specs.append(read_file_tool(self.cwd))
         if allow_shell:
-            specs.append(shell_tool(self.cwd, hide_env=[self.client.api_key_env]))
+            specs.append(shell_tool(self.cwd, hide_env=[self.client.api_key_env],
+                                    on_process=self._on_process))
         specs.extend(as_tool(t) for t in tools)
         self.specs: dict[str, Tool] = {}
         for spec in specs:
@@ -125,6 +138,7 @@ class LLMAgent:
         self.messages: list[dict[str, Any]] = []
         self._rejected: dict[str, str] = {}  # call id -> error, for calls we refused to run
         self._started = False
+        self._empty = 0  # replies in a row with no text and no tool call
         self._ctx: RunContext | None = None
 
     def __repr__(self) -> str:
@@ -136,6 +150,16 @@ class LLMAgent:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.client.__aexit__(*exc_info)
+
+    def _on_process(self, pid: int, started: bool) -> None:
+        """The shell tool started (ended) a process: tell the run's critic."""
+        ctx = self._ctx
+        if ctx is None:
+            return
+        if started:
+            ctx.process_started(pid)
+        else:
+            ctx.process_exited(pid)
 
     # ------------------------------------------------------------------ step
 
@@ -155,6 +179,7 @@ class LLMAgent:
                 "attempt": r.attempt, "reason": r.reason, "status": r.status_code,
                 "wait_ms": round(r.wait_s * 1000, 1)})
 
+        ctx.activity("model_request")  # in flight: judged by the critic's model_timeout
         try:
             data, call = await self.client.complete(self._request(), deadline=ctx.deadline,
                                                     on_retry=on_retry)
@@ -177,9 +202,22 @@ class LLMAgent:
             "finish_reason": comp.finish_reason, "tool_calls": len(comp.tool_calls)})
         payload = {"model": self.model, "finish_reason": comp.finish_reason,
                    "calls": [c.name for c in comp.tool_calls]}
+        text = comp.content or ""
         if not comp.tool_calls:
-            return Step(output=comp.content or "", final=True, usage=usage, name="turn",
-                        payload=payload)
+            if text.strip():
+                self._empty = 0
+                return Step(output=text, final=True, usage=usage, name="turn",
+                            payload=payload, message=text)
+            # An empty reply is not an answer: show it to the critic (which nudges,
+            # then kills `empty_answer`) and ask again; bounded here without a critic.
+            self._empty += 1
+            if self._empty >= _EMPTY_LIMIT:
+                return Step(output="", final=True, usage=usage, name="turn", payload=payload,
+                            message="", kill="empty_answer",
+                            error=f"the model answered with an empty message {self._empty} "
+                                  "times in a row")
+            return Step(output="", usage=usage, name="turn", payload=payload, message="")
+        self._empty = 0
         calls: list[ToolCall] = []
         for c in comp.tool_calls:
             if c.args is None:
@@ -187,7 +225,7 @@ class LLMAgent:
             else:
                 calls.append(ToolCall(c.name, c.args, c.id))
         return Step(output=comp.content, tool_calls=calls, usage=usage, name="turn",
-                    payload=payload)
+                    payload=payload, message=text)
 
     async def simulate(self, ctx: RunContext) -> str:
         """What a dry run reports: the model, the endpoint, the tools and the prompt."""

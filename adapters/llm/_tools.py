@@ -203,7 +203,8 @@ def _read_confined(root: Path, path: Any, max_bytes: int) -> str:
 
 
 def shell_tool(root: str | os.PathLike[str], *, hide_env: Iterable[str] = (),
-               max_output_bytes: int = 64 * 1024, grace: float = 2.0) -> Tool:
+               max_output_bytes: int = 64 * 1024, grace: float = 2.0,
+               on_process: Callable[[int, bool], None] | None = None) -> Tool:
     """The `shell` tool: run a command with `/bin/sh -c` in `root`. Opt-in only.
 
     The command runs in its own process group; when the kernel's tool timeout
@@ -211,6 +212,9 @@ def shell_tool(root: str | os.PathLike[str], *, hide_env: Iterable[str] = (),
     then SIGKILL after `grace` seconds. stdout and stderr are merged and only
     the last `max_output_bytes` are kept. Environment variables named in
     `hide_env` (the API key's) are removed from the command's environment.
+    `on_process(pid, started)` hears of the command's process starting
+    (True) and ending (False): the LLM agent passes it on to the critic,
+    which samples the process tree while the call is in flight.
     """
     cwd = os.path.realpath(root)
     hidden = frozenset(hide_env)
@@ -224,7 +228,7 @@ def shell_tool(root: str | os.PathLike[str], *, hide_env: Iterable[str] = (),
         if not isinstance(command, str) or not command.strip():
             raise ValueError("command must be a non-empty string")
         env = {k: v for k, v in os.environ.items() if k not in hidden}
-        return await _run_shell(command, cwd, env, max_output_bytes, grace)
+        return await _run_shell(command, cwd, env, max_output_bytes, grace, on_process)
 
     return Tool("shell", "Run a shell command in the working directory; returns its exit "
                          "code and output.",
@@ -234,10 +238,13 @@ def shell_tool(root: str | os.PathLike[str], *, hide_env: Iterable[str] = (),
 
 
 async def _run_shell(command: str, cwd: str, env: dict[str, str], limit: int,
-                     grace: float) -> str:
+                     grace: float, on_process: Callable[[int, bool], None] | None = None
+                     ) -> str:
     proc = await trio.lowlevel.open_process(
         ["/bin/sh", "-c", command], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    if on_process is not None:
+        on_process(proc.pid, True)
     chunks: deque[bytes] = deque()
     size = 0
     dropped = False
@@ -265,6 +272,8 @@ async def _run_shell(command: str, cwd: str, env: dict[str, str], limit: int,
     finally:
         with trio.CancelScope(shield=True):
             await _stop_group(proc, grace)
+        if on_process is not None:
+            on_process(proc.pid, False)
     out = b"".join(chunks)[-limit:].decode("utf-8", errors="replace")
     note = "[earlier output dropped]\n" if dropped else ""
     rc = proc.returncode

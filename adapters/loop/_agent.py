@@ -476,7 +476,7 @@ class LoopAgent:
             _check_exec_size(argv, env)
             result = await run_process(argv, env=env, cwd=self.cwd, timeout=timeout,
                                        on_line=self._line, max_bytes=self.max_output_bytes,
-                                       grace=self.grace)
+                                       grace=self.grace, on_process=self._on_process)
         finally:
             for path in spill_dir:
                 shutil.rmtree(path, ignore_errors=True)
@@ -535,15 +535,25 @@ class LoopAgent:
         return Step(output=self.output, final=True, name=st.name,
                     stop=text or f"LOOP_STOP in state '{st.name}'")
 
+    def _on_process(self, pid: int, started: bool) -> None:
+        """An action's process started (ended): the critic samples its tree meanwhile."""
+        ctx = self._ctx
+        if ctx is None:
+            return
+        if started:
+            ctx.process_started(pid)
+        else:
+            ctx.process_exited(pid)
+
     def _line(self, stream: str, line: str) -> None:
         ctx = self._ctx
         if ctx is not None:
             if self._line_events < self.max_line_events:
                 self._line_events += 1
                 ctx.event("output", name=stream, payload={"line": line[:_PREVIEW],
-                                                          "state": self.current})
+                                                          "state": self.current}, text=line)
             else:
-                ctx.activity("output")
+                ctx.activity("output", line)
         if self.on_line is not None:
             self.on_line(stream, line)
 

@@ -67,12 +67,14 @@ class _Tail:
 async def run_process(argv: Sequence[str], *, env: Mapping[str, str] | None = None,
                       cwd: str | None = None, timeout: float | None = None,
                       on_line: LineSink | None = None, max_bytes: int = 256 << 10,
-                      max_line: int = 64 << 10, grace: float = 2.0) -> ActionResult:
+                      max_line: int = 64 << 10, grace: float = 2.0,
+                      on_process: Callable[[int, bool], None] | None = None) -> ActionResult:
     """Run `argv` to completion (or `timeout`) and return what it produced.
 
     Never raises for the command's own failures (not found, non-zero exit,
     timeout): those are exit codes. Cancellation propagates after the
-    process group has been stopped.
+    process group has been stopped. `on_process(pid, started)` hears of the
+    process starting (True) and ending (False), for the critic's sampler.
     """
     t0 = trio.current_time()
     try:
@@ -84,6 +86,8 @@ async def run_process(argv: Sequence[str], *, env: Mapping[str, str] | None = No
         code = 127 if isinstance(exc, FileNotFoundError) else 126
         return ActionResult("", f"cannot start {argv[0]!r}: {exc.strerror or exc}", code,
                             (trio.current_time() - t0) * 1000)
+    if on_process is not None:
+        on_process(proc.pid, True)
     out, err = _Tail(max_bytes), _Tail(max_bytes)
     newline = {"stdout": False, "stderr": False}
 
@@ -147,6 +151,8 @@ async def run_process(argv: Sequence[str], *, env: Mapping[str, str] | None = No
     finally:
         with trio.CancelScope(shield=True):
             await _stop(proc, grace)
+        if on_process is not None:
+            on_process(proc.pid, False)
     rc = proc.returncode
     assert rc is not None
     duration = (trio.current_time() - t0) * 1000

@@ -53,10 +53,13 @@ class TargetStatus:
         state: ALIVE (its program runs), DEAD (the program exited and the pane
             was kept), or UNKNOWN (no such session/pane, or no server at all).
         detail: Why, in one line ("can't find pane: %9", "exited with status 0").
+        pid: The pane's program's process id (`#{pane_pid}`), when known: the
+            critic samples the processes under it.
     """
 
     state: TargetState
     detail: str = ""
+    pid: int | None = None
 
     @property
     def alive(self) -> bool:
@@ -225,9 +228,10 @@ class TmuxMultiplexer:
             return TargetStatus(TargetState.UNKNOWN,
                                 err.splitlines()[-1] if err else f"no tmux pane {target!r}")
         out = await self._check("display-message", "-p", "-t", target,
-                                "#{pane_dead} #{pane_dead_status}")
-        dead, _, status = out.strip().partition(" ")
+                                "#{pane_dead}|#{pane_dead_status}|#{pane_pid}")
+        dead, _, rest = out.strip().partition("|")
+        status, _, pid = rest.partition("|")
         if dead == "1":
             return TargetStatus(TargetState.DEAD,
                                 f"the pane's program exited (status {status or '?'})")
-        return TargetStatus(TargetState.ALIVE)
+        return TargetStatus(TargetState.ALIVE, pid=int(pid) if pid.isdigit() else None)

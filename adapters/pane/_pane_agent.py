@@ -47,6 +47,7 @@ class PaneAgent:
     _lock: trio.Lock = field(default_factory=trio.Lock, init=False, repr=False)
     _ctx: RunContext | None = field(default=None, init=False, repr=False)
     _nudges: int = field(default=0, init=False, repr=False)
+    _pid: int | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.prompt.strip():
@@ -61,16 +62,25 @@ class PaneAgent:
     async def step(self, ctx: RunContext) -> Step:
         """One turn: wait for a free pane, type the prompt, wait until the pane settles."""
         self._ctx = ctx
+        self._pid = None
         try:
             return await self._turn(ctx)
         except MultiplexerError as exc:
             return Step(final=True, name="pane", error=f"pane {self.target}: {exc}")
+        finally:
+            if self._pid is not None:
+                ctx.process_exited(self._pid)
 
     async def _turn(self, ctx: RunContext) -> Step:
         status = await self.mux.target_status(self.target)
         if not status.alive:
             return Step(final=True, name="pane",
                         error=f"pane {self.target} is {status.state}: {status.detail}")
+        if status.pid is not None:
+            # The processes under the pane are the agent's: a pane program that is
+            # working (CPU, I/O) is not stalled however still its screen is.
+            self._pid = status.pid
+            ctx.process_started(status.pid)
         screen = await self.mux.capture(self.target)
         while is_busy(screen):  # someone else's turn is still running: wait for it
             ctx.activity("pane_busy")

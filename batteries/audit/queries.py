@@ -210,6 +210,8 @@ def summarize(kind: str, payload: Any) -> str:
     elif kind == "critic":
         why = p.get("reason") or p.get("message")
         text = _short(why) if why else _short(p)
+        if why and p.get("detail"):
+            text = _short(f"{why} — {p['detail']}", 160)
     elif kind == "steer":
         text = _short(" | ".join(str(m) for m in p.get("messages") or []))
     elif kind == "output":
@@ -226,6 +228,22 @@ def summarize(kind: str, payload: Any) -> str:
     else:
         text = _short(p) if p else ""
     return text + truncated
+
+
+def critic_sentence(events: list[dict[str, Any]]) -> str | None:
+    """The critic's kill as a sentence, from a run's timeline; None if it did not kill.
+
+    `killed: looping — read_file(note.txt) returned the same result 4 times,
+    nudged at 12.3s`: the decision, its reason and its detail (what the
+    evidence showed), as the critic wrote them in the `critic` event.
+    """
+    for e in reversed(events):
+        p = e.get("payload")
+        if e.get("kind") == "critic" and e.get("name") == "kill" and isinstance(p, dict):
+            reason = p.get("reason") or "killed by the critic"
+            detail = " ".join(str(p.get("detail") or "").split())
+            return f"killed: {reason} — {detail}" if detail else f"killed: {reason}"
+    return None
 
 
 def _seconds(value: Any) -> str:

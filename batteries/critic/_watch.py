@@ -1,30 +1,57 @@
 """`WatchCritic` and its per-run `WatchHandle`: the mechanism around a `Judge`.
 
-There is no background task. The kernel's watch task already wakes every
-`Limits.poll_interval` and exactly at the current deadline, and the run
-task calls in after every step and before every tool call; the handle
-judges lazily inside those calls, with `trio.current_time()` as its clock.
-That keeps the critic deterministic under `autojump_clock` and means a
-stopped run leaves nothing behind.
+There is no background task per run. The kernel's watch task sleeps until
+`next_look()` (the moment the judge said a clock rule could next fire) or
+until the handle wakes it (a nudge to deliver mid-step); the run task calls
+in after every step, tool start, tool result and activity. The handle judges
+inside those calls, with `trio.current_time()` as its clock, which keeps the
+critic deterministic under `autojump_clock` and means a stopped run leaves
+nothing behind. The one shared task is the critic's `ProcessSampler`, which
+samples the process trees adapters register (`record_process`).
 
-Concurrency: the run task and the kernel's watch task interleave calls on
-the trio thread, never in parallel, and no method awaits, so each call sees
-and leaves a consistent state without a lock. A guard keeps a judge (or an
-event sink) that calls back into the handle from judging recursively.
+Concurrency: the run task, the kernel's watch task and the sampler's
+deliveries interleave calls on the trio thread, never in parallel, and no
+method awaits, so each call sees and leaves a consistent state without a
+lock. A guard keeps a judge (or an event sink) that calls back into the
+handle from judging recursively.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import trio
 
-from kernel import ConfigError, EventSink, Message, RunInfo, Step, ToolCall
+from kernel import ConfigError, EventSink, Message, RunInfo, Step, ToolCall, ToolResult
 
-from ._judge import Intervention, Judge, RulesJudge, RunView, Trigger, Verdict, Window, call_key
+from ._evidence import (
+    Novelty,
+    call_label,
+    error_key,
+    failure_text,
+    masked_call_key,
+    message_key,
+    preview,
+    render_result,
+    result_key,
+)
+from ._judge import (
+    Intervention,
+    Judge,
+    Outcome,
+    Process,
+    RulesJudge,
+    RunView,
+    Trigger,
+    Verdict,
+    Window,
+)
 from ._policy import CriticPolicy
+from ._process import ProcessProbe, ProcessSampler, merge
 
 # How many verdicts one look may apply (a `continue` then an `extend` is
 # two); a judge that keeps answering is cut off here rather than flooding
@@ -36,36 +63,53 @@ _MAX_VERDICTS_PER_LOOK = 4
 # "recover" by reporting that it could not be nudged.
 _ECHO_PREFIX = "steer"
 
+#: Activity kinds with a meaning to the critic (adapters send them through
+#: `ctx.activity` / `ctx.event`): a model request went out and is in flight
+#: until the step ends or a `model_call` event reports the reply; a streamed
+#: token shows the request is alive.
+MODEL_REQUEST = "model_request"
+MODEL_TOKEN = "model_token"
+MODEL_REPLY = "model_call"
+
+_RESULT_KEY_LIMIT = 2048  # longer result keys are compared by digest
+
 
 class WatchCritic:
     """The default Critic: watches each run, extends healthy ones, nudges and kills stuck ones.
 
     Hand it to the kernel as `Ports(critic=WatchCritic())`. Every decision
     is an audit event of kind `critic`, named by the decision (`extend`,
-    `expire`, `steer`, `continue`, `kill`), with its reason and evidence in
-    the payload; a `watch` event at the start records the thresholds.
+    `expire`, `steer`, `continue`, `kill`), with its reason, a one-line
+    `detail` and its evidence in the payload; a `watch` event at the start
+    records the thresholds.
 
     Args:
         policy: The thresholds (`CriticPolicy()` defaults if None). Its
             `soft_timeout` applies to runs whose `Limits.soft_timeout` is None.
         judge: Who decides; `RulesJudge(policy)` if None.
         history: How many recent tool calls are kept for loop detection.
+        probe: Where process figures come from (`PsutilProbe()` if None); tests
+            pass a hand-written one.
     """
 
     def __init__(self, policy: CriticPolicy | None = None, *, judge: Judge | None = None,
-                 history: int = 64) -> None:
+                 history: int = 64, probe: ProcessProbe | None = None) -> None:
         self.policy = policy if policy is not None else CriticPolicy()
         self.judge: Judge = judge if judge is not None else RulesJudge(self.policy)
         if history < 2:
             raise ConfigError(f"WatchCritic history must be >= 2, got {history}")
         self.history = history
+        p = self.policy
+        self.sampler = ProcessSampler(probe, interval=p.sample_interval, cpu_busy=p.cpu_busy,
+                                      io_busy=p.io_busy)
 
     def monitor(self, info: RunInfo, soft_timeout: float | None, *, backstop: float | None,
                 max_steps: int | None, events: EventSink) -> WatchHandle:
         """Start watching one run; `soft_timeout` None means the policy's."""
         soft = soft_timeout if soft_timeout is not None else self.policy.soft_timeout
         handle = WatchHandle(self.judge, info, soft_timeout=soft, backstop=backstop,
-                             max_steps=max_steps, events=events, history=self.history)
+                             max_steps=max_steps, events=events, history=self.history,
+                             sampler=self.sampler)
         events("critic", name="watch", payload={
             "judge": type(self.judge).__name__,
             "policy": self.policy.as_dict(),
@@ -80,8 +124,8 @@ class WatchCritic:
 class _Open:
     """The mutable twin of `Intervention`, kept by the handle."""
 
-    __slots__ = ("activity_since", "at", "calls_after_delivery", "delivered", "evidence",
-                 "reason")
+    __slots__ = ("activity_since", "at", "calls_after_delivery", "delivered",
+                 "ends_after_delivery", "evidence", "reason", "steps_after_delivery")
 
     def __init__(self, reason: str, at: float, evidence: dict[str, Any]) -> None:
         self.reason = reason
@@ -90,19 +134,23 @@ class _Open:
         self.delivered = False
         self.activity_since = 0
         self.calls_after_delivery = 0
+        self.steps_after_delivery = 0
+        self.ends_after_delivery = 0
 
 
 class WatchHandle:
     """The critic's link to one run (a `kernel.CriticHandle`).
 
-    Feeds the evidence to the judge and applies its verdicts: moves the
-    deadline (never past the backstop), raises the step ceiling, queues
-    nudges, remembers a kill. Built by `WatchCritic.monitor`.
+    Keeps the evidence (progress times, in-flight work, recent calls and
+    outcomes, streaks, output novelty, process figures), feeds it to the
+    judge and applies its verdicts: moves the deadline (never past the
+    backstop), raises the step ceiling, queues nudges, remembers a kill.
+    Built by `WatchCritic.monitor`.
     """
 
     def __init__(self, judge: Judge, info: RunInfo, *, soft_timeout: float | None,
                  backstop: float | None, max_steps: int | None, events: EventSink,
-                 history: int = 64) -> None:
+                 history: int = 64, sampler: ProcessSampler | None = None) -> None:
         now = trio.current_time()
         self._judge = judge
         self._info = info
@@ -119,60 +167,187 @@ class WatchHandle:
         self._extensions = 0
         self._bonus = 0
         self._steps = self._tool_calls = self._activity = 0
-        self._last_activity = now
+        self._last_progress = now
         self._window_start = now
-        self._window = [0, 0, 0]  # steps, tool calls, other activity
+        self._window = [0, 0, 0]  # steps, tool calls, other progress
         self._calls: deque[str] = deque(maxlen=history)
+        self._outcomes: deque[Outcome] = deque(maxlen=history)
+        self._pending: list[tuple[ToolCall, str, str]] = []  # started, no result yet
+        self._reports_results = False
+        self._model_since: float | None = None
+        self._tool_since: float | None = None
+        self._error_streak = 0
+        self._error_key: str | None = None
+        self._error_text: str | None = None
+        self._msg_streak = 0
+        self._msg_key: str | None = None
+        self._msg_text: str | None = None
+        self._empty = 0
+        self._novelty = Novelty()
+        self._sampler = sampler
+        self._roots: dict[int, Callable[[Process], None]] = {}
+        self._figures: dict[int, Process] = {}
         self._queue: list[Message] = []
         self._open: _Open | None = None
         self._nudges: dict[str, int] = {}
         self._kill: str | None = None
         self._stopped = False
         self._judging = False
-        # Skipping looks that cannot decide anything: the evidence's version, and
-        # until when (trio time) the judge said it stays quiet without new evidence.
-        self._version = 0
-        self._quiet_version = -1
+        self._wake: Callable[[], None] | None = None
+        # Looks that cannot decide anything are skipped: `_dirty` is set by
+        # evidence a rule other than the clock could act on; until
+        # `_quiet_until` (trio time) the judge said the clock alone changes nothing.
+        self._dirty = True
         self._quiet_until = -math.inf
 
     # ------------------------------------------------------- the run task
 
     def record_step(self, iteration: int, step: Step) -> None:
-        """A step finished: fresh activity; the judge looks."""
+        """A step finished: progress; a message (or an empty answer) is evidence for the judge."""
         if self._stopped:
             return
         self._steps += 1
         self._window[0] += 1
-        self._touch()
-        self._look("step")
+        self._model_since = None
+        if not self._reports_results:
+            self._pending.clear()
+            self._tool_since = None
+        self._progress()
+        message = step.message
+        op = self._open
+        if message is not None:
+            if message.strip():
+                key = message_key(message)
+                if key == self._msg_key:
+                    self._msg_streak += 1
+                else:
+                    self._msg_key, self._msg_streak = key, 1
+                self._msg_text = message
+                self._empty = 0
+            elif not step.tool_calls:
+                self._empty += 1
+            else:
+                self._empty = 0
+            self._dirty = True
+        if op is not None and op.delivered:
+            op.steps_after_delivery += 1
+            self._dirty = True
+        if self._dirty:
+            self._look("step")
 
     def record_tool_start(self, call: ToolCall) -> None:
-        """A tool call is starting: fresh activity and loop evidence; the judge looks."""
+        """A tool call is starting: progress, work in flight, loop evidence; the judge looks."""
         if self._stopped:
             return
         self._tool_calls += 1
         self._window[1] += 1
-        self._calls.append(call_key(call))
-        if self._open is not None and self._open.delivered:
-            self._open.calls_after_delivery += 1
-        self._touch()
+        masked = masked_call_key(call)
+        self._calls.append(masked)
+        if not self._reports_results:
+            self._pending.clear()
+        self._pending.append((call, masked, call_label(call)))
+        now = self._progress()
+        self._tool_since = now
+        op = self._open
+        if op is not None and op.delivered:
+            op.calls_after_delivery += 1
+        self._dirty = True
         self._look("tool_start")
 
-    def record_activity(self, kind: str, text: str | None = None) -> None:
-        """Something happened inside a long step: the activity clock restarts.
+    def record_tool_end(self, result: ToolResult) -> None:
+        """A tool call finished: its outcome is evidence for loops and repeated errors."""
+        if self._stopped:
+            return
+        self._reports_results = True
+        call = result.call
+        entry = None
+        for i, (c, _, _) in enumerate(self._pending):
+            if c is call or (call.id and c.id == call.id):
+                entry = self._pending.pop(i)
+                break
+        if entry is None:
+            entry = (call, masked_call_key(call), call_label(call))
+            if self._pending:
+                self._pending.pop(0)
+        _, masked, label = entry
+        text = render_result(result)
+        rkey = result_key(result)
+        if len(rkey) > _RESULT_KEY_LIMIT:
+            rkey = hashlib.blake2b(rkey.encode("utf-8", "replace"), digest_size=16).hexdigest()
+        err = None
+        failed = failure_text(result)
+        if failed is not None:
+            err = error_key(failed[:_RESULT_KEY_LIMIT])
+            if err == self._error_key:
+                self._error_streak += 1
+            else:
+                self._error_key, self._error_streak = err, 1
+            self._error_text = preview(failed, 200)
+        else:
+            self._error_key, self._error_streak = None, 0
+        self._outcomes.append(Outcome(masked, label, rkey, preview(text), err))
+        now = self._progress()
+        self._tool_since = now if self._pending else None
+        op = self._open
+        if op is not None and op.delivered:
+            op.ends_after_delivery += 1
+        self._dirty = True
+        self._look("tool_end")
 
-        Except for kinds starting with "steer" (an adapter reporting what it
-        did with a nudge, such as `steer_undeliverable`): the critic's own
-        echo is not a sign of life. No judgment here: this is the hot path
-        (every output line); the next poll sees it.
+    def record_activity(self, kind: str, text: str | None = None) -> None:
+        """Something happened inside a long step.
+
+        Kinds starting with "steer" (an adapter reporting what it did with a
+        nudge, such as `steer_undeliverable`) are the critic's own echo, not
+        a sign of life. `model_request` marks a model request in flight (a
+        `model_token` keeps it alive; the step's end or `model_call` ends
+        it). Any other activity is progress, unless it carries `text` that
+        shows nothing new (the same line again, a spinner frame, a redraw).
+        No judging here: this is the hot path (every output line), and new
+        progress only pushes the clock rules later.
         """
         if self._stopped or kind.startswith(_ECHO_PREFIX):
             return
+        if kind in (MODEL_REQUEST, MODEL_TOKEN):
+            self._model_since = self._progress()
+            return
+        if kind == MODEL_REPLY:
+            self._model_since = None
+        if text is not None and not self._novelty.see(text):
+            return
         self._activity += 1
         self._window[2] += 1
-        self._touch()
+        self._progress()
 
-    # ------------------------------------------------------ either task
+    def record_process(self, pid: int) -> None:
+        """The run started a process: sample its tree (CPU, I/O, children, input waits)."""
+        if self._stopped or self._sampler is None or pid in self._roots:
+            return
+
+        def sink(figures: Process, root: int = pid) -> None:
+            self._on_sample(root, figures)
+
+        self._roots[pid] = sink
+        self._sampler.register(pid, sink)
+
+    def record_process_exit(self, pid: int) -> None:
+        """A process the run started has exited: stop sampling its tree."""
+        sink = self._roots.pop(pid, None)
+        self._figures.pop(pid, None)
+        if sink is not None and self._sampler is not None:
+            self._sampler.unregister(pid, sink)
+
+    def attach(self, wake: Callable[[], None]) -> None:
+        """The kernel's way to wake its watch task early (a nudge to deliver mid-step)."""
+        self._wake = wake
+
+    def next_look(self) -> float | None:
+        """When (trio time) the watch task should consult the handle next; None: only when woken."""
+        if self._stopped or self._kill is not None:
+            return None
+        if self._dirty or self._quiet_until == -math.inf:
+            return trio.current_time()
+        return None if self._quiet_until == math.inf else self._quiet_until
 
     def steer(self) -> list[Message]:
         """Drain the queued nudges; draining marks the open intervention delivered."""
@@ -180,7 +355,7 @@ class WatchHandle:
         if not self._queue:
             return []
         msgs, self._queue = self._queue, []
-        self._version += 1
+        self._dirty = True
         if self._open is not None:
             self._open.delivered = True
         return msgs
@@ -207,18 +382,33 @@ class WatchHandle:
         return self._kill
 
     def stop(self) -> None:
-        """The run is over: no more judgments or events."""
+        """The run is over: no more judgments or events; its processes are no longer sampled."""
         self._stopped = True
         self._queue = []
         self._open = None
+        for pid in list(self._roots):
+            self.record_process_exit(pid)
 
     # ---------------------------------------------------------- internals
 
-    def _touch(self) -> None:
-        self._version += 1
-        self._last_activity = trio.current_time()
-        if self._open is not None:
-            self._open.activity_since += 1
+    def _progress(self, at: float | None = None) -> float:
+        """Fresh progress (now, or at `at`): the idle clock restarts. Returns the time."""
+        now = trio.current_time() if at is None else at
+        if now > self._last_progress:
+            self._last_progress = now
+        op = self._open
+        if op is not None:
+            op.activity_since += 1
+        return now
+
+    def _on_sample(self, root: int, figures: Process) -> None:
+        """The sampler's figures for one of the run's trees (on the trio thread)."""
+        if self._stopped or root not in self._roots:
+            return
+        self._figures[root] = figures
+        if figures.working:
+            self._window[2] += 1
+            self._progress(trio.current_time() - figures.idle)
 
     def _rel(self, t: float | None) -> float | None:
         """A trio time as seconds since the run started (None stays None)."""
@@ -228,11 +418,12 @@ class WatchHandle:
         if self._stopped or self._kill is not None or self._judging:
             return
         now = trio.current_time()
-        if (trigger == "poll" and self._version == self._quiet_version
-                and now < self._quiet_until):
+        if trigger == "poll" and not self._dirty and now < self._quiet_until:
             return  # nothing new, and the judge said nothing is due before then
         self._judging = True
+        acted = False
         try:
+            self._dirty = False
             for _ in range(_MAX_VERDICTS_PER_LOOK):
                 view = self._view(trigger, now)
                 verdict = self._judge.judge(view)
@@ -240,33 +431,38 @@ class WatchHandle:
                     self._note_quiet(view)
                     break
                 self._apply(verdict, now)
-                self._version += 1
+                acted = acted or verdict.action in ("steer", "kill")
                 if self._kill is not None:
                     break
+            else:
+                self._quiet_until = -math.inf
         finally:
             self._judging = False
+        if acted and self._wake is not None:
+            self._wake()
 
     def _note_quiet(self, view: RunView) -> None:
         """Remember until when a look with no new evidence would find nothing to do."""
         quiet_until = getattr(self._judge, "quiet_until", None)
-        if quiet_until is None:
-            return
-        rel = quiet_until(view)
-        if rel is None:
-            return
-        # A hair early rather than late: a skipped look must never miss a deadline.
-        self._quiet_version = self._version
-        self._quiet_until = self._start + rel - 1e-6
+        rel = None if quiet_until is None else quiet_until(view)
+        self._quiet_until = -math.inf if rel is None else self._start + rel
 
     def _view(self, trigger: Trigger, now: float) -> RunView:
         dl, bs = self._deadline, self._backstop
         due = (dl is not None and not self._expired and now >= dl
                and (bs is None or dl < bs))
         op = self._open
+        if self._model_since is not None:
+            in_flight: str | None = "model"
+            since = self._model_since
+        elif self._tool_since is not None:
+            in_flight, since = "tool", self._tool_since
+        else:
+            in_flight, since = None, now
         return RunView(
             info=self._info, trigger=trigger, elapsed=now - self._start,
             steps=self._steps, tool_calls=self._tool_calls, activity=self._activity,
-            idle=now - self._last_activity, soft_timeout=self._soft,
+            idle=now - self._last_progress, soft_timeout=self._soft,
             deadline=None if dl is None else dl - self._start,
             backstop=None if bs is None else bs - self._start, due=due,
             extensions=self._extensions,
@@ -277,8 +473,17 @@ class WatchHandle:
             calls=tuple(self._calls),
             intervention=None if op is None else Intervention(
                 op.reason, op.at - self._start, op.delivered, op.activity_since,
-                op.calls_after_delivery, dict(op.evidence)),
+                op.calls_after_delivery, dict(op.evidence), op.steps_after_delivery,
+                op.ends_after_delivery),
             nudges=dict(self._nudges),
+            outcomes=tuple(self._outcomes),
+            reports_results=self._reports_results,
+            in_flight=in_flight, in_flight_s=now - since,
+            error_streak=self._error_streak, last_error=self._error_text,
+            message_streak=self._msg_streak, last_message=self._msg_text,
+            empty_answers=self._empty,
+            lines=self._novelty.lines, novel_lines=self._novelty.novel,
+            process=merge(self._figures.values()),
         )
 
     def _apply(self, verdict: Verdict, now: float) -> None:

@@ -109,6 +109,9 @@ def show(
     for key in ("reason", "error"):
         if run.get(key):
             lines.append(f"{key:<8} {_one_line(run[key])}")
+    sentence = queries.critic_sentence(events)
+    if sentence:
+        lines.append(f"critic   {sentence}")
     print("\n".join(lines))
     print()
     print(_table(

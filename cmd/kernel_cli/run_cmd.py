@@ -56,9 +56,23 @@ def run(
              "[default: 600]"),
     idle_timeout: float | None = typer.Option(
         None, "--idle-timeout", metavar="S", min=0, show_default=False,
-        help="Seconds without output, steps or tool calls before the critic nudges, then "
-             "kills the run as stalled (exit 137) after a grace of a quarter of this, at "
-             "most 60 s. 0 = off. [default: 300]"),
+        help="Seconds without progress before the critic nudges, then kills the run as "
+             "stalled (exit 137) after a grace of a quarter of this, at most 60 s. Progress: "
+             "a step, a tool call, an output line not seen recently (a spinner or the same "
+             "line again is not), or a process tree using CPU or doing I/O (a busy but "
+             "silent build is working). A flat tree blocked reading its terminal is killed "
+             "as waiting_input. 0 = off. [default: 300]"),
+    model_timeout: float | None = typer.Option(
+        None, "--model-timeout", metavar="S", min=0, show_default=False,
+        help="How long a model request in flight (no reply, no streamed token) keeps a run "
+             "alive instead of --idle-timeout; past it the run is killed as model_timeout. "
+             "0 = no bound of its own. [default: 300, like the coding CLIs' stream idle "
+             "timeouts]"),
+    tool_timeout: float | None = typer.Option(
+        None, "--tool-timeout", metavar="S", min=0, show_default=False,
+        help="Per tool call (an llm agent's tools): the call returns an error after S; the "
+             "critic waits that long for a call in flight instead of --idle-timeout. "
+             "0 = no bound. [default: 300]"),
     no_critic: bool = typer.Option(
         False, "--no-critic", help="Run without the critic: only --timeout ends a stuck run."),
     max_steps: int | None = typer.Option(
@@ -139,7 +153,8 @@ def run(
             timeout=base.timeout if timeout is None else (timeout or None),
             soft_timeout=(soft_timeout or None) if soft_timeout is not None
             else base.soft_timeout,
-            tool_timeout=base.tool_timeout, dry_run=dry_run,
+            tool_timeout=base.tool_timeout if tool_timeout is None else (tool_timeout or None),
+            dry_run=dry_run,
             # Each save is a short write transaction on the shared file: at most one a second.
             checkpoint_every_seconds=max(base.checkpoint_every_seconds, checkpoint_interval),
             # A terminal user waits on kills: look at the critic four times a second.
@@ -151,6 +166,7 @@ def run(
             _fail(f"--webhook expects an http(s):// URL, got {url!r}")
     opts = PortOptions(db=db, no_audit=no_audit, no_critic=no_critic,
                        soft_timeout=soft_timeout, idle_timeout=idle_timeout,
+                       model_timeout=model_timeout, tool_timeout=tool_timeout,
                        deliver_dir=deliver_dir, webhooks=tuple(webhook or ()))
     import trio
 

@@ -22,6 +22,8 @@ class PortOptions:
     no_critic: bool = False
     soft_timeout: float | None = None
     idle_timeout: float | None = None
+    model_timeout: float | None = None
+    tool_timeout: float | None = None
     deliver_dir: str | None = None
     webhooks: tuple[str, ...] = ()
 
@@ -97,9 +99,11 @@ async def _open_audit(opts: PortOptions, stack: AsyncExitStack,
 def _make_critic(opts: PortOptions) -> Critic | None:
     """The watch-nursery critic with the CLI's thresholds (batteries.critic).
 
-    `--soft-timeout` / `--idle-timeout`: None keeps the critic's default
-    (600 s / 300 s); 0 turns that tier off (no progress judgments / no stall
-    detection); a negative value is a `ConfigError` naming the flag.
+    `--soft-timeout` / `--idle-timeout` / `--model-timeout` / `--tool-timeout`:
+    None keeps the critic's default (600 s / 300 s / 300 s / 300 s); 0 turns
+    that rule off (no progress judgments / no stall detection / no bound of
+    its own for work in flight); a negative value is a `ConfigError` naming
+    the flag.
     """
     from batteries.critic import CriticPolicy, WatchCritic
     from kernel import ConfigError
@@ -107,7 +111,9 @@ def _make_critic(opts: PortOptions) -> Critic | None:
     defaults = CriticPolicy()
     chosen: dict[str, float | None] = {}
     for flag, field, value in (("--soft-timeout", "soft_timeout", opts.soft_timeout),
-                               ("--idle-timeout", "idle_timeout", opts.idle_timeout)):
+                               ("--idle-timeout", "idle_timeout", opts.idle_timeout),
+                               ("--model-timeout", "model_timeout", opts.model_timeout),
+                               ("--tool-timeout", "tool_timeout", opts.tool_timeout)):
         if value is None:
             chosen[field] = getattr(defaults, field)
         elif not value >= 0 or value == float("inf"):
@@ -115,4 +121,6 @@ def _make_critic(opts: PortOptions) -> Critic | None:
         else:
             chosen[field] = value or None
     return WatchCritic(CriticPolicy(soft_timeout=chosen["soft_timeout"],
-                                    idle_timeout=chosen["idle_timeout"]))
+                                    idle_timeout=chosen["idle_timeout"],
+                                    model_timeout=chosen["model_timeout"],
+                                    tool_timeout=chosen["tool_timeout"]))

@@ -321,7 +321,7 @@ class TestLLMAgentRun:
         assert result.status is Status.KILLED and result.reason == "looping"
         last = chat_server.messages(len(chat_server.requests) - 1)
         nudges = [m["content"] for m in last if m["role"] == "user"][1:]
-        assert len(nudges) == 1 and 'read_file({"path":"a.txt"})' in nudges[0]
+        assert len(nudges) == 1 and "read_file(a.txt) 3 times" in nudges[0]
         decisions = [e.name for e in audit.events(result.run_id) if e.kind == "critic"]
         assert decisions[-2:] == ["steer", "kill"]
 

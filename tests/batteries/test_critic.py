@@ -270,11 +270,16 @@ class TestLooping:
         assert result.reason == LOOPING
         assert decisions(audit, result.run_id) == ["watch", "steer", "kill"]
         steer = named(audit, result.run_id, "steer")[0]
-        assert 'search({"page":1,"q":"flaky test"}) 3 times in a row' in steer.payload["message"]
+        assert ("search(flaky test, 1) 3 times and got the same result each time"
+                in steer.payload["message"])
         # The agent saw the nudge at its 4th step, called search again, and was killed.
         assert agent.seen_steer[3] == [Message("user", steer.payload["message"])]
         kill = named(audit, result.run_id, "kill")[0]
-        assert kill.payload["evidence"]["call"] == 'search({"page":1,"q":"flaky test"})'
+        assert kill.payload["evidence"]["call"] == "search(flaky test, 1)"
+        assert kill.payload["evidence"]["result"] == "no results"
+        assert kill.payload["detail"] == (
+            "search(flaky test, 1) returned the same result 3 times, and again after the "
+            "nudge, nudged at 6.0s")
         assert result.tool_calls == 4
 
     async def test_ab_cycle_is_nudged_then_killed(self, autojump_clock: trio.abc.Clock) -> None:
@@ -289,8 +294,7 @@ class TestLooping:
         assert decisions(audit, result.run_id) == ["watch", "steer", "kill"]
         steer = named(audit, result.run_id, "steer")[0]
         assert steer.payload["evidence"]["period"] == 2
-        assert ('read({"path":"a.py"}) -> write({"path":"a.py","text":"x = 1"})'
-                in steer.payload["message"])
+        assert "read(a.py) -> write(a.py, x = 1)" in steer.payload["message"]
         assert result.tool_calls == 5  # A B A B, nudge, A
 
     async def test_agent_that_changes_course_is_not_killed(

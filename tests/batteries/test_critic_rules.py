@@ -288,8 +288,10 @@ class TestQuietLooks:
             handle.max_steps()
             handle.kill_cause()
         assert judge.calls == before
-        handle.record_activity("output")  # new evidence: the next look judges
+        handle.record_activity("output", "compiling 3/8")  # plain progress: no judgment
         handle.deadline()
+        assert judge.calls == before
+        handle.record_tool_start(ToolCall("search", {"q": "x"}))  # loop evidence: judged
         assert judge.calls == before + 1
 
     async def test_clock_rules_still_fire_on_time(self, autojump_clock: trio.abc.Clock) -> None:

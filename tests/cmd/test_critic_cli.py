@@ -91,6 +91,21 @@ class TestStalledCommand:
         show = kernel(kernel_exe, env, "show", run_id)
         assert show.returncode == 0, show.stderr
         assert "stalled" in show.stdout
+        # The decision as a sentence, with its evidence.
+        assert "critic   killed: stalled — no progress for" in show.stdout
+
+
+@pytest.mark.realtime
+class TestBusyQuietCommand:
+    def test_a_silent_cpu_bound_command_is_not_stalled(self, kernel_exe: str,
+                                                        cli_env: dict[str, str]) -> None:
+        """Six seconds of computation printing nothing, at --idle-timeout 2: the critic sees
+        the process working (CPU time advancing) and lets it finish."""
+        code = "import time\nt = time.monotonic()\nwhile time.monotonic() - t < 6: pass"
+        proc = kernel(kernel_exe, cli_env, "run", "--json", "--idle-timeout", "2",
+                      "--timeout", "120", "--", sys.executable, "-c", code)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert json.loads(proc.stdout)["status"] == "ok"
 
 
 @pytest.mark.realtime
