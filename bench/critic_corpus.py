@@ -82,11 +82,15 @@ def tool_call(n: int, name: str, args: dict[str, Any]) -> dict[str, Any]:
 class Script:
     """A model's behaviour for one run: what turn n answers, after what delay.
 
+    The default 0.5 s a turn keeps the looping cases honest: 100 turns (the
+    default step ceiling) take longer than the 40 s hard timeout, so in the
+    critic modes only the critic can stop them early, whatever the load.
+
     `progress_until`: requests 0..progress_until are real progress (the model
     learns something new from each); None means every request is.
     """
 
-    delay: float = 0.3
+    delay: float = 0.5
     progress_until: int | None = None
     allow_shell: bool = False
     prompt: str = "Do the task."
