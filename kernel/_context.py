@@ -33,6 +33,7 @@ class RunContext:
         "_deadline",
         "_log",
         "_run_child",
+        "_save",
         "_tool_start",
         "info",
         "iteration",
@@ -56,6 +57,7 @@ class RunContext:
         run_child: Callable[[Any, RunInfo, Limits | None], Awaitable[Result]],
         tool_start: Callable[[ToolCall, Mapping[str, Any] | None], None],
         resumed_from: Any = None,
+        save: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.info = info
         self.limits = limits
@@ -70,6 +72,7 @@ class RunContext:
         self._deadline = deadline
         self._run_child = run_child
         self._tool_start = tool_start
+        self._save = save
 
     @property
     def run_id(self) -> str:
@@ -142,3 +145,16 @@ class RunContext:
             self._activity(kind)
         else:
             self._activity(kind, text)
+
+    async def checkpoint(self) -> None:
+        """Save the agent's resumable state now, in the middle of a step.
+
+        For agents whose one step is long and learns its resumable state as it
+        goes (a CLI agent reports its session id at the start of its one step).
+        The kernel asks `agent.snapshot()` and saves it with the step count so
+        far, through the same checkpointer as the saves between steps; a run
+        without a checkpointer, or an agent without `snapshot()`, saves nothing.
+        A failed save is reported like any checkpoint fault and never raises.
+        """
+        if self._save is not None:
+            await self._save()
