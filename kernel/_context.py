@@ -34,6 +34,7 @@ class RunContext:
         "_log",
         "_processes",
         "_run_child",
+        "_save",
         "_tool_end",
         "_tool_start",
         "info",
@@ -60,6 +61,7 @@ class RunContext:
         tool_end: Callable[[ToolResult], None] | None = None,
         processes: tuple[Callable[[int], None], Callable[[int], None]] | None = None,
         resumed_from: Any = None,
+        save: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.info = info
         self.limits = limits
@@ -76,6 +78,7 @@ class RunContext:
         self._tool_start = tool_start
         self._tool_end = tool_end
         self._processes = processes
+        self._save = save
 
     @property
     def run_id(self) -> str:
@@ -173,3 +176,16 @@ class RunContext:
             self._activity(kind)
         else:
             self._activity(kind, text)
+
+    async def checkpoint(self) -> None:
+        """Save the agent's resumable state now, in the middle of a step.
+
+        For agents whose one step is long and learns its resumable state as it
+        goes (a CLI agent reports its session id at the start of its one step).
+        The kernel asks `agent.snapshot()` and saves it with the step count so
+        far, through the same checkpointer as the saves between steps; a run
+        without a checkpointer, or an agent without `snapshot()`, saves nothing.
+        A failed save is reported like any checkpoint fault and never raises.
+        """
+        if self._save is not None:
+            await self._save()

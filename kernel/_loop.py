@@ -316,7 +316,8 @@ class _Run:
                               run_child=self.run_child, tool_start=self.tool_started,
                               tool_end=self.agent_tool_ended, processes=(
                                   self.process_started, self.process_exited),
-                              resumed_from=self.resume.state if self.resume else None)
+                              resumed_from=self.resume.state if self.resume else None,
+                              save=self.checkpoint_now)
         self.ctx.usage = self.usage
         try:
             refused = await self.open_run()
@@ -619,12 +620,17 @@ class _Run:
             self.tool_ended(result, iteration)
         return results
 
-    async def maybe_checkpoint(self) -> None:
+    async def checkpoint_now(self) -> None:
+        """`ctx.checkpoint()`: save now, mid-step, whatever the throttle says."""
+        if self.k._checkpointer is not None and not self.limits.dry_run:
+            await self.maybe_checkpoint(force=True)
+
+    async def maybe_checkpoint(self, *, force: bool = False) -> None:
         lim = self.limits
         now = trio.current_time()
         due = self.steps - self.last_save_steps >= lim.checkpoint_every_steps and (
             now - self.last_save_time >= lim.checkpoint_every_seconds)
-        if not due:
+        if not (due or force):
             return
         snapshot = getattr(self.agent, "snapshot", None)
         if snapshot is None:

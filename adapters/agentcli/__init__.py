@@ -9,28 +9,37 @@ lifecycle spawning/working/idle/killed), feed the critic, and are audited::
     agent = AgentCLI(["claude", "-p", "Fix the failing test",
                       "--output-format", "stream-json", "--verbose"], idle_ttl=300)
     result = await Kernel(ports).run(agent, RunInfo(name="fix-test"))
+
+    # or a known client's non-interactive mode, resumable by its session id:
+    agent = preset("claude", "Fix the failing test", model="claude-sonnet-4-5")
 """
 
 from ._agent import AgentCLI as AgentCLI
 from ._agent import EventHook as EventHook
+from ._agent import SessionAgentCLI as SessionAgentCLI
 from ._events import AgentEvent as AgentEvent
 from ._events import EventType as EventType
 from ._events import parse_event as parse_event
 from ._events import parse_line as parse_line
+from ._presets import CLIENTS as CLIENTS
+from ._presets import preset as preset
 from ._state import Lifecycle as Lifecycle
 from ._state import State as State
 from ._state import StateMachine as StateMachine
 from ._state import Transition as Transition
 
 __all__ = [
+    "CLIENTS",
     "AgentCLI",
     "AgentEvent",
     "EventHook",
     "EventType",
     "Lifecycle",
+    "SessionAgentCLI",
     "State",
     "StateMachine",
     "Transition",
     "parse_event",
     "parse_line",
+    "preset",
 ]

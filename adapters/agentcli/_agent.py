@@ -10,16 +10,25 @@ tells what the agent was doing at each moment::
       spawn (own process group)        lifecycle spawning, audit process_start
       read stdout lines -> events      audit agent_event / tool_start / tool_end
       idle watchdog                    no event for idle_ttl -> SIGTERM/SIGKILL the group
+      approval watchdog                waiting for approval longer than approval_ttl -> same
+      session id reported              -> ctx.checkpoint() (the session is the checkpoint)
       idle after a done/error event    for exit_grace seconds -> the CLI is stopped
       process gone                     lifecycle killed, audit process_exit
       -> Step(output=result, final=True, usage=...)   or   Step(final=True, error=...)
 
 How the step ends: the last done/error event decides when there is one (a
 CLI that reported success and then exited non-zero is still ok; the exit
-code is kept). Without one, exit 0 is ok (the text streamed so far is the
-output) and anything else is a crash mid-turn: `error`, naming the state the
-agent was in and its last stderr line. An idle kill ends the step with an
-error too — the kernel has no way yet for an agent to report `killed`.
+code is kept). A `retry` event (a CLI retrying a failed request by itself)
+or more work after an error event means the turn goes on. Without an end
+event, exit 0 is ok (the text streamed so far is the output) and anything
+else is a crash mid-turn: `error`, naming the state the agent was in and its
+last stderr line. An idle kill ends the run `killed` (`stalled`); a wait for
+approval past `approval_ttl` ends it `killed` (`awaiting_approval`), and
+while the CLI waits for a person the critic is told it is alive.
+
+`SessionAgentCLI` adds resumption: its `snapshot()` is the CLI's session id,
+saved as soon as the CLI reports it, and a resumed run starts the CLI's own
+resume command (`claude --resume ID`, `codex exec resume ID`) instead.
 """
 
 from __future__ import annotations
@@ -40,7 +49,7 @@ import trio
 from kernel import Message, RunContext, Step, ToolCall, ToolResult, Usage
 
 from ._events import AgentEvent, EventType, parse_line
-from ._state import Lifecycle, StateMachine, Transition
+from ._state import Lifecycle, State, StateMachine, Transition
 
 #: Called after each event is applied, e.g. to refresh a live progress line.
 EventHook = Callable[[AgentEvent, Transition], None]
@@ -66,6 +75,17 @@ class AgentCLI:
         stdin_steer: Write critic nudges to stdin as stream-json user messages
             (for CLIs started with `--input-format stream-json`); otherwise
             stdin is /dev/null and nudges are audited as undeliverable.
+        stdin_prompt: Send the task itself as the first stream-json user
+            message on stdin (instead of on the command line). Stdin is closed
+            once the CLI has answered every message written, so it exits.
+        approval_ttl: Seconds the CLI may wait for a tool approval (state
+            waiting_for_approval) before it is stopped, ending the run
+            `killed` with reason `awaiting_approval`.
+        client: The client's name ("claude", "codex", "gemini"; "" for any CLI).
+        resume_argv: Builds the command line that continues session ID
+            (`SessionAgentCLI` uses it when the run is resumed).
+        resume_prompt: What the resumed CLI is told (stdin or last argument,
+            as `resume_argv` decides).
         on_event: Called after every event with the transition it caused.
 
     Attributes:
@@ -82,6 +102,12 @@ class AgentCLI:
     max_audit_events: int = 10_000
     max_text: int = 2000
     stdin_steer: bool = False
+    stdin_prompt: str | None = None
+    approval_ttl: float = 600.0
+    client: str = ""
+    resume_argv: Callable[[str], Sequence[str]] | None = None
+    resume_prompt: str = ("Continue the task. You were interrupted; check what is already "
+                          "done before redoing it.")
     on_event: EventHook | None = None
     machine: StateMachine = field(init=False)
 
@@ -90,6 +116,8 @@ class AgentCLI:
             raise ValueError("AgentCLI needs a command to run")
         if self.idle_ttl <= 0:
             raise ValueError(f"idle_ttl must be > 0, got {self.idle_ttl}")
+        if self.approval_ttl <= 0:
+            raise ValueError(f"approval_ttl must be > 0, got {self.approval_ttl}")
         self.machine = StateMachine(now=trio.current_time)
         self._reset()
 
@@ -107,7 +135,17 @@ class AgentCLI:
         self._stderr: deque[str] = deque(maxlen=20)
         self._done = trio.Event()
         self._idle_killed: float | None = None
+        self._approval_killed: tuple[str, float] | None = None
+        self._waiting_tool = ""
         self._lingered = False
+        self._cache_read = 0
+        self._cache_write = 0
+        self._inputs = 0
+        self._ends = 0
+        self._stdin_open = False
+        self._stdin_done = trio.Event()
+        self._session_seen = trio.Event()
+        self._resumed_session = ""
 
     @property
     def command(self) -> str:
@@ -120,30 +158,51 @@ class AgentCLI:
 
     # ------------------------------------------------------------------ step
 
+    def _launch(self, ctx: RunContext) -> tuple[list[str], str | None]:
+        """The command line and stdin prompt: a resumed session's, or the task's."""
+        state = ctx.resumed_from
+        sid = _dict_get(state, "session_id")
+        if sid and self.resume_argv is not None:
+            self._resumed_session = self._session = sid
+            argv = list(self.resume_argv(sid))
+            ctx.event("resume_session", name=self.client or self.argv[0], activity=False,
+                      payload={"session_id": sid, "argv": argv})
+            return argv, self.resume_prompt if self.stdin_prompt is not None else None
+        if state is not None:
+            ctx.event("resume_session", name=self.client or self.argv[0], activity=False,
+                      payload={"session_id": None, "why": "no session was reported before "
+                               "the interruption: starting the task again"})
+        return list(self.argv), self.stdin_prompt
+
     async def step(self, ctx: RunContext) -> Step:
         """Run the CLI to completion (or to its idle kill) and report how it ended."""
         self._reset()
         self._ctx = ctx
         m = self.machine
         env = {**os.environ, **self.env} if self.env else None
+        argv, first_input = self._launch(ctx)
+        piped = self.stdin_steer or first_input is not None
         m.mark_spawning()
         try:
             proc = await trio.lowlevel.open_process(
-                list(self.argv),
-                stdin=subprocess.PIPE if self.stdin_steer else subprocess.DEVNULL,
+                argv,
+                stdin=subprocess.PIPE if piped else subprocess.DEVNULL,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=self.cwd, env=env,
                 start_new_session=True)
         except OSError as exc:
             m.mark_killed()
             return Step(final=True, name="agentcli",
-                        error=f"cannot start {self.argv[0]!r}: {exc.strerror or exc}",
+                        error=f"cannot start {argv[0]!r}: {exc.strerror or exc}",
                         exit_code=127 if isinstance(exc, FileNotFoundError) else 126)
         self._proc = proc
+        self._stdin_open = piped
         t0 = trio.current_time()
-        ctx.event("process_start", name=self.argv[0], payload={
-            "argv": list(self.argv), "pid": proc.pid, **self._views()})
+        ctx.event("process_start", name=argv[0], payload={
+            "argv": argv, "pid": proc.pid, **self._views()})
         ctx.process_started(proc.pid)  # the critic samples the CLI's process tree
         try:
+            if first_input is not None:
+                await self._write_user(first_input)
             if ctx.steer:
                 await self.on_steer(list(ctx.steer))
             async with trio.open_nursery() as nursery:
@@ -153,6 +212,9 @@ class AgentCLI:
                 nursery.start_soon(self._pump, proc.stderr, self._stderr_line, err_done)
                 nursery.start_soon(self._watchdog, proc)
                 nursery.start_soon(self._stop_after_done, proc)
+                nursery.start_soon(self._save_session, ctx)
+                if piped:
+                    nursery.start_soon(self._close_stdin_when_answered, proc)
                 await proc.wait()
                 # The pipes may still hold the last lines, or be held open by
                 # children the CLI left behind: read briefly, then stop them.
@@ -179,12 +241,25 @@ class AgentCLI:
         ctx.event("process_exit", name=self.argv[0], duration_ms=duration_s * 1000, payload={
             "exit_code": exit_code, "signal": -rc if rc < 0 else None,
             "state_at_exit": state_at_exit, "idle_killed": self._idle_killed is not None,
+            "approval_killed": self._approval_killed is not None,
             "stopped_after_done": self._lingered, **self._views()})
         term = self._terminal
         payload: dict[str, Any] = {
             "exit_code": exit_code, "events": dict(self._counts), "session_id": self._session,
-            "state_at_exit": state_at_exit, **self._views()}
+            "state_at_exit": state_at_exit, "client": self.client,
+            "cache_read_tokens": self._cache_read, "cache_write_tokens": self._cache_write,
+            **self._views()}
+        if self._resumed_session:
+            payload["resumed_session"] = self._resumed_session
         usage = self._usage if self._usage else None
+        if self._approval_killed is not None:
+            tool, waited = self._approval_killed
+            return Step(final=True, name="agentcli", exit_code=exit_code, usage=usage,
+                        output=self._text(), payload={**payload, "approval_killed": True},
+                        kill="awaiting_approval",
+                        error=f"agent CLI waited {waited:.1f}s for approval of "
+                              f"{tool or 'a tool'} (approval TTL {self.approval_ttl:g}s): "
+                              "killed")
         if self._idle_killed is not None:
             return Step(final=True, name="agentcli", exit_code=exit_code, usage=usage,
                         output=self._text(), payload={**payload, "idle_killed": True},
@@ -264,16 +339,29 @@ class AgentCLI:
                 self._last_whole = ev.text
             else:
                 self._fragments.append(ev.text)
-        if ev.session_id:
+        if ev.session_id and ev.session_id != self._session:
             self._session = ev.session_id
+            self._session_seen.set()
+        elif ev.type is EventType.APPROVAL:
+            kind, name = "approval", ev.tool or "tool"
+            payload.update(id=ev.tool_id, denied=ev.is_error,
+                           args=_clip_json(ev.input, self.max_text))
+            if not ev.is_error:
+                self._waiting_tool = name
         if ev.usage:
             payload["usage"] = {"input_tokens": ev.usage.input_tokens,
                                 "output_tokens": ev.usage.output_tokens,
+                                "cache_read_tokens": ev.cache_read,
+                                "cache_write_tokens": ev.cache_write,
                                 "cost_usd": ev.usage.cost_usd}
             self._usage = self._usage + ev.usage
+            self._cache_read += ev.cache_read
+            self._cache_write += ev.cache_write
         if ev.type in (EventType.DONE, EventType.ERROR):
             self._terminal = ev
+            self._ends += 1
             self._done.set()
+            self._stdin_done.set()
         self._audit(kind, name=name, payload=payload, duration_ms=duration_ms)
         if self.on_event is not None:
             self.on_event(ev, tr)
@@ -335,14 +423,34 @@ class AgentCLI:
             done.set()
 
     async def _watchdog(self, proc: trio.Process) -> None:
-        """Kill the group once no event has arrived for `idle_ttl` seconds."""
+        """Kill the group after `idle_ttl` s without events, or `approval_ttl` s of waiting.
+
+        While the CLI waits for an approval it is silent on purpose: the critic
+        is told it is alive (activity `waiting_for_approval`, once a second),
+        and only the approval bound applies.
+        """
         m = self.machine
         while True:
             last = m.last_active
             assert last is not None  # mark_spawning set it
-            if trio.current_time() - last >= self.idle_ttl:
+            waiting = m.state is State.WAITING_APPROVAL
+            ttl = self.approval_ttl if waiting else self.idle_ttl
+            now = trio.current_time()
+            if now - last >= ttl:
                 break
-            await trio.sleep_until(last + self.idle_ttl)
+            if waiting and self._ctx is not None:
+                self._ctx.activity("waiting_for_approval")
+            await trio.sleep_until(min(last + ttl, now + 1.0))
+        if m.state is State.WAITING_APPROVAL:
+            waited = m.idle_for()
+            self._approval_killed = (self._waiting_tool, waited)
+            if self._ctx is not None:
+                self._ctx.event("approval_timeout", name=self._waiting_tool or "tool",
+                                activity=False, payload={
+                                    "waited_s": round(waited, 3),
+                                    "approval_ttl": self.approval_ttl, **self._views()})
+            await self._terminate(proc)
+            return
         self._idle_killed = m.idle_for()
         if self._ctx is not None:
             self._ctx.event("idle_kill", name=self.argv[0], activity=False, payload={
@@ -370,6 +478,35 @@ class AgentCLI:
                 await trio.sleep_until(last + self.exit_grace)
             self._done = trio.Event()
 
+    async def _save_session(self, ctx: RunContext) -> None:
+        """Checkpoint as soon as the CLI reports a (new) session id: it is what resumes."""
+        while True:
+            await self._session_seen.wait()
+            self._session_seen = trio.Event()
+            await ctx.checkpoint()
+
+    async def _close_stdin_when_answered(self, proc: trio.Process) -> None:
+        """Close stdin once every user message written has had its result: the CLI exits."""
+        while True:
+            await self._stdin_done.wait()
+            self._stdin_done = trio.Event()
+            if self._ends >= self._inputs and proc.stdin is not None:
+                self._stdin_open = False
+                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                    await proc.stdin.aclose()
+                return
+
+    async def _write_user(self, text: str) -> None:
+        """Write one stream-json user message to the CLI's stdin."""
+        proc = self._proc
+        if proc is None or proc.stdin is None or not self._stdin_open:
+            raise trio.ClosedResourceError("stdin is closed")
+        line = json.dumps({"type": "user", "session_id": "", "parent_tool_use_id": None,
+                           "message": {"role": "user",
+                                       "content": [{"type": "text", "text": text}]}})
+        self._inputs += 1
+        await proc.stdin.send_all(line.encode() + b"\n")
+
     def _signal_group(self, proc: trio.Process, sig: signal.Signals) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, sig)
@@ -387,14 +524,15 @@ class AgentCLI:
     async def on_steer(self, messages: list[Message]) -> None:
         """Write nudges to stdin (stream-json user messages) when enabled, else audit them."""
         ctx, proc = self._ctx, self._proc
-        if self.stdin_steer and proc is not None and proc.stdin is not None:
+        why = "the agent CLI's stdin is not a stream-json input"
+        if self.stdin_steer and proc is not None and not self._stdin_open:
+            why = "the agent CLI has answered and its stdin is closed"
+        if self.stdin_steer and proc is not None and self._stdin_open:
             try:
                 for m in messages:
-                    line = json.dumps({"type": "user", "message": {
-                        "role": "user", "content": [{"type": "text", "text": m.content}]}})
-                    await proc.stdin.send_all(line.encode() + b"\n")
+                    await self._write_user(m.content)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass
+                why = "the agent CLI's stdin is closed"
             else:
                 if ctx is not None:
                     ctx.event("steer_delivered", activity=False, payload={
@@ -402,8 +540,7 @@ class AgentCLI:
                 return
         if ctx is not None:
             ctx.event("steer_undeliverable", activity=False, payload={
-                "messages": [m.content for m in messages],
-                "why": "the agent CLI's stdin is not a stream-json input"})
+                "messages": [m.content for m in messages], "why": why})
 
 
 def _clip_json(value: Any, limit: int) -> Any:
@@ -412,3 +549,28 @@ def _clip_json(value: Any, limit: int) -> Any:
         return None
     text = json.dumps(value, default=str)
     return value if len(text) <= limit else text[:limit] + "…"
+
+
+def _dict_get(state: Any, key: str) -> str:
+    value = state.get(key) if isinstance(state, Mapping) else None
+    return value if isinstance(value, str) else ""
+
+
+@dataclass
+class SessionAgentCLI(AgentCLI):
+    """An `AgentCLI` whose session id is its checkpoint, so `kernel recover` resumes it.
+
+    Needs `resume_argv`. The kernel saves `snapshot()` as soon as the CLI
+    reports its session id (and after the step); a resumed run runs
+    `resume_argv(session_id)` with `resume_prompt`, continuing the same
+    client session rather than starting the task again.
+    """
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.resume_argv is None:
+            raise ValueError("SessionAgentCLI needs resume_argv")
+
+    def snapshot(self) -> dict[str, Any]:
+        """The resumable state: which client, and its session id."""
+        return {"version": 1, "client": self.client, "session_id": self._session}

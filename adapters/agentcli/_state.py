@@ -10,8 +10,13 @@ and in what shape"::
     text_delta   -> RESPONDING               SPAWNING   -> WORKING   the first event of any type
     tool_use     -> RUNNING_TOOL             WORKING    -> IDLE      done / error
     tool_result  -> THINKING                 IDLE       -> WORKING   the next turn's event
-    done, error  -> IDLE                     any        -> KILLED    mark_killed() (exit, TTL, stop)
-    session_start, unknown -> unchanged      KILLED     -> SPAWNING  mark_spawning() only
+    approval     -> WAITING_APPROVAL         any        -> KILLED    mark_killed() (exit, TTL, stop)
+      (denied: unchanged)                    KILLED     -> SPAWNING  mark_spawning() only
+    done, error  -> IDLE
+    session_start, warning, retry, info, unknown -> unchanged
+
+Warnings and retries are turn events (a CLI retrying after an error is
+working again); info and unknown only prove the process is alive.
 
 Transitions are lenient on purpose: real CLIs reorder events (a text delta
 before the session start, a tool result before its tool use), so no event is
@@ -43,6 +48,7 @@ class State(enum.StrEnum):
     THINKING = "thinking"
     RUNNING_TOOL = "running_tool"
     RESPONDING = "responding"
+    WAITING_APPROVAL = "waiting_for_approval"
 
 
 class Lifecycle(enum.StrEnum):
@@ -64,7 +70,8 @@ _STATE_ON: dict[EventType, State] = {
 }
 
 _TURN_EVENTS = frozenset({EventType.SESSION_START, EventType.THINKING, EventType.TEXT_DELTA,
-                          EventType.TOOL_USE, EventType.TOOL_RESULT})
+                          EventType.TOOL_USE, EventType.TOOL_RESULT, EventType.APPROVAL,
+                          EventType.WARNING, EventType.RETRY})
 _END_EVENTS = frozenset({EventType.DONE, EventType.ERROR})
 
 
@@ -128,7 +135,11 @@ class StateMachine:
         s0, l0 = self._state, self._lifecycle
         self._last_active = self._now()
         if l0 is not Lifecycle.KILLED:
-            self._state = _STATE_ON.get(kind, s0)
+            if kind is EventType.APPROVAL:
+                denied = isinstance(event, AgentEvent) and event.is_error
+                self._state = s0 if denied else State.WAITING_APPROVAL
+            else:
+                self._state = _STATE_ON.get(kind, s0)
             if kind in _END_EVENTS:
                 self._lifecycle = Lifecycle.IDLE
             elif kind in _TURN_EVENTS or l0 is Lifecycle.SPAWNING:

@@ -20,7 +20,8 @@ from urllib.parse import urlsplit
 
 from kernel import Agent, ConfigError, RunInfo
 
-KINDS = ("llm", "agentcli", "pane")
+KINDS = ("llm", "agentcli", "pane", "claude", "codex", "gemini")
+PRESETS = ("claude", "codex", "gemini")
 
 _CONTEXT_REF = re.compile(r"\$\$\{|\$\{context\.([A-Za-z0-9_.-]+)\}")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -28,13 +29,15 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 def build_agent(kind: str, *, model: str | None, base_url: str | None, prompt: str | None,
                 cmd: str | None, api_key_env: str | None, allow_shell: bool,
-                context: dict[str, str], target: str | None = None) -> tuple[Agent, RunInfo]:
+                context: dict[str, str], target: str | None = None,
+                max_turns: int | None = None) -> tuple[Agent, RunInfo]:
     """The agent and its `RunInfo` for `kernel run --agent KIND ...`.
 
     Args:
-        kind: "llm" (chat-completions API), "agentcli" (a CLI agent process) or
-            "pane" (an agent already running in a tmux pane).
-        model: The model name (llm; required).
+        kind: "llm" (chat-completions API), "agentcli" (a CLI agent process),
+            "pane" (an agent already running in a tmux pane), or a known CLI
+            agent run non-interactively: "claude", "codex", "gemini".
+        model: The model name (llm: required; claude/codex/gemini: optional).
         base_url: The API root (llm); default `$OPENAI_BASE_URL`, then OpenAI's.
         prompt: The task. llm: required, the first user message. agentcli:
             optional, appended to the command line as its last argument.
@@ -44,6 +47,7 @@ def build_agent(kind: str, *, model: str | None, base_url: str | None, prompt: s
         context: `--context` variables, for `${context.KEY}` and (agentcli) the
             environment as `KERNEL_CTX_KEY`.
         target: The tmux pane (pane; required), e.g. "dev" or "dev:0.1".
+        max_turns: The agent's turn limit (claude only).
 
     Raises:
         ConfigError: An unknown kind, a missing or inapplicable option, a
@@ -53,6 +57,12 @@ def build_agent(kind: str, *, model: str | None, base_url: str | None, prompt: s
     name = kind.strip().lower()
     if name != "pane" and target is not None:
         raise ConfigError("--target is for --agent pane")
+    if name not in PRESETS and max_turns is not None:
+        raise ConfigError("--max-turns is for --agent claude")
+    if name in PRESETS:
+        return _build_preset(name, model=model, base_url=base_url, prompt=prompt, cmd=cmd,
+                             api_key_env=api_key_env, allow_shell=allow_shell,
+                             context=context, max_turns=max_turns)
     if name == "pane":
         return _build_pane(target=target, prompt=prompt, context=context,
                            others={"--model": model, "--base-url": base_url, "--cmd": cmd,
@@ -175,4 +185,42 @@ def _build_agentcli(*, model: str | None, base_url: str | None, prompt: str | No
     info = RunInfo(
         name=shlex.join(argv)[:200], subject_id=f"agentcli:{os.path.basename(exe)}",
         inputs={"agent": "agentcli", "argv": argv, "prompt": prompt, "context": dict(context)})
+    return agent, info
+
+
+def _build_preset(client: str, *, model: str | None, base_url: str | None,
+                  prompt: str | None, cmd: str | None, api_key_env: str | None,
+                  allow_shell: bool, context: dict[str, str],
+                  max_turns: int | None) -> tuple[Agent, RunInfo]:
+    from adapters.agentcli import CLIENTS, preset
+
+    for flag, value in (("--cmd", cmd), ("--base-url", base_url),
+                        ("--api-key-env", api_key_env)):
+        if value is not None:
+            raise ConfigError(
+                f"{flag} does not apply to --agent {client}: the client reads its endpoint "
+                "and key from its own environment and config"
+                + ("; for another command line use --agent agentcli --cmd"
+                   if flag == "--cmd" else ""))
+    if allow_shell:
+        raise ConfigError(f"--allow-shell is for --agent llm; {client} has its own tools")
+    if prompt is None or not prompt.strip():
+        raise ConfigError(f"--agent {client} needs --prompt TEXT")
+    text = interpolate(prompt, context, where="--prompt")
+    exe = shutil.which(client)
+    if exe is None:
+        raise ConfigError(f"--agent {client}: `{client}` is not on PATH "
+                          f"(npm install -g {CLIENTS[client]})")
+    env = {f"KERNEL_CTX_{k.upper().replace('-', '_').replace('.', '_')}": v
+           for k, v in context.items()}
+    cwd = os.getcwd()
+    try:
+        agent = preset(client, text, model=model.strip() if model else None,
+                       max_turns=max_turns, cwd=cwd, env=env or None, executable=exe)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    info = RunInfo(
+        name=f"{client}: {text}"[:200], subject_id=f"agentcli:{client}",
+        inputs={"agent": client, "argv": list(agent.argv), "prompt": text, "model": model,
+                "max_turns": max_turns, "cwd": cwd, "context": dict(context)})
     return agent, info

@@ -110,19 +110,26 @@ def run(
         None, "--scenario", help="Dry-run results for a loop: all-pass|all-fail|all-error|"
                                  "first-fail|alternating. Implies --dry-run."),
     agent: str | None = typer.Option(
-        None, "--agent", metavar="KIND", help="Run an agent instead: llm | agentcli | pane."),
+        None, "--agent", metavar="KIND",
+        help="Run an agent instead: llm | agentcli | pane, or a coding-agent CLI run "
+             "non-interactively with its stream format: claude | codex | gemini."),
     target: str | None = typer.Option(
         None, "--target", metavar="PANE",
         help="The tmux pane an --agent pane lives in (session[:window[.pane]]); "
              "$KERNEL_TMUX_SOCKET picks the tmux server."),
     model: str | None = typer.Option(
-        None, "--model", help="Model name (--agent llm; for a loop, the model its "
-                              "llm_structured evaluations ask unless the file sets llm.model)."),
+        None, "--model", help="Model name (--agent llm, claude, codex, gemini; for a loop, the "
+                              "model its llm_structured evaluations ask unless the file sets "
+                              "llm.model)."),
+    max_turns: int | None = typer.Option(
+        None, "--max-turns", metavar="N", min=1, show_default=False,
+        help="The agent's own turn limit (--agent claude)."),
     base_url: str | None = typer.Option(
         None, "--base-url", help="OpenAI-compatible API base URL (--agent llm and loop "
                                  "llm_structured evaluations; default $OPENAI_BASE_URL)."),
     prompt: str | None = typer.Option(
-        None, "--prompt", help="The task (--agent llm|agentcli|pane; a pane gets it typed)."),
+        None, "--prompt", help="The task (--agent llm|agentcli|pane|claude|codex|gemini; a "
+                               "pane gets it typed)."),
     cmd: str | None = typer.Option(
         None, "--cmd", help="The agent's command line (--agent agentcli)."),
     api_key_env: str | None = typer.Option(
@@ -138,7 +145,8 @@ def run(
         ctx_vars = parse_context(context or [])
         spec = agent_spec(args or [], ctx_vars, agent=agent, model=model, base_url=base_url,
                           prompt=prompt, cmd=cmd, api_key_env=api_key_env,
-                          allow_shell=allow_shell, scenario=scenario, target=target)
+                          allow_shell=allow_shell, scenario=scenario, target=target,
+                          max_turns=max_turns)
         plan = plan_from_spec(spec, quiet=quiet or json_out)
     except ConfigError as exc:
         _fail(str(exc))
@@ -215,16 +223,19 @@ def parse_context(pairs: list[str]) -> dict[str, str]:
 def agent_spec(args: list[str], ctx_vars: dict[str, str], *, agent: str | None,
                model: str | None, base_url: str | None, prompt: str | None, cmd: str | None,
                api_key_env: str | None, allow_shell: bool, scenario: str | None,
-               target: str | None = None) -> dict[str, Any]:
+               target: str | None = None, max_turns: int | None = None) -> dict[str, Any]:
     """What to run, as a JSON-ready spec (kept with the checkpoint, for `kernel resume`)."""
     if agent is not None:
         if args:
             raise ConfigError("--agent takes no command or loop file; use --prompt/--cmd")
         return {"kind": "agent", "agent": agent, "model": model, "base_url": base_url,
                 "prompt": prompt, "cmd": cmd, "api_key_env": api_key_env,
-                "allow_shell": allow_shell, "context": ctx_vars, "target": target}
+                "allow_shell": allow_shell, "context": ctx_vars, "target": target,
+                "max_turns": max_turns}
     if target is not None:
         raise ConfigError("--target is for --agent pane")
+    if max_turns is not None:
+        raise ConfigError("--max-turns is for --agent claude")
     if not args:
         raise ConfigError("nothing to run: give -- CMD [ARGS...], a LOOP.yaml, or --agent KIND")
     if len(args) == 1 and args[0].endswith((".yaml", ".yml")):
@@ -253,7 +264,7 @@ def plan_from_spec(spec: dict[str, Any], *, quiet: bool) -> Plan:
             spec["agent"], model=spec.get("model"), base_url=spec.get("base_url"),
             prompt=spec.get("prompt"), cmd=spec.get("cmd"),
             api_key_env=spec.get("api_key_env"), allow_shell=bool(spec.get("allow_shell")),
-            context=ctx_vars, target=spec.get("target"))
+            context=ctx_vars, target=spec.get("target"), max_turns=spec.get("max_turns"))
         return Plan(built_agent, info)
     if kind == "loop":
         path = spec["path"]

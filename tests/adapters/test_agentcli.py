@@ -72,8 +72,8 @@ class TestParseLine:
             (EventType.TOOL_USE, "assistant/tool_use"),
             (EventType.TOOL_RESULT, "user/tool_result"),
             (EventType.TEXT_DELTA, "stream_event/text_delta"),
-            (EventType.UNKNOWN, "stream_event/message_stop"),
-            (EventType.UNKNOWN, "system/compact_boundary"),
+            (EventType.INFO, "stream_event/message_stop"),
+            (EventType.INFO, "system/compact_boundary"),
         ]
         assert events[0].session_id == "s1"
         assert (events[3].tool, events[3].tool_id, events[3].input) == (
@@ -177,8 +177,8 @@ class TestAgentCLIRun:
         first = agent_events[0]  # the delta that arrived before the init
         assert (first.name, first.payload["state"], first.payload["lifecycle"],
                 first.payload["from"]) == ("text_delta", "responding", "working", "idle")
-        unknown = next(e for e in agent_events if e.payload["source"] == "rate_limit_event")
-        assert (unknown.name, unknown.payload["state"]) == ("unknown", "responding")
+        info = next(e for e in agent_events if e.payload["source"] == "rate_limit_event")
+        assert (info.name, info.payload["state"]) == ("info", "responding")
         done = agent_events[-1]
         assert (done.name, done.payload["state"], done.payload["lifecycle"]) == (
             "done", "idle", "idle")
@@ -205,7 +205,7 @@ class TestAgentCLIRun:
         assert [e.name for e in kinds(events, "tool_start", "tool_end")] == ["shell", "shell"]
         todo = next(e for e in kinds(events, "agent_event")
                     if e.payload["source"] == "item.completed/todo_list")
-        assert todo.name == "unknown"
+        assert todo.name == "thinking"
 
     async def test_reordered_stream_is_followed_leniently(self) -> None:
         """Out-of-order deltas and tool events, unknown types and non-JSON lines all pass."""

@@ -25,7 +25,8 @@ def machine_in(state: State, clock: FakeClock | None = None) -> StateMachine:
     m = StateMachine(clock or FakeClock())
     m.mark_spawning()
     lead = {State.IDLE: EventType.SESSION_START, State.THINKING: EventType.THINKING,
-            State.RUNNING_TOOL: EventType.TOOL_USE, State.RESPONDING: EventType.TEXT_DELTA}
+            State.RUNNING_TOOL: EventType.TOOL_USE, State.RESPONDING: EventType.TEXT_DELTA,
+            State.WAITING_APPROVAL: EventType.APPROVAL}
     m.apply(lead[state])
     assert (m.state, m.lifecycle) == (state, Lifecycle.WORKING)
     return m
@@ -45,6 +46,10 @@ STATE_AFTER: dict[EventType, State | None] = {
     EventType.TOOL_RESULT: State.THINKING,
     EventType.DONE: State.IDLE,
     EventType.ERROR: State.IDLE,
+    EventType.APPROVAL: State.WAITING_APPROVAL,
+    EventType.WARNING: None,
+    EventType.RETRY: None,
+    EventType.INFO: None,
     EventType.UNKNOWN: None,
 }
 
@@ -67,6 +72,20 @@ class TestStateTransitions:
         expected = STATE_AFTER[event] or start
         assert m.state is expected
         assert (tr.event, tr.state_from, tr.state_to) == (event, start, expected)
+
+    def test_a_denied_approval_keeps_the_state(self) -> None:
+        """An approval the CLI denied by itself is not a wait for a person."""
+        m = machine_in(State.RUNNING_TOOL)
+        m.apply(AgentEvent(EventType.APPROVAL, is_error=True))
+        assert m.state is State.RUNNING_TOOL
+
+    def test_a_retry_after_an_error_is_working_again(self) -> None:
+        """A CLI retrying by itself after an error event is back to WORKING, not idle."""
+        m = machine_in(State.THINKING)
+        m.apply(EventType.ERROR)
+        assert m.lifecycle is Lifecycle.IDLE
+        m.apply(EventType.RETRY)
+        assert (state_of(m), m.lifecycle) == (State.IDLE, Lifecycle.WORKING)
 
     def test_apply_takes_event_types_and_their_names(self) -> None:
         """apply accepts an AgentEvent, an EventType, or the type's string value."""

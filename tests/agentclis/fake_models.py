@@ -24,7 +24,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -50,7 +50,38 @@ class Shell:
     command: str
 
 
-Part = Think | Say | Shell
+@dataclass(frozen=True)
+class ListDir:
+    """The model lists a directory with the client's read-only tool (`ls` where there is none)."""
+
+    path: str = "."
+
+
+@dataclass(frozen=True)
+class ReadFile:
+    """The model reads a file with the client's read-only tool (`cat` where there is none)."""
+
+    path: str
+
+
+Part = Think | Say | Shell | ListDir | ReadFile
+Tool = Shell | ListDir | ReadFile
+
+
+def tool_call(protocol: str, part: Tool, body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The client's own tool name and arguments for a neutral tool part."""
+    if protocol == "gemini":
+        if isinstance(part, ListDir):
+            return "list_directory", {"dir_path": part.path}
+        if isinstance(part, ReadFile):
+            return "read_file", {"file_path": part.path}
+        return "run_shell_command", {"command": part.command}
+    command = (part.command if isinstance(part, Shell)
+               else f"ls {part.path}" if isinstance(part, ListDir) else f"cat {part.path}")
+    if protocol == "anthropic":
+        return "Bash", {"command": command, "description": "Run a command"}
+    name, shape = _codex_shell(body)
+    return name, shape(command)
 
 
 @dataclass(frozen=True)
@@ -186,6 +217,11 @@ class FakeModelServer:
                     reply = self.replies[-1]
             self._changed.notify_all()
         if not model:
+            if self.protocol == "gemini" and ":generateContent" in h.path:
+                # Gemini CLI's side questions (routing, checks) are not the scenario's turns.
+                _send_json(h, 200, {"candidates": [{"content": {"role": "model", "parts": [
+                    {"text": "{}"}]}, "finishReason": "STOP", "index": 0}]})
+                return
             _send_json(h, 404, {"error": {"message": f"no such endpoint {h.path}"}})
             return
         if reply is None:
@@ -223,7 +259,7 @@ def _is_model_path(protocol: str, path: str) -> bool:
         return p.endswith("/messages")
     if protocol == "responses":
         return p.endswith("/responses")
-    return ":streamGenerateContent" in p or ":generateContent" in p
+    return ":streamGenerateContent" in p
 
 
 def _send_json(h: BaseHTTPRequestHandler, status: int, obj: object) -> None:
@@ -285,11 +321,12 @@ def _anthropic(reply: Reply, body: dict[str, Any]) -> Frames:
                        for w in _chunks(part.text)]
         else:
             stop = "tool_use"
-            args = json.dumps({"command": part.command, "description": "Run a command"})
+            name, tool_args = tool_call("anthropic", part, body)
+            args = json.dumps(tool_args)
             frames += [
                 ("content_block_start", {"type": "content_block_start", "index": i,
                                          "content_block": {
-                                             "type": "tool_use", "name": "Bash", "input": {},
+                                             "type": "tool_use", "name": name, "input": {},
                                              "id": f"toolu_fake{i}{int(time.monotonic()*1e6)}"}}),
                 ("content_block_delta", {"type": "content_block_delta", "index": i, "delta": {
                     "type": "input_json_delta", "partial_json": args}}),
@@ -310,7 +347,6 @@ def _anthropic(reply: Reply, body: dict[str, Any]) -> Frames:
 def _responses(reply: Reply, body: dict[str, Any]) -> Frames:
     inp, out, cache_read, _ = reply.usage
     rid = f"resp_fake{int(time.monotonic() * 1e6)}"
-    tool, shape = _codex_shell(body)
     frames: Frames = [("response.created", {"type": "response.created", "response": {
         "id": rid, "object": "response", "status": "in_progress", "output": []}})]
     for i, part in enumerate(reply.parts):
@@ -342,8 +378,9 @@ def _responses(reply: Reply, body: dict[str, Any]) -> Frames:
                 "type": "response.output_item.done", "output_index": i, "item": item}))
         else:
             call_id = f"call_fake{i}{int(time.monotonic() * 1e6)}"
+            name, tool_args = tool_call("responses", part, body)
             item = {"type": "function_call", "id": f"fc_{call_id}", "call_id": call_id,
-                    "name": tool, "arguments": json.dumps(shape(part.command)),
+                    "name": name, "arguments": json.dumps(tool_args),
                     "status": "completed"}
             frames += [
                 ("response.output_item.added", {"type": "response.output_item.added",
@@ -382,8 +419,8 @@ def _gemini(reply: Reply, body: dict[str, Any]) -> Frames:
         elif isinstance(part, Say):
             chunks = [{"text": w} for w in _chunks(part.text)]
         else:
-            chunks = [{"functionCall": {"name": "run_shell_command",
-                                        "args": {"command": part.command}}}]
+            name, tool_args = tool_call("gemini", part, body)
+            chunks = [{"functionCall": {"name": name, "args": tool_args}}]
         for j, chunk in enumerate(chunks):
             last = i == len(parts) - 1 and j == len(chunks) - 1
             cand: dict[str, Any] = {"content": {"role": "model", "parts": [chunk]}, "index": 0}
@@ -408,13 +445,3 @@ def _chunks(text: str) -> Iterator[str]:
     words = text.split(" ")
     for i, w in enumerate(words):
         yield w if i == len(words) - 1 else w + " "
-
-
-@dataclass
-class Scenario:
-    """A named script for one client run: the replies and what the run should show."""
-
-    name: str
-    replies: list[Reply]
-    repeat_last: bool = False
-    notes: dict[str, Any] = field(default_factory=dict)

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from adapters.agentcli import AgentCLI
+from adapters.agentcli import AgentCLI, SessionAgentCLI
 from adapters.llm import LLMAgent
 from kernel import ConfigError
 from kernel_cli.agents import build_agent
@@ -144,7 +144,7 @@ class TestBuildAgentCLI:
     def test_unknown_kind(self) -> None:
         """An agent kind we do not have is named in the error with the choices."""
         with pytest.raises(ConfigError, match=r"unknown agent kind 'robot' \(choose one of: "
-                                              r"llm, agentcli, pane\)"):
+                                              r"llm, agentcli, pane, claude, codex, gemini\)"):
             build_agent("robot", model=None, base_url=None, prompt=None, cmd=None,
                         api_key_env=None, allow_shell=False, context={})
 
@@ -238,6 +238,89 @@ class TestKernelRunAgents:
         assert proc.returncode == 2
         (line,) = proc.stderr.strip().splitlines()
         assert line.endswith("--agent llm needs --model NAME")
+
+
+def build_preset(kind: str, **kw: Any) -> Any:
+    opts: dict[str, Any] = {"model": None, "base_url": None, "prompt": "fix it", "cmd": None,
+                            "api_key_env": None, "allow_shell": False, "context": {}}
+    opts.update(kw)
+    return build_agent(kind, **opts)
+
+
+@pytest.fixture
+def on_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A PATH holding stand-in `claude`, `codex` and `gemini` executables."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("claude", "codex", "gemini"):
+        exe = bin_dir / name
+        exe.write_text("#!/bin/sh\nexit 0\n")
+        exe.chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    return bin_dir
+
+
+class TestBuildPresets:
+    """--agent claude|codex|gemini: each client's non-interactive command line."""
+
+    def test_claude(self, on_path: Path) -> None:
+        """Claude Code: print mode, stream-json both ways, the task on stdin, resumable."""
+        agent, info = build_preset("claude", model="sonnet", max_turns=7,
+                                   prompt="fix ${context.x}", context={"x": "the bug"})
+        assert isinstance(agent, SessionAgentCLI)
+        assert agent.argv == [str(on_path / "claude"), "-p", "--output-format", "stream-json",
+                              "--verbose", "--include-partial-messages", "--input-format",
+                              "stream-json", "--model", "sonnet", "--max-turns", "7"]
+        assert (agent.stdin_prompt, agent.stdin_steer) == ("fix the bug", True)
+        assert agent.cwd == os.getcwd() and agent.env == {"KERNEL_CTX_X": "the bug"}
+        assert agent.resume_argv is not None
+        assert list(agent.resume_argv("S1"))[-2:] == ["--resume", "S1"]
+        assert (info.subject_id, info.inputs["agent"]) == ("agentcli:claude", "claude")
+
+    def test_codex(self, on_path: Path) -> None:
+        """Codex: exec --json with the task last; resume is `codex exec resume ID PROMPT`."""
+        agent, _ = build_preset("codex", model="gpt-5")
+        assert agent.argv == [str(on_path / "codex"), "exec", "--json",
+                              "--skip-git-repo-check", "--model", "gpt-5", "fix it"]
+        assert agent.stdin_prompt is None and not agent.stdin_steer
+        assert agent.resume_argv is not None
+        assert list(agent.resume_argv("T1"))[:6] == [
+            str(on_path / "codex"), "exec", "resume", "--json", "--skip-git-repo-check",
+            "--model"]
+        assert list(agent.resume_argv("T1"))[-2] == "T1"
+
+    def test_gemini(self, on_path: Path) -> None:
+        """Gemini CLI: stream-json output, the task as --prompt; resume by session id."""
+        agent, _ = build_preset("gemini")
+        assert agent.argv == [str(on_path / "gemini"), "--output-format", "stream-json",
+                              "--prompt", "fix it"]
+        assert agent.resume_argv is not None
+        assert list(agent.resume_argv("G1"))[3:5] == ["--resume", "G1"]
+
+    @pytest.mark.parametrize(("kind", "kw", "message"), [
+        ("claude", {"prompt": None}, "--agent claude needs --prompt TEXT"),
+        ("codex", {"cmd": "codex exec"}, "--cmd does not apply to --agent codex"),
+        ("gemini", {"base_url": "http://x"}, "--base-url does not apply to --agent gemini"),
+        ("claude", {"api_key_env": "K"}, "--api-key-env does not apply to --agent claude"),
+        ("codex", {"max_turns": 3}, "--max-turns: codex has no turn limit option"),
+        ("gemini", {"max_turns": 3}, "--max-turns: gemini has no turn limit option"),
+        ("claude", {"allow_shell": True}, "--allow-shell is for --agent llm"),
+        ("llm", {"max_turns": 3, "model": "m"}, "--max-turns is for --agent claude"),
+    ])
+    def test_bad_options(self, on_path: Path, kind: str, kw: dict[str, Any],
+                         message: str) -> None:
+        """Options a client cannot take are one-line ConfigErrors."""
+        with pytest.raises(ConfigError) as err:
+            build_preset(kind, **kw)
+        assert message in str(err.value) and "\n" not in str(err.value)
+
+    def test_client_not_installed(self, tmp_path: Path,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+        """A client missing from PATH is named, with the package to install."""
+        monkeypatch.setenv("PATH", str(tmp_path))
+        with pytest.raises(ConfigError, match=r"`codex` is not on PATH \(npm install -g "
+                                              r"@openai/codex\)"):
+            build_preset("codex")
 
 
 class TestBuildPaneAgent:

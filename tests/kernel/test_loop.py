@@ -100,6 +100,41 @@ class TestCheckpoints:
             ScriptedAgent([Step(), KeyError("k")]))
         assert cp.failed == [(result.run_id, "KeyError: 'k'")]
 
+    async def test_checkpoint_mid_step(self, autojump_clock: trio.abc.Clock) -> None:
+        """ctx.checkpoint() saves the snapshot at once, mid-step, throttle or not."""
+
+        class Learner:
+            def __init__(self) -> None:
+                self.session = ""
+
+            def snapshot(self) -> dict[str, str]:
+                return {"session": self.session}
+
+            async def step(self, ctx: RunContext) -> Step:
+                self.session = "s-1"
+                await ctx.checkpoint()
+                await trio.sleep(1)
+                return Step(final=True, output="ok")
+
+        cp, audit = RecordingCheckpointer(), MemoryAudit()
+        result = await Kernel(Ports(checkpointer=cp, audit=audit)).run(
+            Learner(), RunInfo(), Limits(checkpoint_every_seconds=3600))
+        assert result.status is Status.OK
+        assert [(c.steps, c.state) for c in cp.saves] == [(0, {"session": "s-1"})]
+        assert "checkpoint" in audit.kinds(result.run_id)
+
+    async def test_checkpoint_without_a_checkpointer_is_a_no_op(
+            self, autojump_clock: trio.abc.Clock) -> None:
+        """Without a checkpointer (or snapshot), ctx.checkpoint() does nothing and never raises."""
+
+        class Plain:
+            async def step(self, ctx: RunContext) -> Step:
+                await ctx.checkpoint()
+                return Step(final=True)
+
+        result = await Kernel(Ports()).run(Plain())
+        assert result.status is Status.OK
+
     async def test_resume_continues_the_count(self, autojump_clock: trio.abc.Clock) -> None:
         """A resumed run keeps its id, step count and state; the audit marks the seam."""
         cp, audit = RecordingCheckpointer(), MemoryAudit()
