@@ -65,7 +65,10 @@ class AgentCLI:
         cwd: Working directory (default: the current one).
         env: Extra environment variables, added to the inherited environment.
         idle_ttl: Seconds without any event (stdout or stderr line) after which
-            the process group is killed. Counts from the spawn.
+            the process group is killed.
+        start_ttl: Seconds the CLI may take from the spawn to its first event
+            (a node CLI can take many seconds to start on a loaded machine);
+            None: the larger of `idle_ttl` and 120 s.
         exit_grace: Seconds the CLI may take to exit after its done/error event.
         grace: Seconds between SIGTERM and SIGKILL when stopping the group.
         max_line_bytes: Longer stdout lines are cut (and then read as unknown).
@@ -96,6 +99,7 @@ class AgentCLI:
     cwd: str | None = None
     env: Mapping[str, str] | None = None
     idle_ttl: float = 600.0
+    start_ttl: float | None = None
     exit_grace: float = 5.0
     grace: float = 2.0
     max_line_bytes: int = 8 << 20
@@ -116,6 +120,10 @@ class AgentCLI:
             raise ValueError("AgentCLI needs a command to run")
         if self.idle_ttl <= 0:
             raise ValueError(f"idle_ttl must be > 0, got {self.idle_ttl}")
+        if self.start_ttl is not None and self.start_ttl <= 0:
+            raise ValueError(f"start_ttl must be > 0, got {self.start_ttl}")
+        self._start_ttl = (self.start_ttl if self.start_ttl is not None
+                           else max(self.idle_ttl, 120.0))
         if self.approval_ttl <= 0:
             raise ValueError(f"approval_ttl must be > 0, got {self.approval_ttl}")
         self.machine = StateMachine(now=trio.current_time)
@@ -135,6 +143,7 @@ class AgentCLI:
         self._stderr: deque[str] = deque(maxlen=20)
         self._done = trio.Event()
         self._idle_killed: float | None = None
+        self._never_started = False
         self._approval_killed: tuple[str, float] | None = None
         self._waiting_tool = ""
         self._lingered = False
@@ -261,12 +270,13 @@ class AgentCLI:
                               f"{tool or 'a tool'} (approval TTL {self.approval_ttl:g}s): "
                               "killed")
         if self._idle_killed is not None:
+            error = (f"agent CLI produced no event in {self._idle_killed:.1f}s after its start "
+                     f"(start TTL {self._start_ttl:g}s): killed" if self._never_started else
+                     f"agent CLI idle for {self._idle_killed:.1f}s with no events "
+                     f"(idle TTL {self.idle_ttl:g}s, state {state_at_exit}): killed")
             return Step(final=True, name="agentcli", exit_code=exit_code, usage=usage,
                         output=self._text(), payload={**payload, "idle_killed": True},
-                        kill="stalled",
-                        error=f"agent CLI idle for {self._idle_killed:.1f}s with no events "
-                              f"(idle TTL {self.idle_ttl:g}s, state {state_at_exit}): "
-                              "killed")
+                        kill="stalled", error=error)
         if term is not None and term.type is EventType.DONE:
             return Step(output=self._text(), final=True, name="agentcli", exit_code=exit_code,
                         usage=usage, payload=payload)
@@ -332,6 +342,12 @@ class AgentCLI:
                 duration_ms = (now - started[1]) * 1000
             payload.update(id=ev.tool_id, output=ev.text[: self.max_text],
                            error=ev.text[: self.max_text] if ev.is_error else None)
+        elif ev.type is EventType.APPROVAL:
+            kind, name = "approval", ev.tool or "tool"
+            payload.update(id=ev.tool_id, denied=ev.is_error, text=ev.text[: self.max_text],
+                           args=_clip_json(ev.input, self.max_text))
+            if not ev.is_error:
+                self._waiting_tool = name
         elif ev.text:
             payload["text"] = ev.text[: self.max_text]
         if ev.type is EventType.TEXT_DELTA:
@@ -342,12 +358,6 @@ class AgentCLI:
         if ev.session_id and ev.session_id != self._session:
             self._session = ev.session_id
             self._session_seen.set()
-        elif ev.type is EventType.APPROVAL:
-            kind, name = "approval", ev.tool or "tool"
-            payload.update(id=ev.tool_id, denied=ev.is_error,
-                           args=_clip_json(ev.input, self.max_text))
-            if not ev.is_error:
-                self._waiting_tool = name
         if ev.usage:
             payload["usage"] = {"input_tokens": ev.usage.input_tokens,
                                 "output_tokens": ev.usage.output_tokens,
@@ -434,7 +444,8 @@ class AgentCLI:
             last = m.last_active
             assert last is not None  # mark_spawning set it
             waiting = m.state is State.WAITING_APPROVAL
-            ttl = self.approval_ttl if waiting else self.idle_ttl
+            ttl = (self.approval_ttl if waiting
+                   else self._start_ttl if m.lifecycle is Lifecycle.SPAWNING else self.idle_ttl)
             now = trio.current_time()
             if now - last >= ttl:
                 break
@@ -452,10 +463,11 @@ class AgentCLI:
             await self._terminate(proc)
             return
         self._idle_killed = m.idle_for()
+        self._never_started = m.lifecycle is Lifecycle.SPAWNING
         if self._ctx is not None:
             self._ctx.event("idle_kill", name=self.argv[0], activity=False, payload={
                 "idle_s": round(self._idle_killed, 3), "idle_ttl": self.idle_ttl,
-                **self._views()})
+                "before_first_event": self._never_started, **self._views()})
         await self._terminate(proc)
 
     async def _stop_after_done(self, proc: trio.Process) -> None:

@@ -255,6 +255,20 @@ class TestAgentCLIRun:
         assert await gone(int(pidfile.read_text()))
         assert agent.machine.lifecycle is Lifecycle.KILLED
 
+    async def test_start_has_its_own_bound(self) -> None:
+        """Before its first event a CLI gets start_ttl, not idle_ttl; then it is killed."""
+        agent = AgentCLI([sys.executable, "-c", "import time; time.sleep(30)"],
+                         idle_ttl=0.3, start_ttl=1.5, grace=0.5)
+        t0 = time.monotonic()
+        result, events = await run(agent)
+        assert time.monotonic() - t0 >= 1.5
+        assert result.status is Status.KILLED and result.reason == "stalled"
+        assert result.error is not None
+        assert result.error.startswith("agent CLI produced no event in ")
+        assert result.error.endswith("after its start (start TTL 1.5s): killed")
+        (kill,) = kinds(events, "idle_kill")
+        assert kill.payload["before_first_event"] is True
+
     async def test_critic_kill_stops_the_whole_group(self, tmp_path: Path) -> None:
         """A critic kill mid-turn ends `killed` and leaves no process of the CLI behind."""
         pidfile = tmp_path / "child.pid"

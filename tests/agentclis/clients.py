@@ -102,7 +102,9 @@ def client_env(name: str, server_url: str, home: Path) -> dict[str, str]:
             "general": {"disableAutoUpdate": True, "disableUpdateNag": True},
             "privacy": {"usageStatisticsEnabled": False},
             "telemetry": {"enabled": False},
-            "model": {"name": "gemini-2.5-flash"},
+            # Its own loop detection would end a looping run `ok` before the critic can:
+            # the scenarios test the critic's.
+            "model": {"name": "gemini-2.5-flash", "disableLoopDetection": True},
         }))
         env.update({"GOOGLE_GEMINI_BASE_URL": server_url, "GEMINI_API_KEY": "fake-key",
                     "GEMINI_CLI_TRUST_WORKSPACE": "true", "GEMINI_TELEMETRY_ENABLED": "false"})

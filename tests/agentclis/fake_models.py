@@ -93,6 +93,8 @@ class Reply:
         status: Answer with this HTTP error status (and an API error body) instead.
         drop: Close the connection without any answer (the client sees a reset).
         hang_after: Stream this many SSE frames, then go silent (until the server stops).
+        cut_after: Stream this many SSE frames, then reset the connection (a stream
+            disconnected mid-answer).
         frame_delay: Seconds to wait before each frame (a slow model).
         usage: Input, output, cache-read and cache-write tokens reported.
     """
@@ -101,6 +103,7 @@ class Reply:
     status: int | None = None
     drop: bool = False
     hang_after: int | None = None
+    cut_after: int | None = None
     frame_delay: float = 0.0
     usage: tuple[int, int, int, int] = (100, 20, 40, 10)
 
@@ -243,6 +246,9 @@ class FakeModelServer:
             for n, (event, data) in enumerate(frames):
                 if reply.hang_after is not None and n >= reply.hang_after:
                     self._stop.wait()
+                    return
+                if reply.cut_after is not None and n >= reply.cut_after:
+                    _drop(h)
                     return
                 if reply.frame_delay and self._stop.wait(reply.frame_delay):
                     return
