@@ -16,10 +16,16 @@ Table::
                 status, error, host, pid, created_at, updated_at)
 
 Each `save` is one short write transaction, durable when it returns.
+
+Secrets never reach the table: the spec, every saved state and a failure's
+error are redacted (`batteries.redact`) before they are written, so a
+resumed run sees markers where it had secrets, and a host that must give
+them back (the CLI's secret `--context` values) does so when it resumes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -30,6 +36,7 @@ from typing import Any
 
 import trio
 
+from batteries.redact import Redactor
 from kernel import Checkpoint, Usage
 
 _DDL = """CREATE TABLE IF NOT EXISTS checkpoints (
@@ -81,22 +88,26 @@ class DuckDBCheckpointer:
 
     Args:
         path: The database file.
+        redactor: What replaces secrets in specs, states and errors (None:
+            `Redactor.from_env()`).
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, redactor: Redactor | None = None) -> None:
         from batteries.audit import Store
 
         self.store = Store(path)
+        self.redactor = Redactor.from_env() if redactor is None else redactor
 
     # --------------------------------------------------------------- the port
 
     async def register(self, run_id: str, spec: dict[str, Any]) -> None:
-        """Record a run's spec before it starts (status `running`, this host and pid)."""
-        await trio.to_thread.run_sync(self._register, run_id, spec)
+        """Record a run's spec, redacted, before it starts (status `running`, this host and pid)."""
+        await trio.to_thread.run_sync(self._register, run_id, self.redactor.value(spec))
 
     async def save(self, checkpoint: Checkpoint) -> None:
-        """Persist the run's resumable state; durable when this returns."""
-        await trio.to_thread.run_sync(self._save, checkpoint)
+        """Persist the run's resumable state, redacted; durable when this returns."""
+        state = self.redactor.value(checkpoint.state)
+        await trio.to_thread.run_sync(self._save, dataclasses.replace(checkpoint, state=state))
 
     async def complete(self, run_id: str) -> None:
         """The run finished: mark it completed and drop its state."""
@@ -104,7 +115,8 @@ class DuckDBCheckpointer:
 
     async def fail(self, run_id: str, error: str) -> None:
         """The run failed for good: mark it failed, so it is not resumed."""
-        await trio.to_thread.run_sync(self._finish, run_id, "failed", error)
+        await trio.to_thread.run_sync(self._finish, run_id, "failed",
+                                      self.redactor.text(error))
 
     # ---------------------------------------------------------------- blocking
 
@@ -158,7 +170,7 @@ class DuckDBCheckpointer:
 
     def mark_failed(self, run_id: str, error: str) -> None:
         """Give up on a run (e.g. its agent cannot resume)."""
-        self._finish(run_id, "failed", error)
+        self._finish(run_id, "failed", self.redactor.text(error))
 
     def _select(self, where: str, params: list[Any]) -> list[SavedRun]:
         if not self.store.path.exists():

@@ -27,6 +27,7 @@ from typing import Any
 
 import trio
 
+from batteries.redact import Redactor
 from kernel import AuditError, AuditWriteError, RunInfo
 
 from ._encode import (
@@ -85,6 +86,9 @@ class DuckDBAudit:
             `$KERNEL_AUDIT_MAX_PAYLOAD_BYTES`, else 256 KiB).
         max_pending_events: While flushes keep failing, at most this many
             events are buffered; later ones are dropped and reported at close.
+        redactor: What replaces secrets before anything is buffered (None:
+            `Redactor.from_env()`: the token shapes, the values of secret-named
+            environment variables, `$KERNEL_REDACT`). See `batteries.redact`.
 
     Raises:
         ConfigError: An environment variable holds a bad value.
@@ -93,8 +97,10 @@ class DuckDBAudit:
     def __init__(self, path: str | os.PathLike[str] | None = None, *, batch_size: int = 10_000,
                  flush_interval: float = 1.0, lock_timeout: float | None = None,
                  max_output_bytes: int | None = None, max_payload_bytes: int | None = None,
-                 max_pending_events: int = 1_000_000) -> None:
+                 max_pending_events: int = 1_000_000,
+                 redactor: Redactor | None = None) -> None:
         self.path: Path = resolve_db_path(path)
+        self.redactor = Redactor.from_env() if redactor is None else redactor
         self.batch_size = max(1, batch_size)
         self.flush_interval = flush_interval
         self.max_output_bytes = (max_output_bytes if max_output_bytes is not None

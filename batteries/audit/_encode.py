@@ -14,11 +14,14 @@ import json
 import math
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from kernel import ConfigError
+
+if TYPE_CHECKING:
+    from batteries.redact import Redactor
 
 #: Env var: the largest string value (an output, a snapshot) stored, in bytes.
 MAX_OUTPUT_ENV = "KERNEL_AUDIT_MAX_OUTPUT_BYTES"
@@ -98,11 +101,14 @@ def dumps(value: Any) -> str:
         return _encode(_plain(value, 0))
 
 
-def encode_payload(payload: Mapping[str, Any] | None, max_value: int, max_total: int) -> str:
-    """The JSON stored in `events.payload`, with the size caps applied.
+def encode_payload(payload: Mapping[str, Any] | None, max_value: int, max_total: int,
+                   redactor: Redactor | None = None) -> str:
+    """The JSON stored in `events.payload`, secrets redacted, with the size caps applied.
 
-    String values longer than `max_value` bytes keep their tail; if the
-    whole payload is still over `max_total`, it is replaced by
+    Secrets are replaced first (`batteries.redact`), so a cut can never keep
+    the end of a secret whose start it dropped. String values longer than
+    `max_value` bytes keep their tail; if the whole payload is still over
+    `max_total`, it is replaced by
     `{"truncated": true, "bytes": N, "tail": "<end of the JSON text>"}`.
     Either way a capped payload carries `"truncated": true`.
     """
@@ -112,13 +118,16 @@ def encode_payload(payload: Mapping[str, Any] | None, max_value: int, max_total:
         text = _orjson_dumps(payload, default=str, option=_ORJSON_OPTIONS).decode()
     except TypeError:
         text = dumps(payload)
+    if redactor is not None:
+        text = redactor.json_text(text)
     if len(text) <= max_value // 4:  # cheap: no value can be over the cap
         return text
     size = len(text.encode("utf-8", "replace"))
     if size <= max_value:
         return text
     cut = [False]
-    capped = _cap_strings(_plain(payload, 0), max_value, cut)
+    plain = _plain(payload, 0)
+    capped = _cap_strings(plain if redactor is None else redactor.value(plain), max_value, cut)
     if cut[0] and isinstance(capped, dict):
         capped["truncated"] = True
         text = dumps(capped)

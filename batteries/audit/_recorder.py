@@ -2,9 +2,11 @@
 
 Every recorder call appends one row to the audit's column buffers and
 returns: no I/O, no locks, no awaiting. Payloads are encoded to capped JSON
-here (the payload may be mutated by its owner after the call returns, so it
-cannot be kept by reference), which is the only per-event cost beyond a few
-list appends.
+here, secrets redacted (the payload may be mutated by its owner after the
+call returns, so it cannot be kept by reference), which is the only per-event
+cost beyond a few list appends. This is the one funnel every audit row passes
+through, whatever store sits under it: the run's RunInfo is redacted once
+when its recorder is made, each payload as it is encoded, the roll-up at close.
 """
 
 from __future__ import annotations
@@ -13,9 +15,14 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from batteries.redact import KEY_START
 from kernel import AuditWriteError, RunInfo, RunStats, Step, ToolResult
 
 from ._encode import EMPTY, encode_payload, tail, to_text
+
+#: After a private key's BEGIN line, at most this many events are blanked
+#: while waiting for its END line (a 4096-bit RSA key is ~50 lines).
+_KEY_LINES = 200
 
 if TYPE_CHECKING:
     from ._audit import DuckDBAudit
@@ -30,11 +37,14 @@ class DuckDBRecorder:
         dropped: Events refused because the audit's buffer was full.
     """
 
-    __slots__ = ("audit", "base", "closed", "count", "dropped", "info", "run_id", "started_us")
+    __slots__ = ("audit", "base", "closed", "count", "dropped", "info", "key_lines", "run_id",
+                 "started_us")
 
     def __init__(self, audit: DuckDBAudit, info: RunInfo) -> None:
         self.audit = audit
-        self.info = info
+        # What the store writes (runs row, run_start) comes from this copy:
+        # secrets are replaced before anything leaves the recorder.
+        self.info = audit.redactor.run_info(info)
         self.run_id = info.run_id
         self.started_us = time.time_ns() // 1000
         # Set by the writer (in a worker thread) once the run's rows are
@@ -43,6 +53,9 @@ class DuckDBRecorder:
         self.count = 0
         self.dropped = 0
         self.closed = False
+        # Events left to blank after a private key's BEGIN line was seen without
+        # its END (a key printed one line per output event).
+        self.key_lines = 0
 
     def _add(self, kind: str, name: str | None, payload: str, duration_ms: float | None,
              iteration: int | None, *, force: bool = False) -> None:
@@ -95,7 +108,17 @@ class DuckDBRecorder:
                   None, None)
 
     def _encode(self, payload: Mapping[str, Any]) -> str:
-        return encode_payload(payload, self.audit.max_output_bytes, self.audit.max_payload_bytes)
+        audit = self.audit
+        text = encode_payload(payload, audit.max_output_bytes, audit.max_payload_bytes,
+                              audit.redactor)
+        if self.key_lines:  # inside a private key: its lines go whole, up to its END line
+            self.key_lines = 0 if "-----END" in text else self.key_lines - 1
+            return encode_payload({k: KEY_START if isinstance(v, str) else v
+                                   for k, v in payload.items()}, audit.max_output_bytes,
+                                  audit.max_payload_bytes)
+        if KEY_START in text:
+            self.key_lines = _KEY_LINES
+        return text
 
     async def close(self, stats: RunStats) -> None:
         """Buffer `run_end` and the run's roll-up, then wait until the run's rows are durable.
@@ -114,13 +137,15 @@ class DuckDBRecorder:
                   self._encode({"status": status, "reason": stats.reason, "error": stats.error}),
                   stats.runtime_seconds * 1000, None, force=True)
         cap = self.audit.max_output_bytes
+        redact = self.audit.redactor.text
         output, truncated = (None, False) if stats.output is None else tail(
-            to_text(stats.output), cap)
-        error = None if stats.error is None else tail(stats.error, cap)[0]
+            redact(to_text(stats.output)), cap)
+        error = None if stats.error is None else tail(redact(stats.error), cap)[0]
+        reason = None if stats.reason is None else redact(stats.reason)
         usage = stats.usage
         row = (self.run_id, time.time_ns() // 1000, status, output, error, stats.steps,
                stats.tool_calls, stats.runtime_seconds, usage.input_tokens,
-               usage.output_tokens, usage.thinking_tokens, usage.cost_usd, stats.reason,
+               usage.output_tokens, usage.thinking_tokens, usage.cost_usd, reason,
                stats.exit_code, truncated)
         await self.audit._close_run(self, row)
         if self.dropped:

@@ -6,13 +6,23 @@ the kernel saves the agent's resumable state as it goes. A run whose
 process is gone while its checkpoint still says `running` (SIGKILL, a crash,
 SIGTERM at shutdown) is *interrupted*: these commands rebuild its agent from
 the spec and resume it under the same run_id, from its last checkpoint.
+
+Secrets are not stored (see `batteries.redact`), so a spec may say that some
+of its values were redacted. Those must be given again: a secret context
+value with `--context KEY=VALUE`, a webhook or base URL that held a password
+with `--webhook` / `--base-url` (`kernel resume` only). A run missing one is
+refused with one line naming what to give, and stays resumable; a run whose
+command, prompt or loop path held a secret cannot be resumed at all.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import os
 import sys
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -21,7 +31,15 @@ import typer
 from kernel import ConfigError, Limits, RunInfo
 
 from .dberrors import guard_database
-from .run_cmd import _execute, _report, exit_code, plan_from_spec
+from .run_cmd import (
+    REDACT_HELP,
+    _execute,
+    _report,
+    exit_code,
+    make_redactor,
+    parse_context,
+    plan_from_spec,
+)
 from .wiring import PortOptions
 
 
@@ -43,12 +61,20 @@ def _fail(message: str) -> None:
     raise typer.Exit(2)
 
 
+_CONTEXT_HELP = ("A secret context value the run was started with (repeatable): secrets "
+                 "are not stored, so a run that had one is resumed only when it is given again.")
+
+
 def recover(
     list_only: bool = typer.Option(False, "--list", help="Only list interrupted runs."),
     json_out: bool = typer.Option(False, "--json", help="One JSON object per line."),
     db: str | None = typer.Option(None, "--db", metavar="PATH",
                                   help="Audit database (default: $KERNEL_DB or the user "
                                        "data dir)."),
+    context: list[str] | None = typer.Option(None, "--context", "-c", metavar="KEY=VALUE",
+                                             help=_CONTEXT_HELP),
+    redact: list[str] | None = typer.Option(None, "--redact", metavar="REGEX",
+                                            help=REDACT_HELP),
 ) -> None:
     """Resume every interrupted run (its process died while it was running).
 
@@ -72,9 +98,10 @@ def recover(
         if not runs and not json_out:
             print("no interrupted runs", file=sys.stderr)
         raise typer.Exit(0)
+    given = _Given(context or [], [], None, redact or [])
     worst = 0
     for saved in runs:
-        code = _resume_one(saved, db=db, json_out=json_out)
+        code = _resume_one(saved, db=db, json_out=json_out, given=given)
         worst = worst or (1 if code else 0)
     raise typer.Exit(worst)
 
@@ -85,6 +112,16 @@ def resume(
     db: str | None = typer.Option(None, "--db", metavar="PATH",
                                   help="Audit database (default: $KERNEL_DB or the user "
                                        "data dir)."),
+    context: list[str] | None = typer.Option(None, "--context", "-c", metavar="KEY=VALUE",
+                                             help=_CONTEXT_HELP),
+    webhook: list[str] | None = typer.Option(
+        None, "--webhook", metavar="URL",
+        help="Deliver to these URLs instead of the stored ones (needed when a stored "
+             "webhook held a password, which is not stored)."),
+    base_url: str | None = typer.Option(
+        None, "--base-url", help="The API base URL, when the stored one held a password."),
+    redact: list[str] | None = typer.Option(None, "--redact", metavar="REGEX",
+                                            help=REDACT_HELP),
 ) -> None:
     """Resume one interrupted run from its last checkpoint; exit with its status's code."""
     from kernel import AuditError
@@ -105,16 +142,81 @@ def resume(
             _fail(f"run id prefix {run_id!r} is ambiguous ({len(matches)} runs)")
     except AuditError as exc:
         _fail(str(exc))
-    raise typer.Exit(_resume_one(matches[0], db=db, json_out=json_out))
+    given = _Given(context or [], webhook or [], base_url, redact or [])
+    raise typer.Exit(_resume_one(matches[0], db=db, json_out=json_out, given=given))
 
 
-def _resume_one(saved: Any, *, db: str | None, json_out: bool) -> int:
+@dataclass
+class _Given:
+    """What `kernel resume` / `kernel recover` were given to put back in place of secrets."""
+
+    context: list[str]
+    webhooks: list[str]
+    base_url: str | None
+    redact: list[str]
+
+
+def restore_secrets(spec: dict[str, Any], given: _Given, short: str
+                    ) -> tuple[dict[str, Any] | None, str | None, bool]:
+    """The spec with its redacted values given back: (spec, None, _) or (None, why, final).
+
+    `final` is True when no option can give the value back (the run can
+    never be resumed); otherwise `why` names the options to add.
+
+    Raises:
+        ConfigError: A --context pair is malformed.
+    """
+    spec = copy.deepcopy(spec)
+    agent = spec["agent"]
+    ports = spec.setdefault("ports", {})
+    ctx = parse_context(given.context)
+    if ctx and isinstance(agent.get("context"), dict):
+        agent["context"].update(ctx)
+    if given.webhooks:
+        ports["webhooks"] = list(given.webhooks)
+    if given.base_url is not None:
+        agent["base_url"] = given.base_url
+    missing: list[str] = []
+    for path in spec.get("redacted") or []:
+        where = list(path)
+        if where[:2] == ["agent", "context"] and len(where) == 3:
+            if where[2] not in ctx:
+                missing.append(f"--context {where[2]}=...")
+        elif where[:2] == ["ports", "webhooks"]:
+            if not given.webhooks and "--webhook URL" not in missing:
+                missing.append("--webhook URL")
+        elif where == ["agent", "base_url"]:
+            if given.base_url is None:
+                missing.append("--base-url URL")
+        else:
+            name = ".".join(str(p) for p in where)
+            return None, f"its {name} held a secret, which is not stored; run it again " \
+                         "with `kernel run`", True
+    if missing:
+        return None, ("its secrets are not stored; give them again: kernel resume "
+                      f"{short} {' '.join(missing)}"), False
+    return spec, None, False
+
+
+def _resume_one(saved: Any, *, db: str | None, json_out: bool, given: _Given) -> int:
     """Rebuild and resume one run; returns its exit code."""
     import trio
 
+    short = saved.run_id[:12]
+    if saved.spec["agent"].get("kind") != "command":
+        try:
+            restored, why, final = restore_secrets(saved.spec, given, short)
+        except ConfigError as exc:
+            print(f"kernel: error: {exc}", file=sys.stderr)
+            return 2
+        if restored is None:
+            if final:
+                _checkpointer(db).mark_failed(saved.run_id, f"not resumable: {why}")
+            print(f"kernel: run {short} cannot resume: {why}", file=sys.stderr)
+            return 1 if final else 2
+        saved = dataclasses.replace(saved, spec=restored)
     spec = saved.spec
     agent_spec = spec["agent"]
-    short = saved.run_id[:12]
     if agent_spec.get("kind") == "command":
         why = "a plain command has no resumable state; run it again with `kernel run`"
         _checkpointer(db).mark_failed(saved.run_id, f"not resumable: {why}")
@@ -140,9 +242,14 @@ def _resume_one(saved: Any, *, db: str | None, json_out: bool) -> int:
     opts = PortOptions(**ports)
     if db is not None:
         opts.db = db
+    try:
+        redactor = make_redactor(dict(agent_spec.get("context") or {}), given.redact)
+    except ConfigError as exc:
+        print(f"kernel: error: {exc}", file=sys.stderr)
+        return 2
     print(f"kernel: resuming run {short} from step {saved.checkpoint.steps}", file=sys.stderr)
     result = trio.run(partial(_execute, plan.agent, info, limits, opts, spec=spec,
-                              resume=saved.checkpoint))
+                              resume=saved.checkpoint, redactor=redactor))
     code = exit_code(result, command=False)
     _report(result, code, json_out=json_out, echo_output=not plan.echoes)
     return code

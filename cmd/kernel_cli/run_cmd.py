@@ -36,6 +36,11 @@ audit database (see `kernel runs`, `kernel show RUN_ID`).
 """
 
 
+REDACT_HELP = ("Also redact what this regular expression matches from everything stored "
+               "(repeatable; $KERNEL_REDACT adds one per line). Token shapes and secret-named "
+               "--context keys and env vars are redacted anyway.")
+
+
 def register(app: typer.Typer) -> None:
     """Add `kernel run` to the app."""
     app.command("run", help=RUN_HELP)(run)
@@ -137,12 +142,15 @@ def run(
                                                     "(default OPENAI_API_KEY)."),
     allow_shell: bool = typer.Option(
         False, "--allow-shell", help="Give an llm agent the shell tool (off by default)."),
+    redact: list[str] | None = typer.Option(
+        None, "--redact", metavar="REGEX", help=REDACT_HELP),
 ) -> None:
     """Run one thing, supervised and audited, and exit with its status's code."""
     # A scenario only decides simulated verdicts: it never runs a loop for real.
     dry_run = dry_run or scenario is not None
     try:
         ctx_vars = parse_context(context or [])
+        redactor = make_redactor(ctx_vars, redact or [])
         spec = agent_spec(args or [], ctx_vars, agent=agent, model=model, base_url=base_url,
                           prompt=prompt, cmd=cmd, api_key_env=api_key_env,
                           allow_shell=allow_shell, scenario=scenario, target=target,
@@ -178,17 +186,59 @@ def run(
                        deliver_dir=deliver_dir, webhooks=tuple(webhook or ()))
     import trio
 
-    run_spec = {"agent": spec, "info": info_to_dict(info), "limits": limits_to_dict(limits),
-                "ports": ports_to_dict(opts), "cwd": os.getcwd()}
+    run_spec = stored_spec(
+        {"agent": spec, "info": info_to_dict(info), "limits": limits_to_dict(limits),
+         "ports": ports_to_dict(opts), "cwd": os.getcwd()}, redactor)
     try:
         result = trio.run(partial(_execute, plan.agent, info, limits, opts,
-                                  spec=None if dry_run else run_spec))
+                                  spec=None if dry_run else run_spec, redactor=redactor))
     except ConfigError as exc:
         _fail(str(exc))
     code = exit_code(result, command=plan.is_command)
     # A dry run echoes nothing as it goes: its output (the path it would take) is the answer.
     _report(result, code, json_out=json_out, echo_output=not plan.echoes or dry_run)
     raise typer.Exit(code)
+
+
+# ----------------------------------------------------------------- secrets
+
+
+def make_redactor(context: dict[str, str], patterns: list[str]) -> Any:
+    """The run's redactor: shapes, secret env vars and context keys, --redact, $KERNEL_REDACT.
+
+    Raises:
+        ConfigError: A pattern is not a valid regular expression.
+    """
+    from batteries.redact import Redactor
+
+    return Redactor.from_env(context=context, patterns=patterns)
+
+
+def stored_spec(spec: dict[str, Any], redactor: Any) -> dict[str, Any]:
+    """The run spec as the checkpoint stores it: secrets replaced, and listed under `redacted`.
+
+    Secret-named context keys lose their values whole (whatever their
+    length); everything else is redacted like the audit. `redacted` holds the
+    key path of every value that changed, which is what `kernel resume` must
+    be given again (see recover_cmd).
+    """
+    out: dict[str, Any] = redactor.value(spec)
+    agent_ctx = spec["agent"].get("context")
+    if isinstance(agent_ctx, dict):
+        out["agent"]["context"] = redactor.context(agent_ctx)
+    out["info"]["inputs"] = redactor.inputs(spec["info"].get("inputs") or {})
+    out["redacted"] = [p for p in _changed(spec, out, []) if p[0] != "info"]
+    return out
+
+
+def _changed(before: Any, after: Any, path: list[Any]) -> list[list[Any]]:
+    """Key paths where `after` differs from `before` (same shape, strings replaced)."""
+    if isinstance(before, dict) and isinstance(after, dict):
+        return [p for k, v in before.items() for p in _changed(v, after.get(k), [*path, k])]
+    if isinstance(before, (list, tuple)) and isinstance(after, (list, tuple)):
+        return [p for i, (a, b) in enumerate(zip(before, after, strict=False))
+                for p in _changed(a, b, [*path, i])]
+    return [] if before == after else [path]
 
 
 # ----------------------------------------------------------------- planning
@@ -335,7 +385,7 @@ class _Capture:
 
 async def _execute(agent: Any, info: RunInfo, limits: Limits, opts: PortOptions, *,
                    spec: dict[str, Any] | None = None,
-                   resume: Checkpoint | None = None) -> Result:
+                   resume: Checkpoint | None = None, redactor: Any = None) -> Result:
     import trio
 
     from kernel import Kernel, PortFailure
@@ -345,7 +395,8 @@ async def _execute(agent: Any, info: RunInfo, limits: Limits, opts: PortOptions,
     capture = _Capture()
     warnings: list[PortFailure] = []
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with open_ports(opts, delivery=capture, warnings=warnings) as ports:
+        async with open_ports(opts, delivery=capture, warnings=warnings,
+                              redactor=redactor) as ports:
             # No live line for dry runs: a loop simulation may ask questions on the terminal.
             live = (progress.Progress(info.name, limits.timeout)
                     if progress.wanted() and not limits.dry_run else None)

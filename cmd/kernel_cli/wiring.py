@@ -9,8 +9,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kernel import Audit, Budget, Checkpointer, Critic, Delivery, PortFailure, Ports
+
+if TYPE_CHECKING:
+    from batteries.redact import Redactor
 
 
 @dataclass(slots=True)
@@ -30,28 +34,35 @@ class PortOptions:
 
 @asynccontextmanager
 async def open_ports(opts: PortOptions, *, delivery: Delivery | None = None,
-                     warnings: list[PortFailure] | None = None) -> AsyncIterator[Ports]:
+                     warnings: list[PortFailure] | None = None,
+                     redactor: Redactor | None = None) -> AsyncIterator[Ports]:
     """Open the batteries the options ask for and close them afterwards.
 
     A battery that cannot be opened (a locked or read-only database) is left
     out with a one-line warning added to `warnings`; the run still happens.
+    `redactor` (None: `Redactor.from_env()`) is shared by the audit and the
+    checkpointer: nothing they store holds a secret it knows.
     """
     async with AsyncExitStack() as stack:
-        audit = None if opts.no_audit else await _open_audit(opts, stack, warnings)
+        if redactor is None and not opts.no_audit:
+            from batteries.redact import Redactor
+
+            redactor = Redactor.from_env()
+        audit = None if opts.no_audit else await _open_audit(opts, stack, warnings, redactor)
         critic = None if opts.no_critic else _make_critic(opts)
         # Budgets live in the audit file: enforced whenever that file is usable.
         budget = _budget(opts) if audit is not None else None
-        checkpointer = _checkpointer(opts) if audit is not None else None
+        checkpointer = _checkpointer(opts, redactor) if audit is not None else None
         yield Ports(audit=audit, budget=budget, critic=critic, checkpointer=checkpointer,
                     delivery=_delivery(opts, delivery))
 
 
-def _checkpointer(opts: PortOptions) -> Checkpointer:
+def _checkpointer(opts: PortOptions, redactor: Redactor | None) -> Checkpointer:
     """Checkpoints (and run specs, for `kernel recover`) in the audit database."""
     from batteries.audit import resolve_db_path
     from batteries.checkpoint import DuckDBCheckpointer
 
-    return DuckDBCheckpointer(resolve_db_path(opts.db))
+    return DuckDBCheckpointer(resolve_db_path(opts.db), redactor=redactor)
 
 
 def _budget(opts: PortOptions) -> Budget:
@@ -76,7 +87,8 @@ def _delivery(opts: PortOptions, first: Delivery | None) -> Delivery | None:
 
 
 async def _open_audit(opts: PortOptions, stack: AsyncExitStack,
-                      warnings: list[PortFailure] | None) -> Audit | None:
+                      warnings: list[PortFailure] | None,
+                      redactor: Redactor | None = None) -> Audit | None:
     """The DuckDB audit at --db / $KERNEL_DB / the user data dir (batteries.audit).
 
     Opening creates or migrates the file, retrying while another process
@@ -88,7 +100,7 @@ async def _open_audit(opts: PortOptions, stack: AsyncExitStack,
     from batteries.audit import DuckDBAudit
 
     try:
-        return await stack.enter_async_context(DuckDBAudit.open(opts.db))
+        return await stack.enter_async_context(DuckDBAudit.open(opts.db, redactor=redactor))
     except Exception as exc:
         if warnings is not None:
             message = " ".join(str(exc).split()) or type(exc).__name__
