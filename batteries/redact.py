@@ -105,7 +105,40 @@ _RULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
      ("secret", "passw", "passp", "token", "credential", "key")),
 )
 _PREFIXED = frozenset(("url_credentials", "bearer", "authorization", "secret"))
-_COMPILED = tuple((re.compile(f"(?P<{kind}>{rx})"), triggers) for kind, rx, triggers in _RULES)
+
+class _Rule:
+    """One compiled rule. Case-insensitive rules also have a lower-case twin,
+    matched against the lowered text (plain literals let sre skip ahead; the
+    `(?i:...)` form tries every keyword at every position, ~4x slower), with
+    the matches spliced into the original text."""
+
+    __slots__ = ("lower", "rx")
+
+    def __init__(self, kind: str, rx: str) -> None:
+        self.rx = re.compile(f"(?P<{kind}>{rx})")
+        twin = rx.replace("(?i:", "(?:").replace("REDACTED:", "redacted:")
+        self.lower = re.compile(f"(?P<{kind}>{twin})") if twin != rx else None
+
+    def sub(self, text: str, lowered: str) -> str:
+        if self.lower is None or len(lowered) != len(text):
+            return self.rx.sub(_replace, text)
+        out: list[str] = []
+        pos = 0
+        for m in self.lower.finditer(lowered):
+            out.append(text[pos:m.start()])
+            kind = m.lastgroup or "secret"
+            if kind in _PREFIXED:
+                start, end = m.span(f"{kind}_pre")
+                out.append(text[start:end])
+            out.append(marker(kind))
+            pos = m.end()
+        if not out:
+            return text
+        out.append(text[pos:])
+        return "".join(out)
+
+
+_COMPILED = tuple((_Rule(kind, rx), triggers) for kind, rx, triggers in _RULES)
 
 
 def _escaped(value: str) -> str:
@@ -131,7 +164,7 @@ class Redactor:
             the empty string.
     """
 
-    __slots__ = ("_checks", "_literals", "_patterns", "_shapes", "_user")
+    __slots__ = ("_checks", "_literals", "_patterns", "_shapes", "_triggers", "_user")
 
     def __init__(self, *, literals: Iterable[str] = (), patterns: Iterable[str] = (),
                  shapes: bool = True) -> None:
@@ -141,20 +174,26 @@ class Redactor:
         self._patterns = tuple(patterns)
         self._user = tuple(_compile_user(p) for p in self._patterns)
         # (lower-case trigger, the rule it arms), literals first: a literal is
-        # replaced whole before a shape rule could take part of it.
-        checks: list[tuple[str, re.Pattern[str]]] = []
-        if self._literals:
-            forms: list[str] = []
-            for v in self._literals:  # the raw form and, where it differs, the JSON-escaped one
-                forms.append(v)
-                esc = _escaped(v)
-                if esc != v:
-                    forms.append(esc)
-            rx = re.compile("(?P<literal>" + "|".join(map(re.escape, forms)) + ")")
-            checks.extend((f.lower(), rx) for f in forms)
+        # replaced whole before a shape rule could take part of it. A literal
+        # that a shape already covers whole (a `ghp_...` in GITHUB_TOKEN)
+        # needs no check of its own.
+        checks: list[tuple[str, _Rule]] = []
+        shaped = Redactor(patterns=(), shapes=True) if shapes and literals else None
+        forms: list[str] = []
+        for v in self._literals:  # the raw form and, where it differs, the JSON-escaped one
+            if shaped is not None and _is_marker(shaped.text(v)):
+                continue
+            forms.append(v)
+            esc = _escaped(v)
+            if esc != v:
+                forms.append(esc)
+        if forms:
+            rule = _Rule("literal", "|".join(map(re.escape, forms)))
+            checks.extend((f.lower(), rule) for f in forms)
         if shapes:
-            checks.extend((t, rx) for rx, triggers in _COMPILED for t in triggers)
+            checks.extend((t, rule) for rule, triggers in _COMPILED for t in triggers)
         self._checks = tuple(checks)
+        self._triggers = tuple(dict.fromkeys(t for t, _ in checks))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, *,
@@ -190,20 +229,26 @@ class Redactor:
 
     def text(self, text: str) -> str:
         """`text` with every secret replaced by its marker."""
-        if self._checks:
+        if self._triggers:
             lowered = text.lower()
-            armed: list[re.Pattern[str]] | None = None
-            for trigger, rx in self._checks:
+            for trigger in self._triggers:  # the hot path: nothing found, nothing else runs
                 if trigger in lowered:
-                    if armed is None:
-                        armed = [rx]
-                    elif rx is not armed[-1]:
-                        armed.append(rx)
-            if armed is not None:
-                for rx in armed:
-                    text = rx.sub(_replace, text)
+                    text = self._armed(text, lowered)
+                    break
         for rx in self._user:
             text = rx.sub("[REDACTED:pattern]", text)
+        return text
+
+    def _armed(self, text: str, lowered: str) -> str:
+        """Run, in order, every rule one of whose triggers is in `lowered`."""
+        armed: list[_Rule] = []
+        for trigger, rule in self._checks:
+            if rule not in armed and trigger in lowered:
+                armed.append(rule)
+        for rule in armed:
+            out = rule.sub(text, lowered)
+            if out is not text:
+                text, lowered = out, out.lower()
         return text
 
     def json_text(self, text: str) -> str:
@@ -270,6 +315,10 @@ def _replace(m: re.Match[str]) -> str:
     if kind in _PREFIXED:
         return (m.group(f"{kind}_pre") or "") + marker(kind)
     return marker(kind)
+
+
+def _is_marker(text: str) -> bool:
+    return text.startswith("[REDACTED:") and text.endswith("]") and text.count("[") == 1
 
 
 def secret_values(mapping: Mapping[str, str]) -> list[str]:
