@@ -119,7 +119,8 @@ def resume(
         help="Deliver to these URLs instead of the stored ones (needed when a stored "
              "webhook held a password, which is not stored)."),
     base_url: str | None = typer.Option(
-        None, "--base-url", help="The API base URL, when the stored one held a password."),
+        None, "--base-url", metavar="URL",
+        help="The API base URL, when the stored one held a password."),
     redact: list[str] | None = typer.Option(None, "--redact", metavar="REGEX",
                                             help=REDACT_HELP),
 ) -> None:

@@ -214,6 +214,23 @@ class TestSecretsCorpus:
         assert _leaks(decoded_export, ALL_BODIES) == []
 
 
+class TestBadPatterns:
+    @pytest.mark.parametrize("where", ["flag", "env"])
+    def test_a_bad_pattern_is_one_line_exit_2(self, kernel_exe: str, cli_env: dict[str, str],
+                                              where: str) -> None:
+        """A --redact or $KERNEL_REDACT pattern that does not compile: one line, exit 2."""
+        env = dict(cli_env)
+        args = ["run", "--", "true"]
+        if where == "flag":
+            args[1:1] = ["--redact", "a("]
+        else:
+            env["KERNEL_REDACT"] = "ok-[0-9]+\na("
+        proc = kernel(kernel_exe, env, *args)
+        assert proc.returncode == 2
+        (line,) = proc.stderr.strip().splitlines()
+        assert "redact pattern 'a(' is not a valid regular expression" in line
+
+
 def _resume_loop(tmp_path: Path) -> Path:
     """A loop that writes its secret to a file before and after a state it is stopped in."""
     path = tmp_path / "resumable.yaml"
