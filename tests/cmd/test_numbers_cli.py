@@ -22,7 +22,8 @@ from kernel_cli.app import main
 #: (command words, option) for every numeric option of every command.
 OPTIONS = [
     (["run"], "--timeout"), (["run"], "--soft-timeout"), (["run"], "--idle-timeout"),
-    (["run"], "--checkpoint-interval"), (["run"], "--max-steps"),
+    (["run"], "--checkpoint-interval"), (["run"], "--max-steps"), (["run"], "--model-timeout"),
+    (["run"], "--tool-timeout"), (["run"], "--max-turns"),
     (["runs"], "--since"), (["runs"], "--limit"), (["stats"], "--since"), (["purge"], "--days"),
     (["actions", "run", "compact", "nowhere:0"], "--timeout"),
     (["actions", "run", "compact", "nowhere:0"], "--poll-interval"),
