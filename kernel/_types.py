@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import enum
+import math
 import os
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from .errors import ConfigError
 
 
 class Status(enum.StrEnum):
@@ -96,6 +99,10 @@ class Limits:
         poll_interval: How often the watch task consults the critic.
         finalize_timeout: Bound on the shielded end-of-run work (audit close, delivery, ...).
         dry_run: Simulate: the agent's `simulate(ctx)` is asked instead of `step(ctx)`.
+
+    Raises:
+        ConfigError: A negative count, a bound that is not > 0, or any NaN or
+            infinite number (None, not infinity, means "no bound").
     """
 
     max_steps: int | None = 100
@@ -118,16 +125,23 @@ class Limits:
                      "max_total_tokens"):
             value = getattr(self, name)
             if value is not None and value < 0:
-                raise ValueError(f"Limits.{name} must be >= 0, got {value}")
+                raise ConfigError(f"Limits.{name} must be >= 0, got {value}")
+        for name in ("timeout", "soft_timeout", "tool_timeout", "max_cost_usd",
+                     "checkpoint_every_seconds", "poll_interval", "finalize_timeout"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise ConfigError(f"Limits.{name} must be a finite number, got {value}")
         for name in ("timeout", "soft_timeout", "tool_timeout", "max_cost_usd"):
             value = getattr(self, name)
             if value is not None and value <= 0:
-                raise ValueError(f"Limits.{name} must be > 0 or None, got {value}")
+                raise ConfigError(f"Limits.{name} must be > 0 or None, got {value}")
         if self.checkpoint_every_steps < 1 or self.checkpoint_every_seconds < 0:
-            raise ValueError("Limits.checkpoint_every_steps must be >= 1 and "
-                             "checkpoint_every_seconds >= 0")
+            raise ConfigError("Limits.checkpoint_every_steps must be >= 1 and "
+                              "checkpoint_every_seconds >= 0")
         if self.poll_interval <= 0:
-            raise ValueError(f"Limits.poll_interval must be > 0, got {self.poll_interval}")
+            raise ConfigError(f"Limits.poll_interval must be > 0, got {self.poll_interval}")
+        if self.finalize_timeout <= 0:
+            raise ConfigError(f"Limits.finalize_timeout must be > 0, got {self.finalize_timeout}")
 
 
 @dataclass(slots=True, frozen=True)

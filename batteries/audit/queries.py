@@ -2,7 +2,7 @@
 
 Each function takes a cursor from `Store.reader()` (or `Store.session(write=True)`
 for `purge`), blocks, and returns plain Python values; the CLI only formats
-them. Bad input (an unknown run id, a malformed `--since`, a write statement
+them. Bad input (an unknown run id, an unknown status, a write statement
 given to `read_only_query`) raises `kernel.ConfigError` with a one-line message.
 
 Results are fetched through Arrow, which turns TIMESTAMPTZ into timezone-aware
@@ -28,27 +28,12 @@ from .paths import make_private_dir, make_private_file
 if TYPE_CHECKING:
     import duckdb
 
-_SINCE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
-_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _HEX = re.compile(r"^[0-9a-f]+$")
 #: Statement types `read_only_query` accepts (and EXPLAIN of one of them).
 READ_ONLY_TYPES = frozenset({"SELECT"})
 #: The `--status` values `list_runs` accepts: every Status, and "running" for open runs.
 STATUS_CHOICES = (*(str(s) for s in Status), "running")
 STATS_BY = ("subject", "status", "tool")
-
-
-def parse_since(text: str) -> timedelta:
-    """`30s`, `30m`, `24h`, `7d` or `2w` as a timedelta.
-
-    Raises:
-        ConfigError: Anything else.
-    """
-    m = _SINCE.match(text)
-    if m is None:
-        raise ConfigError(f"--since expects a duration like 30s, 30m, 24h, 7d or 2w, "
-                          f"got {text!r}")
-    return timedelta(seconds=float(m.group(1)) * _UNIT_SECONDS[m.group(2)])
 
 
 def cutoff(since: timedelta | None) -> datetime | None:

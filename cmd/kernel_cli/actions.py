@@ -8,17 +8,18 @@ attempt; the attempt is the `attempt` event analysts read through the
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import sys
 from collections.abc import AsyncIterator
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
 
 from kernel import ConfigError, KernelError
 
+from . import numbers
 from .wiring import PortOptions, open_ports
 
 if TYPE_CHECKING:
@@ -87,15 +88,16 @@ def run(
     action: str = typer.Argument(..., metavar="ACTION", help="nonce-probe | compact"),
     target: str = typer.Argument(..., metavar="TARGET", help="The tmux pane."),
     timeout: float = typer.Option(
-        30.0, "--timeout", metavar="S",
-        help="Seconds from the start until completion_timeout."),
+        30.0, "--timeout", metavar="DURATION", parser=numbers.duration(),
+        help="Time from the start until completion_timeout (90, 90s, 5m, ...)."),
     poll_interval: float = typer.Option(
-        2.0, "--poll-interval", metavar="S", help="Seconds between looks at the pane."),
+        2.0, "--poll-interval", metavar="DURATION", parser=numbers.duration(zero=False),
+        help="Time between looks at the pane."),
     skip_reason: str | None = typer.Option(
         None, "--skip-reason", metavar="TEXT",
         help="Do not act: record skipped_by_policy with this reason."),
     min_drop_pct: float | None = typer.Option(
-        None, "--min-drop-pct", metavar="PCT", show_default=False,
+        None, "--min-drop-pct", metavar="PCT", parser=numbers.percent(), show_default=False,
         help="compact: the context percentage must drop by at least this many points "
              "[default: 20]."),
     agent: str | None = typer.Option(
@@ -115,11 +117,6 @@ def run(
     from adapters.pane import TmuxMultiplexer, make_action, snapshot_chars
 
     try:
-        if not (timeout >= 0 and math.isfinite(timeout)):
-            raise ConfigError(f"--timeout must be a number of seconds >= 0, got {timeout:g}")
-        if not (poll_interval > 0 and math.isfinite(poll_interval)):
-            raise ConfigError(f"--poll-interval must be a number of seconds > 0, "
-                              f"got {poll_interval:g}")
         if min_drop_pct is not None and action != "compact":
             raise ConfigError("--min-drop-pct applies to the compact action only")
         if not target.strip():
@@ -248,10 +245,10 @@ def _select(command: str, db: str | None, sql: str, params: list[Any]) -> list[d
 
 
 def _filters(command: str, *, agent: str | None, action: str | None = None,
-             outcome: str | None = None, since: str | None = None
+             outcome: str | None = None, since: timedelta | None = None
              ) -> tuple[list[str], list[Any]]:
     """WHERE clauses and parameters for the common options (bad input exits 2)."""
-    from batteries.audit.queries import cutoff, parse_since
+    from batteries.audit.queries import cutoff
 
     where: list[str] = []
     params: list[Any] = []
@@ -262,10 +259,7 @@ def _filters(command: str, *, agent: str | None, action: str | None = None,
     if outcome is not None and outcome not in OUTCOMES:
         _fail(command, f"--outcome must be one of {', '.join(OUTCOMES)}, got {outcome!r}")
     if since is not None:
-        try:
-            at = cutoff(parse_since(since))
-        except ConfigError as exc:
-            _fail(command, str(exc))
+        at = cutoff(since)
         # started_at is ISO-8601 text in the payload; the cast also accepts a timestamp.
         where.append("TRY_CAST(started_at AS TIMESTAMPTZ) >= ?")
         params.append(at)
@@ -289,16 +283,16 @@ def query(
                                       help="Only this action."),
     outcome: str | None = typer.Option(None, "--outcome", metavar="OUTCOME",
                                        help="Only this outcome."),
-    since: str | None = typer.Option(None, "--since", metavar="AGE",
-                                     help="Only attempts started within 30s, 30m, 2h, 7d, 2w."),
-    limit: int = typer.Option(20, "--limit", metavar="N", help="At most N attempts."),
+    since: timedelta | None = typer.Option(
+        None, "--since", metavar="AGE", parser=numbers.age(),
+        help="Only attempts started within 90, 30s, 30m, 2h, 7d, 2w."),
+    limit: int = typer.Option(20, "--limit", metavar="N", parser=numbers.count(minimum=1),
+                              help="At most N attempts."),
     json_out: bool = typer.Option(
         False, "--json", help="One JSON array, with the pane snapshots and extras."),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help="Audit database."),
 ) -> None:
     """List recent attempts, most recent first."""
-    if limit < 1:
-        _fail("query", f"--limit must be at least 1, got {limit}")
     where, params = _filters("query", agent=agent, action=action, outcome=outcome, since=since)
     sql = (f"SELECT {_ATTEMPT_COLUMNS} FROM attempts"
            + (" WHERE " + " AND ".join(where) if where else "")
@@ -322,8 +316,9 @@ def query(
 
 def stats(
     agent: str | None = typer.Option(None, "--agent", metavar="NAME", help="Only this agent."),
-    since: str | None = typer.Option(None, "--since", metavar="AGE",
-                                     help="Only attempts started within 30s, 30m, 2h, 7d, 2w."),
+    since: timedelta | None = typer.Option(
+        None, "--since", metavar="AGE", parser=numbers.age(),
+        help="Only attempts started within 90, 30s, 30m, 2h, 7d, 2w."),
     json_out: bool = typer.Option(False, "--json", help="One JSON array."),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help="Audit database."),
 ) -> None:

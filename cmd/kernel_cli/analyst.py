@@ -18,15 +18,16 @@ import csv
 import io
 import json
 import math
-import os
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from datetime import date, datetime
+from datetime import date, datetime, timedelta
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
 import typer
+
+from . import numbers
 
 if TYPE_CHECKING:
     from batteries.audit import Store
@@ -55,19 +56,19 @@ def runs(
     status: str | None = typer.Option(
         None, "--status", metavar="S",
         help="Only runs with this status (ok, error, timeout, killed, ..., or running)."),
-    since: str | None = typer.Option(
-        None, "--since", metavar="AGE", help="Only runs started within AGE: 30s, 30m, 24h, 7d."),
-    limit: int = typer.Option(20, "--limit", metavar="N", help="At most N runs."),
+    since: timedelta | None = typer.Option(
+        None, "--since", metavar="AGE", parser=numbers.age(),
+        help="Only runs started within AGE: 90, 30s, 30m, 24h, 7d, 2w."),
+    limit: int = typer.Option(20, "--limit", metavar="N", parser=numbers.count(minimum=1),
+                              help="At most N runs."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help=_DB_HELP),
 ) -> None:
     """List recent runs, newest first."""
     from batteries.audit import queries
 
-    with _errors():
-        age = queries.parse_since(since) if since is not None else None
-        with _reader(db) as cur:
-            found = queries.list_runs(cur, status=status, since=age, limit=limit)
+    with _errors(), _reader(db) as cur:
+        found = queries.list_runs(cur, status=status, since=since, limit=limit)
     if json_out:
         _print_json(found)
         return
@@ -122,8 +123,9 @@ def show(
 
 
 def stats(
-    since: str | None = typer.Option(
-        None, "--since", metavar="AGE", help="Only runs (or tool calls) within AGE: 24h, 7d."),
+    since: timedelta | None = typer.Option(
+        None, "--since", metavar="AGE", parser=numbers.age(),
+        help="Only runs (or tool calls) within AGE: 90, 30m, 24h, 7d, 2w."),
     by: str = typer.Option("subject", "--by", metavar="subject|status|tool",
                            help="Group runs by subject and status, by status, or tool calls "
                                 "by tool."),
@@ -134,12 +136,11 @@ def stats(
     from batteries.audit import queries
 
     with _errors():
-        age = queries.parse_since(since) if since is not None else None
         if by not in queries.STATS_BY:
             raise _config_error(f"--by must be one of {', '.join(queries.STATS_BY)}, "
                                 f"got {by!r}")
         with _reader(db) as cur:
-            found = queries.stats(cur, by=by, since=age)
+            found = queries.stats(cur, by=by, since=since)
     if json_out:
         _print_json(found)
         return
@@ -192,7 +193,7 @@ def query(
 
 def purge(
     days: int | None = typer.Option(
-        None, "--days", metavar="N",
+        None, "--days", metavar="N", parser=numbers.days(),
         help=f"Delete runs older than N days (default: ${RETENTION_ENV}, else "
              f"{DEFAULT_RETENTION_DAYS})."),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help=_DB_HELP),
@@ -202,8 +203,6 @@ def purge(
 
     with _errors():
         keep = _retention_days() if days is None else days
-        if keep < 0:
-            raise _config_error(f"--days must be >= 0, got {keep}")
         store = _store(db)
         if not store.path.exists():
             raise _audit_error(f"no audit database at {store.path}")
@@ -278,14 +277,7 @@ def _audit_error(message: str) -> Exception:
 
 
 def _retention_days() -> int:
-    raw = os.environ.get(RETENTION_ENV, "").strip()
-    if not raw:
-        return DEFAULT_RETENTION_DAYS
-    try:
-        return int(raw)
-    except ValueError:
-        raise _config_error(f"{RETENTION_ENV} must be a whole number of days, "
-                            f"got {raw!r}") from None
+    return numbers.from_env(RETENTION_ENV, numbers.parse_days, DEFAULT_RETENTION_DAYS)
 
 
 def _one_line(text: str) -> str:

@@ -8,6 +8,8 @@ from typing import Any
 
 import typer
 
+from . import numbers
+
 budget_app = typer.Typer(
     name="budget", no_args_is_help=True, rich_markup_mode=None,
     help="Per-caller budgets (runs, runtime, tokens, cost per rolling window). A caller who "
@@ -18,17 +20,6 @@ budget_app = typer.Typer(
 def register(app: typer.Typer) -> None:
     """Add `kernel budget` to the app."""
     app.add_typer(budget_app)
-
-
-def _parse_window(text: str) -> float:
-    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-    try:
-        value = float(text[:-1]) * units[text[-1]] if text and text[-1] in units else float(text)
-    except ValueError:
-        value = -1
-    if value <= 0:
-        raise typer.BadParameter(f"expected a duration like 30m, 24h or 7d, got {text!r}")
-    return value
 
 
 def _store(db: str | None) -> Any:
@@ -46,12 +37,18 @@ def _fail(message: str) -> None:
 @budget_app.command("set")
 def set_budget(
     caller: str = typer.Argument(..., help="The caller id ('*' for the default budget)."),
-    runs: int | None = typer.Option(None, "--runs", min=0, help="Runs per window."),
-    runtime: float | None = typer.Option(None, "--runtime", min=0,
-                                         help="Runtime seconds per window."),
-    tokens: int | None = typer.Option(None, "--tokens", min=0, help="Tokens per window."),
-    cost: float | None = typer.Option(None, "--cost", min=0, help="Dollars per window."),
-    window: str = typer.Option("24h", "--window", help="The rolling window: 30m, 24h, 7d."),
+    runs: int | None = typer.Option(None, "--runs", metavar="N", parser=numbers.count(),
+                                    help="Runs per window."),
+    runtime: float | None = typer.Option(
+        None, "--runtime", metavar="DURATION", parser=numbers.duration(),
+        help="Runtime per window: seconds, or 90m, 2h, 7d."),
+    tokens: int | None = typer.Option(None, "--tokens", metavar="N", parser=numbers.count(),
+                                      help="Tokens per window."),
+    cost: float | None = typer.Option(None, "--cost", metavar="USD", parser=numbers.amount(),
+                                      help="Dollars per window."),
+    window: float = typer.Option(
+        "24h", "--window", metavar="DURATION", parser=numbers.duration(zero=False),
+        help="The rolling window: 30m, 24h, 7d, 2w (or seconds)."),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help="Database file."),
 ) -> None:
     """Create or replace CALLER's budget."""
@@ -60,7 +57,7 @@ def set_budget(
     if runs is None and runtime is None and tokens is None and cost is None:
         _fail("give at least one of --runs, --runtime, --tokens, --cost")
     try:
-        _store(db).set(caller, window_seconds=_parse_window(window), max_runs=runs,
+        _store(db).set(caller, window_seconds=window, max_runs=runs,
                        max_runtime_seconds=runtime, max_tokens=tokens, max_cost_usd=cost)
     except AuditError as exc:
         _fail(str(exc))

@@ -17,6 +17,7 @@ import typer
 
 from kernel import Checkpoint, ConfigError, Limits, Result, RunInfo, Status
 
+from . import numbers
 from .wiring import PortOptions, open_ports
 
 RUN_HELP = """Run CMD (after --), a LOOP.yaml state machine, or an --agent, under supervision.
@@ -31,6 +32,7 @@ RUN_HELP = """Run CMD (after --), a LOOP.yaml state machine, or an --agent, unde
 Exit codes: the command's own code when it ended by itself (ok/error);
 124 timeout, 137 killed by the critic, 130 cancelled (Ctrl-C, SIGTERM),
 3 budget_exceeded, 4 max_steps, 5 handoff, 1 error, 2 bad input.
+Durations are seconds or a number with a unit: 90, 90s, 5m, 2h, 7d, 2w.
 The run, its output lines and the critic's decisions are recorded in the
 audit database (see `kernel runs`, `kernel show RUN_ID`).
 """
@@ -51,37 +53,41 @@ def run(
         None, metavar="[-- CMD [ARGS...] | LOOP.yaml]", show_default=False,
         help="The command to run (after --), or a loop file."),
     timeout: float | None = typer.Option(
-        None, "--timeout", metavar="S", min=0, show_default=False,
-        help="Hard deadline in seconds (the backstop); 0 = none. Expiry exits 124. "
+        None, "--timeout", metavar="DURATION", parser=numbers.duration(), show_default=False,
+        help="Hard deadline (the backstop): 90, 90s, 5m, 2h, 7d; 0 = none. Expiry exits 124. "
              "[default: 3600, or the loop file's timeout]"),
     soft_timeout: float | None = typer.Option(
-        None, "--soft-timeout", metavar="S", min=0, show_default=False,
+        None, "--soft-timeout", metavar="DURATION", parser=numbers.duration(),
+        show_default=False,
         help="When the critic judges progress; a progressing run's deadline is extended "
              "by as much again (up to 24 times, never past --timeout). 0 = never. "
              "[default: 600]"),
     idle_timeout: float | None = typer.Option(
-        None, "--idle-timeout", metavar="S", min=0, show_default=False,
-        help="Seconds without progress before the critic nudges, then kills the run as "
+        None, "--idle-timeout", metavar="DURATION", parser=numbers.duration(),
+        show_default=False,
+        help="Time without progress before the critic nudges, then kills the run as "
              "stalled (exit 137) after a grace of a quarter of this, at most 60 s. Progress: "
              "a step, a tool call, an output line not seen recently (a spinner or the same "
              "line again is not), or a process tree using CPU or doing I/O (a busy but "
              "silent build is working). A flat tree blocked reading its terminal is killed "
              "as waiting_input. 0 = off. [default: 300]"),
     model_timeout: float | None = typer.Option(
-        None, "--model-timeout", metavar="S", min=0, show_default=False,
+        None, "--model-timeout", metavar="DURATION", parser=numbers.duration(),
+        show_default=False,
         help="How long a model request in flight (no reply, no streamed token) keeps a run "
              "alive instead of --idle-timeout; past it the run is killed as model_timeout. "
              "0 = no bound of its own. [default: 300, like the coding CLIs' stream idle "
              "timeouts]"),
     tool_timeout: float | None = typer.Option(
-        None, "--tool-timeout", metavar="S", min=0, show_default=False,
-        help="Per tool call (an llm agent's tools): the call returns an error after S; the "
+        None, "--tool-timeout", metavar="DURATION", parser=numbers.duration(),
+        show_default=False,
+        help="Per tool call (an llm agent's tools): the call returns an error after it; the "
              "critic waits that long for a call in flight instead of --idle-timeout. "
              "0 = no bound. [default: 300]"),
     no_critic: bool = typer.Option(
         False, "--no-critic", help="Run without the critic: only --timeout ends a stuck run."),
     max_steps: int | None = typer.Option(
-        None, "--max-steps", metavar="N", min=0, show_default=False,
+        None, "--max-steps", metavar="N", parser=numbers.count(), show_default=False,
         help="Step ceiling (the critic may raise it for a progressing run). Exit 4. "
              "[default: 100, or the loop file's max_iterations]"),
     context: list[str] | None = typer.Option(
@@ -96,7 +102,7 @@ def run(
                                            "user data dir)."),
     no_audit: bool = typer.Option(False, "--no-audit", help="Record nothing."),
     checkpoint_interval: float = typer.Option(
-        1.0, "--checkpoint-interval", metavar="S", min=0,
+        1.0, "--checkpoint-interval", metavar="DURATION", parser=numbers.duration(),
         help="Save a loop's or agent's resumable state at most this often (0 = after "
              "every step), for `kernel recover`."),
     deliver_dir: str | None = typer.Option(
@@ -127,7 +133,7 @@ def run(
                               "model its llm_structured evaluations ask unless the file sets "
                               "llm.model)."),
     max_turns: int | None = typer.Option(
-        None, "--max-turns", metavar="N", min=1, show_default=False,
+        None, "--max-turns", metavar="N", parser=numbers.count(minimum=1), show_default=False,
         help="The agent's own turn limit (--agent claude)."),
     base_url: str | None = typer.Option(
         None, "--base-url", help="OpenAI-compatible API base URL (--agent llm and loop "
@@ -175,7 +181,7 @@ def run(
             checkpoint_every_seconds=max(base.checkpoint_every_seconds, checkpoint_interval),
             # A terminal user waits on kills: look at the critic four times a second.
             poll_interval=min(base.poll_interval, 0.25))
-    except ValueError as exc:
+    except ConfigError as exc:
         _fail(str(exc).replace("Limits.", "--").replace("_", "-").replace(" or None", ""))
     for url in webhook or []:
         if not url.startswith(("http://", "https://")):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner, Result
 
-from kernel_cli.app import app
+from kernel_cli.app import app, main
 
 
 def cli(*args: str) -> Result:
@@ -22,20 +22,37 @@ def one_line_error(res: Result, needle: str) -> None:
     assert res.stderr.count("\n") == 1 and needle in res.stderr, res.stderr
 
 
+def usage_error(args: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Through the console script's entry point: exit 2, a single stderr line with `needle`."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 2, err
+    assert out == ""
+    assert err.count("\n") == 1 and needle in err, err
+
+
 class TestRunInput:
     @pytest.mark.parametrize(("args", "needle"), [
         (["reboot", "dev"], "unknown action 'reboot' (choose from: compact, nonce-probe)"),
         (["nonce-probe", "dev", "--min-drop-pct", "30"], "--min-drop-pct applies to the "
                                                          "compact action only"),
         (["compact", "dev", "--min-drop-pct", "0"], "--min-drop-pct must be in (0, 100]"),
-        (["compact", "dev", "--min-drop-pct", "150"], "--min-drop-pct must be in (0, 100]"),
-        (["nonce-probe", "dev", "--timeout", "-1"], "--timeout must be"),
-        (["nonce-probe", "dev", "--poll-interval", "0"], "--poll-interval must be"),
         (["nonce-probe", " "], "TARGET must not be empty"),
     ])
     def test_bad_options(self, args: list[str], needle: str) -> None:
         """Each malformed `actions run` is one line naming the problem, exit 2."""
         one_line_error(cli("actions", "run", *args), needle)
+
+    @pytest.mark.parametrize(("args", "needle"), [
+        (["compact", "dev", "--min-drop-pct", "150"], "'--min-drop-pct': must be at most 100"),
+        (["nonce-probe", "dev", "--timeout", "-1"], "'--timeout': expects a duration"),
+        (["nonce-probe", "dev", "--poll-interval", "0"], "'--poll-interval': must be more than"),
+    ])
+    def test_bad_numbers(self, args: list[str], needle: str,
+                         capsys: pytest.CaptureFixture[str]) -> None:
+        """A malformed number is typer's usage error: one line from `kernel`, exit 2."""
+        usage_error(["actions", "run", *args], needle, capsys)
 
     def test_bad_timing_variable(self, monkeypatch: pytest.MonkeyPatch) -> None:
         """A malformed KERNEL_PANE_KEY_DELAY is named in a one-line error, exit 2."""
@@ -57,14 +74,21 @@ class TestRunInput:
 
 class TestQueryInput:
     @pytest.mark.parametrize(("args", "needle"), [
-        (["query", "--since", "yesterday"], "--since expects a duration"),
         (["query", "--outcome", "failed"], "--outcome must be one of success,"),
-        (["query", "--limit", "0"], "--limit must be at least 1"),
-        (["stats", "--since", "3 fortnights"], "--since expects a duration"),
     ])
     def test_bad_filters(self, args: list[str], needle: str) -> None:
         """A malformed filter is one line naming it, exit 2."""
         one_line_error(cli("actions", *args), needle)
+
+    @pytest.mark.parametrize(("args", "needle"), [
+        (["query", "--since", "yesterday"], "'--since': expects a duration"),
+        (["query", "--limit", "0"], "'--limit': must be at least 1"),
+        (["stats", "--since", "3 fortnights"], "'--since': expects a duration"),
+    ])
+    def test_bad_numbers(self, args: list[str], needle: str,
+                         capsys: pytest.CaptureFixture[str]) -> None:
+        """A malformed number is typer's usage error: one line from `kernel`, exit 2."""
+        usage_error(["actions", *args], needle, capsys)
 
     def test_no_database_yet(self, _isolated_db: Path) -> None:
         """Before anything was recorded, query and stats show nothing and succeed."""

@@ -119,9 +119,7 @@ class TestRuns:
         assert datetime.fromisoformat(str(first["started_at"])).tzinfo is not None
 
     @pytest.mark.parametrize(("args", "fragment"), [
-        (["--since", "5 fortnights"], "--since expects a duration"),
         (["--status", "great"], "--status must be one of"),
-        (["--limit", "0"], "--limit must be at least 1"),
     ])
     def test_bad_input_is_one_line_and_exit_2(self, db: Path, args: list[str],
                                               fragment: str) -> None:

@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import trio
 
 import kernel
-from kernel import Kernel, Limits, Message, Ports, RunContext, RunInfo, Status, Step, ToolCall
+from kernel import (
+    ConfigError,
+    Kernel,
+    Limits,
+    Message,
+    Ports,
+    RunContext,
+    RunInfo,
+    Status,
+    Step,
+    ToolCall,
+)
 from kernel.testing import (
     MemoryAudit,
     RecordingCheckpointer,
@@ -211,11 +224,16 @@ class TestLibrarySurface:
             "budget_exceeded": 3, "max_steps": 4, "handoff": 5, "dry_run": 0}
 
     def test_limits_reject_nonsense(self) -> None:
-        """Negative or zero bounds are refused with a message naming the field."""
-        with pytest.raises(ValueError, match=r"Limits\.timeout"):
+        """Negative, zero or non-finite bounds are a ConfigError naming the field."""
+        with pytest.raises(ConfigError, match=r"Limits\.timeout"):
             Limits(timeout=0)
-        with pytest.raises(ValueError, match=r"Limits\.max_steps"):
+        with pytest.raises(ConfigError, match=r"Limits\.max_steps"):
             Limits(max_steps=-1)
+        for name in ("timeout", "soft_timeout", "tool_timeout", "max_cost_usd",
+                     "checkpoint_every_seconds", "poll_interval", "finalize_timeout"):
+            for bad in (math.nan, math.inf, -math.inf):
+                with pytest.raises(ConfigError, match=rf"Limits\.{name} must be a finite"):
+                    Limits(**{name: bad})
 
 
 class TestImmediateKill:
