@@ -60,7 +60,10 @@ class TestRunningTheExamples:
     async def test_poll_until_done(self) -> None:
         """The poll converges to 0: progress verdicts, then target, then finish."""
         spec = load_loop(EXAMPLES / "poll-until-done.yaml")
-        result, audit, _ = await run(spec, context={"job_seconds": "0.8"})
+        # The job's clock runs from the start action; the first poll (two Python
+        # start-ups later) must come before it ends, whatever the machine's load:
+        # 3 s is a wide margin over the ~0.1 s those take.
+        result, audit, _ = await run(spec, context={"job_seconds": "3"})
         assert result.status is Status.OK, result.error
         verdicts = [e.payload["verdict"] for e in events(audit, result.run_id, "evaluate")]
         assert verdicts[-1] == "target"
