@@ -9,17 +9,16 @@ and bytes that are not UTF-8 are replaced, never fatal.
 Process hygiene: the command runs in its own session (process group). When
 the step is cancelled (caller cancel, timeout, critic kill) or the command
 exits leaving children behind, the whole group gets SIGTERM, then SIGKILL
-after `grace` seconds, so nothing outlives the run.
+after `grace` seconds, so nothing outlives the run. If this process dies
+without a chance to clean up (SIGKILL), the lifeline watcher of
+`adapters._proc` kills the group; `process_start` records the group for
+`kernel recover` too.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shlex
-import signal
-import subprocess
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -27,28 +26,14 @@ import trio
 
 from kernel import Message, RunContext, Step
 
+from ._proc import Child, LineCounter, Tail, decode_line, pump_lines, spawn
+
 #: Called with ("stdout" | "stderr", line) for each line, e.g. to echo it.
 LineSink = Callable[[str, str], None]
-
-
-class _Tail:
-    """The last `limit` bytes of a stream, as lines, plus whether anything was dropped."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.lines: deque[str] = deque()
-        self.size = 0
-        self.truncated = False
-
-    def add(self, line: str) -> None:
-        self.lines.append(line)
-        self.size += len(line) + 1
-        while self.size > self.limit and self.lines:
-            self.size -= len(self.lines.popleft()) + 1
-            self.truncated = True
-
-    def text(self) -> str:
-        return "\n".join(self.lines)
+#: How much of a line an `output` event keeps (longer ones are marked `truncated`).
+_EVENT_LINE = 4096
+#: Called with ("stdout" | "stderr", bytes) for every chunk read, untouched.
+ChunkSink = Callable[[str, bytes], None]
 
 
 @dataclass
@@ -59,11 +44,14 @@ class ShellAgent:
         argv: The command and its arguments (no shell unless you run one).
         cwd: Working directory (default: the current one).
         env: Extra environment variables, added to the inherited environment.
-        on_line: Called for every output line (the CLI uses it to echo).
+        on_line: Called for every output line (cut at `max_line_bytes`).
         max_output_bytes: How much of the stdout/stderr tails is kept (each).
         max_line_bytes: Longer lines are cut (and the rest of the line dropped).
         max_line_events: Output lines written to the audit as `output` events;
-            after that, lines only count (the `step` event gives the totals).
+            after that, lines only count, and one `output_not_audited` event at
+            the end says how many were left out.
+        on_output: Called with every chunk of output exactly as read (the CLI
+            echoes these, so the echo is byte-exact however long a line is).
         grace: Seconds between SIGTERM and SIGKILL when stopping the command.
         steer_stdin: Write critic nudges to the command's stdin (else stdin is
             /dev/null and nudges are audited as undeliverable).
@@ -78,11 +66,13 @@ class ShellAgent:
     max_line_events: int = 10_000
     grace: float = 2.0
     steer_stdin: bool = False
+    on_output: ChunkSink | None = None
 
     def __post_init__(self) -> None:
         if not self.argv:
             raise ValueError("ShellAgent needs a command to run")
-        self._proc: trio.Process | None = None
+        self._proc: Child | None = None
+        self._counter = LineCounter(self.max_line_events)
         self._ctx: RunContext | None = None
         self._events = 0
         self._lines = 0
@@ -99,50 +89,46 @@ class ShellAgent:
     async def step(self, ctx: RunContext) -> Step:
         """Run the command to completion and report its exit status."""
         self._ctx = ctx
-        out, err = _Tail(self.max_output_bytes), _Tail(self.max_output_bytes)
+        self._counter = LineCounter(self.max_line_events)
+        out, err = Tail(self.max_output_bytes), Tail(self.max_output_bytes)
         env = {**os.environ, **self.env} if self.env else None
         t0 = trio.current_time()
         try:
-            proc = await trio.lowlevel.open_process(
-                list(self.argv), stdin=subprocess.PIPE if self.steer_stdin else subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=self.cwd, env=env,
-                start_new_session=True)
+            child = await spawn(self.argv, cwd=self.cwd, env=env, stdin_pipe=self.steer_stdin)
         except OSError as exc:
             return Step(final=True, error=f"cannot start {self.argv[0]!r}: {exc.strerror or exc}",
                         exit_code=127 if isinstance(exc, FileNotFoundError) else 126,
                         name="command")
-        self._proc = proc
+        self._proc = child
         ctx.event("process_start", name=self.argv[0],
-                  payload={"argv": list(self.argv), "pid": proc.pid})
-        ctx.process_started(proc.pid)  # the critic samples its tree: busy is not stalled
+                  payload={"argv": list(self.argv), **child.record()})
+        ctx.process_started(child.pid)  # the critic samples its tree: busy is not stalled
         try:
             drained = trio.Event()
 
             async def read_both() -> None:
-                assert proc.stdout is not None and proc.stderr is not None
+                assert child.stdout is not None and child.stderr is not None
                 async with trio.open_nursery() as readers:
-                    readers.start_soon(self._pump, proc.stdout, "stdout", out)
-                    readers.start_soon(self._pump, proc.stderr, "stderr", err)
+                    readers.start_soon(self._pump, child.stdout, "stdout", out)
+                    readers.start_soon(self._pump, child.stderr, "stderr", err)
                 drained.set()
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(read_both)
-                await proc.wait()
+                await child.wait()
                 # The command is gone; its pipes may still be held open by
                 # children it left behind. Give them a moment, then stop them.
-                with trio.move_on_after(0.2):
-                    await drained.wait()
-                self._stop_group(proc, signal.SIGTERM)
-                with trio.move_on_after(self.grace):
-                    await drained.wait()
-                self._stop_group(proc, signal.SIGKILL)
+                await child.settle(drained.wait, self.grace)
                 nursery.cancel_scope.cancel()
         finally:
             with trio.CancelScope(shield=True):
-                await self._terminate(proc)
-            ctx.process_exited(proc.pid)
+                await child.stop(self.grace)
+            ctx.process_exited(child.pid)
             self._proc = None
-        rc = proc.returncode
+            if self._counter.dropped:
+                ctx.event("output_not_audited", activity=False, payload={
+                    "lines": self._counter.dropped, "cap": self.max_line_events})
+        rc = child.returncode
         assert rc is not None
         exit_code = rc if rc >= 0 else 128 - rc
         duration_ms = (trio.current_time() - t0) * 1000
@@ -162,40 +148,24 @@ class ShellAgent:
         return Step(output=out.text(), final=True, exit_code=exit_code, name="command",
                     error=f"command {how}" + (f": {last}" if last else ""), payload=payload)
 
-    async def _pump(self, stream: trio.abc.ReceiveStream, name: str, tail: _Tail) -> None:
-        pending = bytearray()
-        limit = self.max_line_bytes
-        while True:
-            chunk = await stream.receive_some(65536)
-            if not chunk:
-                break
-            pending += chunk
-            start = 0
-            while True:
-                nl = pending.find(b"\n", start)
-                if nl < 0:
-                    break
-                self._line(name, bytes(pending[start:nl]), tail)
-                start = nl + 1
-            del pending[:start]
-            if len(pending) > limit:
-                # A "line" with no newline in sight: emit what we have, bounded.
-                self._line(name, bytes(pending[:limit]), tail)
-                del pending[:]
-        if pending:
-            self._line(name, bytes(pending), tail)
+    async def _pump(self, stream: trio.abc.ReceiveStream, name: str, tail: Tail) -> None:
+        sink = self.on_output
+        await pump_lines(
+            stream, lambda raw, cut: self._line(name, raw, cut, tail),
+            max_line=self.max_line_bytes,
+            on_chunk=None if sink is None else (lambda chunk: sink(name, chunk)))
 
-    def _line(self, stream: str, raw: bytes, tail: _Tail) -> None:
-        if len(raw) > self.max_line_bytes:
-            raw = raw[: self.max_line_bytes]
-        line = raw.decode("utf-8", errors="replace").rstrip("\r")
+    def _line(self, stream: str, raw: bytes, cut: bool, tail: Tail) -> None:
+        line = decode_line(raw)
         tail.add(line)
         self._lines += 1
         ctx = self._ctx
         if ctx is not None:
-            if self._events < self.max_line_events:
-                self._events += 1
-                ctx.event("output", name=stream, payload={"line": line[:4096]}, text=line)
+            if self._counter.take():
+                payload: dict[str, object] = {"line": line[:_EVENT_LINE]}
+                if cut or len(line) > _EVENT_LINE:
+                    payload["truncated"] = True
+                ctx.event("output", name=stream, payload=payload, text=line)
             else:
                 ctx.activity("output", line)
         if self.on_line is not None:
@@ -216,17 +186,3 @@ class ShellAgent:
             ctx.event("steer_undeliverable", activity=False, payload={
                 "messages": [m.content for m in messages],
                 "why": "a plain command has no channel for nudges (stdin is not a pipe)"})
-
-    def _stop_group(self, proc: trio.Process, sig: signal.Signals) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, sig)
-
-    async def _terminate(self, proc: trio.Process) -> None:
-        """SIGTERM the group, SIGKILL after the grace period, and reap."""
-        if proc.returncode is None:
-            self._stop_group(proc, signal.SIGTERM)
-            with trio.move_on_after(self.grace):
-                await proc.wait()
-        self._stop_group(proc, signal.SIGKILL)
-        if proc.returncode is None:
-            await proc.wait()

@@ -25,6 +25,9 @@ class Status(enum.StrEnum):
     MAX_STEPS = "max_steps"
     HANDOFF = "handoff"
     DRY_RUN = "dry_run"
+    #: Never ended by a kernel: the supervising process died and the run
+    #: cannot be resumed; `kernel recover` closes such runs with it.
+    LOST = "lost"
 
     @property
     def exit_code(self) -> int:
@@ -42,6 +45,7 @@ _EXIT_CODES: dict[Status, int] = {
     Status.MAX_STEPS: 4,
     Status.HANDOFF: 5,
     Status.DRY_RUN: 0,
+    Status.LOST: 6,
 }
 
 

@@ -37,8 +37,6 @@ import contextlib
 import json
 import os
 import shlex
-import signal
-import subprocess
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -48,6 +46,7 @@ import trio
 
 from kernel import Message, RunContext, Step, ToolCall, ToolResult, Usage
 
+from .._proc import Child, pump_lines, spawn
 from ._events import AgentEvent, EventType, parse_line
 from ._state import Lifecycle, State, StateMachine, Transition
 
@@ -131,7 +130,7 @@ class AgentCLI:
 
     def _reset(self) -> None:
         self._ctx: RunContext | None = None
-        self._proc: trio.Process | None = None
+        self._proc: Child | None = None
         self._audited = 0
         self._counts: dict[str, int] = {}
         self._fragments: list[str] = []
@@ -193,11 +192,7 @@ class AgentCLI:
         piped = self.stdin_steer or first_input is not None
         m.mark_spawning()
         try:
-            proc = await trio.lowlevel.open_process(
-                argv,
-                stdin=subprocess.PIPE if piped else subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=self.cwd, env=env,
-                start_new_session=True)
+            proc = await spawn(argv, cwd=self.cwd, env=env, stdin_pipe=piped)
         except OSError as exc:
             m.mark_killed()
             return Step(final=True, name="agentcli",
@@ -207,7 +202,7 @@ class AgentCLI:
         self._stdin_open = piped
         t0 = trio.current_time()
         ctx.event("process_start", name=argv[0], payload={
-            "argv": argv, "pid": proc.pid, **self._views()})
+            "argv": argv, **proc.record(), **self._views()})
         ctx.process_started(proc.pid)  # the critic samples the CLI's process tree
         try:
             if first_input is not None:
@@ -241,7 +236,7 @@ class AgentCLI:
             m.mark_idle()
         return self._outcome(ctx, proc, state_at_exit, trio.current_time() - t0)
 
-    def _outcome(self, ctx: RunContext, proc: trio.Process, state_at_exit: str,
+    def _outcome(self, ctx: RunContext, proc: Child, state_at_exit: str,
                  duration_s: float) -> Step:
         rc = proc.returncode
         assert rc is not None
@@ -408,31 +403,13 @@ class AgentCLI:
 
     async def _pump(self, stream: trio.abc.ReceiveStream, sink: Callable[[bytes], None],
                     done: trio.Event) -> None:
-        pending = bytearray()
-        limit = self.max_line_bytes
-        dropping = False
+        # A line with no end in sight is handed on cut to max_line_bytes, the rest dropped.
         try:
-            while chunk := await stream.receive_some(65536):
-                pending += chunk
-                start = 0
-                while (nl := pending.find(b"\n", start)) >= 0:
-                    if not dropping:
-                        sink(bytes(pending[start:nl]))
-                    dropping = False
-                    start = nl + 1
-                del pending[:start]
-                if len(pending) > limit:
-                    # A line with no end in sight: hand on what fits, drop the rest of it.
-                    if not dropping:
-                        sink(bytes(pending[:limit]))
-                    dropping = True
-                    del pending[:]
-            if pending and not dropping:
-                sink(bytes(pending))
+            await pump_lines(stream, lambda raw, _cut: sink(raw), max_line=self.max_line_bytes)
         finally:
             done.set()
 
-    async def _watchdog(self, proc: trio.Process) -> None:
+    async def _watchdog(self, proc: Child) -> None:
         """Kill the group after `idle_ttl` s without events, or `approval_ttl` s of waiting.
 
         While the CLI waits for an approval it is silent on purpose: the critic
@@ -470,7 +447,7 @@ class AgentCLI:
                 "before_first_event": self._never_started, **self._views()})
         await self._terminate(proc)
 
-    async def _stop_after_done(self, proc: trio.Process) -> None:
+    async def _stop_after_done(self, proc: Child) -> None:
         """Stop a CLI that stays idle for `exit_grace` seconds after its done/error event.
 
         A CLI that carries on after an error event (a transient "reconnecting"
@@ -497,7 +474,7 @@ class AgentCLI:
             self._session_seen = trio.Event()
             await ctx.checkpoint()
 
-    async def _close_stdin_when_answered(self, proc: trio.Process) -> None:
+    async def _close_stdin_when_answered(self, proc: Child) -> None:
         """Close stdin once every user message written has had its result: the CLI exits."""
         while True:
             await self._stdin_done.wait()
@@ -519,19 +496,9 @@ class AgentCLI:
         self._inputs += 1
         await proc.stdin.send_all(line.encode() + b"\n")
 
-    def _signal_group(self, proc: trio.Process, sig: signal.Signals) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, sig)
-
-    async def _terminate(self, proc: trio.Process) -> None:
+    async def _terminate(self, proc: Child) -> None:
         """SIGTERM the group, SIGKILL it after the grace period, and reap the CLI."""
-        if proc.returncode is None:
-            self._signal_group(proc, signal.SIGTERM)
-            with trio.move_on_after(self.grace):
-                await proc.wait()
-        self._signal_group(proc, signal.SIGKILL)
-        if proc.returncode is None:
-            await proc.wait()
+        await proc.stop(self.grace)
 
     async def on_steer(self, messages: list[Message]) -> None:
         """Write nudges to stdin (stream-json user messages) when enabled, else audit them."""

@@ -8,14 +8,11 @@ by raising; the kernel turns that into an error tool result the model reads.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import os
 import re
-import signal
 import stat
-import subprocess
 import types
 import typing
 from collections import deque
@@ -25,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import trio
+
+from .._proc import spawn
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -240,9 +239,7 @@ def shell_tool(root: str | os.PathLike[str], *, hide_env: Iterable[str] = (),
 async def _run_shell(command: str, cwd: str, env: dict[str, str], limit: int,
                      grace: float, on_process: Callable[[int, bool], None] | None = None
                      ) -> str:
-    proc = await trio.lowlevel.open_process(
-        ["/bin/sh", "-c", command], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = await spawn(["/bin/sh", "-c", command], cwd=cwd, env=env, merge_stderr=True)
     if on_process is not None:
         on_process(proc.pid, True)
     chunks: deque[bytes] = deque()
@@ -271,21 +268,10 @@ async def _run_shell(command: str, cwd: str, env: dict[str, str], limit: int,
             nursery.cancel_scope.cancel()
     finally:
         with trio.CancelScope(shield=True):
-            await _stop_group(proc, grace)
+            await proc.stop(grace)
         if on_process is not None:
             on_process(proc.pid, False)
     out = b"".join(chunks)[-limit:].decode("utf-8", errors="replace")
     note = "[earlier output dropped]\n" if dropped else ""
     rc = proc.returncode
     return f"exit code {rc}\n{note}{out}"
-
-
-async def _stop_group(proc: trio.Process, grace: float) -> None:
-    """SIGTERM the process group, SIGKILL it after `grace` seconds, and reap."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, sig)
-        if sig is signal.SIGTERM and proc.returncode is None:
-            with trio.move_on_after(grace):
-                await proc.wait()
-    await proc.wait()

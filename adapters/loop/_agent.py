@@ -37,7 +37,7 @@ from kernel import ConfigError, Limits, RunContext, RunInfo, Status, Step
 
 from . import _evaluators as ev
 from . import _template as tpl
-from ._process import ActionResult, LineSink, run_process
+from ._process import ActionResult, ChunkSink, LineSink, run_process
 from ._spec import (
     CURRENT,
     DEFAULT_ACTION_TIMEOUT,
@@ -121,12 +121,16 @@ class LoopAgent:
             appended as the last argument.
         mcp_command: The command mcp_tool actions run, with the tool name and
             the JSON params appended.
-        on_line: Called with every action output line (the CLI echoes them).
+        on_line: Called with every action output line (cut at 64 KiB).
         max_output_bytes: How much of each action's stdout/stderr is kept.
-        max_line_events: Output lines written to the audit as `output` events per run.
+        max_line_events: Output lines written to the audit as `output` events per
+            run; an action whose lines went past it ends with one
+            `output_not_audited` event saying how many were left out.
         grace: Seconds between SIGTERM and SIGKILL when an action is stopped.
         warnings: One-line warnings about the loop file, written to the audit
             at the first step.
+        on_output: Called with ("stdout" | "stderr", bytes) for every chunk an
+            action prints, untouched (the CLI echoes these: byte-exact).
 
     Attributes:
         captured: Captured action results by name (readable after the run).
@@ -141,7 +145,8 @@ class LoopAgent:
                  prompt_command: Sequence[str] = ("claude", "-p"),
                  mcp_command: Sequence[str] = ("mcp-call",), on_line: LineSink | None = None,
                  max_output_bytes: int = 256 << 10, max_line_events: int = 1000,
-                 grace: float = 2.0, warnings: Sequence[str] = ()) -> None:
+                 grace: float = 2.0, warnings: Sequence[str] = (),
+                 on_output: ChunkSink | None = None) -> None:
         if scenario is not None and scenario not in SCENARIOS:
             raise ConfigError(f"unknown scenario {scenario!r} (choose from {', '.join(SCENARIOS)})")
         if spec.initial not in spec.states:
@@ -156,6 +161,7 @@ class LoopAgent:
         self.prompt_command = tuple(prompt_command)
         self.mcp_command = tuple(mcp_command)
         self.on_line = on_line
+        self.on_output = on_output
         self.max_output_bytes = max_output_bytes
         self.max_line_events = max_line_events
         self.grace = grace
@@ -175,6 +181,7 @@ class LoopAgent:
         self._begun = False
         self._backoff_due = False
         self._line_events = 0
+        self._lines_dropped = 0
         self._steer: list[str] = []
         self._ctx: RunContext | None = None
         self._sim: _Simulator | None = None
@@ -472,18 +479,29 @@ class LoopAgent:
         ctx.event("action_start", name=mode, payload={
             "state": st.name, "action_type": mode, "action": _clip(shown, _PREVIEW),
             "timeout": timeout, **extra})
+        dropped_before = self._lines_dropped
+
+        def started(record: dict[str, Any]) -> None:
+            ctx.event("process_start", name=argv[0], payload={"state": st.name, **record})
+
         try:
             _check_exec_size(argv, env)
             result = await run_process(argv, env=env, cwd=self.cwd, timeout=timeout,
                                        on_line=self._line, max_bytes=self.max_output_bytes,
-                                       grace=self.grace, on_process=self._on_process)
+                                       grace=self.grace, on_process=self._on_process,
+                                       on_output=self.on_output, on_start=started)
         finally:
             for path in spill_dir:
                 shutil.rmtree(path, ignore_errors=True)
+        if self._lines_dropped > dropped_before:
+            ctx.event("output_not_audited", name=st.name, activity=False, payload={
+                "state": st.name, "lines": self._lines_dropped - dropped_before,
+                "total": self._lines_dropped, "cap": self.max_line_events})
         ctx.event("action_end", name=mode, duration_ms=result.duration_ms, payload={
             "state": st.name, "exit_code": result.exit_code, "signal": result.signal,
             "timed_out": result.timed_out, "output_tail": result.output[-_PREVIEW:],
-            "stderr_tail": result.stderr[-_PREVIEW:]})
+            "stderr_tail": result.stderr[-_PREVIEW:],
+            **({"output_truncated": True} if result.truncated else {})})
         if st.capture:
             self.captured[st.capture] = _capture(result)
         self.output = self._step_output = result.output
@@ -545,14 +563,17 @@ class LoopAgent:
         else:
             ctx.process_exited(pid)
 
-    def _line(self, stream: str, line: str) -> None:
+    def _line(self, stream: str, line: str, cut: bool) -> None:
         ctx = self._ctx
         if ctx is not None:
             if self._line_events < self.max_line_events:
                 self._line_events += 1
-                ctx.event("output", name=stream, payload={"line": line[:_PREVIEW],
-                                                          "state": self.current}, text=line)
+                payload: dict[str, Any] = {"line": line[:_PREVIEW], "state": self.current}
+                if cut or len(line) > _PREVIEW:
+                    payload["truncated"] = True
+                ctx.event("output", name=stream, payload=payload, text=line)
             else:
+                self._lines_dropped += 1
                 ctx.activity("output", line)
         if self.on_line is not None:
             self.on_line(stream, line)
@@ -673,7 +694,7 @@ class LoopAgent:
             cwd=self.cwd, env=self.env, prompt_command=self.prompt_command,
             mcp_command=self.mcp_command, on_line=self.on_line,
             max_output_bytes=self.max_output_bytes, max_line_events=self.max_line_events,
-            grace=self.grace)
+            grace=self.grace, on_output=self.on_output)
         if sim:
             assert self._sim is not None
             child._sim, child._sim_lines = self._sim, self._sim_lines

@@ -1,25 +1,30 @@
 """Running one action's process: bounded output, a timeout, and nothing left behind.
 
-The process gets its own session (process group). On timeout, on
-cancellation (run timeout, critic kill, Ctrl-C) and after it exits, the
-whole group gets SIGTERM, then SIGKILL after `grace` seconds, so no
-grandchild outlives the action.
+The process is started by `adapters._proc.spawn`: its own session (process
+group), tied to the supervisor's lifeline. On timeout, on cancellation (run
+timeout, critic kill, Ctrl-C) and after it exits, the whole group gets
+SIGTERM, then SIGKILL after `grace` seconds, so no grandchild outlives the
+action; if the supervisor itself is SIGKILLed, the lifeline watcher kills it.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import signal
-import subprocess
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import trio
 
+from .._proc import Tail, decode_line, pump_lines, spawn
+
 #: Called with ("stdout" | "stderr", line) for each output line.
 LineSink = Callable[[str, str], None]
+#: Called with ("stdout" | "stderr", line, cut) for each output line; `cut` when
+#: the line was longer than the limit and only its head is given.
+CutLineSink = Callable[[str, str, bool], None]
+#: Called with ("stdout" | "stderr", bytes) for every chunk read, untouched.
+ChunkSink = Callable[[str, bytes], None]
 
 
 @dataclass(slots=True)
@@ -35,6 +40,8 @@ class ActionResult:
         signal: The signal that killed it, if one did (not counting our own
             timeout kill).
         timed_out: True when the action's timeout expired.
+        truncated: True when `output` is not all of stdout: earlier lines were
+            dropped, or a line longer than the line limit was cut.
     """
 
     output: str
@@ -43,33 +50,20 @@ class ActionResult:
     duration_ms: float
     signal: int | None = None
     timed_out: bool = False
-
-
-class _Tail:
-    """The last `limit` characters of a stream, kept as lines."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.lines: deque[str] = deque()
-        self.size = 0
-
-    def add(self, line: str) -> None:
-        self.lines.append(line)
-        self.size += len(line) + 1
-        while self.size > self.limit and len(self.lines) > 1:
-            self.size -= len(self.lines.popleft()) + 1
-
-    def text(self, ended_with_newline: bool) -> str:
-        body = "\n".join(self.lines)
-        return body + "\n" if body and ended_with_newline else body
+    truncated: bool = False
 
 
 async def run_process(argv: Sequence[str], *, env: Mapping[str, str] | None = None,
                       cwd: str | None = None, timeout: float | None = None,
-                      on_line: LineSink | None = None, max_bytes: int = 256 << 10,
+                      on_line: CutLineSink | None = None, max_bytes: int = 256 << 10,
                       max_line: int = 64 << 10, grace: float = 2.0,
+                      on_output: ChunkSink | None = None,
+                      on_start: Callable[[dict[str, Any]], None] | None = None,
                       on_process: Callable[[int, bool], None] | None = None) -> ActionResult:
     """Run `argv` to completion (or `timeout`) and return what it produced.
+
+    `on_start` gets the started group's record (`Child.record()`) for the
+    audit; `on_output` every chunk as read (a byte-exact echo).
 
     Never raises for the command's own failures (not found, non-zero exit,
     timeout): those are exit codes. Cancellation propagates after the
@@ -78,107 +72,70 @@ async def run_process(argv: Sequence[str], *, env: Mapping[str, str] | None = No
     """
     t0 = trio.current_time()
     try:
-        proc = await trio.lowlevel.open_process(
-            list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, cwd=cwd, env=dict(env) if env is not None else None,
-            start_new_session=True)
+        child = await spawn(argv, cwd=cwd, env=env)
     except OSError as exc:
         code = 127 if isinstance(exc, FileNotFoundError) else 126
         return ActionResult("", f"cannot start {argv[0]!r}: {exc.strerror or exc}", code,
                             (trio.current_time() - t0) * 1000)
+    if on_start is not None:
+        on_start(child.record())
     if on_process is not None:
-        on_process(proc.pid, True)
-    out, err = _Tail(max_bytes), _Tail(max_bytes)
+        on_process(child.pid, True)
+    out, err = Tail(max_bytes), Tail(max_bytes)
     newline = {"stdout": False, "stderr": False}
-
+    cut = {"stdout": False, "stderr": False}
     finished = {"stdout": trio.Event(), "stderr": trio.Event()}
 
     async def drained() -> None:
         for event in finished.values():
             await event.wait()
 
-    async def pump(stream: trio.abc.ReceiveStream, name: str, tail: _Tail) -> None:
+    async def pump(stream: trio.abc.ReceiveStream, name: str, tail: Tail) -> None:
+        def line(raw: bytes, was_cut: bool) -> None:
+            text = decode_line(raw)
+            tail.add(text)
+            cut[name] = cut[name] or was_cut
+            if on_line is not None:
+                on_line(name, text, was_cut)
+
         try:
-            await read(stream, name, tail)
+            newline[name] = await pump_lines(
+                stream, line, max_line=max_line,
+                on_chunk=None if on_output is None else (lambda b: on_output(name, b)))
         finally:
             finished[name].set()
-
-    async def read(stream: trio.abc.ReceiveStream, name: str, tail: _Tail) -> None:
-        pending = bytearray()
-        while True:
-            chunk = await stream.receive_some(65536)
-            if not chunk:
-                break
-            pending += chunk
-            start = 0
-            while (nl := pending.find(b"\n", start)) >= 0:
-                emit(name, bytes(pending[start:nl]), tail)
-                start = nl + 1
-            del pending[:start]
-            if len(pending) > max_line:
-                emit(name, bytes(pending[:max_line]), tail)
-                del pending[:]
-        newline[name] = not pending
-        if pending:
-            emit(name, bytes(pending), tail)
-
-    def emit(name: str, raw: bytes, tail: _Tail) -> None:
-        line = raw[:max_line].decode("utf-8", errors="replace").rstrip("\r")
-        tail.add(line)
-        if on_line is not None:
-            on_line(name, line)
 
     timed_out = False
     try:
         async with trio.open_nursery() as nursery:
-            assert proc.stdout is not None and proc.stderr is not None
-            nursery.start_soon(pump, proc.stdout, "stdout", out)
-            nursery.start_soon(pump, proc.stderr, "stderr", err)
+            assert child.stdout is not None and child.stderr is not None
+            nursery.start_soon(pump, child.stdout, "stdout", out)
+            nursery.start_soon(pump, child.stderr, "stderr", err)
             with trio.move_on_after(float("inf") if timeout is None else timeout) as scope:
-                await proc.wait()
+                await child.wait()
             timed_out = scope.cancelled_caught
             # The command is gone (or timed out); children it left behind may
             # still hold the pipes. Give them a moment, then stop the group.
             if timed_out:
-                _signal_group(proc, signal.SIGTERM)
-            with trio.move_on_after(0.2):
-                await drained()
-            _signal_group(proc, signal.SIGTERM)
-            with trio.move_on_after(grace):
-                await drained()
-            _signal_group(proc, signal.SIGKILL)
+                child.signal_group(signal.SIGTERM)
+            await child.settle(drained, grace)
             nursery.cancel_scope.cancel()
     finally:
         with trio.CancelScope(shield=True):
-            await _stop(proc, grace)
+            await child.stop(grace)
         if on_process is not None:
-            on_process(proc.pid, False)
-    rc = proc.returncode
+            on_process(child.pid, False)
+    rc = child.returncode
     assert rc is not None
     duration = (trio.current_time() - t0) * 1000
     stderr = err.text(newline["stderr"])
+    output = out.text(newline["stdout"])
+    truncated = out.truncated or cut["stdout"]
     if timed_out:
         note = f"action timed out after {timeout:g}s"
-        return ActionResult(out.text(newline["stdout"]),
-                            f"{stderr}\n{note}" if stderr else note, 124, duration,
-                            timed_out=True)
+        return ActionResult(output, f"{stderr}\n{note}" if stderr else note, 124, duration,
+                            timed_out=True, truncated=truncated)
     if rc < 0:
-        return ActionResult(out.text(newline["stdout"]), stderr, 128 - rc, duration,
-                            signal=-rc)
-    return ActionResult(out.text(newline["stdout"]), stderr, rc, duration)
-
-
-def _signal_group(proc: trio.Process, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, sig)
-
-
-async def _stop(proc: trio.Process, grace: float) -> None:
-    """SIGTERM the group, SIGKILL after the grace period, and reap."""
-    if proc.returncode is None:
-        _signal_group(proc, signal.SIGTERM)
-        with trio.move_on_after(grace):
-            await proc.wait()
-    _signal_group(proc, signal.SIGKILL)
-    if proc.returncode is None:
-        await proc.wait()
+        return ActionResult(output, stderr, 128 - rc, duration, signal=-rc,
+                            truncated=truncated)
+    return ActionResult(output, stderr, rc, duration, truncated=truncated)

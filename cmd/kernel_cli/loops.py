@@ -43,6 +43,7 @@ def build_loop(path: str, context: Mapping[str, str], *, scenario: str | None = 
                warn: Callable[[str], None] | None = _stderr,
                prompt_command: Sequence[str] | None = None,
                mcp_command: Sequence[str] | None = None,
+               on_output: Callable[[str, bytes], None] | None = None,
                ) -> tuple[Agent, RunInfo, Limits]:
     """The agent, run description and bounds for `kernel run LOOP.yaml`.
 
@@ -60,6 +61,8 @@ def build_loop(path: str, context: Mapping[str, str], *, scenario: str | None = 
             (default: `claude -p`).
         mcp_command: The command mcp_tool actions run, tool and JSON params
             appended (default: `mcp-call`).
+        on_output: Called with ("stdout" | "stderr", bytes) for every chunk an
+            action prints, untouched (the CLI's byte-exact echo).
 
     Raises:
         ConfigError: one line naming the file, line and key of the first error
@@ -84,7 +87,7 @@ def build_loop(path: str, context: Mapping[str, str], *, scenario: str | None = 
     if mcp_command is not None:
         commands["mcp_command"] = tuple(mcp_command)
     agent = LoopAgent(spec, context=dict(context), judge=judge, scenario=scenario,
-                      on_line=on_line, warnings=warnings, **commands)
+                      on_line=on_line, on_output=on_output, warnings=warnings, **commands)
     info = RunInfo(name=spec.name, subject_id=f"loop:{spec.name}",
                    inputs={"loop": str(path), "context": dict(context)})
     limits = spec.limits()

@@ -28,7 +28,7 @@ from typing import Any
 
 import typer
 
-from kernel import ConfigError, Limits, RunInfo
+from kernel import ConfigError, Limits, RunInfo, Status
 
 from .dberrors import guard_database
 from .run_cmd import (
@@ -204,6 +204,7 @@ def _resume_one(saved: Any, *, db: str | None, json_out: bool, given: _Given) ->
     import trio
 
     short = saved.run_id[:12]
+    _stop_leftovers(saved.run_id, db=db)
     if saved.spec["agent"].get("kind") != "command":
         try:
             restored, why, final = restore_secrets(saved.spec, given, short)
@@ -212,17 +213,15 @@ def _resume_one(saved: Any, *, db: str | None, json_out: bool, given: _Given) ->
             return 2
         if restored is None:
             if final:
-                _checkpointer(db).mark_failed(saved.run_id, f"not resumable: {why}")
+                return _lose(saved, why or "its secrets are gone", db=db)
             print(f"kernel: run {short} cannot resume: {why}", file=sys.stderr)
-            return 1 if final else 2
+            return 2
         saved = dataclasses.replace(saved, spec=restored)
     spec = saved.spec
     agent_spec = spec["agent"]
     if agent_spec.get("kind") == "command":
         why = "a plain command has no resumable state; run it again with `kernel run`"
-        _checkpointer(db).mark_failed(saved.run_id, f"not resumable: {why}")
-        print(f"kernel: run {short} cannot resume: {why}", file=sys.stderr)
-        return 1
+        return _lose(saved, why, db=db)
     cwd = spec.get("cwd")
     if cwd and os.path.isdir(cwd):
         os.chdir(cwd)
@@ -233,9 +232,7 @@ def _resume_one(saved: Any, *, db: str | None, json_out: bool, given: _Given) ->
         return 2
     if not callable(getattr(plan.agent, "snapshot", None)):
         why = f"a {type(plan.agent).__name__} keeps no resumable state"
-        _checkpointer(db).mark_failed(saved.run_id, f"not resumable: {why}")
-        print(f"kernel: run {short} cannot resume: {why}", file=sys.stderr)
-        return 1
+        return _lose(saved, why, db=db)
     info = RunInfo(**spec["info"])
     limits = Limits(**spec["limits"])
     ports = dict(spec.get("ports") or {})
@@ -254,3 +251,63 @@ def _resume_one(saved: Any, *, db: str | None, json_out: bool, given: _Given) ->
     code = exit_code(result, command=False)
     _report(result, code, json_out=json_out, echo_output=not plan.echoes)
     return code
+
+
+def _lose(saved: Any, why: str, *, db: str | None) -> int:
+    """Close a run that cannot resume: checkpoint failed, audit row `lost`; returns 1."""
+    from batteries.audit import Store, queries, resolve_db_path
+    from kernel import AuditError
+
+    run_id = saved.run_id
+    _checkpointer(db).mark_failed(run_id, f"not resumable: {why}")
+    try:
+        with Store(resolve_db_path(db)).session(write=True) as cur:
+            queries.mark_lost(cur, run_id, f"supervisor gone, not resumable: {why}",
+                              info=saved.spec.get("info"), started_at=_utc(saved.updated_at))
+    except AuditError as exc:
+        print(f"kernel: warning: run {run_id[:12]}: cannot mark it lost: {exc}",
+              file=sys.stderr)
+    print(f"kernel: run {run_id[:12]} cannot resume: {why}; marked {Status.LOST}",
+          file=sys.stderr)
+    return 1
+
+
+def _stop_leftovers(run_id: str, *, db: str | None, wait: float = 10.0) -> None:
+    """Stop every recorded process group of the run that outlived its supervisor.
+
+    Normally there is none (the lifeline watcher killed them when the
+    supervisor died); this covers a watcher that was killed too. A group
+    counts only if it is provably the recorded one (same host, boot and
+    leader start time), so a reused pid is never signalled. Waits until
+    the groups are gone, so a resumed state never runs beside its orphan.
+    """
+    import time
+
+    from adapters._proc import live_group, stop_recorded
+    from batteries.audit import Store, queries, resolve_db_path
+    from kernel import AuditError
+
+    try:
+        with Store(resolve_db_path(db)).reader() as cur:
+            groups = queries.process_groups(cur, run_id)
+    except AuditError as exc:
+        print(f"kernel: warning: run {run_id[:12]}: cannot read its processes: {exc}",
+              file=sys.stderr)
+        return
+    stopped = sum(stop_recorded(g) for g in groups)
+    if not stopped:
+        return
+    deadline = time.monotonic() + wait
+    while any(live_group(g) for g in groups) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    print(f"kernel: run {run_id[:12]}: stopped {stopped} process(es) it left running",
+          file=sys.stderr)
+
+
+def _utc(when: Any) -> Any:
+    """The checkpointer keeps naive UTC timestamps; the audit wants aware ones."""
+    import datetime as dt
+
+    if isinstance(when, dt.datetime) and when.tzinfo is None:
+        return when.replace(tzinfo=dt.UTC)
+    return when

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import codecs
+import contextlib
 import dataclasses
 import json
 import os
@@ -30,7 +32,7 @@ RUN_HELP = """Run CMD (after --), a LOOP.yaml state machine, or an --agent, unde
 
 \b
 Exit codes: the command's own code when it ended by itself (ok/error);
-124 timeout, 137 killed by the critic, 130 cancelled (Ctrl-C, SIGTERM),
+124 timeout, 137 killed by the critic, 130 cancelled (Ctrl-C, SIGTERM, SIGHUP, SIGQUIT),
 3 budget_exceeded, 4 max_steps, 5 handoff, 1 error, 2 bad input.
 Durations are seconds or a number with a unit: 90, 90s, 5m, 2h, 7d, 2w.
 The run, its output lines and the critic's decisions are recorded in the
@@ -336,7 +338,7 @@ def plan_from_spec(spec: dict[str, Any], *, quiet: bool) -> Plan:
                           api_key_env=spec.get("api_key_env"))
         loop_agent, info, loop_limits = loops.build_loop(
             path, ctx_vars, scenario=spec.get("scenario"), judge=judge,
-            on_line=None if quiet else _echo)
+            on_output=None if quiet else _echo)
         return Plan(loop_agent, info, limits=loop_limits, echoes=not quiet)
     if kind == "command":
         from adapters.shell import ShellAgent
@@ -344,7 +346,7 @@ def plan_from_spec(spec: dict[str, Any], *, quiet: bool) -> Plan:
         argv = list(spec["argv"])
         env = {f"KERNEL_CTX_{k.upper().replace('-', '_').replace('.', '_')}": v
                for k, v in ctx_vars.items()}
-        shell = ShellAgent(argv, env=env or None, on_line=None if quiet else _echo)
+        shell = ShellAgent(argv, env=env or None, on_output=None if quiet else _echo)
         info = RunInfo(name=shlex.join(argv)[:200], subject_id=os.path.basename(argv[0]),
                        inputs={"argv": argv, "context": ctx_vars})
         return Plan(shell, info, is_command=True, echoes=not quiet)
@@ -370,11 +372,36 @@ def ports_to_dict(opts: PortOptions) -> dict[str, Any]:
     return d
 
 
-def _echo(stream: str, line: str) -> None:
+_DECODERS: dict[str, codecs.IncrementalDecoder] = {}
+_ECHO_GONE: set[str] = set()
+
+
+def _echo(stream: str, chunk: bytes) -> None:
+    """Echo a command's output as it came: the bytes, untouched, whatever the line length.
+
+    A reader that went away (a closed terminal, `| head`) ends the echo of that
+    stream, not the run: the audit still gets every line.
+    """
+    if stream in _ECHO_GONE:
+        return
+    try:
+        _write(stream, chunk)
+    except (OSError, ValueError):
+        _ECHO_GONE.add(stream)
+
+
+def _write(stream: str, chunk: bytes) -> None:
     out = sys.stdout if stream == "stdout" else sys.stderr
-    out.write(line + "\n")
+    raw = None if hasattr(out, "rich_proxied_file") else getattr(out, "buffer", None)
+    if raw is None:
+        # The live progress display stands in for the terminal and takes text only.
+        decoder = _DECODERS.setdefault(stream, codecs.getincrementaldecoder("utf-8")("replace"))
+        out.write(decoder.decode(chunk))
+        return
+    out.flush()  # whatever was written as text before goes first
+    raw.write(chunk)
     if out.isatty():
-        out.flush()
+        raw.flush()
 
 
 # ---------------------------------------------------------------- execution
@@ -400,7 +427,10 @@ async def _execute(agent: Any, info: RunInfo, limits: Limits, opts: PortOptions,
 
     capture = _Capture()
     warnings: list[PortFailure] = []
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+    # SIGHUP (the terminal closed) and SIGQUIT are a shutdown like SIGTERM: the
+    # run is cancelled, its command stopped, and it stays resumable.
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP,
+                                   signal.SIGQUIT) as signals:
         async with open_ports(opts, delivery=capture, warnings=warnings,
                               redactor=redactor) as ports:
             # No live line for dry runs: a loop simulation may ask questions on the terminal.
@@ -426,8 +456,9 @@ async def _execute(agent: Any, info: RunInfo, limits: Limits, opts: PortOptions,
                 async def on_signal() -> None:
                     async for signum in signals:
                         got.append(signum)
-                        print(f"kernel: {signal.Signals(signum).name}: cancelling the run",
-                              file=sys.stderr)
+                        with contextlib.suppress(OSError, ValueError):  # the terminal may be gone
+                            print(f"kernel: {signal.Signals(signum).name}: cancelling the run",
+                                  file=sys.stderr)
                         run_scope.cancel()
 
                 nursery.start_soon(on_signal)

@@ -134,6 +134,31 @@ class TestShellActions:
         lines = [e.payload["line"] for e in events(audit, result.run_id, "output")]
         assert lines == ["one", "two"]  # capped by max_line_events
 
+    async def test_a_long_line_stays_one_line_and_is_marked_cut(self, tmp_path: Path) -> None:
+        """A line over 64 KiB is one captured line, cut, with the cut said everywhere."""
+        spec = spec_of(tmp_path, """
+            initial: big
+            states:
+              big:
+                action: python3 -c "print('{' + 'x' * 1490000 + '}'); print('after')"
+                capture: big
+                next: done
+              done: {terminal: true}
+        """)
+        echoed: list[bytes] = []
+        result, audit, agent = await run(
+            spec, max_line_events=1, on_output=lambda stream, chunk: echoed.append(chunk))
+        assert result.status is Status.OK
+        assert b"".join(echoed) == b"{" + b"x" * 1_490_000 + b"}\nafter\n"
+        captured = agent.captured["big"]["output"]
+        assert captured == "{" + "x" * (64 * 1024 - 1) + "\nafter"
+        [line] = [e.payload for e in events(audit, result.run_id, "output")]
+        assert line["truncated"] is True and len(line["line"]) == 2000
+        [end] = events(audit, result.run_id, "action_end")
+        assert end.payload["output_truncated"] is True
+        [marker] = events(audit, result.run_id, "output_not_audited")
+        assert marker.payload["lines"] == 1 and marker.payload["cap"] == 1
+
     async def test_an_action_that_outlives_its_timeout_is_an_error_verdict(
             self, tmp_path: Path) -> None:
         """The state's timeout stops the command: exit 124, verdict error, on_error taken."""

@@ -82,6 +82,37 @@ class TestBoundedMemory:
         assert step.payload["lines"] == 500
 
 
+    async def test_uncounted_lines_get_one_marker_event(self) -> None:
+        """Past the cap, one `output_not_audited` event says how many lines were left out."""
+        audit = MemoryAudit()
+        result = await Kernel(Ports(audit=audit)).run(
+            ShellAgent(["seq", "1", "500"], max_line_events=100))
+        [marker] = [e for e in audit.events(result.run_id) if e.kind == "output_not_audited"]
+        assert marker.payload == {"lines": 400, "cap": 100}
+        none = MemoryAudit()
+        result = await Kernel(Ports(audit=none)).run(ShellAgent(["seq", "1", "5"]))
+        assert not [e for e in none.events(result.run_id) if e.kind == "output_not_audited"]
+
+    async def test_a_long_line_is_one_line_cut_and_marked(self) -> None:
+        """A 1.49 MB line is one audited line, cut and `truncated`; the echo gets every byte."""
+        line = b"{" + b"x" * 1_490_000 + b"}"
+        echoed: list[bytes] = []
+        audit = MemoryAudit()
+        agent = ShellAgent([sys.executable, "-c",
+                            "import sys; sys.stdout.buffer.write(b'{' + b'x' * 1_490_000"
+                            " + b'}\\n\\xff tail')"],
+                           on_output=lambda stream, chunk: echoed.append(chunk))
+        result = await Kernel(Ports(audit=audit)).run(agent)
+        assert result.status is Status.OK
+        assert b"".join(echoed) == line + b"\n\xff tail"
+        outputs = [e.payload for e in audit.events(result.run_id) if e.kind == "output"]
+        assert len(outputs) == 2
+        assert outputs[0]["truncated"] is True and outputs[0]["line"] == "{" + "x" * 4095
+        assert outputs[1] == {"line": "\ufffd tail"}
+        [step] = [e for e in audit.events(result.run_id) if e.kind == "step"]
+        assert step.payload["lines"] == 2
+
+
 class TestProcessHygiene:
     async def test_timeout_kills_the_group(self) -> None:
         """On timeout the whole process group is stopped; no sleep survives."""

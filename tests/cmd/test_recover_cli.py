@@ -131,8 +131,9 @@ class TestRecover:
 
 
 class TestSignals:
-    @pytest.mark.parametrize(("sig", "listed"), [(signal.SIGTERM, 1), (signal.SIGINT, 0)],
-                             ids=["sigterm-resumable", "ctrl-c-final"])
+    @pytest.mark.parametrize(("sig", "listed"), [
+        (signal.SIGTERM, 1), (signal.SIGHUP, 1), (signal.SIGQUIT, 1), (signal.SIGINT, 0)],
+        ids=["sigterm-resumable", "sighup-resumable", "sigquit-resumable", "ctrl-c-final"])
     def test_shutdown_vs_ctrl_c(self, sig: int, listed: int, kernel_exe: str,
                                 cli_env: dict[str, str], tmp_path: Path) -> None:
         """SIGTERM (shutdown) leaves a loop run to `kernel recover`; Ctrl-C ends it for good."""
@@ -152,3 +153,8 @@ class TestSignals:
         out = subprocess.run([kernel_exe, "recover", "--list", "--json"], capture_output=True,
                              text=True, env=cli_env, timeout=60).stdout
         assert len(out.strip().splitlines()) == listed
+        if listed:
+            rec = subprocess.run([kernel_exe, "recover", "--json"], capture_output=True,
+                                 text=True, env=cli_env, timeout=120, cwd=tmp_path)
+            assert rec.returncode == 0, rec.stderr
+            assert json.loads(rec.stdout)["status"] == "ok"

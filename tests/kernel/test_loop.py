@@ -221,7 +221,7 @@ class TestLibrarySurface:
         assert Status.MAX_STEPS == "max_steps"
         assert {s.value: s.exit_code for s in Status} == {
             "ok": 0, "error": 1, "timeout": 124, "killed": 137, "cancelled": 130,
-            "budget_exceeded": 3, "max_steps": 4, "handoff": 5, "dry_run": 0}
+            "budget_exceeded": 3, "max_steps": 4, "handoff": 5, "dry_run": 0, "lost": 6}
 
     def test_limits_reject_nonsense(self) -> None:
         """Negative, zero or non-finite bounds are a ConfigError naming the field."""

@@ -1,0 +1,400 @@
+"""Starting, reading and stopping the processes adapters run: one place for all of them.
+
+Every process an adapter starts (a plain command, a loop action, an agent
+CLI, the LLM's shell tool) goes through `spawn`:
+
+- It gets its own session, so it and everything it starts form one process
+  group that `Child.stop` ends: SIGTERM, SIGKILL after a grace period, reap.
+- It dies with its supervisor. The first `spawn` in a process starts the
+  *lifeline watcher* (`adapters/_lifeline.py`), a small Python process in its
+  own session whose stdin is a pipe only this process writes to. Each child's
+  group is registered on that pipe when it starts and unregistered when it is
+  gone. When this process dies, even by SIGKILL, the pipe reaches end of
+  file and the watcher SIGKILLs every registered group, then every process
+  whose environment carries this process's lifeline token (`KERNEL_LIFELINE`,
+  set in every child's environment), which covers a child started in the
+  instant before its registration was written. ARCHITECTURE.md says why this
+  and not PR_SET_PDEATHSIG.
+- `Child.record()` is what the audit keeps (`process_start` payload: pid,
+  pgid, start time, boot id, host) so `kernel recover` can stop a group that
+  survived anyway, and never a process that merely reuses its pid.
+
+`pump_lines` splits a byte stream into lines for auditing (bounded, long
+lines cut and flagged) while handing the raw bytes on untouched, and `Tail`
+keeps the end of a stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import trio
+
+#: The environment variable carrying the lifeline tokens of a child's supervisors.
+LIFELINE_ENV = "KERNEL_LIFELINE"
+
+_WATCHER = Path(__file__).with_name("_lifeline.py")
+
+
+# ------------------------------------------------------------------ identity
+
+
+def start_time(pid: int) -> int | None:
+    """When `pid` started (clock ticks since boot, from /proc), or None (gone, not Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    fields = data[data.rfind(b")") + 2:].split()
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def boot_id() -> str | None:
+    """This boot's id (Linux), so a record from before a reboot is never acted on."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        return None
+
+
+def group_members(pgid: int) -> list[int]:
+    """Pids in process group `pgid` (Linux; empty elsewhere)."""
+    found: list[int] = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    data = f.read()
+            except OSError:
+                continue
+            fields = data[data.rfind(b")") + 2:].split()
+            with contextlib.suppress(IndexError, ValueError):
+                if int(fields[2]) == pgid and fields[0] != b"Z":  # a zombie is dead already
+                    found.append(int(name))
+    return found
+
+
+def live_group(record: Mapping[str, Any]) -> list[int]:
+    """The pids still alive of a recorded process group (`Child.record()`), or [].
+
+    A group counts as the recorded one only on this host and boot, and only if
+    its leader still has the recorded start time, or the leader is gone but
+    members remain (Linux never hands out a pid that is still some group's
+    id, so those members are the recorded group's).
+    """
+    try:
+        pgid = int(record["pgid"])
+    except (KeyError, TypeError, ValueError):
+        return []
+    if pgid <= 1 or record.get("host") not in (None, socket.gethostname()):
+        return []
+    if record.get("boot_id") is not None and record.get("boot_id") != boot_id():
+        return []
+    started = record.get("start_time")
+    now = start_time(pgid)
+    if now is not None and started is not None and now != started:
+        return []  # the pid was reused: not ours
+    members = group_members(pgid)
+    return members
+
+
+def stop_recorded(record: Mapping[str, Any]) -> int:
+    """SIGKILL what is left of a recorded process group; returns how many pids it had."""
+    members = live_group(record)
+    if members:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(int(record["pgid"]), signal.SIGKILL)
+    return len(members)
+
+
+# ------------------------------------------------------------------ lifeline
+
+
+class _Lifeline:
+    """This process's watcher and the pipe to it (started on first use)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.fd: int | None = None
+        self.watcher: subprocess.Popen[bytes] | None = None
+        self.token = ""
+        self.groups: dict[int, int | None] = {}
+
+    def forget(self) -> None:
+        """In a forked child: the pipe, the watcher and the groups are the parent's."""
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+        self.lock = threading.Lock()
+        self.fd = None
+        self.watcher = None
+        self.token = ""
+        self.groups = {}
+
+    def env_value(self, inherited: str | None) -> str:
+        self.ensure()
+        return f"{inherited}:{self.token}" if inherited else self.token
+
+    def ensure(self) -> None:
+        with self.lock:
+            if self.fd is not None and self.watcher is not None and self.watcher.poll() is None:
+                return
+            self._start()
+
+    def _start(self) -> None:
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = None
+        if not self.token:
+            self.token = f"kl{os.getpid()}x{secrets.token_hex(8)}"
+        read_end, write_end = os.pipe()  # both non-inheritable: no child keeps the pipe open
+        try:
+            self.watcher = subprocess.Popen(
+                [sys.executable, "-I", "-S", str(_WATCHER), self.token], stdin=read_end,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                close_fds=True)
+        except BaseException:
+            os.close(write_end)
+            raise
+        finally:
+            os.close(read_end)
+        self.fd = write_end
+        for pgid, started in self.groups.items():
+            self._write(f"+ {pgid} {'-' if started is None else started}\n")
+
+    def _write(self, line: str) -> None:
+        assert self.fd is not None
+        with contextlib.suppress(BrokenPipeError):
+            os.write(self.fd, line.encode())
+
+    def add(self, pgid: int, started: int | None) -> None:
+        with self.lock:
+            self.groups[pgid] = started
+            if self.fd is not None:
+                try:
+                    os.write(self.fd, f"+ {pgid} {'-' if started is None else started}\n"
+                             .encode())
+                except BrokenPipeError:
+                    self._start()  # the watcher died: start another, told every live group
+
+    def remove(self, pgid: int) -> None:
+        with self.lock:
+            self.groups.pop(pgid, None)
+            if self.fd is not None:
+                with contextlib.suppress(BrokenPipeError):
+                    os.write(self.fd, f"- {pgid}\n".encode())
+
+
+_LIFELINE = _Lifeline()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_LIFELINE.forget)
+
+
+def lifeline_token() -> str:
+    """This process's lifeline token (starting the watcher if needed)."""
+    _LIFELINE.ensure()
+    return _LIFELINE.token
+
+
+# --------------------------------------------------------------------- child
+
+
+class Child:
+    """A started process and its group; `stop()` ends both."""
+
+    def __init__(self, proc: trio.Process, started: int | None) -> None:
+        self.proc = proc
+        self.pid = proc.pid
+        self.pgid = proc.pid  # a new session: the child leads its own group
+        self.start_time = started
+        self._released = False
+
+    @property
+    def stdin(self) -> trio.abc.SendStream | None:
+        return self.proc.stdin
+
+    @property
+    def stdout(self) -> trio.abc.ReceiveStream | None:
+        return self.proc.stdout
+
+    @property
+    def stderr(self) -> trio.abc.ReceiveStream | None:
+        return self.proc.stderr
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
+
+    def record(self) -> dict[str, Any]:
+        """What identifies this group later (the `process_start` event's payload keeps it)."""
+        return {"pid": self.pid, "pgid": self.pgid, "start_time": self.start_time,
+                "boot_id": boot_id(), "host": socket.gethostname()}
+
+    def signal_group(self, sig: signal.Signals) -> None:
+        """Send `sig` to the whole group (quietly, if it is gone)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pgid, sig)
+
+    async def wait(self) -> int:
+        return await self.proc.wait()
+
+    async def stop(self, grace: float) -> None:
+        """SIGTERM the group, SIGKILL it after `grace` seconds, reap the child.
+
+        Safe to call more than once and from a cancelled scope (the caller
+        shields it).
+        """
+        if self.proc.returncode is None:
+            self.signal_group(signal.SIGTERM)
+            with trio.move_on_after(grace):
+                await self.proc.wait()
+        self.signal_group(signal.SIGKILL)
+        if self.proc.returncode is None:
+            await self.proc.wait()
+        if not self._released:
+            self._released = True
+            _LIFELINE.remove(self.pgid)
+
+    async def settle(self, drained: Callable[[], Awaitable[None]], grace: float, *,
+                     linger: float = 0.2) -> None:
+        """After the child exited: let its pipes drain, stopping leftovers that hold them.
+
+        Waits `linger` seconds for `drained()` (the readers reaching end of
+        file), then SIGTERMs the group and waits up to `grace` more, then
+        SIGKILLs it.
+        """
+        with trio.move_on_after(linger):
+            await drained()
+        self.signal_group(signal.SIGTERM)
+        with trio.move_on_after(grace):
+            await drained()
+        self.signal_group(signal.SIGKILL)
+
+
+async def spawn(argv: Sequence[str], *, cwd: str | None = None,
+                env: Mapping[str, str] | None = None, stdin_pipe: bool = False,
+                merge_stderr: bool = False) -> Child:
+    """Start `argv` in its own session, tied to this process's lifeline.
+
+    Args:
+        argv: The command and its arguments.
+        cwd: Working directory (default: the current one).
+        env: The child's whole environment (default: this process's).
+        stdin_pipe: Give the child a stdin pipe (else /dev/null).
+        merge_stderr: Send stderr into the stdout pipe (else a pipe of its own).
+
+    Raises:
+        OSError: The command cannot be started (not found, not executable).
+    """
+    base = dict(os.environ if env is None else env)
+    base[LIFELINE_ENV] = _LIFELINE.env_value(base.get(LIFELINE_ENV))
+    proc = await trio.lowlevel.open_process(
+        list(argv), stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
+        cwd=cwd, env=base, start_new_session=True)
+    started = start_time(proc.pid)
+    _LIFELINE.add(proc.pid, started)
+    return Child(proc, started)
+
+
+# --------------------------------------------------------------------- lines
+
+#: Called with (raw line bytes without the newline, whether it was cut).
+LineHandler = Callable[[bytes, bool], None]
+#: Called with each raw chunk exactly as read.
+ChunkHandler = Callable[[bytes], None]
+
+
+async def pump_lines(stream: trio.abc.ReceiveStream, on_line: LineHandler, *,
+                     max_line: int, on_chunk: ChunkHandler | None = None) -> bool:
+    """Read `stream` to its end, calling `on_line` per line; True if it ended with a newline.
+
+    `on_chunk` gets every byte untouched (for a byte-exact echo). A line
+    longer than `max_line` bytes is handed on once, cut to `max_line` and
+    flagged, and the rest of it is skipped up to its newline, so memory stays
+    bounded whatever the stream holds and one long line stays one line.
+    """
+    pending = bytearray()
+    cutting = False  # inside a long line whose head was already handed on
+    while chunk := await stream.receive_some(65536):
+        if on_chunk is not None:
+            on_chunk(bytes(chunk))
+        pending += chunk
+        start = 0
+        while (nl := pending.find(b"\n", start)) >= 0:
+            if not cutting:
+                line = bytes(pending[start:nl])
+                on_line(line[:max_line], len(line) > max_line)
+            cutting = False
+            start = nl + 1
+        del pending[:start]
+        if len(pending) > max_line:
+            if not cutting:
+                on_line(bytes(pending[:max_line]), True)
+                cutting = True
+            del pending[:]
+    if pending and not cutting:
+        on_line(bytes(pending), False)
+    return not pending and not cutting
+
+
+def decode_line(raw: bytes) -> str:
+    """A line's text: invalid UTF-8 replaced, a trailing CR dropped."""
+    return raw.decode("utf-8", errors="replace").rstrip("\r")
+
+
+class Tail:
+    """The last `limit` characters of a stream, kept as lines (at least the last one)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.lines: deque[str] = deque()
+        self.size = 0
+        self.truncated = False
+
+    def add(self, line: str) -> None:
+        self.lines.append(line)
+        self.size += len(line) + 1
+        while self.size > self.limit and len(self.lines) > 1:
+            self.size -= len(self.lines.popleft()) + 1
+            self.truncated = True
+
+    def text(self, trailing_newline: bool = False) -> str:
+        body = "\n".join(self.lines)
+        return body + "\n" if body and trailing_newline else body
+
+
+@dataclass
+class LineCounter:
+    """Per-run audit of output lines: the first `cap` become events, the rest are counted."""
+
+    cap: int
+    audited: int = 0
+    dropped: int = 0
+
+    def take(self) -> bool:
+        """True if this line should become an event; else it is counted as not audited."""
+        if self.audited < self.cap:
+            self.audited += 1
+            return True
+        self.dropped += 1
+        return False
