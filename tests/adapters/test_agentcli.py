@@ -244,7 +244,7 @@ class TestAgentCLIRun:
         agent = fake("hang", str(pidfile), idle_ttl=0.8, grace=0.5)
         t0 = time.monotonic()
         result, events = await run(agent)
-        assert 0.8 <= time.monotonic() - t0 < 5
+        assert 0.8 <= time.monotonic() - t0 < 30  # the upper margin is for a loaded machine
         assert result.status is Status.KILLED and result.reason == "stalled"
         assert result.error is not None and result.error.startswith("agent CLI idle for ")
         assert "(idle TTL 0.8s, state thinking): killed" in result.error
@@ -300,7 +300,7 @@ class TestAgentCLIRun:
         """A CLI still alive after its result is killed (SIGKILL if it ignores SIGTERM); ok."""
         t0 = time.monotonic()
         result, events = await run(fake("linger", exit_grace=0.3, grace=0.3))
-        assert time.monotonic() - t0 < 5
+        assert time.monotonic() - t0 < 30  # it lingers forever unless stopped
         assert result.status is Status.OK and result.output == "finished early"
         (exit_event,) = kinds(events, "process_exit")
         assert exit_event.payload["stopped_after_done"] and exit_event.payload["signal"] == 9
