@@ -157,7 +157,10 @@ class _Lifeline:
         with self.lock:
             if self.fd is not None and self.watcher is not None and self.watcher.poll() is None:
                 return
-            self._start()
+            # A watcher that cannot start (no Python to run it?) must not stop
+            # the command: it runs unprotected, as it would have without one.
+            with contextlib.suppress(OSError):
+                self._start()
 
     def _start(self) -> None:
         if self.fd is not None:
@@ -194,7 +197,9 @@ class _Lifeline:
                     os.write(self.fd, f"+ {pgid} {'-' if started is None else started}\n"
                              .encode())
                 except BrokenPipeError:
-                    self._start()  # the watcher died: start another, told every live group
+                    # The watcher died: start another, told every live group.
+                    with contextlib.suppress(OSError):
+                        self._start()
 
     def remove(self, pgid: int) -> None:
         with self.lock:
