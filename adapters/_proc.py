@@ -368,7 +368,12 @@ def decode_line(raw: bytes) -> str:
 
 
 class Tail:
-    """The last `limit` characters of a stream, kept as lines (at least the last one)."""
+    """The last `limit` characters of a stream, kept as lines.
+
+    Whole lines go from the front first; when dropping the oldest line would
+    take more than needed, its head is trimmed instead, so a long line before
+    a short one is not lost whole. The newest line is always kept.
+    """
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -380,8 +385,14 @@ class Tail:
         self.lines.append(line)
         self.size += len(line) + 1
         while self.size > self.limit and len(self.lines) > 1:
-            self.size -= len(self.lines.popleft()) + 1
             self.truncated = True
+            excess = self.size - self.limit
+            front = self.lines[0]
+            if len(front) + 1 <= excess:
+                self.size -= len(self.lines.popleft()) + 1
+            else:
+                self.lines[0] = front[excess:]
+                self.size -= excess
 
     def text(self, trailing_newline: bool = False) -> str:
         body = "\n".join(self.lines)

@@ -488,6 +488,7 @@ class LoopAgent:
             _check_exec_size(argv, env)
             result = await run_process(argv, env=env, cwd=self.cwd, timeout=timeout,
                                        on_line=self._line, max_bytes=self.max_output_bytes,
+                                       max_line=self.max_output_bytes,
                                        grace=self.grace, on_process=self._on_process,
                                        on_output=self.on_output, on_start=started)
         finally:
