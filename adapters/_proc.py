@@ -95,10 +95,12 @@ def group_members(pgid: int) -> list[int]:
 def live_group(record: Mapping[str, Any]) -> list[int]:
     """The pids still alive of a recorded process group (`Child.record()`), or [].
 
-    A group counts as the recorded one only on this host and boot, and only if
-    its leader still has the recorded start time, or the leader is gone but
-    members remain (Linux never hands out a pid that is still some group's
-    id, so those members are the recorded group's).
+    A group counts as the recorded one only on this host and boot, with a
+    recorded start time, and only if its leader still has that start time,
+    or the leader is gone but members remain (Linux never hands out a pid
+    that is still some group's id, so those members are the recorded
+    group's; the one case this cannot tell apart is a reused pid whose new
+    owner led a group, died, and left members behind).
     """
     try:
         pgid = int(record["pgid"])
@@ -109,11 +111,12 @@ def live_group(record: Mapping[str, Any]) -> list[int]:
     if record.get("boot_id") is not None and record.get("boot_id") != boot_id():
         return []
     started = record.get("start_time")
+    if started is None:
+        return []  # nothing to tell the recorded process from a stranger: never touch it
     now = start_time(pgid)
-    if now is not None and started is not None and now != started:
+    if now is not None and now != started:
         return []  # the pid was reused: not ours
-    members = group_members(pgid)
-    return members
+    return group_members(pgid)
 
 
 def stop_recorded(record: Mapping[str, Any]) -> int:

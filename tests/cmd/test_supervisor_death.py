@@ -253,7 +253,7 @@ class TestRecordedGroups:
             victim.wait()
 
     def test_other_host_or_boot_is_ignored(self) -> None:
-        """Records from another host or an earlier boot are never acted on."""
+        """Records from another host, an earlier boot or without a start time are never acted on."""
         from adapters._proc import live_group, start_time
 
         victim = subprocess.Popen(["sleep", "300"], start_new_session=True)
@@ -262,6 +262,7 @@ class TestRecordedGroups:
             assert live_group(rec) == [victim.pid]
             assert live_group({**rec, "host": "elsewhere.invalid"}) == []
             assert live_group({**rec, "boot_id": "not-this-boot"}) == []
+            assert live_group({**rec, "start_time": None}) == []  # unverifiable: never
         finally:
             victim.kill()
             victim.wait()
