@@ -202,6 +202,7 @@ class _Tree:
     __slots__ = (
         "cpu",
         "exited",
+        "intervals",
         "io",
         "last_working",
         "pids",
@@ -223,6 +224,7 @@ class _Tree:
         self.started = 0
         self.exited = 0
         self.last_working = now
+        self.intervals = 0  # sampling intervals seen
 
 
 class ProcessSampler:
@@ -364,7 +366,12 @@ class ProcessSampler:
             # A tree only loses CPU seconds when a process leaves it unreaped: never negative.
             cpu_rate = max(0.0, sample.cpu_s - tree.cpu) / dt
             io_rate = max(0, sample.io_bytes - tree.io) / dt
-            working = cpu_rate >= self.cpu_busy or io_rate >= self.io_busy
+            tree.intervals += 1
+            # The first interval holds the process's start-up (exec, dynamic loading,
+            # imports): that is not work the run is doing, and counting it would
+            # credit a process that went silent at once with a second of progress.
+            working = tree.intervals > 1 and (cpu_rate >= self.cpu_busy
+                                              or io_rate >= self.io_busy)
             if working:
                 # When did the work happen? I/O at this rate is taken as ongoing; a
                 # burst of CPU (a start-up, then sleep) is placed at the start of

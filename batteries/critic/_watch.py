@@ -350,8 +350,14 @@ class WatchHandle:
         return None if self._quiet_until == math.inf else self._quiet_until
 
     def steer(self) -> list[Message]:
-        """Drain the queued nudges; draining marks the open intervention delivered."""
-        self._look("poll")
+        """Drain the queued nudges; draining marks the open intervention delivered.
+
+        Judges only evidence waiting to be judged: clock rules are the watch
+        task's (it looks through `deadline()` at `next_look()`), so the step
+        loop's call per step costs no clock read.
+        """
+        if self._dirty:
+            self._look("poll")
         if not self._queue:
             return []
         msgs, self._queue = self._queue, []
@@ -367,7 +373,8 @@ class WatchHandle:
 
     def max_steps(self) -> int | None:
         """The base step ceiling plus every extension's bonus; None if there is no ceiling."""
-        self._look("poll")
+        if self._dirty:
+            self._look("poll")
         if self._base_max_steps is None:
             return None
         return self._base_max_steps + self._bonus
