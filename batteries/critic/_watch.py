@@ -209,12 +209,17 @@ class WatchHandle:
         self._steps += 1
         self._window[0] += 1
         self._model_since = None
-        if not self._reports_results:
+        if self._tool_since is not None and not self._reports_results:
             self._pending.clear()
             self._tool_since = None
-        self._progress()
-        message = step.message
+        # Progress, inlined: this is the per-step hot path.
+        now = trio.current_time()
+        if now > self._last_progress:
+            self._last_progress = now
         op = self._open
+        if op is not None:
+            op.activity_since += 1
+        message = step.message
         if message is not None:
             if message.strip():
                 key = message_key(message)
