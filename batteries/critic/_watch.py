@@ -100,8 +100,9 @@ class WatchCritic:
             raise ConfigError(f"WatchCritic history must be >= 2, got {history}")
         self.history = history
         p = self.policy
-        self.sampler = ProcessSampler(probe, interval=p.sample_interval, cpu_busy=p.cpu_busy,
-                                      io_busy=p.io_busy)
+        self.sampler = ProcessSampler(
+            probe, interval=p.sample_interval, cpu_busy=p.cpu_busy, io_busy=p.io_busy,
+            max_interval=None if p.idle_timeout is None else p.idle_timeout / 3)
 
     def monitor(self, info: RunInfo, soft_timeout: float | None, *, backstop: float | None,
                 max_steps: int | None, events: EventSink) -> WatchHandle:
