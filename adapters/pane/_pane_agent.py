@@ -104,9 +104,15 @@ class PaneAgent:
                 nudges, sent, last = self._nudges, screen, screen
                 continue
             if screen != last:
+                # Each line the screen did not show before goes to the critic, which
+                # counts only what it has not seen recently: a spinner or a clock
+                # redrawn in place is not progress, new text is.
+                before = set(last.splitlines())
+                for line in screen.splitlines():
+                    if line.strip() and line not in before:
+                        ctx.activity("pane_output", line)
                 last, changed_at = screen, now
                 answered = answered or screen != sent
-                ctx.activity("pane_output")
                 continue
             if answered and not is_busy(screen) and now - changed_at >= self.settle:
                 break

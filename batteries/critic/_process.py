@@ -202,6 +202,7 @@ class _Tree:
     __slots__ = (
         "cpu",
         "exited",
+        "intervals",
         "io",
         "last_working",
         "pids",
@@ -223,6 +224,7 @@ class _Tree:
         self.started = 0
         self.exited = 0
         self.last_working = now
+        self.intervals = 0  # sampling intervals seen
 
 
 class ProcessSampler:
@@ -240,17 +242,21 @@ class ProcessSampler:
         cpu_busy: Fraction of one core above which a tree is working.
         io_busy: Bytes per second read+written above which a tree is working.
         budget: The most of one core the sampler may use; with many trees
-            it spaces samples out to stay under it.
+            it spaces samples out to stay under it...
+        max_interval: ...but never further apart than this (the critic passes
+            a third of its idle timeout, so a working tree is always seen
+            working well within it, at the cost of the budget).
     """
 
     def __init__(self, probe: ProcessProbe | None = None, *, interval: float = 1.0,
                  cpu_busy: float = 0.02, io_busy: float = 16384.0,
-                 budget: float = 0.04) -> None:
+                 budget: float = 0.04, max_interval: float | None = None) -> None:
         self._probe = probe
         self.interval = interval
         self.cpu_busy = cpu_busy
         self.io_busy = io_busy
         self.budget = budget
+        self.max_interval = max_interval
         self._trees: dict[int, list[_Tree]] = {}
         self._running_in: object | None = None  # the trio token of the running task
         self.samples = 0  # sampling rounds done (for the bench and tests)
@@ -300,6 +306,8 @@ class ProcessSampler:
                 self._deliver(readings)
                 # Space samples out so probing stays under `budget` of one core.
                 pause = max(self.interval, cost / self.budget if self.budget > 0 else 0.0)
+                if self.max_interval is not None:
+                    pause = min(pause, max(self.interval, self.max_interval))
                 await trio.sleep(pause)
         except trio.Cancelled:
             raise
@@ -364,7 +372,12 @@ class ProcessSampler:
             # A tree only loses CPU seconds when a process leaves it unreaped: never negative.
             cpu_rate = max(0.0, sample.cpu_s - tree.cpu) / dt
             io_rate = max(0, sample.io_bytes - tree.io) / dt
-            working = cpu_rate >= self.cpu_busy or io_rate >= self.io_busy
+            tree.intervals += 1
+            # The first interval holds the process's start-up (exec, dynamic loading,
+            # imports): that is not work the run is doing, and counting it would
+            # credit a process that went silent at once with a second of progress.
+            working = tree.intervals > 1 and (cpu_rate >= self.cpu_busy
+                                              or io_rate >= self.io_busy)
             if working:
                 # When did the work happen? I/O at this rate is taken as ongoing; a
                 # burst of CPU (a start-up, then sleep) is placed at the start of

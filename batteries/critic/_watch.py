@@ -100,8 +100,9 @@ class WatchCritic:
             raise ConfigError(f"WatchCritic history must be >= 2, got {history}")
         self.history = history
         p = self.policy
-        self.sampler = ProcessSampler(probe, interval=p.sample_interval, cpu_busy=p.cpu_busy,
-                                      io_busy=p.io_busy)
+        self.sampler = ProcessSampler(
+            probe, interval=p.sample_interval, cpu_busy=p.cpu_busy, io_busy=p.io_busy,
+            max_interval=None if p.idle_timeout is None else p.idle_timeout / 3)
 
     def monitor(self, info: RunInfo, soft_timeout: float | None, *, backstop: float | None,
                 max_steps: int | None, events: EventSink) -> WatchHandle:
@@ -209,12 +210,17 @@ class WatchHandle:
         self._steps += 1
         self._window[0] += 1
         self._model_since = None
-        if not self._reports_results:
+        if self._tool_since is not None and not self._reports_results:
             self._pending.clear()
             self._tool_since = None
-        self._progress()
-        message = step.message
+        # Progress, inlined: this is the per-step hot path.
+        now = trio.current_time()
+        if now > self._last_progress:
+            self._last_progress = now
         op = self._open
+        if op is not None:
+            op.activity_since += 1
+        message = step.message
         if message is not None:
             if message.strip():
                 key = message_key(message)
@@ -350,8 +356,14 @@ class WatchHandle:
         return None if self._quiet_until == math.inf else self._quiet_until
 
     def steer(self) -> list[Message]:
-        """Drain the queued nudges; draining marks the open intervention delivered."""
-        self._look("poll")
+        """Drain the queued nudges; draining marks the open intervention delivered.
+
+        Judges only evidence waiting to be judged: clock rules are the watch
+        task's (it looks through `deadline()` at `next_look()`), so the step
+        loop's call per step costs no clock read.
+        """
+        if self._dirty:
+            self._look("poll")
         if not self._queue:
             return []
         msgs, self._queue = self._queue, []
@@ -367,7 +379,8 @@ class WatchHandle:
 
     def max_steps(self) -> int | None:
         """The base step ceiling plus every extension's bonus; None if there is no ceiling."""
-        self._look("poll")
+        if self._dirty:
+            self._look("poll")
         if self._base_max_steps is None:
             return None
         return self._base_max_steps + self._bonus

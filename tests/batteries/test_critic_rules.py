@@ -302,8 +302,11 @@ class TestQuietLooks:
                                                    max_steps=10, events=sink)
         handle.record_step(0, Step())
         await trio.sleep(99.99)
+        handle.deadline()  # the watch task's look
         assert handle.steer() == []
+        assert handle.next_look() == pytest.approx(trio.current_time() + 0.01)
         await trio.sleep(0.01)
+        handle.deadline()
         [nudge] = handle.steer()
         assert "No progress for 100s" in nudge.content
         assert sink.names == ["watch", "steer"]

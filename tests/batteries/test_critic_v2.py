@@ -427,6 +427,22 @@ class TestProcessEvidence:
                                                ("kill", WAITING_INPUT)]
         assert "4242:n_tty_read" in decisions(audit, result.run_id)[0].payload["detail"]
 
+    async def test_defaults_let_a_quiet_six_minute_build_finish(
+            self, autojump_clock: trio.abc.Clock) -> None:
+        """`kernel run --timeout 3600 -- make` on a silent but busy 6-minute build: ok."""
+        result, audit, _ = await run(SilentCommand(360), CriticPolicy(),
+                                     probe=FakeProbe(cpu_per_s=0.8, io_per_s=50_000))
+        assert result.status is Status.OK and result.runtime_seconds == 360
+        assert decisions(audit, result.run_id) == []
+
+    async def test_defaults_kill_a_dead_silent_flat_process(
+            self, autojump_clock: trio.abc.Clock) -> None:
+        result, audit, _ = await run(SilentCommand(3000), CriticPolicy(),
+                                     probe=FakeProbe(cpu_per_s=0.0))
+        assert result.status is Status.KILLED and result.reason == STALLED
+        assert result.runtime_seconds == 360  # 300 s idle + 60 s grace
+        assert names(audit, result.run_id) == [("steer", STALLED), ("kill", STALLED)]
+
     async def test_one_sampler_serves_every_run(self, autojump_clock: trio.abc.Clock) -> None:
         probe = FakeProbe(cpu_per_s=0.5)
         critic = WatchCritic(IDLE, probe=probe)
@@ -454,6 +470,37 @@ class CountingJudge(RulesJudge):
     def judge(self, view: RunView) -> Verdict | None:
         self.calls += 1
         return super().judge(view)
+
+
+class CLIAgent:
+    """A CLI agent in one long step: reports the same tool call again and again (no
+    results), takes nudges mid-step, then exits on its own without a checkpoint."""
+
+    def __init__(self) -> None:
+        self.started = 0
+        self.nudges: list[str] = []
+
+    async def on_steer(self, messages: list[Any]) -> None:
+        self.nudges.extend(m.content for m in messages)
+
+    async def step(self, ctx: RunContext) -> Step:
+        for _ in range(8):
+            self.started += 1
+            ctx.tool_start(ToolCall("Bash", {"command": "cat status.txt"}))
+            await trio.sleep(1)
+        return Step(final=True, output="done")
+
+
+class TestKillAtOnce:
+    async def test_a_cli_loop_is_killed_at_the_tool_start_after_the_nudge(
+            self, autojump_clock: trio.abc.Clock) -> None:
+        agent = CLIAgent()
+        result, _, _ = await run(agent)
+        assert result.status is Status.KILLED and result.reason == LOOPING
+        # Nudged at the 3rd start (delivered mid-step); the 4th start is the kill,
+        # and the step is cancelled at its next checkpoint: no 5th start.
+        assert len(agent.nudges) == 1 and agent.started == 4
+        assert result.runtime_seconds == 3
 
 
 class TestEventDriven:

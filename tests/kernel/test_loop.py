@@ -327,6 +327,31 @@ class TestImmediateKill:
         assert trio.current_time() == start
 
 
+class TestProcessHooks:
+    async def test_processes_reach_the_critic_handle(
+            self, autojump_clock: trio.abc.Clock) -> None:
+        """ctx.process_started/process_exited are forwarded to the handle's optional hooks."""
+        critic = ScriptedCritic()
+
+        async def spawns(ctx: RunContext) -> Step:
+            ctx.process_started(101)
+            ctx.process_exited(101)
+            return Step(final=True)
+
+        result = await Kernel(Ports(critic=critic)).run(ScriptedAgent([spawns]))
+        assert result.status is Status.OK
+        assert critic.handles[0].processes == [("start", 101), ("exit", 101)]
+
+    async def test_without_a_critic_the_hooks_do_nothing(
+            self, autojump_clock: trio.abc.Clock) -> None:
+        async def spawns(ctx: RunContext) -> Step:
+            ctx.process_started(101)
+            ctx.process_exited(101)
+            return Step(final=True)
+
+        assert (await Kernel().run(ScriptedAgent([spawns]))).status is Status.OK
+
+
 class TestAgentReports:
     async def test_agent_kill(self, autojump_clock: trio.abc.Clock) -> None:
         """A final step with kill= ends `killed` with that reason (an agent's own watchdog)."""

@@ -1,0 +1,178 @@
+"""Many concurrent runs in one process: the kernel with the DuckDB audit and the critic
+against bare trio tasks of the same shape, measured in the same run.
+
+    python bench/bench_scale.py                     # 1,000 and 10,000 runs x 100 steps
+    python bench/bench_scale.py --runs 1000 --steps 100 --repeat 1
+
+For each N in --runs: N concurrent bare trio tasks, each yielding to trio
+--steps times (the baseline), then N concurrent `Kernel.run`s of an agent
+doing the same, with `DuckDBAudit` and `WatchCritic` wired. The time is from
+starting the first task until the last `Kernel.run` returned (each run's
+recorder is closed, so its rows are durable, before its `run` returns).
+Afterwards the database is read back: every run and every event must be
+there, or the bench fails. Prints seconds, the ratio to the baseline, and the
+ratio of the largest N's time to the smallest's.
+
+A second part measures the process sampler: `--procs` real `sleep` processes
+registered with one critic's `ProcessSampler` for `--sample-seconds`, and the
+CPU the sampler's thread spent probing them, as a share of one core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from kernel import Kernel, Limits, Ports, RunInfo, Step
+
+_CONTINUE = Step()
+_FINAL = Step(output="done", final=True)
+
+
+class Counter:
+    """Yields to trio once per step, then finishes after `n` steps."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    async def step(self, ctx: Any) -> Step:
+        await trio.lowlevel.checkpoint()
+        self.n -= 1
+        return _FINAL if self.n == 0 else _CONTINUE
+
+
+async def bare(runs: int, steps: int) -> float:
+    async def one() -> None:
+        agent = Counter(steps)
+        while not (await agent.step(None)).final:
+            pass
+
+    t0 = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for _ in range(runs):
+            nursery.start_soon(one)
+    return time.perf_counter() - t0
+
+
+async def kernel_runs(runs: int, steps: int, db: Path) -> tuple[float, int]:
+    from batteries.audit import DuckDBAudit
+    from batteries.critic import WatchCritic
+
+    limits = Limits(max_steps=None, timeout=3600)
+    done = 0
+    async with DuckDBAudit.open(db) as audit:
+        kernel = Kernel(Ports(audit=audit, critic=WatchCritic()))
+
+        async def one(i: int) -> None:
+            nonlocal done
+            result = await kernel.run(Counter(steps), RunInfo(name=f"r{i}"), limits)
+            assert result.steps == steps, result
+            done += 1
+
+        t0 = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            for i in range(runs):
+                nursery.start_soon(one, i)
+        elapsed = time.perf_counter() - t0
+    return elapsed, done
+
+
+def committed(db: Path) -> tuple[int, int, int]:
+    """(runs, events, runs whose event count differs from the first run's)."""
+    import duckdb
+
+    with duckdb.connect(str(db), read_only=True) as con:
+        row = con.execute("SELECT count(*) FROM runs WHERE status = 'ok'").fetchone()
+        runs = int(row[0]) if row else 0
+        counts = con.execute(
+            "SELECT run_id, count(*) FROM events GROUP BY run_id").fetchall()
+    per = [int(c) for _, c in counts]
+    events = sum(per)
+    odd = sum(1 for c in per if c != per[0]) if per else 0
+    return runs, events, odd
+
+
+def scale(sizes: list[int], steps: int, repeat: int) -> None:
+    print(f"{steps} steps per run, best of {repeat}")
+    print(f"{'runs':>7} {'bare s':>8} {'kernel s':>9} {'x bare':>7} {'us/run-step':>12} "
+          f"{'runs ok':>8} {'events':>9}")
+    best_kernel: dict[int, float] = {}
+    for n in sizes:
+        b = k = float("inf")
+        runs = events = odd = 0
+        for _ in range(repeat):
+            gc.collect()
+            b = min(b, trio.run(bare, n, steps))
+            with tempfile.TemporaryDirectory() as tmp:
+                db = Path(tmp) / "scale.duckdb"
+                gc.collect()
+                elapsed, done = trio.run(kernel_runs, n, steps, db)
+                assert done == n, (done, n)
+                runs, events, odd = committed(db)
+                if runs != n or odd:
+                    raise SystemExit(f"lost audit data: {runs}/{n} runs, {odd} runs with a "
+                                     f"different event count")
+            k = min(k, elapsed)
+        best_kernel[n] = k
+        print(f"{n:>7} {b:>8.2f} {k:>9.2f} {k / b:>7.2f} {k / (n * steps) * 1e6:>12.2f} "
+              f"{runs:>8} {events:>9}")
+    if len(sizes) > 1:
+        lo, hi = min(sizes), max(sizes)
+        print(f"time for {hi} runs / time for {lo} runs: {best_kernel[hi] / best_kernel[lo]:.2f} "
+              f"(x{hi / lo:g} the runs)")
+
+
+async def sample_cost(pids: list[int], seconds: float) -> tuple[float, int, float]:
+    from batteries.critic import ProcessSampler
+
+    sampler = ProcessSampler()
+    seen = 0
+
+    def sink(_: Any) -> None:
+        nonlocal seen
+        seen += 1
+
+    t0 = time.perf_counter()
+    for pid in pids:
+        sampler.register(pid, sink)
+    await trio.sleep(seconds)
+    wall = time.perf_counter() - t0
+    for pid in pids:
+        sampler.unregister(pid, sink)
+    return sampler.cost_s / wall, sampler.samples, seen / max(1, len(pids))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", default="1000,10000", help="comma-separated run counts")
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--procs", type=int, default=1000,
+                        help="processes for the sampler part (0 skips it)")
+    parser.add_argument("--sample-seconds", type=float, default=20.0)
+    args = parser.parse_args()
+    scale([int(x) for x in args.runs.split(",") if x], args.steps, args.repeat)
+    if args.procs:
+        children = [subprocess.Popen(["sleep", "3600"]) for _ in range(args.procs)]
+        try:
+            share, rounds, per_proc = trio.run(sample_cost, [c.pid for c in children],
+                                               args.sample_seconds)
+        finally:
+            for c in children:
+                c.kill()
+            for c in children:
+                c.wait()
+        print(f"process sampler: {args.procs} processes for {args.sample_seconds:g}s: "
+              f"{rounds} sampling rounds, {per_proc:.1f} samples per process, "
+              f"{share * 100:.2f}% of one core")
+
+
+if __name__ == "__main__":
+    main()
