@@ -29,7 +29,6 @@ in the CLI, never on the trio thread.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import random
@@ -50,7 +49,6 @@ from .paths import make_private_dir, make_private_file, open_private_file
 if TYPE_CHECKING:
     import duckdb
 
-    from ._recorder import DuckDBRecorder
 
 #: Env var: how long (seconds) to keep retrying a locked database before giving up.
 LOCK_TIMEOUT_ENV = "KERNEL_AUDIT_LOCK_TIMEOUT"

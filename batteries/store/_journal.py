@@ -117,6 +117,7 @@ class Journal:
                     scope.cancel()
                     journal.running = False
                     await journal._final_flush()
+                    await trio.to_thread.run_sync(journal.store.close)
 
     # ------------------------------------------------------------- writing
 

@@ -326,6 +326,9 @@ class SQLiteStore:
         if isinstance(exc, sqlite3.OperationalError) and "locked" in text:
             return StoreBusyError(f"journal {self.path} is locked by another process "
                                   f"(gave up after {self.lock_timeout:g}s)")
+        if isinstance(exc, sqlite3.DatabaseError) and not isinstance(
+                exc, sqlite3.OperationalError):
+            return StoreError(f"journal {self.path} is damaged or unreadable: {text}")
         return StoreError(f"{what} journal {self.path}: {text}")
 
     def close(self) -> None:

@@ -33,9 +33,9 @@ def _parse_window(text: str) -> float:
 
 def _store(db: str | None) -> Any:
     from batteries.audit import resolve_db_path
-    from batteries.budget import DuckDBBudget
+    from batteries.budget import JournalBudget
 
-    return DuckDBBudget(resolve_db_path(db))
+    return JournalBudget(resolve_db_path(db))
 
 
 def _fail(message: str) -> None:
