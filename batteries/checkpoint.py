@@ -1,21 +1,26 @@
-"""Checkpoints for crash recovery, kept in the audit's DuckDB file.
+"""Checkpoints for crash recovery, in the journal: one small transaction per save.
 
 A host registers each run with a *run spec* before it starts: a JSON
 document saying how to rebuild the agent (which kind, its config and
-inputs, the limits). The kernel then saves the agent's resumable state as
-the run goes (throttled), and marks the row `completed` or `failed` at the
-end. A run whose process died (SIGKILL, a crash, a reboot) or that was
-interrupted by shutdown keeps `status = 'running'`: `interrupted()` finds it,
-`load()` gives back its spec and last checkpoint, and the host resumes it
-with `Kernel.run(..., resume=checkpoint)` under the same run_id.
+inputs, the limits). The kernel then saves the agent's resumable state
+after every step (one `BEGIN IMMEDIATE` transaction of well under a
+millisecond, which also carries the run's audit events buffered so far),
+and the row is marked `completed` or `failed` at the end.
 
-Table::
+The row is also the run's **lease**: the process holding it (host, pid and
+the pid's start time, so a recycled pid is not mistaken for the owner) and
+a heartbeat refreshed by every save. A run whose holder is provably gone
+(SIGKILL, a crash, a reboot, or a shutdown that left it `running`) is
+*interrupted*: `interrupted()` lists it, `claim()` takes its lease in one
+transaction that refuses while the holder may be alive, so two recoverers
+never resume the same run; the host then resumes it with
+`Kernel.run(..., resume=checkpoint)` under the same run_id.
 
-    checkpoints(run_id PK, spec JSON, state JSON, steps, tool_calls,
-                input_tokens, output_tokens, thinking_tokens, cost_usd,
-                status, error, host, pid, created_at, updated_at)
+Table (in the journal; mirrored into the analysts' file by `sync`)::
 
-Each `save` is one short write transaction, durable when it returns.
+    checkpoints(run_id PK, spec, state, steps, tool_calls, input_tokens,
+                output_tokens, thinking_tokens, cost_usd, status, error,
+                host, pid, pid_start, heartbeat_at, created_at, updated_at)
 
 Secrets never reach the table: the spec, every saved state and a failure's
 error are redacted (`batteries.redact`) before they are written, so a
@@ -26,174 +31,113 @@ them back (the CLI's secret `--context` values) does so when it resumes.
 from __future__ import annotations
 
 import dataclasses
-import datetime as dt
-import json
 import os
-import socket
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import trio
-
 from batteries.redact import Redactor
-from kernel import Checkpoint, Usage
+from kernel import Checkpoint
 
-_DDL = """CREATE TABLE IF NOT EXISTS checkpoints (
-    run_id VARCHAR PRIMARY KEY,
-    spec JSON NOT NULL,
-    state JSON,
-    steps BIGINT NOT NULL DEFAULT 0,
-    tool_calls BIGINT NOT NULL DEFAULT 0,
-    input_tokens BIGINT NOT NULL DEFAULT 0,
-    output_tokens BIGINT NOT NULL DEFAULT 0,
-    thinking_tokens BIGINT NOT NULL DEFAULT 0,
-    cost_usd DOUBLE NOT NULL DEFAULT 0,
-    status VARCHAR NOT NULL,
-    error VARCHAR,
-    host VARCHAR,
-    pid BIGINT,
-    created_at TIMESTAMP NOT NULL,
-    updated_at TIMESTAMP NOT NULL)"""
+from .store import (
+    ClaimRun,
+    FinishRun,
+    Journal,
+    Owner,
+    RegisterRun,
+    ReleaseRun,
+    SaveCheckpoint,
+    SavedRun,
+)
+
+__all__ = ["DuckDBCheckpointer", "JournalCheckpointer", "SavedRun"]
 
 
-@dataclass(slots=True, frozen=True)
-class SavedRun:
-    """A registered run: its spec, its last checkpoint, and who ran it."""
-
-    run_id: str
-    spec: dict[str, Any]
-    checkpoint: Checkpoint
-    status: str
-    host: str
-    pid: int
-    updated_at: dt.datetime
-
-    @property
-    def process_alive(self) -> bool:
-        """True if the process that ran it is still alive on this host."""
-        if self.host != socket.gethostname():
-            return False
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-
-
-class DuckDBCheckpointer:
-    """The Checkpointer port on a DuckDB file (usually the audit database).
+class JournalCheckpointer:
+    """The Checkpointer port on the journal (an observer: failures are reported, not fatal).
 
     Args:
-        path: The database file.
+        journal: A `Journal` shared with the other batteries (registration
+            and completion then ride along with the run's other
+            transactions), or the path of the analysts' file, whose journal
+            this checkpointer opens itself (every call is then its own
+            transaction).
         redactor: What replaces secrets in specs, states and errors (None:
             `Redactor.from_env()`).
     """
 
-    def __init__(self, path: str | Path, *, redactor: Redactor | None = None) -> None:
-        from batteries.audit import Store
-
-        self.store = Store(path)
+    def __init__(self, journal: Journal | str | os.PathLike[str], *,
+                 redactor: Redactor | None = None) -> None:
+        self.journal = journal if isinstance(journal, Journal) else Journal(journal)
+        self.store = self.journal.store
+        self.owner = Owner.me()
         self.redactor = Redactor.from_env() if redactor is None else redactor
+        self._specs: dict[str, dict[str, Any]] = {}
+
+    def __repr__(self) -> str:
+        return f"JournalCheckpointer({str(self.store.path)!r})"
 
     # --------------------------------------------------------------- the port
 
     async def register(self, run_id: str, spec: dict[str, Any]) -> None:
-        """Record a run's spec, redacted, before it starts (status `running`, this host and pid)."""
-        await trio.to_thread.run_sync(self._register, run_id, self.redactor.value(spec))
+        """Record a run's spec, redacted, before it starts (status `running`, held by us).
+
+        With a shared, open journal the row is written by the run's first
+        transaction (its budget reservation, or its first save).
+        """
+        spec = self.redactor.value(spec)
+        self._specs[run_id] = spec
+        await self.journal.later(RegisterRun(run_id, spec, self.owner))
 
     async def save(self, checkpoint: Checkpoint) -> None:
-        """Persist the run's resumable state, redacted; durable when this returns."""
+        """Persist the run's resumable state, redacted; durable when this returns.
+
+        Raises:
+            StoreError: The run was never registered (with this checkpointer or
+                before), so there is no spec to resume it from; or the journal
+                cannot be written.
+        """
         state = self.redactor.value(checkpoint.state)
-        await trio.to_thread.run_sync(self._save, dataclasses.replace(checkpoint, state=state))
+        await self.journal.transact([SaveCheckpoint(dataclasses.replace(checkpoint, state=state),
+                                                    self.owner,
+                                                    self._specs.get(checkpoint.run_id))])
 
     async def complete(self, run_id: str) -> None:
-        """The run finished: mark it completed and drop its state."""
-        await trio.to_thread.run_sync(self._finish, run_id, "completed", None)
+        """The run finished: mark it completed and drop its state (with the next transaction)."""
+        self._specs.pop(run_id, None)
+        await self.journal.later(FinishRun(run_id, "completed"))
 
     async def fail(self, run_id: str, error: str) -> None:
         """The run failed for good: mark it failed, so it is not resumed."""
-        await trio.to_thread.run_sync(self._finish, run_id, "failed",
-                                      self.redactor.text(error))
+        self._specs.pop(run_id, None)
+        await self.journal.later(FinishRun(run_id, "failed", self.redactor.text(error)))
 
     # ---------------------------------------------------------------- blocking
 
-    def _register(self, run_id: str, spec: dict[str, Any]) -> None:
-        now = _now()
-        with self.store.session(write=True) as con:
-            con.execute(_DDL)
-            exists = con.execute("SELECT count(*) FROM checkpoints WHERE run_id = ?",
-                                 [run_id]).fetchone()
-            if exists and exists[0]:
-                # A resumption: the row (and its state) stays; it is ours now.
-                con.execute("UPDATE checkpoints SET status = 'running', host = ?, pid = ?, "
-                            "updated_at = ? WHERE run_id = ?",
-                            [socket.gethostname(), os.getpid(), now, run_id])
-            else:
-                con.execute(
-                    "INSERT INTO checkpoints (run_id, spec, status, host, pid, created_at, "
-                    "updated_at) VALUES (?, ?, 'running', ?, ?, ?, ?)",
-                    [run_id, json.dumps(spec, default=str), socket.gethostname(), os.getpid(),
-                     now, now])
-
-    def _save(self, cp: Checkpoint) -> None:
-        u = cp.usage
-        with self.store.session(write=True) as con:
-            con.execute(_DDL)
-            con.execute(
-                "UPDATE checkpoints SET state = ?, steps = ?, tool_calls = ?, input_tokens = ?, "
-                "output_tokens = ?, thinking_tokens = ?, cost_usd = ?, updated_at = ? "
-                "WHERE run_id = ?",
-                [json.dumps(cp.state, default=str), cp.steps, cp.tool_calls, u.input_tokens,
-                 u.output_tokens, u.thinking_tokens, u.cost_usd, _now(), cp.run_id])
-
-    def _finish(self, run_id: str, status: str, error: str | None) -> None:
-        with self.store.session(write=True) as con:
-            con.execute(_DDL)
-            con.execute("UPDATE checkpoints SET status = ?, error = ?, state = NULL, "
-                        "updated_at = ? WHERE run_id = ?", [status, error, _now(), run_id])
-
     def load(self, run_id: str) -> SavedRun | None:
         """The registered run `run_id` (any status), or None."""
-        rows = self._select("WHERE run_id = ?", [run_id])
+        rows = self.store.saved_runs(run_id=run_id)
         return rows[0] if rows else None
 
     def find(self, prefix: str) -> list[SavedRun]:
         """Registered runs whose id starts with `prefix` (any status)."""
-        return self._select("WHERE starts_with(run_id, ?)", [prefix])
+        return self.store.saved_runs(prefix=prefix)
 
     def interrupted(self) -> list[SavedRun]:
-        """Runs still marked running whose process is gone: the ones to resume."""
-        return [r for r in self._select("WHERE status = 'running'", []) if not r.process_alive]
+        """Runs still marked running whose holder is provably gone: the ones to resume."""
+        return [r for r in self.store.saved_runs(running=True) if r.owner.gone()]
+
+    def claim(self, run_id: str) -> bool:
+        """Take the lease of an interrupted run for this process; False if someone holds it."""
+        [ok] = self.store.commit(None, [ClaimRun(run_id, self.owner)])
+        return bool(ok)
+
+    def release(self, run_id: str) -> None:
+        """Give back a claimed run without finishing it (the next recoverer may take it)."""
+        self.store.commit(None, [ReleaseRun(run_id, self.owner)])
 
     def mark_failed(self, run_id: str, error: str) -> None:
         """Give up on a run (e.g. its agent cannot resume)."""
-        self._finish(run_id, "failed", self.redactor.text(error))
-
-    def _select(self, where: str, params: list[Any]) -> list[SavedRun]:
-        if not self.store.path.exists():
-            return []
-        with self.store.session(write=False) as con:
-            found = con.execute(
-                "SELECT count(*) FROM duckdb_tables() WHERE database_name = current_database() "
-                "AND table_name = 'checkpoints'").fetchone()
-            if not found or not found[0]:
-                return []
-            rows = con.execute(
-                "SELECT run_id, spec, state, steps, tool_calls, input_tokens, output_tokens, "
-                "thinking_tokens, cost_usd, status, host, pid, updated_at FROM checkpoints "
-                f"{where} ORDER BY created_at", params).fetchall()
-        out = []
-        for (run_id, spec, state, steps, tools, tin, tout, tthink, cost, status, host, pid,
-             updated) in rows:
-            cp = Checkpoint(run_id, int(steps), None if state is None else json.loads(state),
-                            Usage(int(tin), int(tout), int(tthink), float(cost)), int(tools))
-            out.append(SavedRun(run_id, json.loads(spec), cp, status, host or "", int(pid or 0),
-                                updated))
-        return out
+        self.store.commit(None, [FinishRun(run_id, "failed", self.redactor.text(error))])
 
 
-def _now() -> dt.datetime:
-    return dt.datetime.now(dt.UTC).replace(tzinfo=None)
+#: The checkpointer's former name (it lived in the DuckDB file); kept for hosts.
+DuckDBCheckpointer = JournalCheckpointer

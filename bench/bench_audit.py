@@ -1,4 +1,5 @@
-"""DuckDB audit ingest end to end, against a raw Arrow batch insert measured in the same run.
+"""Audit ingest end to end (journal, then the analysts' DuckDB file), against a raw Arrow
+batch insert into DuckDB measured in the same run.
 
     python bench/bench_audit.py [--events N] [--runs R] [--batch B] [--best-of K]
 
@@ -8,11 +9,14 @@ one least disturbed by whatever else was running.
 
 1. raw: a prebuilt Arrow table of N events inserted into a fresh file in
    batches of B, each committed, on one open connection (the ceiling).
-2. audit: the same number of events through `DuckDBAudit` recorder calls
+2. audit: the same number of events through `JournalAudit` recorder calls
    (on_tool / log_event / on_step over R interleaved runs, yielding to trio
    every 1,000 calls as a kernel loop would), timed from the first call until
-   every run's `close` has returned, i.e. until the rows are committed.
-3. query: p95 latency by tool over the audit's file (N events), warm,
+   every run's `close` has returned, i.e. until the rows are committed to
+   the journal (SQLite).
+3. sync: the last audit's journal copied into its analysts' DuckDB file
+   (`batteries.audit.sync`: sqlite3 reads, Arrow batches of 100k events).
+4. query: p95 latency by tool over the audit's file (N events), warm,
    straight from the typed column and through the `tool_stats` view, and the
    same p95 computed from a duration inside the JSON payload, for contrast.
 """
@@ -68,7 +72,7 @@ def raw_insert(path: Path, n: int, batch: int) -> float:
 
 
 async def audit_ingest(path: Path, n: int, runs: int, batch: int) -> float:
-    """Push n events through DuckDBAudit recorders until committed; return events/s."""
+    """Push n events through JournalAudit recorders until committed; return events/s."""
     per_run = n // runs
     # The kernel builds these objects for its own needs before it calls the
     # recorder; building them here would time the benchmark, not the audit.
@@ -163,10 +167,15 @@ def main() -> None:
               f"best of {args.best_of}")
         print(f"{'path':<46}{'events/s':>12}{'x raw':>8}")
         print(f"{'raw Arrow batch insert (ceiling)':<46}{raw:>12,.0f}{1:>8.2f}")
-        print(f"{'DuckDBAudit, recorder call -> committed':<46}{ingest:>12,.0f}"
+        print(f"{'JournalAudit, recorder call -> committed':<46}{ingest:>12,.0f}"
               f"{ingest / raw:>8.2f}")
         print(f"  all runs, raw: {', '.join(f'{x:,.0f}' for x in raws)}; "
               f"audit: {', '.join(f'{x:,.0f}' for x in ingests)}")
+        from batteries.audit import sync
+
+        synced = sync(audit_path)
+        rate = synced.events / synced.seconds
+        print(f"{'sync: journal -> analysts file (Arrow)':<46}{rate:>12,.0f}{rate / raw:>8.2f}")
         add_json_durations(audit_path)
         p95 = query_p95(audit_path, args.repeat)
         print(f"p95 by tool over {args.events:,} events, warm, median of {args.repeat}:")

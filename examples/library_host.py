@@ -5,7 +5,8 @@
 The agent "researches" by calling a `lookup` tool; on its third step it
 starts repeating the same call, as stuck agents do. The watch critic nudges
 it, sees it carry on, and kills the run `looping`. Everything lands in the
-DuckDB file, which the script then queries like an analyst would.
+journal beside DB_PATH; the script then reads the DuckDB file fed from it,
+as an analyst would.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import trio
 
-from batteries.audit import DuckDBAudit, Store
+from batteries.audit import JournalAudit, Store
 from batteries.critic import CriticPolicy, WatchCritic
 from kernel import Kernel, Limits, Ports, RunContext, RunInfo, Status, Step, ToolCall
 
@@ -41,7 +42,7 @@ class Researcher:
 
 async def main(db: Path) -> int:
     critic = WatchCritic(CriticPolicy(loop_repeats=3))
-    async with DuckDBAudit.open(db) as audit:
+    async with JournalAudit.open(db) as audit:
         agent = Researcher()
         result = await Kernel(Ports(audit=audit, critic=critic)).run(
             agent, RunInfo(name="research", subject_id="researcher"),

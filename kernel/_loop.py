@@ -418,7 +418,13 @@ class _Run:
             except Exception as exc:
                 self.fault("audit", "start_run", exc)
         if self.resume is not None:
-            self.log_event("resumed", payload={"steps": self.steps})
+            # Saves happen after every step by default, so what runs next is
+            # the step that was in flight when the process died: it runs again.
+            state = self.resume.state
+            where = state.get("state") if isinstance(state, Mapping) else None
+            self.log_event("resumed", name=where if isinstance(where, str) else None,
+                           payload={"steps": self.steps, "rerun_step": self.steps,
+                                    "state": where if isinstance(where, str) else None})
         return refused
 
     def _critic_event(self, kind: str, *, name: str | None = None,

@@ -55,7 +55,9 @@ class Agent(Protocol):
       *during* a long step (type into a pane, write to stdin). Without it,
       nudges wait in `ctx.steer` for the next step.
     - `def snapshot(self) -> Any` — JSON-serialisable resumable state, asked
-      for only when a checkpoint save is due.
+      for only when a checkpoint save is due. If it is a mapping with a
+      string `"state"` (a loop's next state), a resumed run's `resumed`
+      audit event is named after it: the step that runs again.
     - `async def simulate(self, ctx) -> Any` — what a dry run reports.
     """
 

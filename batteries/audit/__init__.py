@@ -1,17 +1,21 @@
-"""The DuckDB audit battery: runs and events in one file analysts query with SQL.
+"""The audit battery: runs and events in the journal, read by analysts from a DuckDB file.
 
-    async with DuckDBAudit.open("runs.duckdb") as audit:
+    async with JournalAudit.open("runs.duckdb") as audit:   # writes runs.duckdb.journal
         result = await Kernel(Ports(audit=audit)).run(agent, info)
+    sync("runs.duckdb")                                      # analysts' file up to date
 
-duckdb and pyarrow are imported only when a database is actually touched.
+duckdb and pyarrow are imported only when the analysts' file is touched.
 """
 
 from ._audit import DuckDBAudit as DuckDBAudit
+from ._audit import JournalAudit as JournalAudit
 from ._recorder import DuckDBRecorder as DuckDBRecorder
 from ._schema import SCHEMA_VERSION as SCHEMA_VERSION
 from ._store import AuditBusyError as AuditBusyError
 from ._store import Store as Store
 from ._store import lock_timeout_from_env as lock_timeout_from_env
+from ._sync import SyncReport as SyncReport
+from ._sync import sync as sync
 from .paths import default_db_path as default_db_path
 from .paths import resolve_db_path as resolve_db_path
 
@@ -20,8 +24,11 @@ __all__ = [
     "AuditBusyError",
     "DuckDBAudit",
     "DuckDBRecorder",
+    "JournalAudit",
     "Store",
+    "SyncReport",
     "default_db_path",
     "lock_timeout_from_env",
     "resolve_db_path",
+    "sync",
 ]

@@ -1,19 +1,11 @@
-"""`DuckDBAudit`: the Audit port on one embedded DuckDB file.
+"""`JournalAudit`: the Audit port on the journal, read by analysts through DuckDB.
 
-The shape of it::
-
-    trio thread                         flusher task            worker thread
-    recorder.on_step / log_event ...    wakes on size, time,    Store.write(batch):
-      -> append to column buffers        or a close/flush        lock + attach (bounded wait)
-    recorder.close(stats)               swaps the buffers,      one transaction: runs rows,
-      -> buffer run_end + roll-up        to_thread(write)        events (Arrow), run updates
-      -> await "durable"                 <- wakes the closers    detach (checkpoint, unlock)
-
-A run's rows are durable when its `close` returns: `close` waits for the
-flush that carries its roll-up. A flush that fails (the file stayed locked
-past the lock timeout, the disk is read-only) keeps its rows for the next
-flush and fails the closes waiting on it; the kernel reports that on the
-run's result, and the rows still land once the file is free again.
+Recorder calls buffer rows in the shared `Journal` (no I/O); the journal
+writes them with the next transaction of the process (a timed flush, a
+checkpoint, a budget reservation, or the run's close). A run's rows are
+durable when its `close` returns. The analysts' DuckDB file is brought up to
+date from the journal by `sync` (every `kernel` analyst command does it
+first), so nothing an analyst does with that file can make a run wait.
 """
 
 from __future__ import annotations
@@ -38,54 +30,24 @@ from ._encode import (
     env_cap,
 )
 from ._recorder import DuckDBRecorder
-from ._store import AuditBusyError, Batch, Store
-from .paths import resolve_db_path
+
+_JOURNAL_OPTIONS = ("batch_size", "flush_interval", "lock_timeout", "max_pending_events")
 
 
-def _log() -> Any:
-    """The module's logger; structlog is imported on the first message, not at import."""
-    import structlog
+class JournalAudit:
+    """Records runs into the journal that feeds the analysts' DuckDB file.
 
-    return structlog.get_logger("kernel.audit")
-
-
-def _import_pyarrow() -> None:
-    import pyarrow  # type: ignore[import-untyped, unused-ignore]  # noqa: F401
-
-
-class _Waiter:
-    """A task waiting for the flush that carries its rows."""
-
-    __slots__ = ("error", "event")
-
-    def __init__(self) -> None:
-        self.event = trio.Event()
-        self.error: BaseException | None = None
-
-    def done(self, error: BaseException | None = None) -> None:
-        self.error = error
-        self.event.set()
-
-
-class DuckDBAudit:
-    """Records runs into one DuckDB file that several processes and analysts share.
-
-    Use it through `DuckDBAudit.open(path)`, which owns the background
-    flusher; `start_run` outside it raises `AuditError`.
+    Use `JournalAudit.open(path)` for a standalone audit (it owns a
+    `Journal` and its flusher), or `JournalAudit(journal)` to share a
+    journal that is already open with the budget and checkpoint batteries.
 
     Args:
-        path: The database file; None means `$KERNEL_DB`, else the user data dir.
-        batch_size: Buffered events that trigger a flush without waiting for the timer.
-        flush_interval: Seconds between timed flushes (how stale an in-flight
-            run may look to an analyst).
-        lock_timeout: Seconds to keep retrying while another process holds the
-            file (None: `$KERNEL_AUDIT_LOCK_TIMEOUT`, else 10).
+        journal: An open `batteries.store.Journal` (a path makes an audit
+            that refuses runs until opened with `open`).
         max_output_bytes: Cap on one stored string value, tail kept (None:
             `$KERNEL_AUDIT_MAX_OUTPUT_BYTES`, else 64 KiB).
         max_payload_bytes: Cap on one whole payload (None:
             `$KERNEL_AUDIT_MAX_PAYLOAD_BYTES`, else 256 KiB).
-        max_pending_events: While flushes keep failing, at most this many
-            events are buffered; later ones are dropped and reported at close.
         redactor: What replaces secrets before anything is buffered (None:
             `Redactor.from_env()`: the token shapes, the values of secret-named
             environment variables, `$KERNEL_REDACT`). See `batteries.redact`.
@@ -94,177 +56,95 @@ class DuckDBAudit:
         ConfigError: An environment variable holds a bad value.
     """
 
-    def __init__(self, path: str | os.PathLike[str] | None = None, *, batch_size: int = 10_000,
-                 flush_interval: float = 1.0, lock_timeout: float | None = None,
-                 max_output_bytes: int | None = None, max_payload_bytes: int | None = None,
-                 max_pending_events: int = 1_000_000,
+    def __init__(self, journal: Any, *, max_output_bytes: int | None = None,
+                 max_payload_bytes: int | None = None,
                  redactor: Redactor | None = None) -> None:
-        self.path: Path = resolve_db_path(path)
+        from batteries.store import Journal
+
+        # A path builds a journal that is not open: start_run refuses until open() is used.
+        self.journal = journal if isinstance(journal, Journal) else Journal(journal)
+        self.path: Path | None = self.journal.db
         self.redactor = Redactor.from_env() if redactor is None else redactor
-        self.batch_size = max(1, batch_size)
-        self.flush_interval = flush_interval
         self.max_output_bytes = (max_output_bytes if max_output_bytes is not None
                                  else env_cap(MAX_OUTPUT_ENV, DEFAULT_MAX_OUTPUT_BYTES))
         self.max_payload_bytes = (max_payload_bytes if max_payload_bytes is not None
                                   else env_cap(MAX_PAYLOAD_ENV, DEFAULT_MAX_PAYLOAD_BYTES))
-        self.max_pending_events = max_pending_events
         self.host = socket.gethostname()
         self.pid = os.getpid()
-        #: Events given up on when the audit closed (the file never became writable).
-        self.unwritten = 0
-        #: The last flush error, if the last flush failed.
-        self.last_error: str | None = None
-        self._store = Store(self.path, lock_timeout=lock_timeout)
-        self._pending = Batch()
-        self._waiters: list[_Waiter] = []
-        self._retry: Batch | None = None
-        self._retry_len = 0
-        self._retry_failures = 0
-        self._wake = trio.Event()
-        self._dirty = trio.Event()
-        self._flush_lock = trio.Lock()
-        self._running = False
 
     def __repr__(self) -> str:
-        return f"DuckDBAudit({str(self.path)!r})"
+        return f"JournalAudit({str(self.journal.store.path)!r})"
+
+    @property
+    def unwritten(self) -> int:
+        """Events given up on (the journal never took them)."""
+        return int(self.journal.unwritten)
+
+    @property
+    def last_error(self) -> str | None:
+        """The last write error, if the last write failed."""
+        return self.journal.last_error
 
     @classmethod
     @asynccontextmanager
     async def open(cls, path: str | os.PathLike[str] | None = None,
-                   **options: Any) -> AsyncIterator[DuckDBAudit]:
-        """Open the audit at `path` (created and migrated as needed) for the `async with` body.
+                   **options: Any) -> AsyncIterator[JournalAudit]:
+        """Open an audit writing the journal beside the analysts' file `path`.
 
-        On exit everything still buffered is flushed (shielded from
-        cancellation; bounded by the lock timeout).
+        `path` None means `$KERNEL_DB`, else the user data dir. Journal
+        options (`batch_size`, `flush_interval`, `lock_timeout`,
+        `max_pending_events`) go to the `Journal`; the rest to the audit.
+        Nothing is written until the first transaction; on exit everything
+        still buffered is written (shielded; bounded by the lock timeout).
 
         Raises:
-            AuditError: The file cannot be created, opened or migrated, or it
-                stayed locked by another process beyond the lock timeout.
             ConfigError: An environment variable holds a bad value.
         """
-        audit = cls(path, **options)
-        await trio.to_thread.run_sync(audit._store.ensure_schema)
-        async with trio.open_nursery() as nursery:
-            scope = trio.CancelScope()
-            nursery.start_soon(audit._flusher, scope)
-            # pyarrow is first needed by the first flush; import it while the
-            # first run is already going, not on the way to its close.
-            nursery.start_soon(trio.to_thread.run_sync, _import_pyarrow)
-            audit._running = True
-            try:
-                yield audit
-            finally:
-                await audit._shutdown(scope)
+        from batteries.store import Journal
+
+        jopts = {k: options.pop(k) for k in _JOURNAL_OPTIONS if k in options}
+        async with Journal.open(path, **jopts) as journal:
+            yield cls(journal, **options)
 
     # ------------------------------------------------------------ the port
 
     async def start_run(self, info: RunInfo) -> DuckDBRecorder:
-        """Begin recording `info`'s run; its row and `run_start` go out with the next flush.
+        """Begin recording `info`'s run; its row and `run_start` go out with the next write.
 
-        A run_id already in the database is a resumed run: no second row or
+        A run_id already in the journal is a resumed run: no second row or
         `run_start` is written and its seq continues after its last event.
         """
-        if not self._running:
-            raise AuditError("DuckDBAudit is not open: use `async with DuckDBAudit.open(path)`")
+        if not self.journal.running:
+            raise AuditError("the audit's journal is not open: use "
+                             "`async with JournalAudit.open(path)`")
         await trio.lowlevel.checkpoint()
         rec = DuckDBRecorder(self, info)
-        self._pending.new.append(rec)
-        self._dirty.set()
+        self.journal.pending.new.append(rec)
+        self.journal.poke()
         return rec
 
     async def flush(self) -> None:
         """Make every event buffered so far durable.
 
         Raises:
-            AuditWriteError: The flush failed (the rows stay buffered for a retry).
+            AuditWriteError: The write failed (the rows stay buffered for a retry).
         """
-        waiter = _Waiter()
-        self._waiters.append(waiter)
-        await self._await(waiter)
+        await self._write()
 
-    # ----------------------------------------------------------- internals
+    async def _write(self) -> None:
+        try:
+            await self.journal.transact()
+        except AuditError as exc:
+            raise AuditWriteError(str(exc)) from exc
+        except Exception as exc:
+            raise AuditWriteError(f"audit write failed: {type(exc).__name__}: {exc}") from exc
 
     async def _close_run(self, rec: DuckDBRecorder, row: tuple[Any, ...]) -> None:
-        if not self._running:
-            raise AuditError(f"DuckDBAudit was closed before run {rec.run_id} ended")
-        self._pending.closes.append((rec, row))
-        waiter = _Waiter()
-        self._waiters.append(waiter)
-        await self._await(waiter)
+        if not self.journal.running:
+            raise AuditError(f"the audit's journal was closed before run {rec.run_id} ended")
+        self.journal.pending.closes.append((rec, row))
+        await self._write()
 
-    async def _await(self, waiter: _Waiter) -> None:
-        self._dirty.set()
-        self._wake.set()
-        await waiter.event.wait()
-        error = waiter.error
-        if error is not None:
-            message = str(error) if isinstance(error, AuditError) else (
-                f"audit write failed: {type(error).__name__}: {error}")
-            raise AuditWriteError(message) from error
 
-    async def _flusher(self, scope: trio.CancelScope) -> None:
-        # Two signals: `_dirty` (something is buffered: start the timer) and
-        # `_wake` (flush now: the batch is full, or a close/flush is waiting).
-        # An idle audit therefore sleeps without timers.
-        with scope:
-            while True:
-                await self._dirty.wait()
-                with trio.move_on_after(self.flush_interval):
-                    await self._wake.wait()
-                # Reset before the buffers are swapped: anything appended from
-                # here on sets the new events.
-                self._dirty, self._wake = trio.Event(), trio.Event()
-                async with self._flush_lock:
-                    if not await self._flush():
-                        self._dirty.set()  # retry the kept rows after the interval
-
-    async def _flush(self) -> bool:
-        """Write everything buffered (and any earlier failed batch); True on success."""
-        batch, self._pending = self._pending, Batch()
-        waiters, self._waiters = self._waiters, []
-        if self._retry is not None:
-            retry, self._retry, self._retry_len = self._retry, None, 0
-            retry.extend(batch)
-            batch = retry
-        if not batch.empty():
-            try:
-                await trio.to_thread.run_sync(self._store.write, batch)
-            except Exception as exc:
-                self._failed(batch, exc)
-                for w in waiters:
-                    w.done(exc)
-                return False
-        self.last_error = None
-        self._retry_failures = 0
-        for w in waiters:
-            w.done()
-        return True
-
-    def _failed(self, batch: Batch, exc: Exception) -> None:
-        self.last_error = f"{type(exc).__name__}: {exc}"
-        # A locked file is transient: keep the rows. Anything else that fails
-        # twice in a row is a batch DuckDB will never take; drop it rather
-        # than block every later run behind it.
-        self._retry_failures = 0 if isinstance(exc, AuditBusyError) else (
-            self._retry_failures + 1)
-        if self._retry_failures >= 2:
-            self.unwritten += len(batch)
-            self._retry_failures = 0
-            _log().error("audit batch dropped", path=str(self.path), events=len(batch),
-                      error=str(exc))
-            return
-        self._retry, self._retry_len = batch, len(batch)
-        _log().warning("audit flush failed; will retry", path=str(self.path), events=len(batch),
-                    error=str(exc))
-
-    async def _shutdown(self, scope: trio.CancelScope) -> None:
-        with trio.CancelScope(shield=True):
-            scope.cancel()
-            async with self._flush_lock:
-                await self._flush()
-            self._running = False
-            if self._retry is not None:
-                self.unwritten += len(self._retry)
-                _log().error("audit events could not be written", path=str(self.path),
-                          events=len(self._retry), error=self.last_error)
-                self._retry, self._retry_len = None, 0
+#: The audit's former name (it wrote the DuckDB file directly); kept for hosts.
+DuckDBAudit = JournalAudit

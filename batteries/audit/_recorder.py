@@ -1,6 +1,6 @@
-"""`DuckDBRecorder`: the hot-path half of the DuckDB audit.
+"""`DuckDBRecorder`: the hot-path half of the audit.
 
-Every recorder call appends one row to the audit's column buffers and
+Every recorder call appends one row to the journal's column buffers and
 returns: no I/O, no locks, no awaiting. Payloads are encoded to capped JSON
 here, secrets redacted (the payload may be mutated by its owner after the
 call returns, so it cannot be kept by reference), which is the only per-event
@@ -25,11 +25,11 @@ from ._encode import EMPTY, encode_payload, tail, to_text
 _KEY_LINES = 200
 
 if TYPE_CHECKING:
-    from ._audit import DuckDBAudit
+    from ._audit import JournalAudit
 
 
 class DuckDBRecorder:
-    """Records one run into a `DuckDBAudit` (see `kernel.RunRecorder` for the contract).
+    """Records one run into a `JournalAudit` (see `kernel.RunRecorder` for the contract).
 
     Attributes:
         run_id: The run being recorded.
@@ -37,11 +37,14 @@ class DuckDBRecorder:
         dropped: Events refused because the audit's buffer was full.
     """
 
-    __slots__ = ("audit", "base", "closed", "count", "dropped", "info", "key_lines", "run_id",
-                 "started_us")
+    __slots__ = ("audit", "base", "closed", "count", "dropped", "host", "info", "journal",
+                 "key_lines", "pid", "run_id", "started_us")
 
-    def __init__(self, audit: DuckDBAudit, info: RunInfo) -> None:
+    def __init__(self, audit: JournalAudit, info: RunInfo) -> None:
         self.audit = audit
+        self.journal = audit.journal
+        self.host = audit.host
+        self.pid = audit.pid
         # What the store writes (runs row, run_start) comes from this copy:
         # secrets are replaced before anything leaves the recorder.
         self.info = audit.redactor.run_info(info)
@@ -59,11 +62,11 @@ class DuckDBRecorder:
 
     def _add(self, kind: str, name: str | None, payload: str, duration_ms: float | None,
              iteration: int | None, *, force: bool = False) -> None:
-        audit = self.audit
-        buf = audit._pending
+        journal = self.journal
+        buf = journal.pending
         recs = buf.recs
         n = len(recs)
-        if n + audit._retry_len >= audit.max_pending_events and not force:
+        if n + journal.retry_len >= journal.max_pending_events and not force:
             self.dropped += 1
             return
         recs.append(self)
@@ -76,9 +79,9 @@ class DuckDBRecorder:
         buf.durs.append(duration_ms)
         buf.payloads.append(payload)
         if n == 0:
-            audit._dirty.set()  # start the flush timer
-        if n + 1 >= audit.batch_size:
-            audit._wake.set()
+            journal.poke()  # start the flush timer
+        if n + 1 >= journal.batch_size:
+            journal.poke(now=True)
 
     def on_step(self, iteration: int, step: Step, duration_s: float) -> None:
         """Buffer a `step` event (payload: final, tool_calls, output, and the step's payload)."""
@@ -151,4 +154,4 @@ class DuckDBRecorder:
         if self.dropped:
             raise AuditWriteError(
                 f"{self.dropped} events of run {self.run_id} were dropped: the audit buffer "
-                f"was full (max_pending_events={self.audit.max_pending_events})")
+                f"was full (max_pending_events={self.journal.max_pending_events})")

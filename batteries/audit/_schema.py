@@ -14,13 +14,14 @@ migration: append a new one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     import duckdb
 
 #: The schema version this code writes and expects.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 #: Columns of `runs`, in insert order.
 RUN_COLUMNS: tuple[str, ...] = (
@@ -43,6 +44,8 @@ CLOSE_COLUMNS: tuple[str, ...] = (
 )
 
 TABLES: tuple[str, ...] = ("runs", "events", "schema_version")
+#: Tables copied from the journal besides runs and events.
+MIRRORS: tuple[str, ...] = ("checkpoints", "budgets", "budget_spend")
 VIEWS: tuple[str, ...] = ("run_stats", "tool_stats", "critic_decisions", "attempts")
 
 
@@ -51,7 +54,7 @@ class Migration(NamedTuple):
 
     version: int
     description: str
-    statements: tuple[str, ...]
+    statements: tuple[str | Callable[[Any], None], ...]
 
 
 _V1 = Migration(1, "runs, events, views", (
@@ -164,8 +167,78 @@ _V2 = Migration(2, "attempts view (pane actions)", (
     """,
 ))
 
+
+def _keep_legacy_tables(cur: Any) -> None:
+    """Before the journal, budgets and checkpoints lived here; keep them under `legacy_*`.
+
+    The journal copied them when it was created (batteries.store._legacy);
+    from now on these tables mirror the journal's.
+    """
+    found = {r[0] for r in cur.execute(
+        "SELECT table_name FROM duckdb_tables() WHERE database_name = current_database()"
+    ).fetchall()}
+    for table in MIRRORS:
+        if table in found:
+            cur.execute(f"ALTER TABLE {table} RENAME TO legacy_{table}")
+
+
+_V3 = Migration(3, "fed from the journal: sync_state, mirrors of checkpoints and budgets", (
+    _keep_legacy_tables,
+    """
+    CREATE TABLE IF NOT EXISTS sync_state (
+        events_id  BIGINT NOT NULL,
+        rev        BIGINT NOT NULL,
+        synced_at  TIMESTAMPTZ NOT NULL
+    )
+    """,
+    """
+    CREATE TABLE IF NOT EXISTS checkpoints (
+        run_id          VARCHAR NOT NULL,
+        spec            JSON,
+        state           JSON,
+        steps           BIGINT,
+        tool_calls      BIGINT,
+        input_tokens    BIGINT,
+        output_tokens   BIGINT,
+        thinking_tokens BIGINT,
+        cost_usd        DOUBLE,
+        status          VARCHAR,
+        error           VARCHAR,
+        host            VARCHAR,
+        pid             BIGINT,
+        pid_start       BIGINT,
+        heartbeat_at    TIMESTAMPTZ,
+        created_at      TIMESTAMPTZ,
+        updated_at      TIMESTAMPTZ
+    )
+    """,
+    """
+    CREATE TABLE IF NOT EXISTS budgets (
+        caller_id           VARCHAR NOT NULL,
+        window_seconds      DOUBLE,
+        max_runs            BIGINT,
+        max_runtime_seconds DOUBLE,
+        max_tokens          BIGINT,
+        max_cost_usd        DOUBLE,
+        updated_at          TIMESTAMPTZ
+    )
+    """,
+    """
+    CREATE TABLE IF NOT EXISTS budget_spend (
+        id              BIGINT NOT NULL,
+        caller_id       VARCHAR NOT NULL,
+        ts              TIMESTAMPTZ,
+        run_id          VARCHAR,
+        runtime_seconds DOUBLE,
+        tokens          BIGINT,
+        cost_usd        DOUBLE,
+        settled         BOOLEAN
+    )
+    """,
+))
+
 #: Every migration, in order. Append; never edit one that has shipped.
-MIGRATIONS: tuple[Migration, ...] = (_V1, _V2)
+MIGRATIONS: tuple[Migration, ...] = (_V1, _V2, _V3)
 
 _VERSION_TABLE = """
 CREATE TABLE IF NOT EXISTS schema_version (
@@ -205,7 +278,10 @@ def migrate(cur: duckdb.DuckDBPyConnection) -> int:
         try:
             cur.execute(_VERSION_TABLE)
             for sql in m.statements:
-                cur.execute(sql)
+                if callable(sql):
+                    sql(cur)
+                else:
+                    cur.execute(sql)
             cur.execute("INSERT INTO schema_version (version, description) VALUES (?, ?)",
                         [m.version, m.description])
             cur.execute("COMMIT")

@@ -1,11 +1,12 @@
-"""Short, retrying sessions on the DuckDB file, and the batch writer.
+"""Short, retrying sessions on the analysts' DuckDB file.
 
-Why sessions are short: DuckDB lets one process at a time open a file
-read-write, and while it is open read-write no other process can open it at
-all (not even read-only). Several `kernel run` processes and an analyst must
-share one file, so nobody may keep it open: every access (a writer's batch,
-a reader's query) attaches the file, does its work in one transaction and
-detaches it.
+Runs never touch this file: they write the journal (`batteries.store`).
+Only the analysts' commands do, to bring it up to date from the journal
+(`sync`) and to read it. Why sessions are short: DuckDB lets one process
+at a time open a file read-write, and while it is open read-write no other
+process can open it at all (not even read-only). Several `kernel` commands
+and an analyst share the file, so no command keeps it open: every access
+attaches the file, does its work in one transaction and detaches it.
 
 How waiting works: kernel processes queue on a sidecar lock, `<file>.lock`
 (flock: shared for readers, exclusive for writers), polled every 0.5-4 ms,
@@ -28,7 +29,6 @@ in the CLI, never on the trio thread.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import random
@@ -36,28 +36,19 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from kernel import AuditError, AuditWriteError, ConfigError
+from kernel import AuditError, ConfigError
 
-from ._schema import (
-    CLOSE_COLUMNS,
-    EVENT_COLUMNS,
-    RUN_COLUMNS,
-    SCHEMA_VERSION,
-    current_version,
-    migrate,
-)
+from ._schema import SCHEMA_VERSION, current_version, migrate
 from .paths import make_private_dir, make_private_file, open_private_file
 
 if TYPE_CHECKING:
     import duckdb
 
-    from ._recorder import DuckDBRecorder
 
 #: Env var: how long (seconds) to keep retrying a locked database before giving up.
 LOCK_TIMEOUT_ENV = "KERNEL_AUDIT_LOCK_TIMEOUT"
@@ -391,14 +382,21 @@ class Store:
                                  f"{first_line(exc)}") from exc
 
     @contextmanager
-    def reader(self, *, sealed: bool = False) -> Iterator[duckdb.DuckDBPyConnection]:
-        """A read-only session on an existing audit database, migrated first if it is older.
+    def reader(self, *, sealed: bool = False,
+               fresh: bool = True) -> Iterator[duckdb.DuckDBPyConnection]:
+        """A read-only session on the analysts' file, brought up to date from the journal first.
 
+        With `fresh` (the default) the file is synced from the journal beside
+        it (created if only the journal exists) and migrated if it is older.
         `sealed`: see `session`.
 
         Raises:
             AuditError: No database there, or the file is not a kernel audit database.
         """
+        if fresh:
+            from ._sync import sync
+
+            sync(self.path, lock_timeout=self.lock_timeout)
         with self.session(write=False, sealed=sealed) as cur:
             version = current_version(cur)
             if version is None:
@@ -410,244 +408,3 @@ class Store:
         self.ensure_schema()
         with self.session(write=False, sealed=sealed) as cur:
             yield cur
-
-    # --------------------------------------------------------------- write
-
-    def write(self, batch: Batch) -> None:
-        """Make `batch` durable in one transaction; then tell its new recorders their bases.
-
-        The Arrow tables are built before the file is locked, on the guess
-        that every new recorder is a new run; inside the lock one query
-        checks the guess, and only a resumed run makes the batch rebuilt.
-
-        Raises:
-            AuditBusyError: The file stayed locked.
-            AuditWriteError: DuckDB refused the batch (nothing of it was written).
-        """
-        import duckdb
-
-        prepared = _prepare(batch, {})
-        cur = _cursor()
-        try:
-            prepared.register(cur)
-            with self._attached(cur, write=True) as alias:
-                for strict in (True, False):
-                    cur.execute("BEGIN TRANSACTION")
-                    try:
-                        if prepared.new_ids:
-                            existing = _existing_runs(cur, alias)
-                            if existing:
-                                prepared = _prepare(batch, existing)
-                                prepared.register(cur)
-                        prepared.apply(cur, alias, strict_json=strict)
-                        cur.execute("COMMIT")
-                        break
-                    except BaseException as exc:
-                        # If the transaction is already gone, the original error says why.
-                        with contextlib.suppress(duckdb.Error):
-                            cur.execute("ROLLBACK")
-                        if strict and isinstance(exc, duckdb.ConversionException):
-                            continue  # a payload DuckDB cannot parse: retry, wrapping bad ones
-                        if isinstance(exc, duckdb.Error):
-                            raise AuditWriteError(f"cannot write to audit database {self.path}: "
-                                                  f"{first_line(exc)}") from exc
-                        raise
-        finally:
-            cur.close()
-        # Only now, with the rows committed, do the recorders learn their bases.
-        for rec, base in prepared.bases.items():
-            rec.base = base
-
-
-# ------------------------------------------------------------------ batch
-
-
-@dataclass(slots=True, eq=False)
-class Batch:
-    """Rows buffered on the trio thread, handed whole to a worker thread to write.
-
-    Events are stored column-wise (one list append per column is the
-    cheapest thing the hot path can do, and the writer needs columns):
-    `recs[i]` is the recorder of event `i` and `seqs[i]` its seq *relative
-    to that recorder*. The absolute seq is known once the writer has looked
-    the run up: 1 + relative for a new run (after its `run_start` at 0),
-    last seq + 1 + relative for a resumed one.
-    """
-
-    recs: list[DuckDBRecorder] = field(default_factory=list)
-    seqs: list[int] = field(default_factory=list)
-    ts: list[int] = field(default_factory=list)
-    kinds: list[str] = field(default_factory=list)
-    iters: list[int | None] = field(default_factory=list)
-    names: list[str | None] = field(default_factory=list)
-    durs: list[float | None] = field(default_factory=list)
-    payloads: list[str] = field(default_factory=list)
-    new: list[DuckDBRecorder] = field(default_factory=list)
-    closes: list[tuple[DuckDBRecorder, tuple[Any, ...]]] = field(default_factory=list)
-
-    def __len__(self) -> int:
-        return len(self.recs)
-
-    def empty(self) -> bool:
-        """True when there is nothing to write."""
-        return not (self.recs or self.new or self.closes)
-
-    def extend(self, other: Batch) -> None:
-        """Append `other`'s rows after this batch's."""
-        self.recs += other.recs
-        self.seqs += other.seqs
-        self.ts += other.ts
-        self.kinds += other.kinds
-        self.iters += other.iters
-        self.names += other.names
-        self.durs += other.durs
-        self.payloads += other.payloads
-        self.new += other.new
-        self.closes += other.closes
-
-
-@dataclass(slots=True)
-class _Prepared:
-    """A batch as Arrow tables, ready to insert, and the seq bases it assumes."""
-
-    runs: Any
-    events: Any
-    updates: Any
-    new_ids: list[str]
-    bases: dict[DuckDBRecorder, int]
-
-    def register(self, cur: duckdb.DuckDBPyConnection) -> None:
-        for name, tbl in (("_kaudit_runs", self.runs), ("_kaudit_events", self.events),
-                          ("_kaudit_updates", self.updates)):
-            if tbl is not None:
-                cur.register(name, tbl)
-
-    def apply(self, cur: duckdb.DuckDBPyConnection, alias: str, *, strict_json: bool) -> None:
-        if self.runs is not None:
-            _insert(cur, f"{alias}.runs", "_kaudit_runs", RUN_COLUMNS,
-                    () if strict_json else ("inputs",))
-        if self.events is not None:
-            _insert(cur, f"{alias}.events", "_kaudit_events", EVENT_COLUMNS,
-                    () if strict_json else ("payload",))
-        if self.updates is not None:
-            sets = ", ".join(f"{c} = u.{c}" for c in CLOSE_COLUMNS[1:])
-            cur.execute(f"UPDATE {alias}.runs AS r SET {sets} FROM _kaudit_updates AS u "
-                        "WHERE r.run_id = u.run_id")
-
-
-def _insert(cur: duckdb.DuckDBPyConnection, table: str, view: str, columns: Sequence[str],
-            lenient: Sequence[str]) -> None:
-    """INSERT `view` into `table`; `lenient` JSON columns keep unparsable text as a JSON string."""
-    cols = ", ".join(columns)
-    sel = ", ".join(f"CASE WHEN json_valid({c}) THEN {c} ELSE to_json({c}) END" if c in lenient
-                    else c for c in columns)
-    cur.execute(f"INSERT INTO {table} ({cols}) SELECT {sel} FROM {view}")
-
-
-def _existing_runs(cur: duckdb.DuckDBPyConnection, alias: str) -> dict[str, int | None]:
-    """Which of the batch's new run ids already have a row, with their last seq."""
-    found = [str(r[0]) for r in cur.execute(
-        f"SELECT run_id FROM {alias}.runs "
-        "WHERE run_id IN (SELECT run_id FROM _kaudit_runs)").fetchall()]
-    if not found:  # the common case: one cheap semi-join and done
-        return {}
-    last = dict(cur.execute(
-        f"SELECT run_id, max(seq) FROM {alias}.events "
-        "WHERE run_id IN (SELECT unnest(?::VARCHAR[])) GROUP BY run_id", [found]).fetchall())
-    return {rid: (None if last.get(rid) is None else int(last[rid])) for rid in found}
-
-
-def _strings(values: Sequence[str | None]) -> Any:
-    """An Arrow string array; text that is not valid Unicode (lone surrogates) is replaced."""
-    import pyarrow as pa  # type: ignore[import-untyped, unused-ignore]
-
-    try:
-        return pa.array(values, pa.string())
-    except (UnicodeEncodeError, pa.ArrowException):
-        return pa.array([None if v is None else v.encode("utf-8", "replace").decode("utf-8")
-                         for v in values], pa.string())
-
-
-def _prepare(batch: Batch, existing: dict[str, int | None]) -> _Prepared:
-    """Build the Arrow tables for `batch`, treating run ids in `existing` as resumed runs."""
-    import pyarrow as pa  # type: ignore[import-untyped, unused-ignore]
-
-    from ._encode import dumps
-
-    ts_type = pa.timestamp("us", tz="UTC")
-    bases: dict[DuckDBRecorder, int] = {}
-    closes = {rec.run_id: row for rec, row in batch.closes}  # the last close of a run wins
-    start_rows: list[tuple[Any, ...]] = []
-    starters: list[DuckDBRecorder] = []
-    next_in_batch: dict[str, int] = {}
-    for rec in batch.new:
-        rid = rec.run_id
-        if rid in next_in_batch:  # the same run started twice in one batch
-            base = next_in_batch[rid]
-        elif rid in existing:  # a resumed run: continue after its last event
-            last = existing[rid]
-            base = 0 if last is None else last + 1
-        else:  # a new run: its row (with its roll-up if it already ended) and run_start
-            info = rec.info
-            end = closes.pop(rid, None) or (rid, *([None] * 14))
-            start_rows.append((
-                rid, info.parent_run_id, info.subject_id, info.name, info.caller_id,
-                info.channel_id, dumps(info.inputs), rec.started_us, *end[1:12],
-                rec.audit.host, rec.audit.pid, *end[12:15]))
-            starters.append(rec)
-            base = 1
-        bases[rec] = base
-        next_in_batch[rid] = base + rec.count
-
-    runs = None
-    if start_rows:
-        c = list(zip(*start_rows, strict=True))
-        runs = pa.Table.from_arrays([
-            *(_strings(c[i]) for i in range(7)), pa.array(c[7], ts_type),
-            pa.array(c[8], ts_type), _strings(c[9]), _strings(c[10]), _strings(c[11]),
-            pa.array(c[12], pa.int32()), pa.array(c[13], pa.int32()),
-            pa.array(c[14], pa.float64()), pa.array(c[15], pa.int64()),
-            pa.array(c[16], pa.int64()), pa.array(c[17], pa.int64()),
-            pa.array(c[18], pa.float64()), _strings(c[19]), pa.array(c[20], pa.int32()),
-            _strings(c[21]), pa.array(c[22], pa.int32()), pa.array(c[23], pa.bool_()),
-        ], names=list(RUN_COLUMNS))
-
-    events = None
-    if starters or batch.recs:
-        n = len(starters)
-        seqs = [0] * n
-        seqs += [(bases[r] if r.base is None else r.base) + s
-                 for r, s in zip(batch.recs, batch.seqs, strict=True)]
-        if n:
-            events = pa.Table.from_arrays([
-                _strings([r.run_id for r in starters] + [r.run_id for r in batch.recs]),
-                pa.array(seqs, pa.int32()),
-                pa.array([r.started_us for r in starters] + batch.ts, ts_type),
-                _strings(["run_start"] * n + batch.kinds),
-                pa.array([None] * n + batch.iters, pa.int32()),
-                _strings([r.info.name for r in starters] + batch.names),
-                pa.array([None] * n + batch.durs, pa.float64()),
-                _strings([dumps({"inputs": r.info.inputs, "caller_id": r.info.caller_id})
-                          for r in starters] + batch.payloads),
-            ], names=list(EVENT_COLUMNS))
-        else:  # no list copies on the bulk path
-            events = pa.Table.from_arrays([
-                _strings([r.run_id for r in batch.recs]), pa.array(seqs, pa.int32()),
-                pa.array(batch.ts, ts_type), _strings(batch.kinds),
-                pa.array(batch.iters, pa.int32()), _strings(batch.names),
-                pa.array(batch.durs, pa.float64()), _strings(batch.payloads),
-            ], names=list(EVENT_COLUMNS))
-
-    updates = None
-    if closes:
-        c = list(zip(*closes.values(), strict=True))
-        updates = pa.Table.from_arrays([
-            _strings(c[0]), pa.array(c[1], ts_type), _strings(c[2]), _strings(c[3]),
-            _strings(c[4]), pa.array(c[5], pa.int32()), pa.array(c[6], pa.int32()),
-            pa.array(c[7], pa.float64()), pa.array(c[8], pa.int64()),
-            pa.array(c[9], pa.int64()), pa.array(c[10], pa.int64()),
-            pa.array(c[11], pa.float64()), _strings(c[12]), pa.array(c[13], pa.int32()),
-            pa.array(c[14], pa.bool_()),
-        ], names=list(CLOSE_COLUMNS))
-    new_ids = sorted({r.run_id for r in starters})
-    return _Prepared(runs, events, updates, new_ids, bases)

@@ -227,9 +227,10 @@ def _select(command: str, db: str | None, sql: str, params: list[Any]) -> list[d
 
     from batteries.audit import resolve_db_path
     from batteries.audit.queries import dicts
+    from batteries.store import journal_path
 
     path = resolve_db_path(db)
-    if not path.exists():
+    if not path.exists() and not journal_path(path).exists():
         print(f"kernel actions {command}: no audit database at {path} yet", file=sys.stderr)
         return []
     try:

@@ -1,9 +1,11 @@
-"""The analysts' commands: `kernel runs`, `show`, `stats`, `query`, `purge`, `export`.
+"""The analysts' commands: `kernel runs`, `show`, `stats`, `query`, `purge`, `export`, `sync`.
 
-Each command opens the audit database for one short session (retrying while
-a `kernel run` holds it, up to `$KERNEL_AUDIT_LOCK_TIMEOUT` seconds) and
-closes it before printing. duckdb and the audit battery are imported inside
-the commands, so `kernel --help` stays light.
+Runs write the journal; analysts read the DuckDB file beside it. Each
+command first brings that file up to date from the journal (`sync`, in one
+short session), then reads it in another short session and closes it
+before printing (both retry while another process holds the file, up to
+`$KERNEL_AUDIT_LOCK_TIMEOUT` seconds). duckdb and the audit battery are
+imported inside the commands, so `kernel --help` stays light.
 
 Exit codes: 0 on success; 2 for bad input (a malformed `--since`, an unknown
 or ambiguous run id, a write statement given to `query`, a database that
@@ -35,8 +37,8 @@ if TYPE_CHECKING:
 RETENTION_ENV = "KERNEL_RETENTION_DAYS"
 DEFAULT_RETENTION_DAYS = 30
 
-_DB_HELP = ("Audit database (default: $KERNEL_DB, else kernel.duckdb in the user data "
-            "directory).")
+_DB_HELP = ("The analysts' DuckDB file (default: $KERNEL_DB, else kernel.duckdb in the user "
+            "data directory); its journal is the .journal file beside it.")
 
 
 def register(app: typer.Typer) -> None:
@@ -47,6 +49,7 @@ def register(app: typer.Typer) -> None:
     app.command("query")(query)
     app.command("purge")(purge)
     app.command("export")(export)
+    app.command("sync")(sync)
 
 
 # ---------------------------------------------------------------- commands
@@ -198,14 +201,20 @@ def purge(
              f"{DEFAULT_RETENTION_DAYS})."),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help=_DB_HELP),
 ) -> None:
-    """Delete runs (and their events) that ended more than N days ago."""
-    from batteries.audit import queries
+    """Delete runs (and their events) that ended more than N days ago, from both files."""
+    import time
+
+    from batteries.audit import queries, resolve_db_path
+    from batteries.store import SQLiteStore, journal_path
 
     with _errors():
         keep = _retention_days() if days is None else days
         store = _store(db)
-        if not store.path.exists():
+        journal = SQLiteStore(journal_path(resolve_db_path(db)))
+        if not store.path.exists() and not journal.exists():
             raise _audit_error(f"no audit database at {store.path}")
+        _sync(db)
+        journal.purge(time.time_ns() // 1000 - int(keep * 86400 * 1e6))
         with store.session(write=True) as cur:
             n_runs, n_events = queries.purge(cur, keep)
     print(f"purged {n_runs} runs ({n_events} events) older than {keep} days")
@@ -224,7 +233,24 @@ def export(
         print(path)
 
 
+def sync(
+    db: str | None = typer.Option(None, "--db", metavar="PATH", help=_DB_HELP),
+) -> None:
+    """Bring the analysts' DuckDB file up to date from the journal (every analyst command
+    does this first; run it before opening the file in another tool)."""
+    with _errors():
+        report = _sync(db)
+    print(report)
+
+
 # ------------------------------------------------------------------ helpers
+
+
+def _sync(db: str | None) -> Any:
+    """Copy what the journal holds and the DuckDB file does not yet."""
+    from batteries.audit import resolve_db_path, sync
+
+    return sync(resolve_db_path(db))
 
 
 def _store(db: str | None) -> Store:
@@ -235,7 +261,7 @@ def _store(db: str | None) -> Store:
 
 @contextmanager
 def _reader(db: str | None) -> Iterator[Any]:
-    with _store(db).reader() as cur:
+    with _store(db).reader() as cur:  # synced from the journal first
         yield cur
 
 

@@ -24,9 +24,9 @@ def register(app: typer.Typer) -> None:
 
 def _store(db: str | None) -> Any:
     from batteries.audit import resolve_db_path
-    from batteries.budget import DuckDBBudget
+    from batteries.budget import JournalBudget
 
-    return DuckDBBudget(resolve_db_path(db))
+    return JournalBudget(resolve_db_path(db))
 
 
 def _fail(message: str) -> None:

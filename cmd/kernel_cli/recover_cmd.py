@@ -2,10 +2,12 @@
 
 Every audited `kernel run` registers its run spec (what to run, the
 context, the limits, the ports) with the checkpointer before it starts, and
-the kernel saves the agent's resumable state as it goes. A run whose
-process is gone while its checkpoint still says `running` (SIGKILL, a crash,
-SIGTERM at shutdown) is *interrupted*: these commands rebuild its agent from
-the spec and resume it under the same run_id, from its last checkpoint.
+the kernel saves the agent's resumable state after every step. A run whose
+process is provably gone while its checkpoint still says `running` (SIGKILL,
+a crash, SIGTERM at shutdown) is *interrupted*: these commands take its
+lease (one journal transaction; refused while its holder may be alive, so
+two recoverers never resume the same run), rebuild its agent from the spec
+and resume it under the same run_id, from its last checkpoint.
 
 Secrets are not stored (see `batteries.redact`), so a spec may say that some
 of its values were redacted. Those must be given again: a secret context
@@ -51,9 +53,9 @@ def register(app: typer.Typer) -> None:
 
 def _checkpointer(db: str | None) -> Any:
     from batteries.audit import resolve_db_path
-    from batteries.checkpoint import DuckDBCheckpointer
+    from batteries.checkpoint import JournalCheckpointer
 
-    return DuckDBCheckpointer(resolve_db_path(db))
+    return JournalCheckpointer(resolve_db_path(db))
 
 
 def _fail(message: str) -> None:
@@ -78,13 +80,15 @@ def recover(
 ) -> None:
     """Resume every interrupted run (its process died while it was running).
 
-    Exit status: 0 if every resumed run ended ok (or there was nothing to do),
-    1 otherwise.
+    Several `kernel recover` may run at once: each run is resumed by exactly
+    one of them (whoever takes its lease first). Exit status: 0 if every
+    run this process resumed ended ok (or there was nothing to do), 1 otherwise.
     """
     from kernel import AuditError
 
     try:
-        runs = _checkpointer(db).interrupted()
+        cp = _checkpointer(db)
+        runs = cp.interrupted()
     except AuditError as exc:
         _fail(str(exc))
     if list_only or not runs:
@@ -100,10 +104,26 @@ def recover(
         raise typer.Exit(0)
     given = _Given(context or [], [], None, redact or [])
     worst = 0
-    for saved in runs:
+    for listed in runs:
+        try:
+            saved = _claim(cp, listed.run_id)
+        except AuditError as exc:
+            print(f"kernel: run {listed.run_id[:12]}: {exc}", file=sys.stderr)
+            worst = 1
+            continue
+        if saved is None:
+            continue  # another recoverer holds it (or finished it meanwhile)
         code = _resume_one(saved, db=db, json_out=json_out, given=given)
         worst = worst or (1 if code else 0)
     raise typer.Exit(worst)
+
+
+def _claim(cp: Any, run_id: str) -> Any:
+    """Take the run's lease; its checkpoint as of now (None if someone else holds it)."""
+    if not cp.claim(run_id):
+        return None
+    # Reload: a recoverer that held it before may have moved it on before dying.
+    return cp.load(run_id)
 
 
 def resume(
@@ -141,10 +161,13 @@ def resume(
                       f"{saved.host})")
         if len(matches) > 1:
             _fail(f"run id prefix {run_id!r} is ambiguous ({len(matches)} runs)")
+        saved = _claim(cp, matches[0].run_id)
+        if saved is None:
+            _fail(f"run {matches[0].run_id[:12]} is being resumed by another process")
     except AuditError as exc:
         _fail(str(exc))
     given = _Given(context or [], webhook or [], base_url, redact or [])
-    raise typer.Exit(_resume_one(matches[0], db=db, json_out=json_out, given=given))
+    raise typer.Exit(_resume_one(saved, db=db, json_out=json_out, given=given))
 
 
 @dataclass

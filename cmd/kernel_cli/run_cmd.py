@@ -104,9 +104,10 @@ def run(
                                            "user data dir)."),
     no_audit: bool = typer.Option(False, "--no-audit", help="Record nothing."),
     checkpoint_interval: float = typer.Option(
-        1.0, "--checkpoint-interval", metavar="DURATION", parser=numbers.duration(),
-        help="Save a loop's or agent's resumable state at most this often (0 = after "
-             "every step), for `kernel recover`."),
+        0.0, "--checkpoint-interval", metavar="DURATION", parser=numbers.duration(),
+        help="Save a loop's or agent's resumable state at most this often, for `kernel "
+             "recover` (default 0: after every loop state and every LLM turn, so a crash "
+             "re-runs at most the state in flight)."),
     deliver_dir: str | None = typer.Option(
         None, "--deliver-dir", metavar="DIR",
         help="Also write the result to DIR/RUN_ID/ (result.json, output.txt, artifacts/)."),
@@ -179,7 +180,7 @@ def run(
             else base.soft_timeout,
             tool_timeout=base.tool_timeout if tool_timeout is None else (tool_timeout or None),
             dry_run=dry_run,
-            # Each save is a short write transaction on the shared file: at most one a second.
+            # A save is one small journal transaction (well under a millisecond).
             checkpoint_every_seconds=max(base.checkpoint_every_seconds, checkpoint_interval),
             # A terminal user waits on kills: look at the critic four times a second.
             poll_interval=min(base.poll_interval, 0.25))
@@ -197,14 +198,17 @@ def run(
     run_spec = stored_spec(
         {"agent": spec, "info": info_to_dict(info), "limits": limits_to_dict(limits),
          "ports": ports_to_dict(opts), "cwd": os.getcwd()}, redactor)
+    journals: list[Any] = []
     try:
         result = trio.run(partial(_execute, plan.agent, info, limits, opts,
-                                  spec=None if dry_run else run_spec, redactor=redactor))
+                                  spec=None if dry_run else run_spec, redactor=redactor,
+                                  journals=journals))
     except ConfigError as exc:
         _fail(str(exc))
     code = exit_code(result, command=plan.is_command)
     # A dry run echoes nothing as it goes: its output (the path it would take) is the answer.
-    _report(result, code, json_out=json_out, echo_output=not plan.echoes or dry_run)
+    _report(result, code, json_out=json_out, echo_output=not plan.echoes or dry_run,
+            storage=_storage(journals))
     raise typer.Exit(code)
 
 
@@ -416,9 +420,14 @@ class _Capture:
         self.result = result
 
 
+def _storage(journals: list[Any]) -> dict[str, Any] | None:
+    """What the run's journal transactions cost (wait for the write lock, longest one)."""
+    return journals[0].store.stats.as_dict() if journals else None
+
+
 async def _execute(agent: Any, info: RunInfo, limits: Limits, opts: PortOptions, *,
-                   spec: dict[str, Any] | None = None,
-                   resume: Checkpoint | None = None, redactor: Any = None) -> Result:
+                   spec: dict[str, Any] | None = None, resume: Checkpoint | None = None,
+                   redactor: Any = None, journals: list[Any] | None = None) -> Result:
     import trio
 
     from kernel import Kernel, PortFailure
@@ -432,7 +441,7 @@ async def _execute(agent: Any, info: RunInfo, limits: Limits, opts: PortOptions,
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP,
                                    signal.SIGQUIT) as signals:
         async with open_ports(opts, delivery=capture, warnings=warnings,
-                              redactor=redactor) as ports:
+                              redactor=redactor, journals=journals) as ports:
             # No live line for dry runs: a loop simulation may ask questions on the terminal.
             live = (progress.Progress(info.name, limits.timeout)
                     if progress.wanted() and not limits.dry_run else None)
@@ -487,13 +496,16 @@ def exit_code(result: Result, *, command: bool) -> int:
     return result.status.exit_code
 
 
-def _report(result: Result, code: int, *, json_out: bool, echo_output: bool) -> None:
+def _report(result: Result, code: int, *, json_out: bool, echo_output: bool,
+            storage: dict[str, Any] | None = None) -> None:
     for failure in result.port_failures:
         print(f"kernel: warning: {failure}", file=sys.stderr)
     if json_out:
         doc = result.to_dict()
         doc["command_exit_code"] = result.exit_code
         doc["exit_code"] = code
+        if storage is not None:
+            doc["storage"] = storage
         sys.stdout.write(json.dumps(doc, default=str) + "\n")
         return
     if echo_output and result.output is not None and result.status is not Status.ERROR:

@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from kernel import Audit, Budget, Checkpointer, Critic, Delivery, PortFailure, Ports
+from kernel import Audit, Critic, Delivery, PortFailure, Ports
 
 if TYPE_CHECKING:
     from batteries.redact import Redactor
@@ -35,42 +35,56 @@ class PortOptions:
 @asynccontextmanager
 async def open_ports(opts: PortOptions, *, delivery: Delivery | None = None,
                      warnings: list[PortFailure] | None = None,
-                     redactor: Redactor | None = None) -> AsyncIterator[Ports]:
+                     redactor: Redactor | None = None,
+                     journals: list[Any] | None = None) -> AsyncIterator[Ports]:
     """Open the batteries the options ask for and close them afterwards.
 
-    A battery that cannot be opened (a locked or read-only database) is left
-    out with a one-line warning added to `warnings`; the run still happens.
+    The audit, budget and checkpointer share one `Journal` (the SQLite file
+    beside the analysts' DuckDB file), so a run's writes ride along in two
+    transactions: one when it opens, one when it closes. Opening does no
+    I/O. Budgets fail closed: if the journal cannot be reached the budget
+    check refuses the run. An audit that cannot be built (a bad
+    KERNEL_AUDIT_* variable) is left out with a one-line warning added to
+    `warnings`. `journals` receives the journal, for its statistics.
     `redactor` (None: `Redactor.from_env()`) is shared by the audit and the
     checkpointer: nothing they store holds a secret it knows.
+
+    Raises:
+        ConfigError: A bad `$KERNEL_AUDIT_LOCK_TIMEOUT` or `$KERNEL_JOURNAL_SYNC`.
     """
     async with AsyncExitStack() as stack:
-        if redactor is None and not opts.no_audit:
+        audit = budget = checkpointer = None
+        if not opts.no_audit:
+            from batteries.budget import JournalBudget
+            from batteries.checkpoint import JournalCheckpointer
             from batteries.redact import Redactor
+            from batteries.store import Journal
 
-            redactor = Redactor.from_env()
-        audit = None if opts.no_audit else await _open_audit(opts, stack, warnings, redactor)
+            if redactor is None:
+                redactor = Redactor.from_env()
+            journal = await stack.enter_async_context(Journal.open(opts.db))
+            if journals is not None:
+                journals.append(journal)
+            audit = _audit(journal, warnings, redactor)
+            budget = JournalBudget(journal)
+            checkpointer = JournalCheckpointer(journal, redactor=redactor)
         critic = None if opts.no_critic else _make_critic(opts)
-        # Budgets live in the audit file: enforced whenever that file is usable.
-        budget = _budget(opts) if audit is not None else None
-        checkpointer = _checkpointer(opts, redactor) if audit is not None else None
         yield Ports(audit=audit, budget=budget, critic=critic, checkpointer=checkpointer,
                     delivery=_delivery(opts, delivery))
 
 
-def _checkpointer(opts: PortOptions, redactor: Redactor | None) -> Checkpointer:
-    """Checkpoints (and run specs, for `kernel recover`) in the audit database."""
-    from batteries.audit import resolve_db_path
-    from batteries.checkpoint import DuckDBCheckpointer
+def _audit(journal: Any, warnings: list[PortFailure] | None,
+           redactor: Redactor | None = None) -> Audit | None:
+    """The audit on `journal`; None (and an `audit.open` warning) if its settings are bad."""
+    from batteries.audit import JournalAudit
 
-    return DuckDBCheckpointer(resolve_db_path(opts.db), redactor=redactor)
-
-
-def _budget(opts: PortOptions) -> Budget:
-    """Per-caller budgets from the audit database (`kernel budget set`)."""
-    from batteries.audit import resolve_db_path
-    from batteries.budget import DuckDBBudget
-
-    return DuckDBBudget(resolve_db_path(opts.db))
+    try:
+        return JournalAudit(journal, redactor=redactor)
+    except Exception as exc:
+        if warnings is not None:
+            message = " ".join(str(exc).split()) or type(exc).__name__
+            warnings.append(PortFailure("audit", "open", message))
+        return None
 
 
 def _delivery(opts: PortOptions, first: Delivery | None) -> Delivery | None:
@@ -84,28 +98,6 @@ def _delivery(opts: PortOptions, first: Delivery | None) -> Delivery | None:
         chosen.extend(WebhookDelivery(url) for url in opts.webhooks)
         return FanOut(chosen)
     return first
-
-
-async def _open_audit(opts: PortOptions, stack: AsyncExitStack,
-                      warnings: list[PortFailure] | None,
-                      redactor: Redactor | None = None) -> Audit | None:
-    """The DuckDB audit at --db / $KERNEL_DB / the user data dir (batteries.audit).
-
-    Opening creates or migrates the file, retrying while another process
-    holds it (up to `$KERNEL_AUDIT_LOCK_TIMEOUT`). If that fails (read-only
-    file or directory, still locked, not a DuckDB file, a bad KERNEL_AUDIT_*
-    variable) the run goes ahead unaudited: the reason is appended to
-    `warnings` as an `audit.open` failure and None is returned.
-    """
-    from batteries.audit import DuckDBAudit
-
-    try:
-        return await stack.enter_async_context(DuckDBAudit.open(opts.db, redactor=redactor))
-    except Exception as exc:
-        if warnings is not None:
-            message = " ".join(str(exc).split()) or type(exc).__name__
-            warnings.append(PortFailure("audit", "open", message))
-        return None
 
 
 def _make_critic(opts: PortOptions) -> Critic | None:

@@ -3,6 +3,7 @@
     python audit_procs.py writer DB RUNS EVENTS TAG   kernel runs into DB via DuckDBAudit
     python audit_procs.py reader DB STOPFILE          query DB every 100 ms until STOPFILE exists
     python audit_procs.py hold DB                     hold DB open read-write until stdin closes
+    python audit_procs.py hold-journal FILE           hold FILE's write lock until stdin closes
 
 Each prints one JSON line on stdout describing what it did.
 """
@@ -40,11 +41,12 @@ async def writer(db: str, runs: int, events: int, tag: str) -> dict[str, object]
 
 
 def reader(db: str, stopfile: str) -> dict[str, object]:
-    """Count runs and events every 100 ms; report reads, errors and the longest wait."""
+    """Count runs and events every 100 ms (each read syncs the analysts' file from the
+    journal first); report reads, errors and the longest wait."""
     store = Store(db)
     reads, errors, longest, last = 0, [], 0.0, (0, 0)
     monotonic = True
-    while not Path(stopfile).exists():
+    while not Path(stopfile).exists() or reads < 5:  # writers may finish before 5 reads
         t0 = time.monotonic()
         try:
             with store.reader() as cur:
@@ -73,6 +75,18 @@ def hold(db: str) -> None:
     con.close()
 
 
+def hold_journal(path: str) -> None:
+    """Hold the journal's write lock (an open BEGIN IMMEDIATE) until stdin closes."""
+    import sqlite3
+
+    con = sqlite3.connect(path, isolation_level=None)
+    con.execute("BEGIN IMMEDIATE")
+    print(json.dumps({"held": path}), flush=True)
+    sys.stdin.read()
+    con.execute("ROLLBACK")
+    con.close()
+
+
 def main(argv: list[str]) -> None:
     mode, db, *rest = argv
     if mode == "writer":
@@ -81,6 +95,9 @@ def main(argv: list[str]) -> None:
         out = reader(db, rest[0])
     elif mode == "hold":
         hold(db)
+        return
+    elif mode == "hold-journal":
+        hold_journal(db)
         return
     else:
         raise SystemExit(f"unknown mode {mode!r}")

@@ -1,4 +1,7 @@
-"""When the audit database cannot be used: the run goes on and the failure is reported."""
+"""When the journal cannot be used: runs go on and say so; budgets fail closed.
+
+And what no longer matters: an analyst holding the DuckDB file open.
+"""
 
 from __future__ import annotations
 
@@ -9,16 +12,17 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import AsyncExitStack, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from batteries.audit import AuditBusyError, DuckDBAudit, Store
+from batteries.audit import AuditBusyError, DuckDBAudit, Store, sync
 from batteries.audit.queries import dicts
+from batteries.budget import JournalBudget
+from batteries.store import Journal, journal_path
 from kernel import (
-    AuditError,
     AuditWriteError,
     ConfigError,
     Kernel,
@@ -30,15 +34,16 @@ from kernel import (
     Step,
 )
 from kernel.testing import ScriptedAgent
-from kernel_cli.wiring import PortOptions, _open_audit, open_ports
+from kernel_cli.wiring import PortOptions, open_ports
 
 PROCS = Path(__file__).with_name("audit_procs.py")
 
 
 @contextmanager
-def held(db: Path) -> Iterator[None]:
-    """Another process holds `db` open read-write (as an analyst's duckdb shell would)."""
-    proc = subprocess.Popen([sys.executable, str(PROCS), "hold", str(db)],
+def held(path: Path, mode: str = "hold") -> Iterator[None]:
+    """Another process holds `path`: the DuckDB file open read-write (`hold`, as an
+    analyst's duckdb shell would) or the journal's write lock (`hold-journal`)."""
+    proc = subprocess.Popen([sys.executable, str(PROCS), mode, str(path)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
@@ -56,124 +61,101 @@ def _count(db: Path, sql: str) -> int:
         return int(cur.execute(sql).fetchall()[0][0])
 
 
-class TestOpenFailures:
+def _kernel() -> str:
+    return str(Path(sys.executable).parent / "kernel")
+
+
+class TestAnalystsCannotBlockRuns:
     @pytest.mark.realtime
-    async def test_a_file_locked_too_long_gives_up_within_the_timeout(
-            self, tmp_path: Path) -> None:
-        """open() retries a locked file for lock_timeout, then raises a one-line AuditBusyError."""
-        db = tmp_path / "locked.duckdb"
-        Store(db).ensure_schema()
+    async def test_a_held_analyst_file_does_not_touch_a_run(self, tmp_path: Path) -> None:
+        """The DuckDB file held read-write by an analyst: the run is audited, no warning."""
+        db = tmp_path / "held.duckdb"
+        async with DuckDBAudit.open(db) as audit:
+            await Kernel(Ports(audit=audit)).run(ScriptedAgent([Step(final=True)]))
+        sync(db)  # the journal and the analysts' file both exist, as in any real setup
         with held(db):
-            t0 = time.monotonic()
-            with pytest.raises(AuditBusyError) as err:
-                async with DuckDBAudit.open(db, lock_timeout=0.3):
-                    pass
-            waited = time.monotonic() - t0
-        assert 0.3 <= waited < 5
-        assert "locked by another process" in str(err.value)
-        assert "\n" not in str(err.value)
-
-    async def test_a_file_that_is_not_duckdb_is_an_audit_error(self, tmp_path: Path) -> None:
-        """A corrupt or foreign file fails open() with AuditError naming the file."""
-        db = tmp_path / "junk.duckdb"
-        db.write_bytes(b"not a database " * 1000)
-        with pytest.raises(AuditError, match="not a valid DuckDB database"):
-            async with DuckDBAudit.open(db):
-                pass
-
-    async def test_a_directory_that_cannot_be_created_is_an_audit_error(
-            self, tmp_path: Path) -> None:
-        """A path whose parent is a regular file fails open() with AuditError."""
-        blocker = tmp_path / "a-file"
-        blocker.write_text("x")
-        with pytest.raises(AuditError, match="cannot create"):
-            async with DuckDBAudit.open(blocker / "kernel.duckdb"):
-                pass
-
-    async def test_a_read_only_file_is_an_audit_error(self, read_only: Any,
-                                                      tmp_path: Path) -> None:
-        """A database file that cannot be written fails open() with AuditError."""
-        db = tmp_path / "ro.duckdb"
-        Store(db).ensure_schema()
-        read_only(db)
-        with pytest.raises(AuditError):
-            async with DuckDBAudit.open(db):
-                pass
-
-    def test_kernel_run_on_a_read_only_file(self, read_only: Any, tmp_path: Path) -> None:
-        """`kernel run` on a read-only database: one warning line, the command's own status."""
-        db = tmp_path / "ro.duckdb"
-        Store(db).ensure_schema()
-        read_only(db)
-        exe = str(Path(sys.executable).parent / "kernel")
-        proc = subprocess.run([exe, "run", "--json", "--db", str(db), "--", "sh", "-c",
-                               "exit 3"], capture_output=True, text=True, timeout=60)
-        assert proc.returncode == 3
-        doc = json.loads(proc.stdout)
-        assert doc["status"] == "error" and doc["port_failures"][0].startswith("audit.open: ")
-        lines = proc.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("kernel: warning: audit.open: ")
-        assert "Traceback" not in proc.stderr
+            async with DuckDBAudit.open(db, lock_timeout=0.3) as audit:
+                result = await Kernel(Ports(audit=audit)).run(
+                    ScriptedAgent([Step(output="hi", final=True)]))
+            assert result.status is Status.OK and result.port_failures == []
+            with pytest.raises(AuditBusyError, match="locked by another process"):
+                sync(db, lock_timeout=0.3)  # the analysts' file lags while it is held
+        assert _count(db, "SELECT count(*) FROM runs WHERE status = 'ok'") == 2
 
     def test_a_bad_lock_timeout_setting_is_a_config_error(
             self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         """KERNEL_AUDIT_LOCK_TIMEOUT must be a number of seconds."""
         monkeypatch.setenv("KERNEL_AUDIT_LOCK_TIMEOUT", "soon")
         with pytest.raises(ConfigError, match="KERNEL_AUDIT_LOCK_TIMEOUT"):
-            DuckDBAudit(tmp_path / "x.duckdb")
+            Journal(tmp_path / "x.duckdb")
 
 
-class TestWiring:
-    async def test_the_cli_opens_the_database_at_kernel_db(self, _isolated_db: Path) -> None:
-        """Without --db, `kernel run` audits to $KERNEL_DB, and the run is recorded."""
-        warnings: list[PortFailure] = []
-        async with AsyncExitStack() as stack:
-            audit = await _open_audit(PortOptions(), stack, warnings)
-            assert isinstance(audit, DuckDBAudit) and audit.path == _isolated_db
-            result = await Kernel(Ports(audit=audit)).run(ScriptedAgent([Step(final=True)]))
-        assert warnings == []
-        assert _count(_isolated_db, "SELECT count(*) FROM runs WHERE status = 'ok'") == 1
-        assert result.port_failures == []
+class TestJournalUnusable:
+    async def test_a_directory_that_cannot_be_created(self, tmp_path: Path) -> None:
+        """No journal can exist there, so no budget either: the run goes on, the audit
+        close fails with a line naming the directory."""
+        blocker = tmp_path / "a-file"
+        blocker.write_text("x")
+        async with open_ports(PortOptions(db=str(blocker / "k.duckdb"), no_critic=True)) as p:
+            result = await Kernel(p).run(ScriptedAgent([Step(output="hi", final=True)]),
+                                         RunInfo(caller_id="ann"))
+        assert result.status is Status.OK
+        assert [(f.port, f.method) for f in result.port_failures] == [("audit", "close")]
+        assert "cannot create" in result.port_failures[0].error
 
-    @pytest.mark.realtime
-    async def test_a_locked_database_is_a_warning_and_the_run_still_happens(
-            self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-        """A locked file: open_ports leaves the audit out with one audit.open warning."""
-        db = tmp_path / "busy.duckdb"
-        Store(db).ensure_schema()
-        monkeypatch.setenv("KERNEL_AUDIT_LOCK_TIMEOUT", "0.2")
-        warnings: list[PortFailure] = []
-        with held(db):
-            async with open_ports(PortOptions(db=str(db), no_critic=True),
-                                  warnings=warnings) as ports:
-                assert ports.audit is None
-                result = await Kernel(ports).run(ScriptedAgent([Step(output="hi", final=True)]))
-        assert result.status is Status.OK and result.output == "hi"
-        assert [(w.port, w.method) for w in warnings] == [("audit", "open")]
-        assert "locked by another process" in warnings[0].error
-        assert "\n" not in warnings[0].error
+    async def test_a_corrupt_journal_refuses_the_run(self, tmp_path: Path) -> None:
+        """A journal that is not a database: the budget cannot be checked, so nothing runs."""
+        db = tmp_path / "k.duckdb"
+        journal_path(db).write_bytes(b"junk" * 4096)
+        agent = ScriptedAgent([Step(output="hi", final=True)])
+        async with open_ports(PortOptions(db=str(db), no_critic=True)) as p:
+            result = await Kernel(p).run(agent, RunInfo(caller_id="ann"))
+        assert result.status is Status.BUDGET_EXCEEDED and agent.calls == 0
+        assert "budget check failed" in (result.error or "")
+        assert "not a database" in (result.error or "")
 
-    async def test_a_corrupt_database_is_a_warning_too(self, tmp_path: Path) -> None:
-        """Any failure to open (here: not a DuckDB file) becomes the audit.open warning."""
-        db = tmp_path / "junk.duckdb"
-        db.write_bytes(b"junk" * 4096)
-        warnings: list[PortFailure] = []
-        async with AsyncExitStack() as stack:
-            assert await _open_audit(PortOptions(db=str(db)), stack, warnings) is None
-        assert len(warnings) == 1 and "not a valid DuckDB database" in warnings[0].error
+    def test_kernel_run_on_a_read_only_journal_with_a_budget(
+            self, read_only: Any, tmp_path: Path) -> None:
+        """A journal that cannot be written, with a budget for the caller: exit 3, the
+        reason on stderr, the command never runs."""
+        db = tmp_path / "ro.duckdb"
+        JournalBudget(db).set("ann", max_runs=10)
+        read_only(journal_path(db))
+        marker = tmp_path / "ran"
+        proc = subprocess.run([_kernel(), "run", "--db", str(db), "--caller", "ann", "--",
+                               "touch", str(marker)], capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode == 3, proc.stderr
+        assert not marker.exists()
+        assert "budget_exceeded" in proc.stderr and "budget check failed" in proc.stderr
+        assert "Traceback" not in proc.stderr
+
+    def test_kernel_run_on_a_read_only_journal_without_a_budget(
+            self, read_only: Any, tmp_path: Path) -> None:
+        """Without a budget for the caller the run goes on: its own status, one warning."""
+        db = tmp_path / "ro.duckdb"
+        JournalBudget(db).set("someone-else", max_runs=10)
+        read_only(journal_path(db))
+        proc = subprocess.run([_kernel(), "run", "--json", "--db", str(db), "--caller", "ann",
+                               "--", "sh", "-c", "exit 3"], capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode == 3, proc.stderr
+        doc = json.loads(proc.stdout)
+        assert doc["status"] == "error"
+        assert [f.split(":")[0] for f in doc["port_failures"]] == ["audit.close"]
+        assert "Traceback" not in proc.stderr
 
 
 @pytest.mark.realtime
-class TestLockedMidRun:
+class TestLockedJournal:
     async def test_a_run_that_cannot_be_written_ends_with_its_real_status(
             self, tmp_path: Path) -> None:
-        """File locked after open: recording stays fast, close fails, the run ends ok.
-
-        The rows kept by the failed flushes are written once the lock is released.
-        """
+        """Journal write-locked after open: recording stays fast, close fails, the run
+        ends ok; the rows kept by the failed writes land once the lock is released."""
         db = tmp_path / "mid.duckdb"
         async with DuckDBAudit.open(db, lock_timeout=1.0, flush_interval=3600) as audit:
-            with held(db):
+            await audit.flush()  # the journal exists
+            with held(journal_path(db), "hold-journal"):
                 rec = await audit.start_run(RunInfo(name="side events"))
                 t0 = time.monotonic()
                 for i in range(20_000):
@@ -198,28 +180,25 @@ class TestLockedMidRun:
                         {"name": "side events", "status": "ok"}]
         assert events == (1 + 20_000 + 1) + (1 + 2 + 1)
 
-
-@pytest.mark.realtime
-class TestKernelRunCommand:
-    def test_kernel_run_on_a_locked_database(self, tmp_path: Path, kernel_exe: str,
-                                             cli_env: dict[str, str]) -> None:
-        """`kernel run` on a locked file: one warning line, the command's own exit code,
-        and the audit failure in the JSON result."""
-        db = tmp_path / "kernel.duckdb"
-        Store(db).ensure_schema()
-        env = {**cli_env, "KERNEL_DB": str(db), "KERNEL_AUDIT_LOCK_TIMEOUT": "0.3"}
-        with held(db):
-            proc = subprocess.run([kernel_exe, "run", "--json", "--", "sh", "-c", "exit 3"],
-                                  env=env, capture_output=True, text=True, timeout=60)
-        assert proc.returncode == 3, proc.stderr
-        warnings = [ln for ln in proc.stderr.splitlines() if "audit" in ln]
-        assert len(warnings) == 1, proc.stderr
-        assert warnings[0].startswith("kernel: warning: audit.open: ")
-        assert "Traceback" not in proc.stderr
-        result = json.loads(proc.stdout)
-        assert result["status"] == "error"
-        assert any(f.startswith("audit.open: ") and "locked" in f
-                   for f in result["port_failures"])
+    async def test_a_locked_journal_without_a_budget_lets_the_run_go_on(
+            self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        """The write lock held past the timeout: a caller without a budget still runs (the
+        journal, read without the lock, proves none applies); one with a budget is refused."""
+        db = tmp_path / "busy.duckdb"
+        JournalBudget(db).set("capped", max_runs=100)
+        monkeypatch.setenv("KERNEL_AUDIT_LOCK_TIMEOUT", "0.2")
+        warnings: list[PortFailure] = []
+        with held(journal_path(db), "hold-journal"):
+            async with open_ports(PortOptions(db=str(db), no_critic=True),
+                                  warnings=warnings) as ports:
+                free = await Kernel(ports).run(ScriptedAgent([Step(output="hi", final=True)]),
+                                               RunInfo(caller_id="free"))
+                capped = await Kernel(ports).run(ScriptedAgent([Step(final=True)]),
+                                                 RunInfo(caller_id="capped"))
+        assert warnings == []
+        assert free.status is Status.OK and free.output == "hi"
+        assert capped.status is Status.BUDGET_EXCEEDED
+        assert "locked by another process" in (capped.error or "")
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Several processes sharing one audit file: writers and a reader at the same time."""
+"""Several processes sharing one journal and analysts' file: writers and a reader at once."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 import trio
 
 from batteries.audit import DuckDBAudit, Store
+from batteries.store import journal_path
 from kernel import Kernel, Ports, RunInfo, Status, Step
 from kernel.testing import ScriptedAgent
 
@@ -79,7 +80,8 @@ class TestMultiProcess:
 
     async def test_rows_are_durable_for_other_processes_when_close_returns(
             self, tmp_path: Path) -> None:
-        """As soon as Kernel.run returns (close done), another process sees all the run's rows."""
+        """As soon as Kernel.run returns (close done), another process sees all the run's rows
+        in the journal."""
         db = tmp_path / "durable.duckdb"
         # No timed flushes: only the run's close can have written its rows.
         async with DuckDBAudit.open(db, flush_interval=3600) as audit:
@@ -89,8 +91,8 @@ class TestMultiProcess:
             assert result.status is Status.OK and result.port_failures == []
             proc = await trio.run_process(
                 [sys.executable, "-c",
-                 "import duckdb, sys; c = duckdb.connect(sys.argv[1], read_only=True); "
+                 "import sqlite3, sys; c = sqlite3.connect(sys.argv[1]); "
                  "print(c.execute('SELECT (SELECT status FROM runs), count(*), max(seq) "
-                 "FROM events').fetchall()[0])", str(db)],
+                 "FROM events').fetchall()[0])", str(journal_path(db))],
                 capture_stdout=True, capture_stderr=True)
         assert proc.stdout.decode().strip() == "('ok', 5, 4)"

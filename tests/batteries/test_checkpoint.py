@@ -1,14 +1,21 @@
-"""Checkpoints in a real DuckDB file: save, complete, fail, find interrupted runs."""
+"""Checkpoints in a real journal: save, complete, fail, find and claim interrupted runs."""
 
 from __future__ import annotations
 
 import os
+import sqlite3
+import subprocess
+import sys
+from contextlib import closing
 from pathlib import Path
 
+import pytest
 import trio
 
-from batteries.checkpoint import DuckDBCheckpointer
-from kernel import Kernel, Limits, Ports, RunContext, RunInfo, Status, Step
+from batteries.audit import JournalAudit
+from batteries.checkpoint import DuckDBCheckpointer, JournalCheckpointer
+from batteries.store import Journal, Owner, StoreError, journal_path
+from kernel import Checkpoint, Kernel, Limits, Ports, RunContext, RunInfo, Status, Step
 from kernel.testing import Hang, ScriptedAgent
 
 SPEC = {"agent": {"kind": "test"}, "info": {}, "limits": {}}
@@ -93,3 +100,100 @@ def test_export_includes_the_batteries_tables(tmp_path: Path) -> None:
                          check=True, capture_output=True, text=True).stdout
     names = {Path(p).name for p in out.split()}
     assert {"runs.parquet", "events.parquet", "budgets.parquet", "checkpoints.parquet"} <= names
+
+
+class TestSaveNeverLost:
+    async def test_a_save_for_a_run_never_registered_fails_loudly(self, tmp_path: Path) -> None:
+        """Saving a run nobody registered raises (it used to save nothing, silently)."""
+        cp = JournalCheckpointer(tmp_path / "k.duckdb")
+        with pytest.raises(StoreError, match="never registered"):
+            await cp.save(Checkpoint("ab" * 16, 1, {"state": "x"}))
+        assert cp.load("ab" * 16) is None
+
+    async def test_a_save_upserts_when_the_spec_is_known(self, tmp_path: Path) -> None:
+        """Registered with this checkpointer but not yet written: the save writes the row."""
+        async with Journal.open(tmp_path / "k.duckdb") as shared:
+            cp = JournalCheckpointer(shared)
+            await cp.register("cd" * 16, SPEC)  # deferred: rides along with the next write
+            await cp.save(Checkpoint("cd" * 16, 2, {"state": "b"}))
+            saved = await trio.to_thread.run_sync(cp.load, "cd" * 16)
+        assert saved is not None and saved.status == "running"
+        assert saved.checkpoint.steps == 2 and saved.checkpoint.state == {"state": "b"}
+        assert shared.store.stats.transactions == 2  # the save (registration included), the load
+
+    async def test_a_kernel_run_saves_after_every_step_in_one_transaction_each(
+            self, tmp_path: Path) -> None:
+        """With the audit and the checkpointer on one journal, each save also makes the
+        events so far durable: after step N the journal holds step N's events."""
+        async with JournalAudit.open(tmp_path / "k.duckdb", flush_interval=3600) as audit:
+            journal = audit.journal
+            cp = JournalCheckpointer(journal)
+            info = RunInfo(name="c")
+            await cp.register(info.run_id, SPEC)
+            seen: list[int] = []
+
+            async def look(ctx: RunContext) -> Step:
+                seen.append(await trio.to_thread.run_sync(_steps_in_journal, tmp_path, info))
+                return Step(final=ctx.iteration == 3)
+
+            before = journal.store.stats.transactions
+            result = await Kernel(Ports(audit=audit, checkpointer=cp)).run(
+                ScriptedAgent(then=look), info, Limits())
+        assert result.status is Status.OK
+        assert seen == [0, 1, 2, 3]
+        # 3 saves (after steps 1-3; the final step needs none) and the close.
+        assert journal.store.stats.transactions - before == 4
+
+
+def _steps_in_journal(tmp_path: Path, info: RunInfo) -> int:
+    with closing(sqlite3.connect(journal_path(tmp_path / "k.duckdb"))) as con:
+        try:
+            return int(con.execute("SELECT count(*) FROM events WHERE run_id = ? AND "
+                                   "kind = 'step'", (info.run_id,)).fetchone()[0])
+        except sqlite3.OperationalError:
+            return 0  # no journal yet
+
+
+class TestLeases:
+    async def test_two_claims_one_winner(self, tmp_path: Path) -> None:
+        """A dead holder's run is claimed by exactly one of two recoverers; a live holder's
+        run by none."""
+        db = tmp_path / "k.duckdb"
+        code = ("import trio, sys\nfrom batteries.checkpoint import JournalCheckpointer\n"
+                "trio.run(JournalCheckpointer(sys.argv[1]).register, 'dead' * 8, "
+                "{'agent': {'kind': 'loop'}})")
+        subprocess.run([sys.executable, "-c", code, str(db)], check=True)
+        alive = JournalCheckpointer(db)
+        await alive.register("a1" * 16, SPEC)
+        first, second = JournalCheckpointer(db), JournalCheckpointer(db)
+        # Two checkpointers in one process share its pid: make the second another owner.
+        second.owner = Owner(second.owner.host, os.getpid(), -1)
+        assert [r.run_id for r in first.interrupted()] == ["dead" * 8]
+        assert first.claim("dead" * 8) is True
+        assert second.claim("dead" * 8) is False  # the first holder is alive
+        assert first.claim("a1" * 16) is True  # same process and start time: its own lease
+        assert second.claim("a1" * 16) is False
+        assert first.interrupted() == []
+
+    def test_a_recycled_pid_is_not_the_holder(self, tmp_path: Path) -> None:
+        """A holder whose pid now belongs to a process that started later is gone."""
+        me = Owner.me()
+        if me.started is None:
+            pytest.skip("no /proc here: process start times are unknown")
+        assert not me.gone()
+        assert Owner(me.host, me.pid, me.started - 1).gone()
+        assert not Owner("another-host", 1, None).gone()  # nothing provable from here
+
+
+async def test_a_refused_save_does_not_take_the_audit_down(tmp_path: Path) -> None:
+    """A save for an unregistered run fails alone: the run's events in the same transaction
+    are still written, and later writes go on."""
+    async with JournalAudit.open(tmp_path / "k.duckdb", flush_interval=3600) as audit:
+        cp = JournalCheckpointer(audit.journal)
+        info = RunInfo(name="unregistered")
+        result = await Kernel(Ports(audit=audit, checkpointer=cp)).run(
+            ScriptedAgent([Step(), Step(), Step(final=True)]), info)
+    assert result.status is Status.OK
+    assert [(f.port, f.method) for f in result.port_failures] == [("checkpointer", "save")]
+    assert "never registered" in result.port_failures[0].error
+    assert _steps_in_journal(tmp_path, info) == 3

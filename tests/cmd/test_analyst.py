@@ -5,9 +5,11 @@ from __future__ import annotations
 import csv
 import io
 import json
+import sqlite3
 import subprocess
 import sys
 import time
+from contextlib import closing
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -16,6 +18,7 @@ import trio
 from typer.testing import CliRunner
 
 from batteries.audit import DuckDBAudit, Store
+from batteries.store import journal_path
 from kernel import RunInfo, RunStats, Status, Step, ToolCall, ToolResult, Usage
 from kernel_cli.app import app
 
@@ -52,11 +55,12 @@ async def _populate(db: Path) -> None:
         rec = await audit.start_run(RunInfo(name="in flight", run_id=E, subject_id="deploy"))
         rec.log_event("state_enter", name="build")
         await audit.flush()  # E stays open: no close
-    old = datetime.now(UTC) - timedelta(days=40)
-    with Store(db).session(write=True) as cur:
-        cur.execute("UPDATE runs SET started_at = ?, ended_at = ? WHERE run_id = ?",
-                    [old, old + timedelta(seconds=1), D])
-        cur.execute("UPDATE events SET ts = ? WHERE run_id = ?", [old, D])
+    # Age run D in the journal, where runs live (the analysts' file copies it).
+    old = int((datetime.now(UTC) - timedelta(days=40)).timestamp() * 1e6)
+    with closing(sqlite3.connect(journal_path(db))) as con, con:
+        con.execute("UPDATE runs SET started_at = ?, ended_at = ? WHERE run_id = ?",
+                    (old, old + 1_000_000, D))
+        con.execute("UPDATE events SET ts = ? WHERE run_id = ?", (old, D))
 
 
 @pytest.fixture
@@ -286,18 +290,20 @@ class TestPurgeAndExport:
         one_line_error(*kernel("purge"), 2, "KERNEL_RETENTION_DAYS")
 
     def test_export_writes_one_parquet_file_per_table(self, db: Path, tmp_path: Path) -> None:
-        """export DIR writes runs, events and schema_version as Parquet with every row."""
+        """export DIR writes runs, events and schema_version, then the journal's mirrored
+        tables, as Parquet with every row."""
         import duckdb
 
         out_dir = tmp_path / "export"
         code, out, _ = kernel("export", str(out_dir))
         assert code == 0
         written = [Path(p) for p in out.split()]
-        assert [p.name for p in written] == ["runs.parquet", "events.parquet",
-                                             "schema_version.parquet"]
+        assert [p.name for p in written] == [
+            "runs.parquet", "events.parquet", "schema_version.parquet", "budget_spend.parquet",
+            "budgets.parquet", "checkpoints.parquet", "sync_state.parquet"]
         con = duckdb.connect()
         counts = [con.execute(f"SELECT count(*) FROM read_parquet('{p}')").fetchall()[0][0]
-                  for p in written]
+                  for p in written[:3]]
         con.close()
         from batteries.audit import SCHEMA_VERSION
 

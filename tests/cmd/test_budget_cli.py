@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 import subprocess
+from contextlib import closing
+from pathlib import Path
 
 import pytest
 
@@ -37,3 +40,59 @@ class TestBudgetCli:
             proc = kernel(kernel_exe, cli_env, *args)
             assert proc.returncode == 2, args
             assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+class TestAtomicBudgets:
+    def test_eight_simultaneous_runs_against_five(self, kernel_exe: str,
+                                                  cli_env: dict[str, str], tmp_path: Path) -> None:
+        """8 processes start runs of one caller at once against a budget of 5: exactly 5 run,
+        the other 3 are refused (exit 3) without running their command."""
+        assert kernel(kernel_exe, cli_env, "budget", "set", "crowd", "--runs", "5").returncode == 0
+        marker = tmp_path / "ran"
+        go = tmp_path / "go"
+        # Each process waits for the same file before exec'ing `kernel run`, so all 8
+        # reach the budget check together (the readiness is a file, not a sleep).
+        script = (f'while [ ! -e "{go}" ]; do sleep 0.01; done; exec "{kernel_exe}" run '
+                  f'--caller crowd -- sh -c "echo x >> {marker}"')
+        procs = [subprocess.Popen(["sh", "-c", script], env=cli_env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for _ in range(8)]
+        go.touch()
+        outs = [(p.wait(timeout=120), p.communicate()) for p in procs]
+        codes = sorted(code for code, _ in outs)
+        assert codes == [0] * 5 + [3] * 3, outs
+        assert len(marker.read_text().splitlines()) == 5
+        refused = [err for code, (_, err) in outs if code == 3]
+        assert all("used 5 of 5 runs" in err for err in refused), refused
+        shown = json.loads(kernel(kernel_exe, cli_env, "budget", "show", "crowd",
+                                  "--json").stdout)
+        assert shown["runs"] == 5
+
+    def test_no_budget_no_spend_and_two_transactions(self, kernel_exe: str,
+                                                     cli_env: dict[str, str],
+                                                     tmp_path: Path) -> None:
+        """Without a budget nothing is reserved or settled; with or without one, `kernel run`
+        touches the journal twice: when its run opens and when it closes."""
+        free = json.loads(kernel(kernel_exe, cli_env, "run", "--json", "--caller", "free",
+                                 "--", "true").stdout)
+        assert free["storage"]["transactions"] == 2, free
+        assert kernel(kernel_exe, cli_env, "budget", "set", "capped", "--runs", "9"
+                      ).returncode == 0
+        capped = json.loads(kernel(kernel_exe, cli_env, "run", "--json", "--caller", "capped",
+                                   "--", "true").stdout)
+        assert capped["storage"]["transactions"] == 2, capped
+        journal = Path(cli_env["KERNEL_DB"] + ".journal")
+        with closing(sqlite3.connect(journal)) as con:
+            spend = con.execute("SELECT caller_id, settled FROM budget_spend").fetchall()
+        assert spend == [("capped", 1)]
+
+    def test_an_unreachable_budget_store_refuses_the_run(self, kernel_exe: str,
+                                                         cli_env: dict[str, str],
+                                                         tmp_path: Path) -> None:
+        """A journal that is not a database: the run is refused, exit 3, the reason on stderr."""
+        journal = Path(cli_env["KERNEL_DB"] + ".journal")
+        journal.write_bytes(b"garbage" * 1000)
+        marker = tmp_path / "ran"
+        proc = kernel(kernel_exe, cli_env, "run", "--", "touch", str(marker))
+        assert proc.returncode == 3
+        assert not marker.exists()
+        assert "budget check failed" in proc.stderr and "Traceback" not in proc.stderr

@@ -125,6 +125,9 @@ class TestProgressingCommand:
         run_id = json.loads(proc.stdout)["run_id"]
         import duckdb
 
+        from batteries.audit import sync
+
+        sync(db)  # runs write the journal; the analysts' file is fed from it
         with duckdb.connect(str(db), read_only=True) as con:
             row = con.execute(
                 "SELECT count(*) FROM events WHERE run_id = ? AND kind = 'critic' "

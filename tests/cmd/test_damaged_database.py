@@ -7,6 +7,8 @@ catalog reads, but reading that table fails its checksum.
 
 from __future__ import annotations
 
+import sqlite3
+from contextlib import closing
 from pathlib import Path
 
 import duckdb
@@ -14,8 +16,9 @@ import pytest
 import trio
 from typer.testing import CliRunner
 
-from batteries.audit import DuckDBAudit, Store
+from batteries.audit import DuckDBAudit, sync
 from batteries.checkpoint import DuckDBCheckpointer
+from batteries.store import journal_path
 from kernel import RunInfo, RunStats, Status
 from kernel_cli.app import app
 
@@ -35,8 +38,21 @@ async def _populate(db: Path) -> None:
         spec = {"agent": {"kind": "loop", "path": "x.yaml"}, "info": {"name": f"cp {r}"},
                 "limits": {}, "pad": "y" * 2000}
         await cp.register(f"{r:02d}" * 16, spec)
-    with Store(db).session(write=True) as cur:  # their supervisors are gone
-        cur.execute("UPDATE checkpoints SET host = 'a-host-that-is-gone'")
+    cp.store.close()  # the journal's WAL is folded into its file
+    sync(db)  # the analysts' file, which the readers below read
+
+
+def _damage_journal(db: Path, table: str) -> None:
+    """Overwrite the root page of `table` in the journal (SQLite) with garbage."""
+    path = journal_path(db)
+    with closing(sqlite3.connect(path)) as con:
+        con.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # every page in the file itself
+        size = con.execute("PRAGMA page_size").fetchone()[0]
+        root = con.execute("SELECT rootpage FROM sqlite_master WHERE name = ?",
+                           (table,)).fetchone()[0]
+    with open(path, "r+b") as f:
+        f.seek((root - 1) * size)
+        f.write(b"\xde\xad\xbe\xef" * (size // 4))
 
 
 def _damage(db: Path, table: str, column: str) -> None:
@@ -87,8 +103,9 @@ def test_export_of_a_damaged_table_is_one_line_and_leaves_no_partial_export(
                                   ["resume", "0101"]])
 def test_recover_on_a_damaged_checkpoint_table_is_one_line(damaged: Path,
                                                            args: list[str]) -> None:
-    """`kernel recover` / `resume` exit 2 with one line when the checkpoints cannot be read."""
-    _damage(damaged, "checkpoints", "status")
+    """`kernel recover` / `resume` exit 2 with one line when the checkpoints (in the
+    journal) cannot be read."""
+    _damage_journal(damaged, "checkpoints")
     line = _one_line_exit_2(args)
     assert "damaged" in line
 

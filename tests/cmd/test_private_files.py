@@ -48,14 +48,17 @@ def test_a_fresh_home_gets_a_private_database_and_export(kernel_exe: str,
     data = home / ".local" / "share" / "kernel"
     for d in (home / ".local", home / ".local" / "share", data):
         assert _mode(d) == 0o700, d
-    files = sorted(p.name for p in data.iterdir())
-    assert files == ["kernel.duckdb", "kernel.duckdb.lock"]
-    for name in files:
-        assert _mode(data / name) == 0o600, name
+    # A run writes the journal only; the analysts' file is made by the first reader.
+    assert sorted(p.name for p in data.iterdir()) == ["kernel.duckdb.journal"]
+    assert _mode(data / "kernel.duckdb.journal") == 0o600
 
     out = tmp_path / "new" / "export"
     proc = _kernel(kernel_exe, home, "export", str(out))
     assert proc.returncode == 0, proc.stderr
+    files = sorted(p.name for p in data.iterdir())
+    assert files == ["kernel.duckdb", "kernel.duckdb.journal", "kernel.duckdb.lock"]
+    for name in files:
+        assert _mode(data / name) == 0o600, name
     assert _mode(out) == _mode(out.parent) == 0o700
     parquet = sorted(out.iterdir())
     assert parquet and all(p.suffix == ".parquet" for p in parquet)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -158,3 +160,140 @@ class TestSignals:
                                  text=True, env=cli_env, timeout=120, cwd=tmp_path)
             assert rec.returncode == 0, rec.stderr
             assert json.loads(rec.stdout)["status"] == "ok"
+
+
+# One side effect per state: the state's number appended to a file, so a state that
+# runs twice shows as a repeated number.
+NUMBERED = """\
+name: numbered
+initial: count
+max_iterations: 100
+timeout: 300
+states:
+  count:
+    action: >-
+      n=$(( ${{captured.n.output:default=0}} + 1 )); echo $n >> ${{context.marker}};
+      {pause}echo $n
+    capture: n
+    evaluate:
+      type: output_numeric
+      operator: ge
+      target: {states}
+    route:
+      yes: done
+      no: count
+  done:
+    terminal: true
+"""
+
+
+def _numbers(marker: Path) -> list[int]:
+    try:
+        return [int(x) for x in marker.read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
+def _start(kernel_exe: str, env: dict[str, str], loop: Path, marker: Path,
+           cwd: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [kernel_exe, "run", "--json", "--no-critic", str(loop), "-c", f"marker={marker}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=cwd)
+
+
+def _kill_when(proc: subprocess.Popen[bytes], marker: Path, ticks_at_least: int,
+               extra: float = 0.0) -> int | None:
+    deadline = time.monotonic() + 60
+    while len(_numbers(marker)) < ticks_at_least:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the loop never reached its kill point"
+        time.sleep(0.005)
+    if extra:
+        time.sleep(extra)
+    os.kill(proc.pid, signal.SIGKILL)
+    return proc.wait(timeout=10)
+
+
+def _audit_by_run(env: dict[str, str], kernel_exe: str) -> dict[str, dict[str, object]]:
+    rows = query(env, kernel_exe,
+                 "SELECT run_id, count(*) AS n, count(DISTINCT seq) AS d, min(seq) AS lo, "
+                 "max(seq) AS hi, count(*) FILTER (WHERE kind = 'resumed') AS resumed, "
+                 "max(CASE WHEN kind = 'resumed' THEN name END) AS resumed_state, "
+                 "max(CASE WHEN kind = 'resumed' THEN (payload->>'steps')::INT END) AS steps, "
+                 "max(CASE WHEN kind = 'run_start' "
+                 "THEN payload->'inputs'->'context'->>'marker' END) AS marker "
+                 "FROM events GROUP BY run_id")
+    return {str(r["run_id"]): r for r in rows}
+
+
+class TestExactlyOnce:
+    @pytest.mark.parametrize("recoverers", [2, 4])
+    def test_concurrent_recoverers_resume_each_run_once(
+            self, recoverers: int, kernel_exe: str, cli_env: dict[str, str],
+            tmp_path: Path) -> None:
+        """Several `kernel recover` started together on interrupted runs: each run is resumed
+        by exactly one of them, every remaining state runs once, seq contiguous and unique."""
+        loop = tmp_path / "numbered.yaml"
+        loop.write_text(NUMBERED.format(states=8, pause="sleep 0.05; "))
+        markers = [tmp_path / f"marks-{i}" for i in range(4)]
+        procs = [_start(kernel_exe, cli_env, loop, m, tmp_path) for m in markers]
+        for proc, marker, at in zip(procs, markers, (1, 2, 3, 4), strict=True):
+            _kill_when(proc, marker, at)
+        go = tmp_path / "go"
+        script = (f'while [ ! -e "{go}" ]; do sleep 0.01; done; '
+                  f'exec "{kernel_exe}" recover --json')
+        recs = [subprocess.Popen(["sh", "-c", script], env=cli_env, cwd=tmp_path,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                for _ in range(recoverers)]
+        go.touch()
+        outs = [r.communicate(timeout=240) for r in recs]
+        assert all(r.returncode == 0 for r in recs), [err for _, err in outs]
+        results = [json.loads(line) for out, _ in outs for line in out.splitlines() if line]
+        assert sorted(r["status"] for r in results) == ["ok"] * 4, results  # each once
+        audit = _audit_by_run(cli_env, kernel_exe)
+        for r in results:
+            row = audit[r["run_id"]]
+            assert row["n"] == row["d"] == int(str(row["hi"])) + 1 and row["lo"] == 0, row
+            assert row["resumed"] == 1, row
+        for marker in markers:
+            numbers = _numbers(marker)
+            assert sorted(set(numbers)) == list(range(1, 9)), numbers
+            assert len(numbers) <= 9, numbers  # at most the state in flight ran twice
+
+    def test_sigkill_at_twenty_random_moments(self, kernel_exe: str, cli_env: dict[str, str],
+                                              tmp_path: Path) -> None:
+        """A 30-state loop SIGKILLed at 20 random moments: `kernel recover` finishes every
+        run, at most one state runs again per crash, and that re-run is in the audit (a
+        `resumed` event naming the state, at the step that ran twice)."""
+        rng = random.Random(15)
+        loop = tmp_path / "thirty.yaml"
+        loop.write_text(NUMBERED.format(states=30, pause="sleep 0.05; "))
+        markers = [tmp_path / f"marks-{i:02}" for i in range(20)]
+        for batch in range(0, 20, 5):
+            group = markers[batch:batch + 5]
+            procs = [_start(kernel_exe, cli_env, loop, m, tmp_path) for m in group]
+            moments = [(rng.randint(1, 27), rng.uniform(0, 0.05)) for _ in group]
+            with ThreadPoolExecutor(len(group)) as pool:  # each run killed on its own clock
+                codes = list(pool.map(lambda a: _kill_when(*a[0], *a[1]),
+                                      zip(zip(procs, group, strict=True), moments,
+                                          strict=True)))
+            assert codes == [-signal.SIGKILL] * len(group), codes
+        rec = subprocess.run([kernel_exe, "recover", "--json"], capture_output=True, text=True,
+                             env=cli_env, timeout=600, cwd=tmp_path)
+        assert rec.returncode == 0, rec.stderr
+        results = [json.loads(line) for line in rec.stdout.splitlines() if line]
+        assert len(results) == 20 and all(r["status"] == "ok" for r in results), results
+        audit = {str(row["marker"]): row for row in _audit_by_run(cli_env, kernel_exe).values()}
+        reruns = 0
+        for marker in markers:
+            numbers = _numbers(marker)
+            assert sorted(set(numbers)) == list(range(1, 31)), numbers
+            twice = [n for n in set(numbers) if numbers.count(n) > 1]
+            assert len(numbers) <= 31 and len(twice) <= 1, numbers
+            row = audit[str(marker)]
+            assert row["n"] == row["d"] == int(str(row["hi"])) + 1, row
+            assert row["resumed"] == 1 and row["resumed_state"] == "count", row
+            if twice:  # the state that ran again is the one the audit says was resumed
+                reruns += 1
+                assert twice == [int(str(row["steps"])) + 1], (numbers, row)
+        print(f"20 crashes: {reruns} states ran twice, {20 - reruns} died before their effect")

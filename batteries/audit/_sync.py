@@ -1,0 +1,192 @@
+"""Bring the analysts' DuckDB file up to date from the journal, in Arrow batches.
+
+The journal (SQLite) is where every process writes; the DuckDB file is where
+analysts read. `sync` copies what changed since the file's cursor
+(`sync_state`: the last journal event id and change number it holds):
+
+- events: appended in id order, 100k rows per Arrow batch;
+- runs, checkpoints, budget spend: rows whose change number moved are
+  replaced (a run's row changes when it closes);
+- budgets: copied whole (a handful of rows; deletions show too).
+
+Everything, cursor included, is one DuckDB transaction, so a sync that dies
+half-way leaves the file as it was and the next one starts from the same
+cursor. The journal is read inside one read snapshot, which in WAL mode
+never blocks a writer: a run never waits for a sync, and a sync only waits
+for other users of the DuckDB file.
+
+DuckDB's `sqlite_scanner` extension would read the journal directly, but it
+is downloaded on first use; reading with the standard library's sqlite3 and
+inserting Arrow tables needs nothing beyond what is installed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kernel import AuditError
+
+from ._schema import migrate
+from ._store import Store, first_line
+
+
+@dataclass(slots=True)
+class SyncReport:
+    """What one sync copied."""
+
+    events: int = 0
+    runs: int = 0
+    checkpoints: int = 0
+    spend: int = 0
+    seconds: float = 0.0
+
+    def __str__(self) -> str:
+        return (f"synced {self.events} events, {self.runs} runs, {self.checkpoints} checkpoints, "
+                f"{self.spend} budget rows in {self.seconds * 1000:.0f} ms")
+
+
+# Column kinds: s string, j JSON text, i32/i64 integers, f double, t microseconds -> TIMESTAMPTZ,
+# b 0/1 -> BOOLEAN.
+_EVENTS = (("id", "i64"), ("run_id", "s"), ("seq", "i32"), ("ts", "t"), ("kind", "s"),
+           ("iteration", "i32"), ("name", "s"), ("duration_ms", "f"), ("payload", "j"))
+_RUNS = (("run_id", "s"), ("parent_run_id", "s"), ("subject_id", "s"), ("name", "s"),
+         ("caller_id", "s"), ("channel_id", "s"), ("inputs", "j"), ("started_at", "t"),
+         ("ended_at", "t"), ("status", "s"), ("output", "s"), ("error", "s"), ("steps", "i32"),
+         ("tool_calls", "i32"), ("runtime_seconds", "f"), ("input_tokens", "i64"),
+         ("output_tokens", "i64"), ("thinking_tokens", "i64"), ("cost_usd", "f"),
+         ("host", "s"), ("pid", "i32"), ("reason", "s"), ("exit_code", "i32"),
+         ("output_truncated", "b"))
+_CHECKPOINTS = (("run_id", "s"), ("spec", "j"), ("state", "j"), ("steps", "i64"),
+                ("tool_calls", "i64"), ("input_tokens", "i64"), ("output_tokens", "i64"),
+                ("thinking_tokens", "i64"), ("cost_usd", "f"), ("status", "s"),
+                ("error", "s"), ("host", "s"), ("pid", "i64"), ("pid_start", "i64"),
+                ("heartbeat_at", "t"), ("created_at", "t"), ("updated_at", "t"))
+_BUDGETS = (("caller_id", "s"), ("window_seconds", "f"), ("max_runs", "i64"),
+            ("max_runtime_seconds", "f"), ("max_tokens", "i64"), ("max_cost_usd", "f"),
+            ("updated_at", "t"))
+_SPEND = (("id", "i64"), ("caller_id", "s"), ("ts", "t"), ("run_id", "s"),
+          ("runtime_seconds", "f"), ("tokens", "i64"), ("cost_usd", "f"), ("settled", "b"))
+
+
+def _table(rows: Sequence[tuple[Any, ...]], columns: Sequence[tuple[str, str]]) -> Any:
+    import pyarrow as pa  # type: ignore[import-untyped, unused-ignore]
+
+    types = {"s": pa.string(), "j": pa.string(), "i32": pa.int32(), "i64": pa.int64(),
+             "f": pa.float64(), "t": pa.timestamp("us", tz="UTC"), "b": pa.bool_()}
+    cols = list(zip(*rows, strict=True)) if rows else [() for _ in columns]
+    arrays = []
+    for (_, kind), values in zip(columns, cols, strict=True):
+        if kind == "b":
+            values = tuple(None if v is None else bool(v) for v in values)
+        arrays.append(pa.array(values, types[kind]))
+    return pa.Table.from_arrays(arrays, names=[c for c, _ in columns])
+
+
+def _insert(cur: Any, table: str, view: str, columns: Sequence[tuple[str, str]]) -> None:
+    """INSERT the registered `view` into `table`; JSON text DuckDB cannot parse stays a string."""
+    names = ", ".join(c for c, _ in columns)
+    sel = ", ".join(f"CASE WHEN json_valid({c}) THEN {c} ELSE to_json({c}) END" if k == "j"
+                    else c for c, k in columns)
+    cur.execute(f"INSERT INTO {table} ({names}) SELECT {sel} FROM {view}")
+
+
+def _replace(cur: Any, table: str, key: str, rows: Sequence[tuple[Any, ...]],
+             columns: Sequence[tuple[str, str]]) -> None:
+    if not rows:
+        return
+    view = f"_ksync_{table}"
+    cur.register(view, _table(rows, columns))
+    try:
+        cur.execute(f"DELETE FROM {table} WHERE {key} IN (SELECT {key} FROM {view})")
+        _insert(cur, table, view, columns)
+    finally:
+        cur.unregister(view)
+
+
+def sync(db: str | Path, *, lock_timeout: float | None = None) -> SyncReport:
+    """Copy what the journal beside `db` holds and `db` does not yet (blocking).
+
+    Creates the analysts' file if only the journal exists, and the journal
+    (carrying an old file's budgets and checkpoints over) if only the file
+    exists.
+
+    Raises:
+        AuditError: Neither file exists, or one of them cannot be read or written
+            (`AuditBusyError` if the DuckDB file stayed locked past the lock timeout).
+    """
+    from batteries.store import SQLiteStore, StoreError, journal_path
+
+    t0 = time.perf_counter()
+    report = SyncReport()
+    store = Store(db) if lock_timeout is None else Store(db, lock_timeout=lock_timeout)
+    journal = SQLiteStore(journal_path(store.path), legacy=store.path,
+                          lock_timeout=lock_timeout)
+    if not journal.exists():
+        if not store.path.exists():
+            raise AuditError(f"no audit database at {store.path}")
+        try:  # create the journal now, carrying the old file's budgets and checkpoints over
+            journal.commit(None, [])
+        except StoreError:
+            if not journal.exists():
+                return report  # no journal, none can be made here: nothing was written to one
+            raise
+    try:
+        with store.session(write=True) as cur:
+            migrate(cur)
+            found = cur.execute("SELECT events_id, rev FROM sync_state").fetchall()
+            events_after, rev_after = (int(found[0][0]), int(found[0][1])) if found else (0, 0)
+            with journal.changes(events_after, rev_after) as ch:
+                if ch.last_event == events_after and ch.rev == rev_after:
+                    report.seconds = time.perf_counter() - t0
+                    return report
+                _copy(cur, ch, report, first=not found)
+    finally:
+        journal.close()
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _copy(cur: Any, ch: Any, report: SyncReport, *, first: bool) -> None:
+    import duckdb
+
+    cur.execute("BEGIN TRANSACTION")
+    try:
+        for rows in ch.events():
+            cur.register("_ksync_events", _table(rows, _EVENTS))
+            try:
+                _insert(cur, "events", "_ksync_events", _EVENTS[1:])
+            finally:
+                cur.unregister("_ksync_events")
+            report.events += len(rows)
+        runs = ch.runs()
+        _replace(cur, "runs", "run_id", runs, _RUNS)
+        checkpoints = ch.checkpoints()
+        _replace(cur, "checkpoints", "run_id", checkpoints, _CHECKPOINTS)
+        spend = ch.spend()
+        _replace(cur, "budget_spend", "id", spend, _SPEND)
+        budgets = ch.budgets()
+        cur.execute("DELETE FROM budgets")
+        if budgets:
+            cur.register("_ksync_budgets", _table(budgets, _BUDGETS))
+            try:
+                _insert(cur, "budgets", "_ksync_budgets", _BUDGETS)
+            finally:
+                cur.unregister("_ksync_budgets")
+        report.runs, report.checkpoints, report.spend = len(runs), len(checkpoints), len(spend)
+        if first:
+            cur.execute("INSERT INTO sync_state VALUES (?, ?, now())", [ch.last_event, ch.rev])
+        else:
+            cur.execute("UPDATE sync_state SET events_id = ?, rev = ?, synced_at = now()",
+                        [ch.last_event, ch.rev])
+        cur.execute("COMMIT")
+    except BaseException as exc:
+        with contextlib.suppress(duckdb.Error):
+            cur.execute("ROLLBACK")
+        if isinstance(exc, duckdb.Error):
+            raise AuditError(f"cannot sync the analysts' file: {first_line(exc)}") from exc
+        raise

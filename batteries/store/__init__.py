@@ -1,0 +1,63 @@
+"""The storage the batteries share: runs, events, checkpoints, budgets and recovery leases.
+
+    async with Journal.open("runs.duckdb") as journal:   # writes runs.duckdb.journal
+        ports = Ports(audit=JournalAudit(journal), budget=JournalBudget(journal),
+                      checkpointer=JournalCheckpointer(journal))
+
+`RunStore` is the interface (blocking, thread-safe; `SQLiteStore` is the
+embedded implementation), `Journal` its trio side that buffers audit rows
+and deferred operations and writes them with the next transaction. The
+analysts' DuckDB file is fed from the journal (`batteries.audit.sync`).
+"""
+
+from ._journal import Journal as Journal
+from ._protocol import RunStore as RunStore
+from ._sqlite import JOURNAL_VERSION as JOURNAL_VERSION
+from ._sqlite import SQLiteStore as SQLiteStore
+from ._sqlite import StoreStats as StoreStats
+from ._sqlite import lock_timeout_from_env as lock_timeout_from_env
+from ._types import Batch as Batch
+from ._types import CallerBudget as CallerBudget
+from ._types import ClaimRun as ClaimRun
+from ._types import FinishRun as FinishRun
+from ._types import Op as Op
+from ._types import Owner as Owner
+from ._types import RegisterRun as RegisterRun
+from ._types import ReleaseRun as ReleaseRun
+from ._types import RemoveBudget as RemoveBudget
+from ._types import Reservation as Reservation
+from ._types import ReserveBudget as ReserveBudget
+from ._types import SaveCheckpoint as SaveCheckpoint
+from ._types import SavedRun as SavedRun
+from ._types import SetBudget as SetBudget
+from ._types import SettleBudget as SettleBudget
+from ._types import StoreBusyError as StoreBusyError
+from ._types import StoreError as StoreError
+from .paths import journal_path as journal_path
+
+__all__ = [
+    "JOURNAL_VERSION",
+    "Batch",
+    "CallerBudget",
+    "ClaimRun",
+    "FinishRun",
+    "Journal",
+    "Op",
+    "Owner",
+    "RegisterRun",
+    "ReleaseRun",
+    "RemoveBudget",
+    "Reservation",
+    "ReserveBudget",
+    "RunStore",
+    "SQLiteStore",
+    "SaveCheckpoint",
+    "SavedRun",
+    "SetBudget",
+    "SettleBudget",
+    "StoreBusyError",
+    "StoreError",
+    "StoreStats",
+    "journal_path",
+    "lock_timeout_from_env",
+]

@@ -1,0 +1,229 @@
+"""`Journal`: the trio side of a `RunStore`, shared by the audit, budget and checkpointer.
+
+The shape of it::
+
+    trio thread                         Journal                        worker thread
+    recorder.on_step / log_event ...    pending Batch (column lists)
+      -> append, no I/O                 pending ops (finish, settle)
+    budget.check / checkpoint.save      transact(ops): swap pending,   store.commit(batch, ops):
+    recorder.close                      -> to_thread -------------->   one transaction
+    flusher task (while open)           timed: after flush_interval,
+                                        or at once when batch_size events wait
+
+Every transaction carries whatever is buffered, so the writes a run needs
+anyway (a budget reservation when it opens, a checkpoint after each step,
+its roll-up when it closes) also make its events durable: after a crash
+the audit holds every event up to the last checkpoint. Operations that need
+no answer before the run goes on (a checkpoint's `complete`, a budget's
+settlement) are deferred and ride along with the next transaction, which
+is why a `kernel run` touches the store twice: when its run opens and when
+it closes.
+
+A transaction that fails keeps the buffered rows for the next one (a busy
+journal is transient). A batch that fails twice for any other reason is
+dropped and logged, so it cannot block every later run.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from ._sqlite import SQLiteStore
+from ._types import Batch, Op, StoreBusyError
+from .paths import journal_path
+
+
+def _log() -> Any:
+    import structlog
+
+    return structlog.get_logger("kernel.journal")
+
+
+class Journal:
+    """The per-process writer of one journal (see the module docstring).
+
+    Use `Journal.open(db)` to run the timed flusher; a Journal that is not
+    open still works, writing every deferred operation at once.
+
+    Args:
+        db: The analysts' DuckDB file; the journal is the file beside it
+            (`batteries.store.journal_path`). None means `$KERNEL_DB`, else
+            the user data dir.
+        store: The store to write (default: `SQLiteStore` on that journal).
+        batch_size: Buffered events that trigger a write without waiting for the timer.
+        flush_interval: Seconds after which buffered events are written anyway.
+        lock_timeout: Seconds to wait for the journal's write lock
+            (None: `$KERNEL_AUDIT_LOCK_TIMEOUT`, else 10).
+        max_pending_events: While writes keep failing, at most this many
+            events are buffered; later ones are dropped and reported.
+    """
+
+    def __init__(self, db: str | os.PathLike[str] | None = None, *,
+                 store: SQLiteStore | None = None, batch_size: int = 10_000,
+                 flush_interval: float = 1.0, lock_timeout: float | None = None,
+                 max_pending_events: int = 1_000_000) -> None:
+        if store is None:
+            from batteries.audit.paths import resolve_db_path
+
+            analyst = resolve_db_path(db)
+            store = SQLiteStore(journal_path(analyst), legacy=analyst,
+                                lock_timeout=lock_timeout)
+        self.store = store
+        self.db: Path | None = store.legacy
+        self.batch_size = max(1, batch_size)
+        self.flush_interval = flush_interval
+        self.max_pending_events = max_pending_events
+        #: Events buffered on the trio thread, not yet written.
+        self.pending = Batch()
+        #: Events given up on (the journal never took them).
+        self.unwritten = 0
+        #: The last write error, if the last write failed.
+        self.last_error: str | None = None
+        self.retry_len = 0
+        self._deferred: list[Op] = []
+        self._failures = 0
+        self._lock = trio.Lock()
+        self._dirty = trio.Event()
+        self._wake = trio.Event()
+        self.running = False
+
+    def __repr__(self) -> str:
+        return f"Journal({str(self.store.path)!r})"
+
+    @classmethod
+    @asynccontextmanager
+    async def open(cls, db: str | os.PathLike[str] | None = None,
+                   **options: Any) -> AsyncIterator[Journal]:
+        """Run the timed flusher for the `async with` body; write everything left on exit.
+
+        Opening does no I/O: the journal is created (and migrated) by the
+        first transaction that needs it.
+        """
+        journal = cls(db, **options)
+        async with trio.open_nursery() as nursery:
+            scope = trio.CancelScope()
+            nursery.start_soon(journal._flusher, scope)
+            journal.running = True
+            try:
+                yield journal
+            finally:
+                with trio.CancelScope(shield=True):
+                    scope.cancel()
+                    journal.running = False
+                    await journal._final_flush()
+                    await trio.to_thread.run_sync(journal.store.close)
+
+    # ------------------------------------------------------------- writing
+
+    def poke(self, *, now: bool = False) -> None:
+        """Something was buffered: start the flush timer (or flush at once with `now`)."""
+        self._dirty.set()
+        if now:
+            self._wake.set()
+
+    async def transact(self, ops: Sequence[Op] = ()) -> list[Any]:
+        """Write everything buffered, then `ops`, in one transaction; return the ops' results.
+
+        An op the store refuses (a save for a run never registered) raises its
+        `StoreError` here after the rest of the transaction was committed.
+
+        Raises:
+            StoreBusyError: The journal stayed locked past the lock timeout
+                (the buffered rows are kept for the next transaction).
+            StoreError: The journal cannot be written.
+        """
+        async with self._lock:
+            batch, self.pending = self.pending, Batch()
+            deferred, self._deferred = self._deferred, []
+            try:
+                results = await trio.to_thread.run_sync(
+                    self.store.commit, None if batch.empty() else batch, [*deferred, *ops])
+            except BaseException as exc:
+                if isinstance(exc, Exception):
+                    self._failed(batch, deferred, exc)
+                else:  # cancelled before the write started (e.g. waiting for a thread)
+                    self._keep(batch, deferred)
+                raise
+            self.last_error = None
+            self._failures = 0
+            self.retry_len = 0
+        for op, res in zip(deferred, results, strict=False):
+            if isinstance(res, Exception):
+                _log().error("journal operation refused", operation=type(op).__name__,
+                             error=str(res))
+        mine = results[len(deferred):]
+        for res in mine:
+            if isinstance(res, Exception):
+                raise res
+        return mine
+
+    async def later(self, op: Op) -> None:
+        """Write `op` with the next transaction (at once if the flusher is not running)."""
+        if self.running:
+            self._deferred.append(op)
+            self.poke()
+            await trio.lowlevel.checkpoint()
+        else:
+            await self.transact([op])
+
+    async def read(self, fn: Any, *args: Any) -> Any:
+        """Run a blocking read of the store (`fn(*args)`) in a worker thread."""
+        return await trio.to_thread.run_sync(fn, *args)
+
+    def _failed(self, batch: Batch, deferred: list[Op], exc: Exception) -> None:
+        self.last_error = f"{type(exc).__name__}: {exc}"
+        # A busy journal is transient: keep the rows. Anything else that fails
+        # twice in a row is a batch the store will never take; drop it rather
+        # than block every later transaction behind it.
+        self._failures = 0 if isinstance(exc, StoreBusyError) else self._failures + 1
+        if self._failures >= 2:
+            self.unwritten += len(batch)
+            self._failures = 0
+            _log().error("journal batch dropped", path=str(self.store.path), events=len(batch),
+                         operations=len(deferred), error=str(exc))
+            return
+        self._keep(batch, deferred)
+        _log().warning("journal write failed; will retry", path=str(self.store.path),
+                       events=len(batch), error=str(exc))
+
+    def _keep(self, batch: Batch, deferred: list[Op]) -> None:
+        """Put rows and operations that were not written back in front of the pending ones."""
+        batch.extend(self.pending)
+        self.pending = batch
+        self.retry_len = len(batch)
+        self._deferred[:0] = deferred
+
+    async def _flusher(self, scope: trio.CancelScope) -> None:
+        # `_dirty`: something is buffered (start the timer); `_wake`: write now.
+        with scope:
+            while True:
+                await self._dirty.wait()
+                with trio.move_on_after(self.flush_interval):
+                    await self._wake.wait()
+                self._dirty, self._wake = trio.Event(), trio.Event()
+                if self.pending.empty() and not self._deferred:
+                    continue
+                try:
+                    await self.transact()
+                except Exception:
+                    self._dirty.set()  # retry the kept rows after the interval
+
+    async def _final_flush(self) -> None:
+        if self.pending.empty() and not self._deferred:
+            return
+        try:
+            await self.transact()
+        except Exception as exc:
+            self.last_error = f"{type(exc).__name__}: {exc}"
+        if not self.pending.empty() or self._deferred:
+            self.unwritten += len(self.pending)
+            _log().error("journal rows could not be written", path=str(self.store.path),
+                         events=len(self.pending), operations=len(self._deferred),
+                         error=self.last_error)
+            self.pending, self._deferred = Batch(), []

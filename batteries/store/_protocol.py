@@ -1,0 +1,59 @@
+"""`RunStore`: the storage interface the audit, budget and checkpoint batteries share.
+
+A second implementation (PostgreSQL, shared by a fleet) is a new module
+implementing this Protocol; nothing above it changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any, Protocol
+
+from ._types import Batch, CallerBudget, Op, SavedRun
+
+
+class RunStore(Protocol):
+    """Runs, events, checkpoints, budgets and recovery leases, in small transactions.
+
+    **Protocol:** every method blocks (callers use worker threads) and must
+    be safe to call from several threads of one process and from several
+    processes at once. A reader never blocks a writer. Errors are
+    `StoreError` (`StoreBusyError` when a write lock stayed taken past the
+    lock timeout); a failed `commit` wrote nothing.
+
+    Attributes:
+        path: Where the store lives (shown in messages).
+        legacy: An old analysts' file whose budgets and checkpoints were carried over.
+    """
+
+    path: Path
+    legacy: Path | None
+
+    def commit(self, batch: Batch | None, ops: Sequence[Op] = ()) -> list[Any]:
+        """One transaction: the audit `batch` (events, new runs, closes), then each op in
+        order; the ops' results, in order (a refused op's `StoreError` is its result and
+        undoes that op alone). Sets each new recorder's `base` after commit."""
+
+    def budget(self, caller_id: str) -> CallerBudget | None:
+        """The budget that applies to the caller, with its spend in the window; None if none."""
+
+    def budgets(self) -> list[CallerBudget]:
+        """Every budget with its own caller's spend."""
+
+    def saved_runs(self, *, run_id: str | None = None, prefix: str | None = None,
+                   running: bool = False) -> list[SavedRun]:
+        """Registered runs (by id, by id prefix, or all still marked running)."""
+
+    def changes(self, events_after: int, rev_after: int) -> AbstractContextManager[Any]:
+        """A consistent read of what changed since a sync cursor, for the analysts' file."""
+
+    def purge(self, before_us: int) -> tuple[int, int]:
+        """Delete closed runs that ended before the time; (runs, events) deleted."""
+
+    def exists(self) -> bool:
+        """True if the store has been created."""
+
+    def close(self) -> None:
+        """Release this process's connection."""

@@ -1,0 +1,328 @@
+"""The values that cross the storage interface: batches, operations, owners, rows.
+
+Everything here is plain data: a second implementation of `RunStore`
+(PostgreSQL, for a fleet) receives exactly these objects and interprets
+them in its own SQL.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kernel import AuditError, Checkpoint, UsageLimits
+
+
+class StoreError(AuditError):
+    """The journal could not be opened, read or written."""
+
+
+class StoreBusyError(StoreError):
+    """The journal stayed write-locked by other processes for longer than the lock timeout."""
+
+
+# ------------------------------------------------------------------ owners
+
+
+def _proc_start(pid: int) -> int | None:
+    """The start time of process `pid` in clock ticks since boot (Linux), or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
+    fields = raw[raw.rfind(b")") + 2:].split()
+    try:
+        return int(fields[19])  # field 22 of the whole line
+    except (IndexError, ValueError):
+        return None
+
+
+@dataclass(slots=True, frozen=True)
+class Owner:
+    """A process that may hold a run: host, pid, and the pid's start time (pid reuse)."""
+
+    host: str
+    pid: int
+    started: int | None
+
+    @classmethod
+    def me(cls) -> Owner:
+        """This process."""
+        pid = os.getpid()
+        return cls(socket.gethostname(), pid, _proc_start(pid))
+
+    def gone(self) -> bool:
+        """True only when this owner is provably not running any more.
+
+        On this host: the pid does not exist, or it exists but started at a
+        different time (a recycled pid). On another host nothing can be
+        proved from here, so the answer is False.
+        """
+        if self.host != socket.gethostname():
+            return False
+        if self.pid <= 0:
+            return True
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass
+        if self.started is None:
+            return False
+        now = _proc_start(self.pid)
+        return now is not None and now != self.started
+
+
+# ----------------------------------------------------------------- batches
+
+
+class RecorderRef(Protocol):
+    """What the store needs from an audit recorder: the run, and where its seq starts."""
+
+    run_id: str
+    info: Any
+    started_us: int
+    count: int
+    base: int | None
+    host: str
+    pid: int
+
+
+@dataclass(slots=True, eq=False)
+class Batch:
+    """Audit rows buffered on the trio thread, written whole by one transaction.
+
+    Events are column lists (one list append per column is the cheapest
+    thing the hot path can do): `recs[i]` is the recorder of event `i` and
+    `seqs[i]` its seq *relative to that recorder*. The store resolves the
+    absolute seq inside the transaction: 1 + relative for a new run (after
+    its `run_start` at 0), last seq + 1 + relative for a resumed one, and
+    then sets each new recorder's `base`.
+    """
+
+    recs: list[Any] = field(default_factory=list)
+    seqs: list[int] = field(default_factory=list)
+    ts: list[int] = field(default_factory=list)
+    kinds: list[str] = field(default_factory=list)
+    iters: list[int | None] = field(default_factory=list)
+    names: list[str | None] = field(default_factory=list)
+    durs: list[float | None] = field(default_factory=list)
+    payloads: list[str] = field(default_factory=list)
+    new: list[Any] = field(default_factory=list)
+    closes: list[tuple[Any, tuple[Any, ...]]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.recs)
+
+    def empty(self) -> bool:
+        """True when there is nothing to write."""
+        return not (self.recs or self.new or self.closes)
+
+    def extend(self, other: Batch) -> None:
+        """Append `other`'s rows after this batch's."""
+        self.recs += other.recs
+        self.seqs += other.seqs
+        self.ts += other.ts
+        self.kinds += other.kinds
+        self.iters += other.iters
+        self.names += other.names
+        self.durs += other.durs
+        self.payloads += other.payloads
+        self.new += other.new
+        self.closes += other.closes
+
+
+# -------------------------------------------------------------- operations
+# One transaction writes the pending audit batch and then a list of these,
+# in order. Each returns a value (see `RunStore.commit`).
+
+
+@dataclass(slots=True, frozen=True)
+class RegisterRun:
+    """Record a run's spec before it starts; the run is `running`, owned by `owner`."""
+
+    run_id: str
+    spec: dict[str, Any]
+    owner: Owner
+
+
+@dataclass(slots=True, frozen=True)
+class SaveCheckpoint:
+    """Store a run's resumable state (and refresh its owner's heartbeat).
+
+    Returns True; raises `StoreError` if the run was never registered and
+    `spec` is None (a save must not vanish silently).
+    """
+
+    checkpoint: Checkpoint
+    owner: Owner
+    spec: dict[str, Any] | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class FinishRun:
+    """Mark a registered run `completed` or `failed` and drop its state."""
+
+    run_id: str
+    status: str
+    error: str | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class ClaimRun:
+    """Take over an interrupted run for recovery: True if the lease is now `owner`'s.
+
+    Refused (False) while the current owner may still be alive, or when the
+    run is no longer `running`.
+    """
+
+    run_id: str
+    owner: Owner
+
+
+@dataclass(slots=True, frozen=True)
+class ReleaseRun:
+    """Give a claimed run back (its owner becomes nobody, so the next recoverer may claim it)."""
+
+    run_id: str
+    owner: Owner
+
+
+@dataclass(slots=True, frozen=True)
+class ReserveBudget:
+    """Check the caller's budget and, if it allows one more run, reserve it.
+
+    Returns a `Reservation`, or None when no budget applies (nothing written).
+    """
+
+    caller_id: str
+    run_id: str
+
+
+@dataclass(slots=True, frozen=True)
+class SettleBudget:
+    """Replace a reservation's zero spend with what the run really spent."""
+
+    reservation_id: int
+    runtime_seconds: float
+    tokens: int
+    cost_usd: float
+
+
+@dataclass(slots=True, frozen=True)
+class SetBudget:
+    """Create or replace a caller's budget."""
+
+    caller_id: str
+    window_seconds: float
+    max_runs: int | None
+    max_runtime_seconds: float | None
+    max_tokens: int | None
+    max_cost_usd: float | None
+
+
+@dataclass(slots=True, frozen=True)
+class RemoveBudget:
+    """Delete a caller's budget; returns True if there was one."""
+
+    caller_id: str
+
+
+Op = (RegisterRun | SaveCheckpoint | FinishRun | ClaimRun | ReleaseRun | ReserveBudget
+      | SettleBudget | SetBudget | RemoveBudget)
+
+
+# -------------------------------------------------------------------- rows
+
+
+@dataclass(slots=True, frozen=True)
+class CallerBudget:
+    """One caller's budget and what they spent (or reserved) in the current window."""
+
+    caller_id: str
+    window_seconds: float
+    max_runs: int | None
+    max_runtime_seconds: float | None
+    max_tokens: int | None
+    max_cost_usd: float | None
+    runs: int = 0
+    runtime_seconds: float = 0.0
+    tokens: int = 0
+    cost_usd: float = 0.0
+
+    def refusal(self) -> str | None:
+        """Why a new run must be refused, or None."""
+        window = _window_text(self.window_seconds)
+        checks: list[tuple[str, float | None, float, str]] = [
+            ("runs", self.max_runs, self.runs, "{:g}"),
+            ("runtime", self.max_runtime_seconds, self.runtime_seconds, "{:.0f}s"),
+            ("tokens", self.max_tokens, self.tokens, "{:g}"),
+            ("cost", self.max_cost_usd, self.cost_usd, "${:.2f}"),
+        ]
+        for what, limit, used, fmt in checks:
+            if limit is not None and used >= limit:
+                return (f"caller {self.caller_id!r} used {fmt.format(used)} of "
+                        f"{fmt.format(limit)} {what} {window}")
+        return None
+
+    def remaining(self) -> UsageLimits:
+        """What is left, as caps for the next run."""
+        def left(limit: float | None, used: float) -> float | None:
+            return None if limit is None else max(limit - used, 0)
+
+        tokens = left(self.max_tokens, self.tokens)
+        return UsageLimits(
+            max_total_tokens=None if tokens is None else int(tokens),
+            max_cost_usd=left(self.max_cost_usd, self.cost_usd),
+            max_runtime_seconds=left(self.max_runtime_seconds, self.runtime_seconds),
+        )
+
+
+def _window_text(seconds: float) -> str:
+    if seconds == 86400:
+        return "in the last 24h"
+    if seconds % 3600 == 0:
+        return f"in the last {seconds / 3600:g}h"
+    return f"in the last {seconds:g}s"
+
+
+@dataclass(slots=True, frozen=True)
+class Reservation:
+    """The answer to `ReserveBudget`: the budget as checked, and the reserved row (if allowed)."""
+
+    budget: CallerBudget
+    reservation_id: int | None
+
+
+@dataclass(slots=True, frozen=True)
+class SavedRun:
+    """A registered run: its spec, its last checkpoint, and the process holding it."""
+
+    run_id: str
+    spec: dict[str, Any]
+    checkpoint: Checkpoint
+    status: str
+    owner: Owner
+    updated_at: dt.datetime
+    heartbeat_at: dt.datetime | None = None
+
+    @property
+    def host(self) -> str:
+        """The host of the process holding the run."""
+        return self.owner.host
+
+    @property
+    def pid(self) -> int:
+        """The pid of the process holding the run."""
+        return self.owner.pid
+
+    @property
+    def process_alive(self) -> bool:
+        """False only when the holder is provably gone (see `Owner.gone`)."""
+        return not self.owner.gone()

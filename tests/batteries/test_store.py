@@ -1,0 +1,135 @@
+"""The journal itself: old files carried over, the storage interface, permissions."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sqlite3
+import stat
+import subprocess
+import sys
+from contextlib import closing
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import trio
+
+from batteries.audit import JournalAudit, Store, sync
+from batteries.audit import _schema as schema
+from batteries.store import RunStore, SQLiteStore, journal_path
+from kernel import Kernel, Ports, RunInfo, Status, Step
+from kernel.testing import ScriptedAgent
+
+OLD_BUDGETS = """CREATE TABLE budgets (caller_id VARCHAR PRIMARY KEY,
+    window_seconds DOUBLE NOT NULL,
+    max_runs BIGINT, max_runtime_seconds DOUBLE, max_tokens BIGINT, max_cost_usd DOUBLE,
+    updated_at TIMESTAMP NOT NULL)"""
+OLD_SPEND = """CREATE TABLE budget_spend (caller_id VARCHAR NOT NULL, ts TIMESTAMP NOT NULL,
+    run_id VARCHAR, runtime_seconds DOUBLE NOT NULL, tokens BIGINT NOT NULL,
+    cost_usd DOUBLE NOT NULL)"""
+OLD_CHECKPOINTS = """CREATE TABLE checkpoints (run_id VARCHAR PRIMARY KEY, spec JSON NOT NULL,
+    state JSON, steps BIGINT NOT NULL DEFAULT 0, tool_calls BIGINT NOT NULL DEFAULT 0,
+    input_tokens BIGINT NOT NULL DEFAULT 0, output_tokens BIGINT NOT NULL DEFAULT 0,
+    thinking_tokens BIGINT NOT NULL DEFAULT 0, cost_usd DOUBLE NOT NULL DEFAULT 0,
+    status VARCHAR NOT NULL, error VARCHAR, host VARCHAR, pid BIGINT,
+    created_at TIMESTAMP NOT NULL, updated_at TIMESTAMP NOT NULL)"""
+OLD_RUN = "0ld0" + "0" * 28
+
+
+def _old_file(db: Path) -> None:
+    """A DuckDB-only audit file as the kernel wrote it before the journal (schema v2)."""
+    import duckdb
+
+    now = datetime.now(UTC).replace(tzinfo=None)
+    con = duckdb.connect(str(db))
+    for m in schema.MIGRATIONS[:2]:
+        con.execute(schema._VERSION_TABLE)
+        for sql in m.statements:
+            assert isinstance(sql, str)
+            con.execute(sql)
+        con.execute("INSERT INTO schema_version (version, description) VALUES (?, ?)",
+                    [m.version, m.description])
+    con.execute("INSERT INTO runs (run_id, name, caller_id, started_at, host, pid) "
+                "VALUES (?, 'old loop', 'ann', now(), 'old-host', 1)", [OLD_RUN])
+    con.execute("INSERT INTO events VALUES (?, 0, now(), 'run_start', NULL, 'old loop', NULL, "
+                "'{}'), (?, 1, now(), 'step', 0, 'a', 1.0, '{}')", [OLD_RUN, OLD_RUN])
+    for ddl in (OLD_BUDGETS, OLD_SPEND, OLD_CHECKPOINTS):
+        con.execute(ddl)
+    con.execute("INSERT INTO budgets VALUES ('ann', 86400, 2, NULL, NULL, NULL, ?)", [now])
+    con.execute("INSERT INTO budget_spend VALUES ('ann', ?, NULL, 1, 0, 0), "
+                "('ann', ?, NULL, 1, 0, 0)", [now - timedelta(hours=1), now])
+    spec = {"agent": {"kind": "loop", "path": "/nowhere.yaml"}, "info": {}, "limits": {}}
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    con.execute("INSERT INTO checkpoints (run_id, spec, state, steps, status, host, pid, "
+                "created_at, updated_at) VALUES (?, ?, '{\"state\": \"a\"}', 1, 'running', "
+                "?, ?, ?, ?)", [OLD_RUN, json.dumps(spec), socket.gethostname(), dead.pid,
+                                now, now])
+    con.close()
+
+
+def _kernel(*args: str, db: Path) -> subprocess.CompletedProcess[str]:
+    exe = str(Path(sys.executable).parent / "kernel")
+    return subprocess.run([exe, args[0], "--db", str(db), *args[1:]], capture_output=True,
+                          text=True, timeout=60)
+
+
+class TestOldFiles:
+    def test_an_old_duckdb_only_file_is_carried_over(self, tmp_path: Path) -> None:
+        """Its runs stay readable, its budget still refuses, its interrupted run is still
+        recoverable and continues its seq."""
+        db = tmp_path / "old.duckdb"
+        _old_file(db)
+        runs = _kernel("runs", "--json", db=db)
+        assert runs.returncode == 0, runs.stderr
+        assert [r["run_id"] for r in json.loads(runs.stdout)] == [OLD_RUN]
+        refused = _kernel("run", "--caller", "ann", "--", "true", db=db)
+        assert refused.returncode == 3 and "used 2 of 2 runs" in refused.stderr
+        listed = _kernel("recover", "--list", "--json", db=db)
+        assert listed.returncode == 0, listed.stderr
+        assert [json.loads(line)["run_id"] for line in listed.stdout.splitlines()] == [OLD_RUN]
+        with closing(sqlite3.connect(journal_path(db))) as con:
+            assert con.execute("SELECT last_seq FROM runs WHERE run_id = ?",
+                               (OLD_RUN,)).fetchone() == (1,)
+        with Store(db).reader() as cur:
+            tables = {r[0] for r in cur.execute("SELECT table_name FROM duckdb_tables()"
+                                                ).fetchall()}
+            assert {"legacy_budgets", "legacy_budget_spend", "legacy_checkpoints"} <= tables
+            assert cur.execute("SELECT count(*) FROM events WHERE run_id = ?",
+                               [OLD_RUN]).fetchall() == [(2,)]
+
+
+class TestJournal:
+    def test_sqlite_store_is_a_run_store(self, tmp_path: Path) -> None:
+        """The embedded store implements the interface the batteries share."""
+        store: RunStore = SQLiteStore(tmp_path / "j")
+        assert store.budget("nobody") is None and not store.exists()
+
+    async def test_files_are_private(self, tmp_path: Path) -> None:
+        """A new directory is 0700; the journal and the analysts' file are 0600."""
+        db = tmp_path / "new" / "k.duckdb"
+        async with JournalAudit.open(db) as audit:
+            await Kernel(Ports(audit=audit)).run(ScriptedAgent([Step(final=True)]))
+        sync(db)
+        assert stat.S_IMODE(os.stat(db.parent).st_mode) == 0o700
+        assert stat.S_IMODE(os.stat(journal_path(db)).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(db).st_mode) == 0o600
+
+    async def test_sync_is_incremental_and_idempotent(self, tmp_path: Path) -> None:
+        """A second sync copies only what is new; a closed run's row replaces its open one."""
+        db = tmp_path / "k.duckdb"
+        async with JournalAudit.open(db) as audit:
+            rec = await audit.start_run(RunInfo(name="long"))
+            rec.log_event("tick")
+            await audit.flush()
+            first = await trio.to_thread.run_sync(sync, db)
+            again = await trio.to_thread.run_sync(sync, db)
+            result = await Kernel(Ports(audit=audit)).run(ScriptedAgent([Step(final=True)]))
+            assert result.status is Status.OK
+        third = sync(db)
+        assert (first.events, first.runs) == (2, 1)
+        assert (again.events, again.runs) == (0, 0)
+        assert (third.events, third.runs) == (3, 1)
+        with Store(db).reader() as cur:
+            assert cur.execute("SELECT count(*), count(status) FROM runs").fetchall() == [(2, 1)]
