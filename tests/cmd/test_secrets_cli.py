@@ -118,6 +118,11 @@ def _leaks(text: str, secrets: list[str]) -> list[str]:
     return [s for s in secrets if s in text]
 
 
+def _journal_bytes(db: Path) -> bytes:
+    """The raw bytes of the journal beside `db` (and its WAL), where every run writes first."""
+    return b"".join(p.read_bytes() for p in db.parent.glob(db.name + ".*") if p.is_file())
+
+
 def _db_text(db: Path) -> str:
     """Every table's rows, decoded by DuckDB (the file's compression cannot hide anything)."""
     import duckdb
@@ -190,7 +195,13 @@ class TestSecretsCorpus:
                         f"http://u:{FAIL_BASE_PASSWORD}@127.0.0.1:9/v1")
         assert failed.returncode != 0
 
-        raw = db.read_bytes() + b"".join(
+        # Every run wrote the journal (kernel.duckdb.journal and its -wal); the analysts'
+        # file is made from it by a sync. Both must be free of secrets.
+        journal = b"".join(
+            p.read_bytes() for p in db.parent.glob(db.name + ".*") if p.is_file())
+        synced = kernel(kernel_exe, env, "sync")
+        assert synced.returncode == 0, synced.stderr
+        raw = journal + db.read_bytes() + b"".join(
             p.read_bytes() for p in db.parent.glob(db.name + ".*") if p.is_file())
         decoded = _db_text(db)
         assert _leaks(decoded, ALL_BODIES) == []
@@ -270,7 +281,10 @@ class TestResume:
         assert proc.returncode == 130, err
         run_id = json.loads(out)["run_id"]
         assert (tmp_path / "before.txt").read_text() == secret
-        # Interrupted: the spec and the saved state (which captured the secret) hold none of it.
+        # Interrupted: the spec and the saved state (which captured the secret) hold none of it,
+        # in the journal every run writes or in the analysts' file made from it.
+        assert secret.encode() not in _journal_bytes(db)
+        assert kernel(kernel_exe, env, "sync").returncode == 0
         assert secret not in _db_text(db)
         assert secret.encode() not in db.read_bytes()
 
@@ -289,6 +303,8 @@ class TestResume:
         assert resumed.returncode == 0, resumed.stderr
         assert json.loads(resumed.stdout)["status"] == "ok"
         assert (tmp_path / "after.txt").read_text() == secret  # the real value, not a marker
+        assert secret.encode() not in _journal_bytes(db)
+        assert kernel(kernel_exe, env, "sync").returncode == 0
         assert secret not in _db_text(db)
         assert secret.encode() not in db.read_bytes()
 
