@@ -401,6 +401,15 @@ class LoopAgent:
                                         f"killed by signal {result.signal}")
             if st.next is not None:
                 self._record_prev(st, result)
+                if result is not None and result.exit_code != 0 and "error" in st.on:
+                    # little-loops: `next` is the success path when on_error is set.
+                    ctx.event("evaluate", name=st.name, payload={
+                        "state": st.name, "type": "exit_code", "verdict": "error",
+                        "details": {"exit_code": result.exit_code,
+                                    "why": "a failing action with next and on_error"}})
+                    self._sim_note += " => error"
+                    return _Outcome("error", self._resolve(st.on["error"], st, ctx, None),
+                                    f"on_error (exit {result.exit_code})")
                 return _Outcome(None, self._resolve(st.next, st, ctx, None), "next")
             verdict = await self._evaluate(st, result, ctx, sim=sim)
         self._record_prev(st, result)
@@ -420,8 +429,13 @@ class LoopAgent:
                 return self._resolve(table.error, st, ctx, result), "route._error"
             if table.default is not None:
                 return self._resolve(table.default, st, ctx, result), "route._"
+            if v == "no" and table.error is not None:
+                # little-loops: a `no` nobody routes goes where errors go.
+                return self._resolve(table.error, st, ctx, result), "route._error (no)"
         if v in st.on:
             return self._resolve(st.on[v], st, ctx, result), f"on_{v}"
+        if v == "no" and "error" in st.on:
+            return self._resolve(st.on["error"], st, ctx, result), "on_error (no)"
         return None, f"no route for verdict '{v}'"
 
     def _resolve(self, target: str, st: StateSpec, ctx: RunContext,
@@ -634,6 +648,10 @@ class LoopAgent:
         if spec is not None and spec.source is not None:
             text = tpl.render(spec.source, ns)
         code = result.exit_code if result is not None else 0
+        if code != 0 and kind in _OUTPUT_EVALUATORS:
+            # little-loops: an evaluator that reads output does not judge a failed action.
+            return ev.Verdict("error", {"exit_code": code,
+                                        "error": f"action exited with code {code}"})
         if kind == "exit_code":
             return ev.exit_code(code)
         if kind == "mcp_result":
@@ -645,7 +663,7 @@ class LoopAgent:
         operator = spec.operator or "eq"
         if kind == "output_contains":
             return ev.output_contains(text, tpl.render(spec.pattern or "", ns),
-                                      negate=spec.negate)
+                                      negate=spec.negate, error_patterns=spec.error_patterns)
         if kind == "output_numeric":
             return ev.output_numeric(text, operator, self._param(spec.target, ns))
         if kind == "output_json":
@@ -822,6 +840,10 @@ def _simulated_verdict(kind: str, outcome: str) -> str:
     if kind == "convergence":
         return "target" if outcome == "pass" else "progress"
     return "yes" if outcome == "pass" else "no"
+
+
+#: Evaluators that judge output, not exit status: a non-zero exit is `error` for them.
+_OUTPUT_EVALUATORS = ("output_contains", "output_numeric", "output_json", "convergence")
 
 
 def _capture(result: ActionResult) -> dict[str, Any]:

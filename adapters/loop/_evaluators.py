@@ -40,16 +40,25 @@ def exit_code(code: int) -> Verdict:
     return Verdict(verdict, {"exit_code": code})
 
 
-def output_contains(text: str, pattern: str, *, negate: bool = False) -> Verdict:
-    """yes when `pattern` (a regex, or plain text if it is not one) occurs; `negate` flips it."""
+def output_contains(text: str, pattern: str, *, negate: bool = False,
+                    error_patterns: tuple[str, ...] = ()) -> Verdict:
+    """yes when `pattern` (a regex, or plain text if it is not one) occurs; `negate` flips it.
+
+    `error_patterns` (plain text): when the pattern is not found (and not
+    negated), output containing one of them is `error` rather than `no`.
+    """
     try:
         matched = re.search(pattern, text, re.MULTILINE) is not None
         how = "regex"
     except re.error:
         matched = pattern in text
         how = "text"
-    return Verdict("yes" if matched != negate else "no",
-                   {"matched": matched, "pattern": pattern, "negate": negate, "as": how})
+    details = {"matched": matched, "pattern": pattern, "negate": negate, "as": how}
+    if not matched and not negate:
+        hit = next((p for p in error_patterns if p in text), None)
+        if hit is not None:
+            return Verdict("error", {**details, "error_pattern": hit})
+    return Verdict("yes" if matched != negate else "no", details)
 
 
 def parse_number(text: str) -> float | None:

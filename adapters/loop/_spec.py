@@ -40,7 +40,7 @@ _STATE_KEYS = ("action", "action_type", "evaluate", "route", "next", "terminal",
                "context_passthrough", "params", "description", "on_success", "on_failure")
 _EVALUATE_KEYS = ("type", "source", "operator", "target", "tolerance", "pattern", "negate",
                   "path", "prompt", "schema", "min_confidence", "uncertain_suffix", "previous",
-                  "direction")
+                  "direction", "error_patterns")
 _LLM_KEYS = ("enabled", "model", "max_tokens", "timeout")
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
 
@@ -92,6 +92,7 @@ class EvaluateSpec:
     uncertain_suffix: bool = False
     previous: str | None = None
     direction: str = "minimize"
+    error_patterns: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)
@@ -544,6 +545,15 @@ class _Parser:
         elif direction is not None:
             spec.direction = direction
         spec.negate = bool(self.flag(data, "negate", _join(where, "negate")))
+        patterns = data.get("error_patterns")
+        if isinstance(patterns, str):
+            patterns = [patterns]
+        if patterns is not None and (not isinstance(patterns, list) or not all(
+                isinstance(p, (str, int, float)) and not isinstance(p, bool) for p in patterns)):
+            self.error(_join(where, "error_patterns"),
+                       f"expected a list of text, got {_kind(patterns)}")
+        elif patterns is not None:
+            spec.error_patterns = tuple(str(p) for p in patterns)
         spec.uncertain_suffix = bool(
             self.flag(data, "uncertain_suffix", _join(where, "uncertain_suffix")))
         confidence = self.number(data, "min_confidence", _join(where, "min_confidence"),

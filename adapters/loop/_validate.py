@@ -221,8 +221,9 @@ class _Checker:
         elif not (st.next or st.route or st.on or self.spec.maintain or _signals(st.action)):
             self.add("warning", where, "no transition out (no next, route or on_*): the run "
                                        "ends 'error' after this state unless its output signals")
-        if st.next is not None and (st.route is not None or st.on):
-            self.add("warning", f"{where}.next", "'next' wins: route/on_* keys are never used")
+        if st.next is not None and (st.route is not None or set(st.on) - {"error"}):
+            self.add("warning", f"{where}.next", "'next' wins: route/on_* keys other than "
+                                                 "on_error are never used")
         if st.action_type is not None and st.action is None:
             self.add("warning", f"{where}.action_type", "action_type without an action")
         if st.params and st.mode != "mcp_tool":
@@ -259,6 +260,8 @@ class _Checker:
         kind = st.evaluate.type if st.evaluate else _DEFAULT_EVALUATOR.get(st.mode)
         gives = _VERDICTS.get(kind or "")
         routed = set(st.on) | (set(st.route.table) if st.route else set())
+        if "error" in st.on or (st.route and st.route.error):
+            routed.add("no")  # a `no` without its own route goes where errors go
         if gives is None or not routed or routed & gives:
             return
         self.add("warning", where, f"routes none of the verdicts {kind} gives "

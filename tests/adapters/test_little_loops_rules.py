@@ -1,0 +1,126 @@
+"""little-loops' documented loop semantics, one small shell-only loop per rule (issue 18).
+
+Each test names the section of little-loops' documentation it follows
+(`docs/generalized-fsm-loop.md` and `docs/guides/LOOPS_GUIDE.md` in
+BrennonTWilliams/little-loops); the loops are written here, not copied.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from loop_support import routes, run, spec_of, verdicts
+
+from kernel import Status
+
+pytestmark = pytest.mark.realtime
+
+
+class TestRouting:
+    async def test_no_without_on_no_goes_to_on_error(self, tmp_path: Path) -> None:
+        """generalized-fsm-loop.md, Layer 2: Route > Shorthand Syntax ("on_no -> on_error
+        fallthrough"): a `no` verdict with on_error and no on_no routes to on_error."""
+        spec = spec_of(tmp_path, """
+            initial: check
+            states:
+              check: {action: "exit 1", on_yes: done, on_error: recover}
+              recover: {action: "true", next: done}
+              done: {terminal: true}
+        """)
+        result, audit, _ = await run(spec)
+        assert result.status is Status.OK
+        assert routes(audit, result.run_id)[0] == ("check", "recover", "on_error (no)")
+
+    async def test_a_route_table_sends_an_unrouted_no_to_error(self, tmp_path: Path) -> None:
+        """Same section, route tables: `no` with `_error` and no `no:` key (and no `_`)
+        goes to `_error`; a `_` default still takes it first."""
+        spec = spec_of(tmp_path, """
+            initial: check
+            states:
+              check:
+                action: "exit 1"
+                route: {yes: done, _error: recover}
+              recover:
+                action: "exit 1"
+                route: {yes: done, _: done, _error: never}
+              never: {terminal: true}
+              done: {terminal: true}
+        """)
+        result, audit, _ = await run(spec)
+        assert result.status is Status.OK
+        assert routes(audit, result.run_id) == [("check", "recover", "route._error (no)"),
+                                                ("recover", "done", "route._")]
+
+    async def test_next_with_on_error_sends_a_failing_action_to_on_error(
+            self, tmp_path: Path) -> None:
+        """generalized-fsm-loop.md, Resolution Order ("on_error precedence"): with both
+        `next` and `on_error`, a non-zero exit goes to on_error; exit 0 follows next;
+        without on_error, next is followed either way."""
+        spec = spec_of(tmp_path, """
+            initial: ok
+            states:
+              ok: {action: "true", next: failing, on_error: wrong}
+              failing: {action: "exit 3", next: wrong, on_error: plain}
+              plain: {action: "exit 1", next: done}
+              wrong: {terminal: true}
+              done: {terminal: true}
+        """)
+        result, audit, _ = await run(spec)
+        assert result.status is Status.OK
+        assert routes(audit, result.run_id) == [("ok", "failing", "next"),
+                                                ("failing", "plain", "on_error (exit 3)"),
+                                                ("plain", "done", "next")]
+        assert verdicts(audit, result.run_id) == ["error"]
+
+    @pytest.mark.parametrize("evaluate", [
+        "{type: output_contains, pattern: READY}",
+        "{type: output_numeric, operator: eq, target: 7}",
+        "{type: output_json, path: .n, target: 7}",
+    ])
+    async def test_output_evaluators_call_a_failed_action_an_error(
+            self, tmp_path: Path, evaluate: str) -> None:
+        """LOOPS_GUIDE.md, "Exit-code short-circuit": an evaluator that reads output gives
+        `error` for a non-zero exit, even when the output would match."""
+        spec = spec_of(tmp_path, f"""
+            initial: check
+            states:
+              check:
+                action: "echo READY; exit 2"
+                evaluate: {evaluate}
+                on_yes: wrong
+                on_no: wrong
+                on_error: done
+              wrong: {{terminal: true}}
+              done: {{terminal: true}}
+        """.replace("echo READY", "echo READY" if "contains" in evaluate
+                    else "echo 7" if "numeric" in evaluate else "echo '{\\\"n\\\": 7}'"))
+        result, audit, _ = await run(spec)
+        assert result.status is Status.OK
+        assert verdicts(audit, result.run_id) == ["error"]
+        assert routes(audit, result.run_id) == [("check", "done", "on_error")]
+
+    async def test_error_patterns_turn_a_missing_match_into_error(self, tmp_path: Path) -> None:
+        """generalized-fsm-loop.md, Evaluator Types > output_contains (`error_patterns`):
+        pattern not found and an error pattern present -> error; found -> yes regardless."""
+        spec = spec_of(tmp_path, """
+            initial: auth
+            states:
+              auth:
+                action: "echo 'HTTP 401 unauthorized'"
+                evaluate: {type: output_contains, pattern: "^OK", error_patterns: ["401", "403"]}
+                on_yes: wrong
+                on_no: wrong
+                on_error: retry
+              retry:
+                action: "echo 'OK but 401 in the log'"
+                evaluate: {type: output_contains, pattern: "^OK", error_patterns: ["401"]}
+                on_yes: done
+                on_error: wrong
+              wrong: {terminal: true}
+              done: {terminal: true}
+        """)
+        result, audit, _ = await run(spec)
+        assert result.status is Status.OK
+        assert verdicts(audit, result.run_id) == ["error", "yes"]
+        assert routes(audit, result.run_id)[-1] == ("retry", "done", "on_yes")
