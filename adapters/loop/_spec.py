@@ -34,7 +34,8 @@ DEFAULT_ACTION_TIMEOUT = 3600.0
 DEFAULT_MCP_TIMEOUT = 30.0
 
 _LOOP_KEYS = ("name", "description", "initial", "states", "context", "max_iterations",
-              "max_steps", "timeout", "default_timeout", "backoff", "maintain", "llm")
+              "max_steps", "timeout", "default_timeout", "backoff", "maintain", "llm", "flow",
+              "state_defs")
 _STATE_KEYS = ("action", "action_type", "evaluate", "route", "next", "terminal", "capture",
                "timeout", "max_retries", "on_retry_exhausted", "on_maintain", "loop",
                "context_passthrough", "params", "description", "on_success", "on_failure")
@@ -361,7 +362,16 @@ class _Parser:
         backoff = self.number(data, "backoff", "backoff", minimum=0)
         maintain = self.flag(data, "maintain", "maintain")
         llm = self.llm(data.get("llm"))
-        states = self.states(data.get("states"))
+        states_data = data.get("states")
+        if "flow" in data:
+            if "states" in data:
+                self.error("flow", "'flow' and 'states' are mutually exclusive (flow expands "
+                                   "into states)")
+            else:
+                states_data = self.flow(data["flow"], data.get("state_defs"))
+        elif "state_defs" in data:
+            self.warn("state_defs", "state_defs is only used with 'flow' (ignored)")
+        states = self.states(states_data, flow="flow" in data)
         return LoopSpec(
             name=name, initial=initial or "", states=states, description=description,
             context=context,
@@ -401,9 +411,63 @@ class _Parser:
         spec.timeout = self.number(data, "timeout", "llm.timeout", positive=True) or 120.0
         return spec
 
-    def states(self, data: Any) -> dict[str, StateSpec]:
+    def flow(self, flow: Any, defs: Any) -> Located | None:
+        """Expand `flow:` (little-loops' linear shorthand) into a states mapping.
+
+        Each entry is a state name (`next:` the following entry) or a branch
+        `name?yes_state:no_state` (`on_yes`/`on_no`); the last entry is
+        terminal. `state_defs:` bodies are deep-merged into the generated states.
+        """
+        if not isinstance(flow, list) or not flow:
+            self.error("flow", f"expected a non-empty list of state names, got {_kind(flow)}")
+            return None
+        if defs is not None and not isinstance(defs, Mapping):
+            self.error("state_defs", f"expected a mapping of state name -> state, "
+                                     f"got {_kind(defs)}")
+            defs = None
+        if isinstance(defs, Mapping):
+            self.note_lines("state_defs", defs)
+        line = self.lines.get("flow")
+        names = [e.partition("?")[0].strip() if isinstance(e, str) else "" for e in flow]
+        out = Located()
+        out.line = line
+        for i, entry in enumerate(flow):
+            where = f"flow.{i}"
+            name = names[i]
+            if not name:
+                self.error(where, f"expected a state name, got {_show(entry)}")
+                continue
+            if name in out:
+                self.error(where, f"state '{name}' appears twice in flow")
+                continue
+            body = Located()
+            body.line = line
+            _, branch, targets = str(entry).partition("?")
+            if branch:
+                yes, colon, no = (t.strip() for t in targets.partition(":"))
+                if not colon or not yes or not no:
+                    self.error(where, f"{_show(entry)}: a branch is written "
+                                      "name?yes_state:no_state")
+                    continue
+                body.update(on_yes=yes, on_no=no)
+            elif i + 1 < len(flow) and names[i + 1]:
+                body["next"] = names[i + 1]
+            if i == len(flow) - 1:
+                body["terminal"] = True
+            if defs is not None and name in defs and isinstance(defs[name], Mapping):
+                body = deep_merge(body, defs[name])
+            out[name] = body
+            out.key_lines[name] = (defs.key_lines.get(name) if isinstance(defs, Located)
+                                   else None) or line or 1
+        unused = [k for k in (defs or {}) if str(k) not in out]
+        for key in unused:
+            self.warn(f"state_defs.{key}", f"'{key}' is not in flow (ignored)")
+        return out
+
+    def states(self, data: Any, *, flow: bool = False) -> dict[str, StateSpec]:
         if data is None:
-            self.error("states", "missing 'states' (a mapping of state name -> state)")
+            if not flow:
+                self.error("states", "missing 'states' (a mapping of state name -> state)")
             return {}
         if not isinstance(data, Mapping) or not data:
             self.error("states", "expected a non-empty mapping of state name -> state, "
@@ -487,7 +551,8 @@ class _Parser:
         if "route" in data:
             spec.route = self.route(data["route"], _join(where, "route"))
         if "evaluate" in data:
-            spec.evaluate = self.evaluate(data["evaluate"], _join(where, "evaluate"))
+            spec.evaluate = self.evaluate(data["evaluate"], _join(where, "evaluate"),
+                                          default=_DEFAULT_EVALUATOR.get(spec.mode))
         return spec
 
     def route(self, data: Any, where: str) -> RouteSpec | None:
@@ -509,7 +574,8 @@ class _Parser:
                 spec.table[verdict] = target
         return spec
 
-    def evaluate(self, data: Any, where: str) -> EvaluateSpec | None:
+    def evaluate(self, data: Any, where: str, *, default: str | None = None,
+                 ) -> EvaluateSpec | None:
         if isinstance(data, str):
             data = {"type": data}
         if not isinstance(data, Mapping):
@@ -518,10 +584,15 @@ class _Parser:
         self.note_lines(where, data)
         self.unknown_keys(data, _EVALUATE_KEYS, where, "evaluate")
         kind = self.text(data, "type", _join(where, "type"))
+        if kind is None and "type" not in data:
+            # little-loops: the action type's default evaluator.
+            kind = default
+            if kind is None:
+                self.error(_join(where, "type"), "missing 'type' (a state without a shell, "
+                                                 "prompt or mcp_tool action has no default; "
+                                                 f"one of: {', '.join(EVALUATORS)})")
+                return None
         if kind is None:
-            if "type" not in data:
-                self.error(_join(where, "type"),
-                           f"missing 'type' (one of: {', '.join(EVALUATORS)})")
             return None
         if kind not in EVALUATORS:
             self.error(_join(where, "type"),
@@ -567,6 +638,31 @@ class _Parser:
         elif schema is not None:
             spec.schema = dict(schema)
         return spec
+
+
+#: The evaluator a state gets when `evaluate:` names no type (little-loops' defaults).
+_DEFAULT_EVALUATOR = {"shell": "exit_code", "prompt": "llm_structured",
+                      "mcp_tool": "mcp_result"}
+
+
+def deep_merge(base: Mapping[Any, Any], over: Mapping[Any, Any]) -> Located:
+    """`over` merged into `base`: mappings merge key by key, anything else is replaced.
+
+    Key lines are kept from whichever side supplied the key (`over` wins).
+    """
+    out = Located()
+    out.line = getattr(over, "line", None) or getattr(base, "line", None)
+    for source in (base, over):
+        lines = getattr(source, "key_lines", {})
+        for key, value in source.items():
+            if source is over and isinstance(value, Mapping) and isinstance(out.get(key),
+                                                                            Mapping):
+                out[key] = deep_merge(out[key], value)
+            else:
+                out[key] = value
+            if key in lines:
+                out.key_lines[key] = lines[key]
+    return out
 
 
 def parse_loop(data: Any, *, file: str = "", default_name: str = "loop",

@@ -124,3 +124,60 @@ class TestRouting:
         assert result.status is Status.OK
         assert verdicts(audit, result.run_id) == ["error", "yes"]
         assert routes(audit, result.run_id)[-1] == ("retry", "done", "on_yes")
+
+
+class TestShorthands:
+    async def test_evaluate_without_type_uses_the_action_default(self, tmp_path: Path) -> None:
+        """generalized-fsm-loop.md, Layer 1: Evaluate > Default Evaluation by Action Type:
+        an `evaluate:` naming no type gets the action's default (shell: exit_code)."""
+        spec = spec_of(tmp_path, """
+            initial: check
+            states:
+              check: {action: "exit 1", evaluate: {}, on_yes: wrong, on_no: done}
+              wrong: {terminal: true}
+              done: {terminal: true}
+        """)
+        assert spec.states["check"].evaluate is not None
+        assert spec.states["check"].evaluate.type == "exit_code"
+        result, audit, _ = await run(spec)
+        assert routes(audit, result.run_id) == [("check", "done", "on_no")]
+
+    async def test_flow_expands_into_a_chain_with_branches(self, tmp_path: Path) -> None:
+        """generalized-fsm-loop.md, Linear Flow Shorthand (`flow:`): entries chain with
+        `next`, `name?yes:no` branches, the last is terminal, `state_defs` merge in."""
+        spec = spec_of(tmp_path, """
+            initial: lint
+            flow:
+              - lint
+              - check?ship:fix
+              - fix
+              - ship
+            state_defs:
+              lint: {action: "echo lint"}
+              check: {action: "test -f ok"}
+              fix: {action: "touch ok", next: check}
+        """)
+        assert spec.states["ship"].terminal
+        result, audit, _ = await run(spec, cwd=str(tmp_path))
+        assert result.status is Status.OK
+        assert [(a, b) for a, b, _ in routes(audit, result.run_id)] == [
+            ("lint", "check"), ("check", "fix"), ("fix", "check"), ("check", "ship")]
+
+    @pytest.mark.parametrize(("text", "line", "message"), [
+        ("initial: a\nflow: [a, b]\nstates: {a: {terminal: true}}\n", 2,
+         "'flow' and 'states' are mutually exclusive"),
+        ("initial: a\nflow:\n  - a?b\n  - b\n", 2, "a branch is written name?yes_state:no_state"),
+        ("initial: a\nflow: [a, a]\n", 2, "state 'a' appears twice in flow"),
+    ])
+    def test_a_malformed_flow_is_an_error_with_its_line(self, tmp_path: Path, text: str,
+                                                        line: int, message: str) -> None:
+        """Same section, Constraints: flow and states exclude each other; branches need
+        both targets."""
+        from loop_support import write
+
+        from adapters.loop import check_loop
+
+        report = check_loop(write(tmp_path, text))
+        assert not report.ok
+        assert any(message in p.message and p.line == line for p in report.errors), \
+            report.errors
