@@ -170,6 +170,8 @@ class LoopAgent:
         self.current = spec.initial
         self.iteration = 0
         self.captured: dict[str, Any] = {}
+        #: The failure terminal the run ended in, if it did.
+        self.failure_terminal: str | None = None
         self.prev: dict[str, Any] | None = None
         self.retries: dict[str, int] = {}
         self.prev_state: str | None = None
@@ -290,6 +292,13 @@ class LoopAgent:
                 else:
                     self.retries.pop(self.prev_state, None)
             if st.terminal:
+                if st.failure:
+                    # little-loops: a failure terminal ends the run failed, even under maintain.
+                    self.failure_terminal = name
+                    return Step(output=self.output, final=True, name=name,
+                                error=f"reached failure terminal '{name}'",
+                                payload={"terminal": name, "failure": True,
+                                         "iteration": self.iteration})
                 if not self.spec.maintain:
                     return Step(output=self.output, final=True, name=name,
                                 payload={"terminal": name, "iteration": self.iteration})
@@ -707,7 +716,12 @@ class LoopAgent:
                 return failed
         context: dict[str, Any] = {}
         if st.context_passthrough:
-            context = {**self.context, **self.captured}
+            # As in little-loops, the parent's context and its captured outputs (as
+            # text); unlike it, they override the child file's own defaults, as
+            # --context does for a top-level loop.
+            outputs = {k: v["output"] if isinstance(v, Mapping) and "exit_code" in v else v
+                       for k, v in self.captured.items()}
+            context = {**self.context, **outputs}
         child = LoopAgent(
             child_spec, context=context, judge=self.judge, scenario=self.scenario, ask=self.ask,
             cwd=self.cwd, env=self.env, prompt_command=self.prompt_command,
@@ -720,7 +734,8 @@ class LoopAgent:
             child._sim_indent = self._sim_indent + "      "
             self._sim_lines.append(f"{self._sim_indent}     sub-loop '{child_spec.name}':")
             reached = await child._simulate_run(ctx, child_spec.max_iterations)
-            verdict = ev.Verdict("yes" if reached else "no", {"simulated": True})
+            verdict = ev.Verdict("yes" if reached and child.failure_terminal is None else "no",
+                                 {"simulated": True})
             self._sim_note = f" [loop {child_spec.name}] => {verdict.verdict}"
         else:
             info = RunInfo(name=child_spec.name, subject_id=f"loop:{child_spec.name}", inputs={
@@ -731,7 +746,9 @@ class LoopAgent:
             self.output = res.output if isinstance(res.output, str) else tpl.to_text(res.output)
             self._step_output = self.output
             status = res.status
-            if status is Status.OK:
+            if child.failure_terminal is not None:
+                name = "no"  # little-loops: a child ending in a failure terminal is a `no`
+            elif status is Status.OK:
                 name = "yes"
             elif status is Status.ERROR and st.has_error_route():
                 name = "error"
@@ -739,7 +756,8 @@ class LoopAgent:
                 name = "no"
             verdict = ev.Verdict(name, {"child_run_id": res.run_id,
                                         "child_status": str(status), "child_error": res.error,
-                                        "child_reason": res.reason})
+                                        "child_reason": res.reason,
+                                        "failure_terminal": child.failure_terminal})
         if st.context_passthrough and child.captured:
             self.captured[st.name] = dict(child.captured)
         ctx.event("evaluate", name=st.name, payload={
@@ -793,6 +811,11 @@ class LoopAgent:
             steps += 1
             if step.final:
                 final = step
+        if self.failure_terminal is not None:
+            self._sim_lines.append(f"{self._sim_indent}reached failure terminal "
+                                   f"'{self.failure_terminal}' after {self.iteration} "
+                                   "iteration(s) (the run would end error)")
+            return True
         ended_ok = final.error is None and final.handoff is None and final.stop is None
         if ended_ok:
             terminal = self.current

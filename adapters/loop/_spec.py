@@ -38,7 +38,10 @@ _LOOP_KEYS = ("name", "description", "initial", "states", "context", "max_iterat
               "state_defs")
 _STATE_KEYS = ("action", "action_type", "evaluate", "route", "next", "terminal", "capture",
                "timeout", "max_retries", "on_retry_exhausted", "on_maintain", "loop",
-               "context_passthrough", "params", "description", "on_success", "on_failure")
+               "context_passthrough", "params", "description", "on_success", "on_failure",
+               "failure")
+#: Terminals that are failures unless they say `failure: false` (little-loops' defaults).
+FAILURE_NAMES = ("failed", "error", "aborted", "finalize_aborted")
 _EVALUATE_KEYS = ("type", "source", "operator", "target", "tolerance", "pattern", "negate",
                   "path", "prompt", "schema", "min_confidence", "uncertain_suffix", "previous",
                   "direction", "error_patterns")
@@ -131,6 +134,7 @@ class StateSpec:
     context_passthrough: bool = False
     params: dict[str, Any] = field(default_factory=dict)
     description: str | None = None
+    failure: bool = False
     child: LoopSpec | None = None
 
     @property
@@ -528,6 +532,11 @@ class _Parser:
         if "next" in data:
             spec.next = self.state_name(data["next"], _join(where, "next"))
         spec.terminal = bool(self.flag(data, "terminal", _join(where, "terminal")))
+        failure = self.flag(data, "failure", _join(where, "failure"))
+        if failure and not spec.terminal:
+            self.warn(_join(where, "failure"), "failure only matters on a terminal state")
+        spec.failure = spec.terminal and (failure if failure is not None
+                                          else name in FAILURE_NAMES)
         capture = self.text(data, "capture", _join(where, "capture"))
         if capture is not None and not _NAME.match(capture):
             self.error(_join(where, "capture"), f"{capture!r} is not a valid capture name")

@@ -177,7 +177,8 @@ class _Checker:
         self.required = required
         self.stack = (*stack, path.resolve())
         self.captures = {s.capture for s in spec.states.values() if s.capture}
-        self.captures |= {s.name for s in spec.states.values() if s.loop is not None}
+        self.subloop_states = {s.name for s in spec.states.values() if s.loop is not None}
+        self.captures |= self.subloop_states
 
     def add(self, severity: Severity, where: str, message: str) -> None:
         self.problems.append(Problem(severity, where, message, self.spec.path,
@@ -348,7 +349,8 @@ class _Checker:
         elif ph.namespace == "captured":
             if head not in self.captures and not fallback:
                 self.add("warning", where, f"no state captures '{head}' (capture: {head})")
-            if len(ph.path) == 2 and ph.path[1] not in tpl.CAPTURE_FIELDS:
+            if len(ph.path) == 2 and ph.path[1] not in tpl.CAPTURE_FIELDS \
+                    and head not in self.subloop_states:
                 self.add("error", where, f"{ph.source}: a capture has "
                                          f"{', '.join(tpl.CAPTURE_FIELDS)}")
         elif ph.namespace == "prev" and head not in tpl.PREV_FIELDS:
@@ -377,7 +379,7 @@ class _Checker:
             return
         given: dict[str, Any] = {}
         if st.context_passthrough:
-            given = {**self.spec.context, **self.context, **{c: {} for c in self.captures}}
+            given = {**self.spec.context, **self.context, **{c: "" for c in self.captures}}
         report = _check(child_path, given, self.required, self.stack)
         for p in report.errors:
             self.add("error", where, f"in sub-loop: {p}")

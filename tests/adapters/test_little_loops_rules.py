@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from loop_support import routes, run, spec_of, verdicts
 
-from kernel import Status
+from kernel import Limits, Status
 
 pytestmark = pytest.mark.realtime
 
@@ -181,3 +181,88 @@ class TestShorthands:
         assert not report.ok
         assert any(message in p.message and p.line == line for p in report.errors), \
             report.errors
+
+
+class TestTerminalsAndSubLoops:
+    async def test_a_failure_terminal_ends_the_run_failed(self, tmp_path: Path) -> None:
+        """generalized-fsm-loop.md, Authoring Conventions > Failure Terminals ("Mark the
+        terminal failure: true"): reaching it ends the run failed; `failed`/`error`/
+        `aborted`/`finalize_aborted` are failures by default, `failure: false` opts out."""
+        for name, extra, failed in [("blocked", ", failure: true", True), ("failed", "", True),
+                                    ("aborted", ", failure: false", False),
+                                    ("done_empty", "", False)]:
+            spec = spec_of(tmp_path, f"""
+                initial: work
+                states:
+                  work: {{action: "true", next: {name}}}
+                  {name}: {{terminal: true{extra}}}
+            """)
+            result, _, agent = await run(spec)
+            assert (result.status is Status.ERROR) is failed, name
+            assert (agent.failure_terminal == name) is failed
+            if failed:
+                assert result.error == f"reached failure terminal '{name}'"
+
+    async def test_a_child_in_a_failure_terminal_routes_the_parent_on_no(
+            self, tmp_path: Path) -> None:
+        """generalized-fsm-loop.md, Sub-Loop Composition and Failure Terminals ("a parent
+        loop routes on_no"): even with on_error present, a failure terminal is a `no`."""
+        (tmp_path / "child.yaml").write_text(
+            "initial: try\nstates:\n  try: {action: 'exit 1', on_yes: done, on_no: blocked}\n"
+            "  done: {terminal: true}\n  blocked: {terminal: true, failure: true}\n")
+        spec = spec_of(tmp_path, """
+            initial: sub
+            states:
+              sub: {loop: child, on_yes: wrong, on_no: handled, on_error: wrong}
+              handled: {terminal: true}
+              wrong: {terminal: true}
+        """)
+        result, audit, _ = await run(spec)
+        assert result.status is Status.OK
+        assert routes(audit, result.run_id) == [("sub", "handled", "on_no")]
+        child = next(r for r in audit.runs.values() if r.info.parent_run_id == result.run_id)
+        assert child.status is Status.ERROR
+
+    async def test_a_dry_run_walks_into_a_failure_terminal(self, tmp_path: Path) -> None:
+        """A dry run reports the failure terminal it reaches, and a parent takes `no`."""
+        (tmp_path / "child.yaml").write_text(
+            "initial: go\nstates:\n  go: {action: 'true', next: failed}\n"
+            "  failed: {terminal: true}\n")
+        spec = spec_of(tmp_path, """
+            initial: sub
+            states:
+              sub: {loop: child, on_yes: wrong, on_no: done}
+              done: {terminal: true}
+              wrong: {terminal: true}
+        """)
+        result, _, _ = await run(spec, scenario="all-pass",
+                                 limits=Limits(max_steps=spec.max_iterations, dry_run=True))
+        assert result.status is Status.DRY_RUN
+        assert "reached failure terminal 'failed'" in result.output
+        assert "reached terminal state 'done'" in result.output
+
+    async def test_passthrough_shares_context_and_captures_both_ways(
+            self, tmp_path: Path) -> None:
+        """generalized-fsm-loop.md, Sub-Loop Composition (`context_passthrough: true`): the
+        child gets the parent's context and captured values (a capture as its output text);
+        the child's captures come back as ${captured.<parent state>.<capture>}."""
+        (tmp_path / "child.yaml").write_text(
+            "initial: use\nstates:\n"
+            "  use: {action: 'echo \"${context.topic}/${context.ticket}\"', capture: seen,"
+            " next: done}\n  done: {terminal: true}\n")
+        spec = spec_of(tmp_path, """
+            initial: pick
+            context: {topic: loops}
+            states:
+              pick: {action: "echo T-7", capture: ticket, next: sub}
+              sub: {loop: child, context_passthrough: true, on_yes: show, on_no: wrong}
+              show:
+                action: echo "got ${captured.sub.seen.output}"
+                capture: shown
+                next: done
+              done: {terminal: true}
+              wrong: {terminal: true}
+        """)
+        result, _, agent = await run(spec)
+        assert result.status is Status.OK, result.error
+        assert agent.captured["shown"]["output"] == "got loops/T-7"
