@@ -6,6 +6,8 @@ Syntax::
     ${captured.lint.output?}      `?`: missing -> empty string
     ${env.HOME:default=/root}     `:default=VALUE` (takes the rest, up to `}`)
     ${captured.msg.output:raw}    `:raw`: insert into a shell action unquoted
+    ${context.file:shell}         `:shell`: the value shell-quoted (little-loops);
+                                  in a shell action, one word wherever words are read
     $${HOME}                      a literal `${HOME}` (for the shell)
 
 Namespaces: context, captured (NAME.output|stderr|exit_code|duration_ms),
@@ -44,7 +46,7 @@ import os
 import re
 import shlex
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 NAMESPACES = ("context", "captured", "prev", "result", "state", "loop", "env")
@@ -85,6 +87,7 @@ class Placeholder:
     default: str | None = None
     optional: bool = False
     raw: bool = False
+    shell: bool = False
 
     @property
     def name(self) -> str:
@@ -131,7 +134,7 @@ def _placeholder(source: str) -> Placeholder:
     inner = source[2:-1]
     var, _, rest = inner.partition(":")
     default: str | None = None
-    raw = False
+    raw = shell = False
     while rest:
         if rest.startswith("default="):
             default = rest[len("default="):]
@@ -139,9 +142,13 @@ def _placeholder(source: str) -> Placeholder:
         mod, _, rest = rest.partition(":")
         if mod == "raw":
             raw = True
+        elif mod == "shell":
+            shell = True
         else:
-            raise TemplateError(
-                f"unknown modifier ':{mod}' in {source} (known: ':default=VALUE', ':raw')")
+            raise TemplateError(f"unknown modifier ':{mod}' in {source} "
+                                "(known: ':default=VALUE', ':raw', ':shell')")
+    if raw and shell:
+        raise TemplateError(f"{source}: ':raw' and ':shell' contradict each other")
     var = var.strip()
     optional = var.endswith("?")
     if optional:
@@ -155,7 +162,8 @@ def _placeholder(source: str) -> Placeholder:
                             f"(known: {', '.join(NAMESPACES)}){hint}")
     if not path or any(not part for part in path.split(".")):
         raise TemplateError(f"{source} needs a path after '{namespace}.'")
-    return Placeholder(source, namespace, tuple(path.split(".")), default, optional, raw)
+    return Placeholder(source, namespace, tuple(path.split(".")), default, optional, raw,
+                       shell)
 
 
 def placeholders(template: str) -> list[Placeholder]:
@@ -227,15 +235,17 @@ def to_text(value: Any) -> str:
 
 
 def value_of(ph: Placeholder, ns: Namespaces) -> str:
-    """The text `ph` stands for, applying `:default=` and `?`."""
+    """The text `ph` stands for, applying `:default=`, `?` and `:shell` (shell-quoted)."""
     try:
-        return to_text(lookup(ph, ns))
+        text = to_text(lookup(ph, ns))
     except MissingVariable:
         if ph.default is not None:
-            return ph.default
-        if ph.optional:
-            return ""
-        raise
+            text = ph.default
+        elif ph.optional:
+            text = ""
+        else:
+            raise
+    return shlex.quote(text) if ph.shell else text
 
 
 def render(template: str, ns: Namespaces) -> str:
@@ -625,6 +635,10 @@ def render_shell(template: str, ns: Namespaces) -> ShellCommand:
             continue
         hole = next(holes, Hole("top"))
         context = hole.kind
+        if seg.shell and context in ("top", "sub", "bq", "arith"):
+            # Where the shell reads words, the quoted reference already makes the
+            # value one word, which is what `:shell`'s quoting is for.
+            seg = replace(seg, shell=False)
         value = value_of(seg, ns).replace("\x00", "")
         quoted = seg.raw or context not in ("top", "sub", "bq", "arith")
         display.append(_clip(value) if quoted else shlex.quote(_clip(value)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -326,3 +327,36 @@ class TestArithmetic:
         assert "not a plain integer" in (result.error or "")
         assert not (tmp_path / "INJECTED").exists()
         assert not (tmp_path / "RAN").exists()
+
+
+class TestShellModifier:
+    """`${x:shell}`: little-loops' explicit quoting modifier (generalized-fsm-loop.md,
+    Variable Interpolation; interpolation's `:shell` is shlex quoting)."""
+
+    def test_outside_shell_actions_it_is_the_quoted_text(self) -> None:
+        """In prompts, routes and sources the value is written shell-quoted."""
+        ns = namespaces(context={"x": EVIL})
+        assert tpl.render("run ${context.x:shell}", ns) == "run " + shlex.quote(EVIL)
+        assert tpl.render("${context.y:shell:default=two words}", ns) == "'two words'"
+
+    def test_raw_and_shell_contradict(self) -> None:
+        with pytest.raises(tpl.TemplateError, match="contradict"):
+            tpl.parse("${context.x:raw:shell}")
+
+    @pytest.mark.realtime
+    @pytest.mark.parametrize(("template", "expected"), [
+        ("printf '%s\\n' ${context.x:shell}", EVIL),
+        ("printf '%s\\n' $(printf '%s' ${context.x:shell})", "a';"),
+        ('printf \'%s\\n\' "<${context.x:shell}>"', f"<{shlex.quote(EVIL)}>"),
+        ("printf '%s\\n' '<${context.x:shell}>'", f"<{shlex.quote(EVIL)}>"),
+        ("cat <<EOF\n<${context.x:shell}>\nEOF", f"<{shlex.quote(EVIL)}>"),
+        ("x=${context.x:shell}; printf '%s\\n' \"$x\"", EVIL),
+    ])
+    def test_a_hostile_value_stays_data(self, tmp_path: Path, template: str,
+                                        expected: str) -> None:
+        """Wherever `:shell` stands, bash never runs the `touch` inside the value."""
+        cmd = tpl.render_shell(template, namespaces(context={"x": EVIL}))
+        proc = subprocess.run(["bash", "-c", cmd.command], cwd=tmp_path, capture_output=True,
+                              text=True, env={**os.environ, **cmd.env}, timeout=10)
+        assert not (tmp_path / "INJECTED").exists()
+        assert proc.stdout.splitlines()[0] == expected
