@@ -18,14 +18,16 @@ run_id), env.
 **Shell actions never parse an interpolated value.** `render_shell` does
 not paste values into the command text (where quoting mistakes become
 injection); it passes each value to bash as an environment variable and
-writes a quoted *reference* to it ("${KLOOP_1}") at the placeholder. The
+writes a quoted *reference* to it ("${KLOOP_1}") at the placeholder (a
+quoted heredoc body, where nothing expands, gets the value itself: it is
+data there, and a value that would end the body early is refused). The
 shell expands a parameter without re-reading it as syntax, so a captured
 `a'; touch INJECTED; echo '` stays one argument. The reference is written
 to suit the quoting context it lands in (a small scanner tracks quotes,
 `$(...)`, backquotes, comments and heredocs), and a wrong guess costs at
-worst word splitting, never execution: the value is not in the text. One
-place cannot take a reference and is refused by validation: a quoted
-heredoc body (nothing is expanded there). `:raw` opts out (validation
+worst word splitting, never execution: the value is not in the text. A
+quoted heredoc inside backquotes is refused (backquotes re-read their
+text). `:raw` opts out (validation
 warns). Large values go through a file instead of the environment (see
 `spill`).
 
@@ -285,7 +287,7 @@ class ShellCommand:
 
 # The quoting contexts the scanner distinguishes, and what a reference looks
 # like in each. "heredoc_q" (a quoted heredoc body) expands nothing, so no
-# reference can work there; validation refuses it.
+# reference can work there: the value is written in (see `render_shell`).
 _REFERENCE = {
     "top": '"${{{0}}}"',
     "sub": '"${{{0}}}"',
@@ -322,10 +324,13 @@ class Hole:
             `(( ))`, `$[ ]`, `let`, `declare -i`, a `[[ ]]` numeric test, an
             array subscript, a `${var:offset}`), where a value like
             `a[$(cmd)]` would run `cmd`.
+        body: For a quoted heredoc ("heredoc_q"), which body it is in (an index
+            into `Scan.bodies`).
     """
 
     kind: str
     arith: bool = False
+    body: int | None = None
 
 
 def shell_contexts(segments: list[Segment]) -> list[str]:
@@ -335,8 +340,22 @@ def shell_contexts(segments: list[Segment]) -> list[str]:
 
 def shell_holes(segments: list[Segment]) -> list[Hole]:
     """Where each placeholder of a shell template stands, in order."""
-    text = "".join(s if isinstance(s, str) else _HOLE for s in segments)
-    return _Scanner(text).run()
+    return _scan(segments).found
+
+
+@dataclass(frozen=True, slots=True)
+class QuotedBody:
+    """A quoted heredoc's body (holes as NUL characters) and how it ends."""
+
+    text: str
+    delimiter: str
+    strip_tabs: bool
+
+
+def _scan(segments: list[Segment]) -> _Scanner:
+    scanner = _Scanner("".join(s if isinstance(s, str) else _HOLE for s in segments))
+    scanner.run()
+    return scanner
 
 
 class _Scanner:
@@ -356,7 +375,8 @@ class _Scanner:
         # Each frame: [kind, depth, start]; `start` is where the current simple
         # command began (code frames), the `[[` (cond) or the `${` (param).
         self.stack: list[list[Any]] = [[kind, 0, 0]]
-        self.heredocs: list[tuple[str, bool, bool]] = []
+        self.heredocs: list[tuple[str, bool, bool, bool]] = []
+        self.bodies: list[QuotedBody] = []
 
     def run(self) -> list[Hole]:
         text, i, n = self.text, 0, len(self.text)
@@ -581,7 +601,8 @@ class _Scanner:
                 word.append(ch)
                 i += 1
         if word:
-            self.heredocs.append(("".join(word), quoted, strip))
+            in_bq = any(f[0] == "bq" for f in self.stack)
+            self.heredocs.append(("".join(word), quoted, strip, in_bq))
         return i
 
     def _newline(self, i: int) -> int:
@@ -589,7 +610,7 @@ class _Scanner:
         i += 1
         text, n = self.text, len(self.text)
         while self.heredocs and i <= n:
-            delim, quoted, strip = self.heredocs.pop(0)
+            delim, quoted, strip, in_bq = self.heredocs.pop(0)
             body_start = i
             body_end = n
             while i < n:
@@ -604,8 +625,13 @@ class _Scanner:
             else:
                 body_end = n
             body = text[body_start:body_end]
-            if quoted:
-                self.found.extend([Hole("heredoc_q")] * body.count(_HOLE))
+            if quoted and in_bq:
+                # Backquotes re-read their text: a value could end them.
+                self.found.extend([Hole("heredoc_q_bq")] * body.count(_HOLE))
+            elif quoted:
+                self.bodies.append(QuotedBody(body, delim, strip))
+                self.found.extend([Hole("heredoc_q", body=len(self.bodies) - 1)]
+                                  * body.count(_HOLE))
             else:
                 self.found.extend(_Scanner(body, "heredoc").run())
         return i
@@ -618,13 +644,20 @@ def render_shell(template: str, ns: Namespaces) -> ShellCommand:
     an optional sign, surrounding whitespace): anything else raises
     `UnsafeValue` and the action does not run.
 
+    In a quoted heredoc (`<<'EOF'`) nothing is expanded, so the value is
+    written into the body itself: the shell reads it as data, and a value
+    containing the delimiter line is refused.
+
     Raises:
         MissingVariable: a variable without value or default.
-        UnsafeValue: a value that is not an integer in an arithmetic context.
-        TemplateError: a placeholder inside a quoted heredoc.
+        UnsafeValue: a value that is not an integer in an arithmetic context, or
+            that would end a quoted heredoc.
+        TemplateError: a placeholder inside a quoted heredoc inside backquotes.
     """
     segments = parse(template)
-    holes = iter(shell_holes(segments))
+    scan = _scan(segments)
+    holes = iter(scan.found)
+    pasted: dict[int, list[tuple[Placeholder, str]]] = {}
     command: list[str] = []
     display: list[str] = []
     env: dict[str, str] = {}
@@ -645,10 +678,16 @@ def render_shell(template: str, ns: Namespaces) -> ShellCommand:
         if seg.raw:
             command.append(value)
             continue
-        if context == "heredoc_q":
+        if context == "heredoc_q_bq":
             raise TemplateError(
-                f"{seg.source} is inside a quoted heredoc, where nothing is expanded; "
-                "use an unquoted heredoc (<<EOF) or :raw")
+                f"{seg.source} is inside a quoted heredoc inside backquotes, which re-read "
+                "their text; use $(...) instead of backquotes")
+        if context == "heredoc_q" and hole.body is not None:
+            # A quoted heredoc body is data to the shell: the value is written
+            # in (as little-loops does), once it is known not to end the body.
+            pasted.setdefault(hole.body, []).append((seg, value))
+            command.append(value)
+            continue
         if hole.arith and not _INTEGER.fullmatch(value):
             raise UnsafeValue(
                 f"{seg.source} stands where bash evaluates arithmetic, and its value "
@@ -656,7 +695,27 @@ def render_shell(template: str, ns: Namespaces) -> ShellCommand:
         var = f"{ENV_PREFIX}{len(env) + 1}"
         env[var] = value
         command.append(_REFERENCE[context].format(var))
+    for index, values in pasted.items():
+        _check_body(scan.bodies[index], values)
     return ShellCommand("".join(command), env, "".join(display))
+
+
+def _check_body(body: QuotedBody, values: list[tuple[Placeholder, str]]) -> None:
+    """Refuse values that would end a quoted heredoc early (a line equal to its delimiter).
+
+    The body is rebuilt with the values written in; bash ends the heredoc at
+    the first line equal to the delimiter (after leading tabs, for `<<-`), so
+    no line of the rebuilt body may be one, however the value's lines join
+    the text around them.
+    """
+    parts = body.text.split(_HOLE)
+    text = parts[0] + "".join(value + part for (_, value), part in zip(values, parts[1:],
+                                                                       strict=False))
+    for line in text.split("\n"):
+        if (line.lstrip("\t") if body.strip_tabs else line) == body.delimiter:
+            names = ", ".join(ph.source for ph, _ in values)
+            raise UnsafeValue(f"{names}: the value would end the quoted heredoc early (a line "
+                              f"reading {body.delimiter!r}); the action was not run")
 
 
 #: A value up to this many bytes travels in bash's environment; a larger one,

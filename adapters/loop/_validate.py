@@ -330,9 +330,9 @@ class _Checker:
                                        "containing shell syntax will run as code")
         elif ph.raw:
             self.add("warning", where, f":raw in {ph.source} only matters in shell actions")
-        if shell and not ph.raw and context == "heredoc_q":
-            self.add("error", where, f"{ph.source} is inside a quoted heredoc, where nothing is "
-                                     "expanded; use an unquoted heredoc (<<EOF)")
+        if shell and not ph.raw and context == "heredoc_q_bq":
+            self.add("error", where, f"{ph.source} is inside a quoted heredoc inside "
+                                     "backquotes, which re-read their text; use $(...)")
         if shell and spot.arith:
             how = ("is pasted unquoted (:raw) into shell arithmetic, which runs "
                    "a value like a[$(cmd)]" if ph.raw else

@@ -266,3 +266,39 @@ class TestTerminalsAndSubLoops:
         result, _, agent = await run(spec)
         assert result.status is Status.OK, result.error
         assert agent.captured["shown"]["output"] == "got loops/T-7"
+
+
+class TestQuotedHeredocs:
+    async def test_a_captured_value_is_data_in_a_quoted_heredoc(self, tmp_path: Path) -> None:
+        """generalized-fsm-loop.md, Variable Interpolation > Resolution Rules ("Resolved at
+        runtime, just before use"): little-loops writes the value in before the shell runs;
+        in a quoted heredoc that is data. A value holding the delimiter line would end the
+        body early, so the run stops there and nothing runs."""
+        (tmp_path / "ok.txt").write_text("$(touch INJECTED) `touch INJECTED` $HOME\n")
+        (tmp_path / "evil.txt").write_text("x\nEOF\ntouch INJECTED\n")
+        spec = spec_of(tmp_path, """
+            initial: read
+            states:
+              read: {action: cat ok.txt, capture: ok, next: write}
+              write:
+                action: |
+                  cat > out.txt <<'EOF'
+                  got: ${captured.ok.output}
+                  EOF
+                next: read_evil
+              read_evil: {action: cat evil.txt, capture: evil, next: write_evil}
+              write_evil:
+                action: |
+                  cat > out2.txt <<'EOF'
+                  ${captured.evil.output}
+                  EOF
+                next: done
+              done: {terminal: true}
+        """)
+        result, _, _ = await run(spec, cwd=str(tmp_path))
+        assert (tmp_path / "out.txt").read_text() == \
+            "got: $(touch INJECTED) `touch INJECTED` $HOME\n"
+        assert result.status is Status.ERROR
+        assert "would end the quoted heredoc early" in (result.error or "")
+        assert not (tmp_path / "out2.txt").exists()
+        assert not (tmp_path / "INJECTED").exists()

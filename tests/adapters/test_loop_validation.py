@@ -112,9 +112,9 @@ MALFORMED: list[tuple[str, str, int | None, str, str]] = [
     ("missing-context-variable", GOOD.replace("'true'", "'echo ${context.target}'"), 3,
      "states.a.action", "context variable 'target' is not defined (pass --context "
                         "target=VALUE"),
-    ("quoted-heredoc", "initial: a\nstates:\n  a:\n    action: |\n      cat <<'EOF'\n"
-     "      ${env.HOME}\n      EOF\n    next: a\n", 4, "states.a.action",
-     "inside a quoted heredoc"),
+    ("quoted-heredoc-in-backquotes", "initial: a\nstates:\n  a:\n    action: |\n"
+     "      x=`cat <<'EOF'\n      ${env.HOME}\n      EOF\n      `\n    next: a\n", 4,
+     "states.a.action", "inside a quoted heredoc inside backquotes"),
     ("route-not-mapping", "initial: a\nstates:\n  a:\n    route: [b]\n  b: {terminal: true}\n",
      4, "states.a.route", "expected a mapping of verdict -> state, got a list"),
     ("evaluate-list", "initial: a\nstates:\n  a:\n    evaluate: [exit_code]\n    next: a\n", 4,
