@@ -42,6 +42,7 @@ from ._spec import (
     CURRENT,
     DEFAULT_ACTION_TIMEOUT,
     DEFAULT_MCP_TIMEOUT,
+    LEFT_OUT_EVALUATORS,
     EvaluateSpec,
     LoopSpec,
     StateSpec,
@@ -657,6 +658,10 @@ class LoopAgent:
         if spec is not None and spec.source is not None:
             text = tpl.render(spec.source, ns)
         code = result.exit_code if result is not None else 0
+        if kind in LEFT_OUT_EVALUATORS:
+            return ev.Verdict("error", {"error": f"the {kind} evaluator "
+                                                 f"({LEFT_OUT_EVALUATORS[kind]}) is not "
+                                                 "supported"})
         if code != 0 and kind in _OUTPUT_EVALUATORS:
             # little-loops: an evaluator that reads output does not judge a failed action.
             return ev.Verdict("error", {"exit_code": code,

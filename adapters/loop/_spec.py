@@ -46,6 +46,46 @@ _EVALUATE_KEYS = ("type", "source", "operator", "target", "tolerance", "pattern"
                   "path", "prompt", "schema", "min_confidence", "uncertain_suffix", "previous",
                   "direction", "error_patterns")
 _LLM_KEYS = ("enabled", "model", "max_tokens", "timeout")
+
+# little-loops keys: tooling metadata we accept without a word, and features we
+# deliberately leave out (one warning naming the feature; the loop still runs).
+_QUIET_LOOP_KEYS = ("scope", "category", "labels", "visibility", "commands", "singleton")
+_LEFT_OUT_LOOP_KEYS = {
+    "on_handoff": "little-loops' handoff policy (here CONTEXT_HANDOFF ends the run 'handoff')",
+    "on_max_steps": "routing to a state at the step limit (here the run ends max_steps)",
+    "on_max_iterations": "routing to a state at the step limit (here the run ends max_steps)",
+    "max_edge_revisits": "edge-revisit limits (the critic watches for cycles)",
+    "default_idle_timeout": "per-action idle timeouts (the critic watches idleness)",
+    "circuit": "the rate-limit circuit breaker",
+    "artifact_versioning": "artifact versioning",
+    "pruning_profile": "context pruning profiles",
+    "tamper_guard": "the tamper guard",
+    "prepatch_check": "pre-patch checks",
+    "session_mode": "agent session modes",
+    "config": "ll-config overrides",
+    "targets": "harness targets",
+}
+_LEFT_OUT_STATE_KEYS = {
+    "agent": "choosing the prompt agent per state", "tools": "per-state agent tool scopes",
+    "model": "per-state models", "effort": "per-state reasoning effort",
+    "pruning_profile": "context pruning profiles", "learning": "learning states",
+    "throttle": "throttling", "cost_ceiling": "per-state cost ceilings",
+    "session_mode": "agent session modes", "worktree": "git worktrees for sub-loops",
+    "tamper_guard": "the tamper guard", "prepatch_check": "pre-patch checks",
+    "retryable_exit_codes": "retryable exit codes", "idle_timeout": "per-action idle timeouts",
+    "request_path": "orchestration request paths", "append_to_messages": "message appending",
+    "max_rate_limit_retries": "rate-limit retries",
+    "rate_limit_backoff_base_seconds": "rate-limit backoff",
+    "rate_limit_max_wait_seconds": "rate-limit backoff",
+    "rate_limit_long_wait_ladder": "rate-limit backoff", "type": "typed (learning) states",
+}
+#: little-loops evaluators we leave out: validation says so; a run judges them `error`.
+LEFT_OUT_EVALUATORS = {
+    "score_stall": "score-history stall detection", "open_question_stall": "open-question "
+    "stall detection", "action_stall": "repeated-action stall detection",
+    "harbor_scorer": "Harbor benchmark scoring", "comparator": "comparator evaluation",
+    "contract": "contract evaluation", "classify": "classifier routing",
+}
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
 
 
@@ -331,9 +371,15 @@ class _Parser:
         return str(value)
 
     def unknown_keys(self, data: Mapping[Any, Any], known: tuple[str, ...], where: str,
-                     what: str) -> None:
+                     what: str, *, left_out: Mapping[str, str] | None = None,
+                     quiet: tuple[str, ...] = ()) -> None:
         for key in data:
-            if key not in known:
+            if key in known or key in quiet or (quiet and str(key).endswith("_ok")):
+                continue
+            if left_out and key in left_out:
+                self.warn(_join(where, str(key)), f"'{key}': {left_out[key]} is not supported "
+                                                  "here (ignored)")
+            else:
                 self.warn(_join(where, str(key)), f"unknown {what} key '{key}' (ignored)")
 
     # -- the format
@@ -349,7 +395,7 @@ class _Parser:
             if not isinstance(key, str):
                 self.warn(str(key), f"unknown key {key!r} (ignored)")
         self.unknown_keys({k: v for k, v in data.items() if isinstance(k, str)}, _LOOP_KEYS,
-                          "", "loop")
+                          "", "loop", left_out=_LEFT_OUT_LOOP_KEYS, quiet=_QUIET_LOOP_KEYS)
         name = self.text(data, "name", "name") or default_name
         description = self.text(data, "description", "description")
         initial = self.state_name(data["initial"], "initial") if "initial" in data else None
@@ -511,6 +557,9 @@ class _Parser:
                     self.warn(_join(where, key), "'on_' names no verdict (ignored)")
                 elif target is not None:
                     spec.on[verdict] = target
+            elif key in _LEFT_OUT_STATE_KEYS:
+                self.warn(_join(where, key), f"'{key}': {_LEFT_OUT_STATE_KEYS[key]} is not "
+                                             "supported here (ignored)")
             elif key not in _STATE_KEYS:
                 self.warn(_join(where, key), f"unknown state key '{key}' (ignored)")
         for alias, verdict in (("on_success", "yes"), ("on_failure", "no")):
@@ -591,7 +640,8 @@ class _Parser:
             self.error(where, f"expected a mapping with a 'type', got {_kind(data)}")
             return None
         self.note_lines(where, data)
-        self.unknown_keys(data, _EVALUATE_KEYS, where, "evaluate")
+        if str(data.get("type")) not in LEFT_OUT_EVALUATORS:
+            self.unknown_keys(data, _EVALUATE_KEYS, where, "evaluate")
         kind = self.text(data, "type", _join(where, "type"))
         if kind is None and "type" not in data:
             # little-loops: the action type's default evaluator.
@@ -603,6 +653,10 @@ class _Parser:
                 return None
         if kind is None:
             return None
+        if kind in LEFT_OUT_EVALUATORS:
+            self.warn(_join(where, "type"), f"'{kind}': {LEFT_OUT_EVALUATORS[kind]} is not "
+                                            "supported here (a run judges it 'error')")
+            return EvaluateSpec(type=kind)
         if kind not in EVALUATORS:
             self.error(_join(where, "type"),
                        f"unknown evaluator '{kind}' (known: {', '.join(EVALUATORS)})")

@@ -302,3 +302,71 @@ class TestQuotedHeredocs:
         assert "would end the quoted heredoc early" in (result.error or "")
         assert not (tmp_path / "out2.txt").exists()
         assert not (tmp_path / "INJECTED").exists()
+
+
+class TestKnownKeys:
+    def test_tooling_keys_are_quiet_left_out_features_say_so_typos_warn(
+            self, tmp_path: Path) -> None:
+        """generalized-fsm-loop.md, Universal FSM Schema > Schema Definition (category,
+        labels, scope, commands, ...), and validation's known top-level keys: tooling
+        metadata and `*_ok` lint suppressions are accepted quietly; a feature we leave
+        out gets one line naming it; a typo still warns."""
+        from loop_support import write
+
+        from adapters.loop import check_loop
+
+        path = write(tmp_path, """
+            name: demo
+            category: code-quality
+            labels: [ci]
+            visibility: public
+            scope: [src/]
+            commands: [{cmd: kernel run demo.yaml, comment: run it}]
+            singleton: true
+            partial_route_ok: true
+            on_handoff: spawn
+            circuit: {threshold: 3}
+            initail: x
+            initial: a
+            states:
+              a:
+                action: "true"
+                agent: reviewer
+                evaluate: {type: score_stall, max_stall: 2}
+                on_yes: done
+                on_error: done
+              done: {terminal: true}
+        """)
+        report = check_loop(path)
+        assert report.ok, report.errors
+        lines = sorted((p.where, p.message) for p in report.warnings)
+        assert lines == [
+            ("circuit", "'circuit': the rate-limit circuit breaker is not supported here "
+                        "(ignored)"),
+            ("initail", "unknown loop key 'initail' (ignored)"),
+            ("on_handoff", "'on_handoff': little-loops' handoff policy (here CONTEXT_HANDOFF "
+                           "ends the run 'handoff') is not supported here (ignored)"),
+            ("states.a.agent", "'agent': choosing the prompt agent per state is not "
+                               "supported here (ignored)"),
+            ("states.a.evaluate.type", "'score_stall': score-history stall detection is not "
+                                       "supported here (a run judges it 'error')"),
+        ]
+
+    async def test_a_left_out_evaluator_still_walks_and_runs(self, tmp_path: Path) -> None:
+        """A dry run walks it with the scenario's verdicts; a real run judges it `error`."""
+        spec = spec_of(tmp_path, """
+            initial: a
+            states:
+              a:
+                action: "true"
+                evaluate: {type: score_stall}
+                on_yes: done
+                on_error: stopped
+              done: {terminal: true}
+              stopped: {terminal: true}
+        """)
+        result, audit, _ = await run(spec)
+        assert routes(audit, result.run_id) == [("a", "stopped", "on_error")]
+        dry, _, _ = await run(spec, scenario="all-pass",
+                              limits=Limits(max_steps=10, dry_run=True))
+        assert "reached terminal state 'done'" in dry.output

@@ -212,7 +212,7 @@ class TestWarnings:
         """Unknown keys at every level are warnings naming key and line; the loop still loads."""
         path = write(tmp_path, """
             initial: a
-            category: demo
+            categroy: demo
             states:
               a:
                 action: ls
@@ -224,7 +224,7 @@ class TestWarnings:
         report = check_loop(path)
         assert report.ok
         assert [(p.line, p.where) for p in report.warnings] == [
-            (2, "category"), (6, "states.a.colour"), (7, "states.a.evaluate.strictness")]
+            (2, "categroy"), (6, "states.a.colour"), (7, "states.a.evaluate.strictness")]
         assert load_loop(path).states["a"].action == "ls"
 
     @pytest.mark.parametrize(("text", "fragment"), [
