@@ -46,6 +46,7 @@ from ._spec import (
     EvaluateSpec,
     LoopSpec,
     StateSpec,
+    bind,
 )
 
 SCENARIOS = ("all-pass", "all-fail", "all-error", "first-fail", "alternating")
@@ -153,7 +154,8 @@ class LoopAgent:
         if spec.initial not in spec.states:
             raise ConfigError(f"loop {spec.name!r}: initial state {spec.initial!r} is not a state")
         self.spec = spec
-        self.context: dict[str, Any] = {**spec.context, **(context or {})}
+        defaults = {k: p.default for k, p in spec.parameters.items() if p.default is not None}
+        self.context: dict[str, Any] = {**spec.context, **defaults, **(context or {})}
         self.judge = judge
         self.scenario = scenario
         self.ask = ask
@@ -263,7 +265,23 @@ class LoopAgent:
 
     # ----------------------------------------------------------- the machine
 
+    def _runner_context(self, *, sim: bool) -> None:
+        """What little-loops' runner provides: `run_dir` (created unless simulated), `max_steps`."""
+        if "run_dir" not in self.context:
+            stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
+            base = Path(self.cwd or ".").resolve() / ".loops" / "runs"
+            run_dir = base / f"{self.spec.name}-{stamp}"
+            if not sim and self._uses_run_dir():
+                run_dir.mkdir(parents=True, exist_ok=True)
+            self.context["run_dir"] = str(run_dir)
+        self.context.setdefault("max_steps", self.spec.max_iterations)
+
+    def _uses_run_dir(self) -> bool:
+        return any("context.run_dir" in text for st in self.spec.states.values()
+                   for text in (st.action or "", *map(str, st.with_.values())))
+
     def _begin(self, ctx: RunContext) -> Step | None:
+        self._runner_context(sim=False)
         self._begun = True
         self._t0 = trio.current_time()
         self._started_iso = datetime.now(UTC).isoformat(timespec="seconds")
@@ -727,6 +745,16 @@ class LoopAgent:
             outputs = {k: v["output"] if isinstance(v, Mapping) and "exit_code" in v else v
                        for k, v in self.captured.items()}
             context = {**self.context, **outputs}
+        elif st.with_:
+            # little-loops' typed bindings: only what the child declares, plus run_dir.
+            ns = self._ns(ctx, st, None)
+            given = {k: self._param(v, ns) for k, v in st.with_.items()}
+            try:
+                context = bind(child_spec.parameters, given)
+            except ValueError as exc:
+                raise _Fatal(f"sub-loop {st.loop}: {exc}") from None
+            if "run_dir" in self.context:
+                context.setdefault("run_dir", self.context["run_dir"])
         child = LoopAgent(
             child_spec, context=context, judge=self.judge, scenario=self.scenario, ask=self.ask,
             cwd=self.cwd, env=self.env, prompt_command=self.prompt_command,
@@ -763,7 +791,7 @@ class LoopAgent:
                                         "child_status": str(status), "child_error": res.error,
                                         "child_reason": res.reason,
                                         "failure_terminal": child.failure_terminal})
-        if st.context_passthrough and child.captured:
+        if (st.context_passthrough or st.with_) and child.captured:
             self.captured[st.name] = dict(child.captured)
         ctx.event("evaluate", name=st.name, payload={
             "state": st.name, "type": "loop", "verdict": verdict.verdict,
@@ -803,6 +831,7 @@ class LoopAgent:
 
     async def _simulate_run(self, ctx: RunContext, limit: int) -> bool:
         """Walk the machine in simulation; True when it reached a terminal state."""
+        self._runner_context(sim=True)
         self._t0 = trio.current_time()
         self._begun = True
         final = self._settle(ctx)
@@ -834,7 +863,7 @@ class LoopAgent:
             result: Mapping[str, Any] | None) -> tpl.Namespaces:
         elapsed = self._elapsed_ms()
         path = Path(self.spec.path).resolve() if self.spec.path else None
-        return tpl.Namespaces(
+        ns = tpl.Namespaces(
             context=self.context, captured=self.captured, prev=self.prev, result=result,
             state={"name": st.name, "iteration": self.iteration},
             loop={"name": self.spec.name, "elapsed_ms": int(elapsed),
@@ -842,6 +871,13 @@ class LoopAgent:
                   "dir": str(path.parent) if path else os.getcwd(),
                   "file": str(path) if path else "", "run_id": ctx.run_id},
             env={**os.environ, **self.env})
+        if st.fragment is not None and (st.with_ or st.fragment_params):
+            given = {k: self._param(v, ns) for k, v in st.with_.items()}
+            try:
+                ns.param = bind(st.fragment_params, given)
+            except ValueError as exc:
+                raise _Fatal(f"fragment '{st.fragment}': {exc}") from None
+        return ns
 
     def _elapsed_ms(self) -> float:
         if not self._begun:

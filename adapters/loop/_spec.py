@@ -35,11 +35,13 @@ DEFAULT_MCP_TIMEOUT = 30.0
 
 _LOOP_KEYS = ("name", "description", "initial", "states", "context", "max_iterations",
               "max_steps", "timeout", "default_timeout", "backoff", "maintain", "llm", "flow",
-              "state_defs")
+              "state_defs", "import", "fragments", "parameters", "input_key", "required_inputs")
 _STATE_KEYS = ("action", "action_type", "evaluate", "route", "next", "terminal", "capture",
                "timeout", "max_retries", "on_retry_exhausted", "on_maintain", "loop",
                "context_passthrough", "params", "description", "on_success", "on_failure",
-               "failure")
+               "failure", "with", "fragment_parameters", "fragment_name")
+PARAMETER_TYPES = ("string", "integer", "number", "boolean", "enum", "path")
+_PARAMETER_KEYS = ("type", "required", "default", "description", "values")
 #: Terminals that are failures unless they say `failure: false` (little-loops' defaults).
 FAILURE_NAMES = ("failed", "error", "aborted", "finalize_aborted")
 _EVALUATE_KEYS = ("type", "source", "operator", "target", "tolerance", "pattern", "negate",
@@ -139,6 +141,49 @@ class EvaluateSpec:
     error_patterns: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class ParamSpec:
+    """A declared input (`parameters:` of a loop or a fragment), as little-loops types them."""
+
+    type: str = "string"
+    required: bool = False
+    default: Any = None
+    description: str | None = None
+    values: tuple[Any, ...] | None = None
+
+    def check(self, name: str, value: Any) -> str | None:
+        """Why `value` does not fit (None when it does)."""
+        text = str(value).strip()
+        if self.type == "integer" and not re.fullmatch(r"[-+]?\d+", text):
+            return f"parameter '{name}' must be an integer, got {_show(value)}"
+        if self.type == "number":
+            try:
+                float(text)
+            except ValueError:
+                return f"parameter '{name}' must be a number, got {_show(value)}"
+        if self.type == "boolean" and text.lower() not in ("true", "false"):
+            return f"parameter '{name}' must be true or false, got {_show(value)}"
+        if self.type == "enum" and self.values is not None and value not in self.values \
+                and text not in [str(v) for v in self.values]:
+            return f"parameter '{name}' must be one of {list(self.values)}, got {_show(value)}"
+        return None
+
+
+def bind(params: Mapping[str, ParamSpec], given: Mapping[str, Any]) -> dict[str, Any]:
+    """`given` plus the defaults of unbound parameters; ValueError naming what is wrong."""
+    out = dict(given)
+    for name, spec in params.items():
+        if name not in out and spec.default is not None:
+            out[name] = spec.default
+        if name not in out and spec.required:
+            raise ValueError(f"parameter '{name}' is required but not bound in 'with'")
+        if name in out:
+            why = spec.check(name, out[name])
+            if why is not None:
+                raise ValueError(why)
+    return out
+
+
 @dataclass(slots=True)
 class RouteSpec:
     """A full routing table: verdict -> state, plus the `_`/default and `_error`/error keys."""
@@ -175,6 +220,9 @@ class StateSpec:
     params: dict[str, Any] = field(default_factory=dict)
     description: str | None = None
     failure: bool = False
+    with_: dict[str, Any] = field(default_factory=dict)
+    fragment: str | None = None
+    fragment_params: dict[str, ParamSpec] = field(default_factory=dict)
     child: LoopSpec | None = None
 
     @property
@@ -251,6 +299,9 @@ class LoopSpec:
     backoff: float = 0.0
     maintain: bool = False
     llm: LLMSpec = field(default_factory=LLMSpec)
+    parameters: dict[str, ParamSpec] = field(default_factory=dict)
+    input_key: str = "input"
+    required_inputs: tuple[str, ...] = ()
     path: str = ""
     lines: dict[str, int] = field(default_factory=dict)
 
@@ -422,12 +473,52 @@ class _Parser:
         elif "state_defs" in data:
             self.warn("state_defs", "state_defs is only used with 'flow' (ignored)")
         states = self.states(states_data, flow="flow" in data)
+        parameters = self.parameters(data.get("parameters"), "parameters")
+        input_key = self.text(data, "input_key", "input_key") or "input"
+        required = data.get("required_inputs")
+        if required is not None and (not isinstance(required, list) or not all(
+                isinstance(k, str) for k in required)):
+            self.error("required_inputs", f"expected a list of context keys, got "
+                                          f"{_kind(required)}")
+            required = None
+        if "input_key" in data and required is None:
+            self.warn("input_key", f"input_key without required_inputs: the run starts even "
+                                   f"when '{input_key}' is empty")
         return LoopSpec(
             name=name, initial=initial or "", states=states, description=description,
             context=context,
             max_iterations=max_iter or max_steps or DEFAULT_MAX_ITERATIONS,
             timeout=timeout, default_timeout=default_timeout, backoff=backoff or 0.0,
-            maintain=bool(maintain), llm=llm, path=self.file, lines=self.lines)
+            maintain=bool(maintain), llm=llm, parameters=parameters, input_key=input_key,
+            required_inputs=tuple(required or ()), path=self.file, lines=self.lines)
+
+    def parameters(self, data: Any, where: str) -> dict[str, ParamSpec]:
+        """A `parameters:` block: name -> {type, required, default, description, values}."""
+        if data is None:
+            return {}
+        if not isinstance(data, Mapping):
+            self.error(where, f"expected a mapping of parameter name -> spec, got {_kind(data)}")
+            return {}
+        self.note_lines(where, data)
+        out: dict[str, ParamSpec] = {}
+        for key, body in data.items():
+            at = _join(where, str(key))
+            if not isinstance(body, Mapping):
+                body = {"type": "string", "default": body}
+            self.note_lines(at, body)
+            self.unknown_keys(body, _PARAMETER_KEYS, at, "parameter")
+            kind = self.text(body, "type", _join(at, "type")) or "string"
+            if kind not in PARAMETER_TYPES:
+                self.error(_join(at, "type"), f"unknown parameter type '{kind}' "
+                                              f"(known: {', '.join(PARAMETER_TYPES)})")
+                kind = "string"
+            values = body.get("values")
+            out[str(key)] = ParamSpec(
+                type=kind, required=bool(self.flag(body, "required", _join(at, "required"))),
+                default=body.get("default"),
+                description=self.text(body, "description", _join(at, "description")),
+                values=tuple(values) if isinstance(values, list) else None)
+        return out
 
     def context(self, data: Any) -> dict[str, Any]:
         if data is None:
@@ -599,6 +690,17 @@ class _Parser:
         spec.loop = self.text(data, "loop", _join(where, "loop"))
         spec.context_passthrough = bool(
             self.flag(data, "context_passthrough", _join(where, "context_passthrough")))
+        with_ = data.get("with")
+        if with_ is not None and not isinstance(with_, Mapping):
+            self.error(_join(where, "with"), f"expected a mapping of parameter -> value, "
+                                             f"got {_kind(with_)}")
+        elif with_ is not None:
+            self.note_lines(_join(where, "with"), with_)
+            spec.with_ = {str(k): v for k, v in with_.items()}
+        if "fragment_name" in data:
+            spec.fragment = str(data["fragment_name"])
+            spec.fragment_params = self.parameters(data.get("fragment_parameters"),
+                                                   _join(where, "fragment_parameters"))
         params = data.get("params")
         if params is not None:
             if isinstance(params, Mapping):

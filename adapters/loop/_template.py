@@ -13,7 +13,7 @@ Syntax::
 Namespaces: context, captured (NAME.output|stderr|exit_code|duration_ms),
 prev (output|stderr|exit_code|duration_ms|state), result (verdict|details.*),
 state (name|iteration), loop (name|elapsed_ms|elapsed|started_at|dir|file|
-run_id), env.
+run_id), env, param (a fragment's parameters, bound by the state's `with:`).
 
 **Shell actions never parse an interpolated value.** `render_shell` does
 not paste values into the command text (where quoting mistakes become
@@ -48,10 +48,10 @@ import os
 import re
 import shlex
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-NAMESPACES = ("context", "captured", "prev", "result", "state", "loop", "env")
+NAMESPACES = ("context", "captured", "prev", "result", "state", "loop", "env", "param")
 
 #: The fields a capture (and `prev`) holds.
 CAPTURE_FIELDS = ("output", "stderr", "exit_code", "duration_ms")
@@ -192,6 +192,7 @@ class Namespaces:
     state: Mapping[str, Any]
     loop: Mapping[str, Any]
     env: Mapping[str, str]
+    param: Mapping[str, Any] = field(default_factory=dict)
 
 
 def lookup(ph: Placeholder, ns: Namespaces) -> Any:

@@ -51,7 +51,8 @@ def build_loop(path: str, context: Mapping[str, str], *, scenario: str | None = 
         path: The loop file.
         context: `--context KEY=VALUE` pairs; they override the file's `context`.
         scenario: Dry-run results (all-pass | all-fail | all-error | first-fail |
-            alternating); None asks on a terminal.
+            alternating); None asks on a terminal. A dry run fills context the loop
+            lacks (and empty `required_inputs`) with `<name>` placeholders.
         judge: Where `llm_structured` verdicts come from (the LLM adapter);
             None makes those evaluations `error` verdicts saying so.
         on_line: Called with ("stdout" | "stderr", line) for every action output line.
@@ -73,11 +74,25 @@ def build_loop(path: str, context: Mapping[str, str], *, scenario: str | None = 
 
     if scenario is not None and scenario not in SCENARIOS:
         raise ConfigError(f"unknown --scenario {scenario!r} (choose from {', '.join(SCENARIOS)})")
-    report = check_loop(path, context=context, context_required=True)
+    dry = scenario is not None
+    context = dict(context)
+    # A dry run executes nothing: context it lacks is a placeholder, not an error.
+    report = check_loop(path, context=context, context_required=not dry)
     if not report.ok or report.spec is None:
         raise _LoopFileError(report.problems)
     spec = report.spec
-    warnings = [f"warning: {p}" for p in report.warnings]
+    if dry and report.missing_context:
+        for name in sorted(report.missing_context):
+            context[name] = f"<{name}>"
+    missing = [k for k in spec.required_inputs if not str(context.get(k, spec.context.get(
+        k, "")) or "")]
+    if missing and dry:
+        context.update({k: f"<{k}>" for k in missing})
+    elif missing:
+        raise ConfigError(f"{path}: loop '{spec.name}' requires input '{missing[0]}' "
+                          f"(required_inputs): pass --context {missing[0]}=VALUE")
+    warnings = [f"warning: {p}" for p in report.warnings if not (
+        dry and "is not defined (pass --context" in p.message)]
     if warn is not None:
         for line in warnings:
             warn(line)

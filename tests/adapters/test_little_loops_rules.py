@@ -7,6 +7,7 @@ BrennonTWilliams/little-loops); the loops are written here, not copied.
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -370,3 +371,216 @@ class TestKnownKeys:
         dry, _, _ = await run(spec, scenario="all-pass",
                               limits=Limits(max_steps=10, dry_run=True))
         assert "reached terminal state 'done'" in dry.output
+
+
+EVIL = "a'; touch INJECTED; echo '"
+
+
+class TestComposition:
+    async def test_from_inherits_and_overrides(self, tmp_path: Path) -> None:
+        """generalized-fsm-loop.md, Inheritance pattern (`from:`): the parent is deep-merged
+        under the child: mappings (context, states) merge, scalars in the child win; the
+        parent is found relative to the child (then the directories above)."""
+        (tmp_path / "lib").mkdir()
+        (tmp_path / "lib" / "base.yaml").write_text(
+            "name: base\nmax_steps: 7\ncontext: {greeting: hello, who: base}\n"
+            "states:\n  done: {terminal: true}\n")
+        (tmp_path / "loops").mkdir()
+        spec = spec_of(tmp_path / "loops", """
+            name: child
+            from: lib/base
+            initial: say
+            context: {who: child}
+            states:
+              say: {action: 'echo "${context.greeting} ${context.who}"', capture: said,
+                    next: done}
+        """)
+        assert (spec.name, spec.max_iterations) == ("child", 7)
+        result, _, agent = await run(spec)
+        assert result.status is Status.OK
+        assert agent.captured["said"]["output"] == "hello child"
+
+    @pytest.mark.parametrize(("files", "message"), [
+        ({"loop.yaml": "from: nowhere\ninitial: a\nstates: {a: {terminal: true}}\n"},
+         "loop 'nowhere' not found"),
+        ({"loop.yaml": "from: b\ninitial: a\nstates: {a: {terminal: true}}\n",
+          "b.yaml": "from: loop\n"}, "'from:' forms a cycle: loop.yaml -> b.yaml -> loop.yaml"),
+        ({"loop.yaml": "import: [lib.yaml]\ninitial: a\nstates:\n  a: {fragment: nope}\n"},
+         "fragment library 'lib.yaml' not found"),
+        ({"loop.yaml": "initial: a\nfragments: {x: {next: a}}\nstates:\n  a: {fragment: y}\n"},
+         "fragment 'y' is not defined (known: x)"),
+    ])
+    def test_broken_composition_is_an_error_at_its_line(self, tmp_path: Path,
+                                                         files: dict[str, str],
+                                                         message: str) -> None:
+        """Same sections: a missing parent or library, a cycle, an unknown fragment."""
+        from adapters.loop import check_loop
+
+        for name, text in files.items():
+            (tmp_path / name).write_text(text)
+        report = check_loop(tmp_path / "loop.yaml")
+        assert not report.ok
+        assert any(message in str(p) and p.line is not None for p in report.errors), \
+            report.errors
+
+    async def test_fragments_with_parameters(self, tmp_path: Path) -> None:
+        """generalized-fsm-loop.md, Schema Definition (`fragment:`, `with:`) and
+        `import:`/`fragments:`: an imported fragment is deep-merged under the state (state
+        keys win), `with:` binds its `parameters:` (defaults apply), read as ${param.*};
+        local fragments override imported ones."""
+        (tmp_path / "lib.yaml").write_text(textwrap.dedent("""
+            fragments:
+              counted:
+                description: count up to a limit
+                parameters:
+                  key: {type: string, required: true}
+                  limit: {type: integer, default: 3}
+                action: |
+                  n=$(cat "${param.key}" 2>/dev/null || echo 0); n=$((n + 1))
+                  echo "$n" > "${param.key}"; test "$n" -lt "${param.limit}"
+                evaluate: {type: exit_code}
+              shell_exit: {evaluate: {type: output_contains, pattern: never}}
+        """))
+        spec = spec_of(tmp_path, """
+            initial: count
+            import: [lib.yaml]
+            fragments:
+              shell_exit: {action_type: shell, evaluate: {type: exit_code}}
+            states:
+              count:
+                fragment: counted
+                with: {key: "${context.file}"}
+                on_yes: count
+                on_no: check
+              check: {fragment: shell_exit, action: "test -f tally", on_yes: done}
+              done: {terminal: true}
+            context: {file: tally}
+        """)
+        result, audit, _ = await run(spec, cwd=str(tmp_path))
+        assert result.status is Status.OK, result.error
+        assert (tmp_path / "tally").read_text() == "3\n"
+        assert verdicts(audit, result.run_id) == ["yes", "yes", "no", "yes"]
+
+    @pytest.mark.parametrize(("state", "message"), [
+        ("{fragment: f, action: 'echo ${param.nope}', next: done}",
+         "state 'a' has no parameter 'nope'"),
+        ("{fragment: f, with: {other: 1}, next: done}", "fragment 'f' declares no parameter"),
+        ("{fragment: g, next: done}", "fragment 'g' requires parameter 'x'"),
+    ])
+    def test_parameter_mistakes_are_errors(self, tmp_path: Path, state: str,
+                                           message: str) -> None:
+        """Unknown ${param.*}, unknown with: keys and unbound required parameters."""
+        from loop_support import write
+
+        from adapters.loop import check_loop
+
+        report = check_loop(write(tmp_path, f"""
+            initial: a
+            fragments:
+              f: {{parameters: {{x: {{type: string, default: d}}}}, action: 'echo ${{param.x}}'}}
+              g: {{parameters: {{x: {{type: string, required: true}}}}, action: 'true'}}
+            states:
+              a: {state}
+              done: {{terminal: true}}
+        """))
+        assert any(message in p.message for p in report.errors), report.problems
+
+    async def test_a_param_value_cannot_inject(self, tmp_path: Path) -> None:
+        """A hostile value bound through `with:` stays data in the fragment's action."""
+        (tmp_path / "evil.txt").write_text(EVIL + "\n")
+        spec = spec_of(tmp_path, """
+            initial: read
+            fragments:
+              show: {parameters: {v: {type: string}}, action: "printf '[%s]' ${param.v}"}
+            states:
+              read: {action: cat evil.txt, capture: evil, next: show}
+              show: {fragment: show, with: {v: "${captured.evil.output}"}, capture: out,
+                     next: done}
+              done: {terminal: true}
+        """)
+        result, _, agent = await run(spec, cwd=str(tmp_path))
+        assert result.status is Status.OK
+        assert agent.captured["out"]["output"] == f"[{EVIL}]"
+        assert not (tmp_path / "INJECTED").exists()
+
+    async def test_sub_loop_parameters_bound_with_with(self, tmp_path: Path) -> None:
+        """generalized-fsm-loop.md, Typed parameter bindings (`parameters:` / `with:`): the
+        child gets exactly its bound parameters (defaults applied), typed after
+        interpolation; its captures come back under the state's name."""
+        (tmp_path / "child.yaml").write_text(textwrap.dedent("""
+            parameters:
+              input: {type: string, required: true}
+              times: {type: integer, default: 2}
+            initial: go
+            context: {secret: child-only}
+            states:
+              go: {action: 'echo "${context.input} x${context.times}"', capture: said,
+                   next: done}
+              done: {terminal: true}
+        """))
+        parent = """
+            initial: pick
+            context: {secret: parent-only}
+            states:
+              pick: {action: "echo ISSUE-9", capture: picked, next: sub}
+              sub: {loop: child, with: {input: "${captured.picked.output}"}, on_yes: done,
+                    on_no: wrong}
+              done: {terminal: true}
+              wrong: {terminal: true}
+        """
+        spec = spec_of(tmp_path, parent)
+        result, _, agent = await run(spec)
+        assert result.status is Status.OK, result.error
+        assert agent.captured["sub"]["said"]["output"] == "ISSUE-9 x2"
+        bad = spec_of(tmp_path, parent.replace('input: "${captured.picked.output}"',
+                                               'input: x, times: "${captured.picked.output}"'),
+                      name="bad.yaml")
+        result, _, _ = await run(bad)
+        assert result.status is Status.ERROR
+        assert "parameter 'times' must be an integer" in (result.error or "")
+
+    def test_sub_loop_with_mistakes_are_errors(self, tmp_path: Path) -> None:
+        """Same section: unknown `with:` keys and missing required parameters are caught at
+        load time; `with` and `context_passthrough` exclude each other."""
+        from loop_support import write
+
+        from adapters.loop import check_loop
+
+        (tmp_path / "child.yaml").write_text(
+            "parameters: {input: {type: string, required: true}}\n"
+            "initial: a\nstates: {a: {terminal: true}}\n")
+        report = check_loop(write(tmp_path, """
+            initial: a
+            states:
+              a: {loop: child, with: {inptu: x}, next: b}
+              b: {loop: child, with: {input: x}, context_passthrough: true, next: c}
+              c: {terminal: true}
+        """))
+        messages = [p.message for p in report.errors]
+        assert "the sub-loop declares no parameter 'inptu' (it declares: input)" in messages
+        assert "the sub-loop requires parameter 'input': bind it in 'with:'" in messages
+        assert "'with' and 'context_passthrough' exclude each other" in messages
+
+    def test_required_inputs_must_be_given(self, tmp_path: Path) -> None:
+        """generalized-fsm-loop.md, Schema Definition (`required_inputs`, `input_key`): the
+        run refuses to start while a required input is empty, naming --context; a dry run
+        walks with a placeholder."""
+        from loop_support import write
+
+        from kernel import ConfigError
+        from kernel_cli.loops import build_loop
+
+        path = write(tmp_path, """
+            initial: a
+            input_key: issue
+            required_inputs: [issue]
+            context: {issue: ""}
+            states:
+              a: {action: 'echo ${context.issue}', next: done}
+              done: {terminal: true}
+        """)
+        with pytest.raises(ConfigError, match=r"requires input 'issue'.*--context issue=VALUE"):
+            build_loop(str(path), {}, warn=None)
+        build_loop(str(path), {"issue": "ENH-1"}, warn=None)
+        agent, _, _ = build_loop(str(path), {}, scenario="all-pass", warn=None)
+        assert agent.context["issue"] == "<issue>"
