@@ -179,6 +179,9 @@ class LoopAgent:
         self.retries: dict[str, int] = {}
         self.prev_state: str | None = None
         self.last_values: dict[str, float] = {}
+        #: diff_stall: per state, the last `git diff --stat` and how many times in a row
+        #: it has not changed.
+        self.diff_stalls: dict[str, tuple[str, int]] = {}
         self.output = ""
         self.elapsed_offset_ms = 0.0
         self._t0 = 0.0
@@ -217,6 +220,7 @@ class LoopAgent:
             "loop": self.spec.name, "state": self.current, "iteration": self.iteration,
             "captured": self.captured, "prev": self.prev, "retries": self.retries,
             "prev_state": self.prev_state, "last_values": self.last_values,
+            "diff_stalls": {k: list(v) for k, v in self.diff_stalls.items()},
             "output": self.output[-_PREVIEW:], "elapsed_ms": self._elapsed_ms(),
             "backoff_due": self._backoff_due,
         }
@@ -235,6 +239,9 @@ class LoopAgent:
         self.prev_state = prev_state if isinstance(prev_state, str) else None
         self.last_values = {str(k): float(v) for k, v in _mapping(state.get("last_values")).items()
                             if isinstance(v, (int, float))}
+        self.diff_stalls = {str(k): (str(v[0]), _int(v[1]))
+                            for k, v in _mapping(state.get("diff_stalls")).items()
+                            if isinstance(v, (list, tuple)) and len(v) == 2}
         self.output = str(state.get("output") or "")
         self.elapsed_offset_ms = float(_int(state.get("elapsed_ms")))
         self._backoff_due = bool(state.get("backoff_due"))
@@ -686,6 +693,9 @@ class LoopAgent:
                                         "error": f"action exited with code {code}"})
         if kind == "exit_code":
             return ev.exit_code(code)
+        if kind == "diff_stall":
+            assert spec is not None
+            return await self._diff_stall(st.name, spec)
         if kind == "mcp_result":
             return ev.mcp_result(text, code)
         if kind == "llm_structured":
@@ -717,6 +727,25 @@ class LoopAgent:
         self.last_values[st.name] = current
         return ev.convergence(current, previous, target, tolerance=abs(tolerance),
                               direction=spec.direction)
+
+    async def _diff_stall(self, state: str, spec: EvaluateSpec) -> ev.Verdict:
+        """little-loops' diff_stall: `no` once `git diff --stat` has not changed for
+        `max_stall` evaluations in a row; `yes` otherwise (the first look included)."""
+        argv = ["git", "diff", "--stat", *(["--", *spec.scope] if spec.scope else [])]
+        result = await run_process(argv, cwd=self.cwd, timeout=30.0, grace=self.grace)
+        if result.exit_code != 0:
+            return ev.Verdict("error", {"error": f"git diff failed: "
+                                                 f"{(result.stderr or result.output)[:200]}"})
+        previous = self.diff_stalls.get(state)
+        if previous is None or previous[0] != result.output:
+            self.diff_stalls[state] = (result.output, 0)
+            return ev.Verdict("yes", {"stall_count": 0, "max_stall": spec.max_stall,
+                                      "diff_changed": True})
+        count = previous[1] + 1
+        self.diff_stalls[state] = (result.output, count)
+        return ev.Verdict("no" if count >= spec.max_stall else "yes",
+                          {"stall_count": count, "max_stall": spec.max_stall,
+                           "diff_changed": False})
 
     @staticmethod
     def _param(value: Any, ns: tpl.Namespaces) -> Any:

@@ -22,7 +22,7 @@ Severity = Literal["error", "warning"]
 
 ACTION_TYPES = ("shell", "prompt", "slash_command", "mcp_tool")
 EVALUATORS = ("exit_code", "output_contains", "output_numeric", "output_json", "convergence",
-              "llm_structured", "mcp_result")
+              "llm_structured", "mcp_result", "diff_stall")
 OPERATORS = ("eq", "ne", "lt", "le", "gt", "ge")
 DIRECTIONS = ("minimize", "maximize")
 #: The verdicts the `on_*` shorthands name (plus on_success/on_failure aliases).
@@ -46,7 +46,7 @@ _PARAMETER_KEYS = ("type", "required", "default", "description", "values")
 FAILURE_NAMES = ("failed", "error", "aborted", "finalize_aborted")
 _EVALUATE_KEYS = ("type", "source", "operator", "target", "tolerance", "pattern", "negate",
                   "path", "prompt", "schema", "min_confidence", "uncertain_suffix", "previous",
-                  "direction", "error_patterns")
+                  "direction", "error_patterns", "scope", "max_stall")
 _LLM_KEYS = ("enabled", "model", "max_tokens", "timeout")
 
 # little-loops keys: tooling metadata we accept without a word, and features we
@@ -139,6 +139,8 @@ class EvaluateSpec:
     previous: str | None = None
     direction: str = "minimize"
     error_patterns: tuple[str, ...] = ()
+    scope: tuple[str, ...] = ()
+    max_stall: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -781,6 +783,17 @@ class _Parser:
         elif direction is not None:
             spec.direction = direction
         spec.negate = bool(self.flag(data, "negate", _join(where, "negate")))
+        scope = data.get("scope")
+        if isinstance(scope, str):
+            scope = [scope]
+        if scope is not None and (not isinstance(scope, list)
+                                  or not all(isinstance(p, str) for p in scope)):
+            self.error(_join(where, "scope"), f"expected a list of paths, got {_kind(scope)}")
+        elif scope is not None:
+            spec.scope = tuple(scope)
+        max_stall = self.integer(data, "max_stall", _join(where, "max_stall"), 1)
+        if max_stall is not None:
+            spec.max_stall = max_stall
         patterns = data.get("error_patterns")
         if isinstance(patterns, str):
             patterns = [patterns]

@@ -584,3 +584,49 @@ class TestComposition:
         build_loop(str(path), {"issue": "ENH-1"}, warn=None)
         agent, _, _ = build_loop(str(path), {}, scenario="all-pass", warn=None)
         assert agent.context["issue"] == "<issue>"
+
+
+class TestDiffStall:
+    async def test_no_once_the_diff_stops_changing(self, tmp_path: Path) -> None:
+        """generalized-fsm-loop.md, Evaluator Types > diff_stall: the first look is `yes`,
+        a changed `git diff --stat` is `yes` (and resets the count), `max_stall` unchanged
+        looks in a row are `no`; outside a git work tree it is `error`."""
+        import subprocess
+
+        outside = spec_of(tmp_path, """
+            initial: a
+            states:
+              a: {action: "true", evaluate: {type: diff_stall}, on_error: done}
+              done: {terminal: true}
+        """)
+        result, audit, _ = await run(outside, cwd=str(tmp_path))
+        assert verdicts(audit, result.run_id) == ["error"]
+
+        repo = tmp_path / "repo"
+        repo.mkdir()
+        for argv in (["git", "init", "-q"], ["git", "config", "user.email", "t@t"],
+                     ["git", "config", "user.name", "t"]):
+            subprocess.run(argv, cwd=repo, check=True, timeout=60)
+        (repo / "f.txt").write_text("0\n")
+        subprocess.run(["git", "add", "f.txt"], cwd=repo, check=True, timeout=60)
+        subprocess.run(["git", "commit", "-qm", "init"], cwd=repo, check=True, timeout=60)
+        # Edits f.txt on the first two passes only, then stops changing anything.
+        spec = spec_of(repo, """
+            initial: work
+            states:
+              work:
+                action: |
+                  n=$(cat count 2>/dev/null || echo 0); n=$((n + 1)); echo "$n" > count
+                  if [ "$n" -le 2 ]; then seq "$n" > f.txt; fi
+                next: check
+              check:
+                action: "true"
+                evaluate: {type: diff_stall, scope: [f.txt], max_stall: 2}
+                on_yes: work
+                on_no: stalled
+              stalled: {terminal: true}
+        """, name="stall.yaml")
+        result, audit, _ = await run(spec, cwd=str(repo))
+        assert result.status is Status.OK, result.error
+        # passes 1, 2 change f.txt; 3 and 4 do not: the second unchanged look stalls
+        assert verdicts(audit, result.run_id) == ["yes", "yes", "yes", "no"]
