@@ -757,8 +757,21 @@ class LoopAgent:
         child_spec = st.child
         if child_spec is None:
             try:
-                child_spec = self._load_child(st)
+                child_spec = self._load_child(st, ctx)
             except _Fatal as exc:
+                if sim and st.loop is not None and "${" in st.loop:
+                    # Chosen at run time from values a dry run does not have: the
+                    # scenario decides its verdict, as for an action.
+                    assert self._sim is not None
+                    outcome = await self._sim.outcome(st.name, self._sim_note)
+                    verdict = ev.Verdict(_simulated_verdict("loop", outcome),
+                                         {"simulated": outcome, "why": str(exc)})
+                    self._sim_note = (f" [loop {st.loop}, chosen at run time] => {outcome} "
+                                      f"({verdict.verdict})")
+                    ctx.event("evaluate", name=st.name, payload={
+                        "state": st.name, "type": "loop", "verdict": verdict.verdict,
+                        "details": verdict.details, "simulated": True})
+                    return verdict
                 if not st.has_error_route():
                     raise
                 failed = ev.Verdict("error", {"error": str(exc)})
@@ -845,14 +858,20 @@ class LoopAgent:
         return Limits(max_steps=child.max_iterations, timeout=timeout, tool_timeout=None,
                       poll_interval=ctx.limits.poll_interval)
 
-    def _load_child(self, st: StateSpec) -> LoopSpec:
+    def _load_child(self, st: StateSpec, ctx: RunContext) -> LoopSpec:
         from ._validate import load_loop, resolve_subloop
 
         assert st.loop is not None
         parent = Path(self.spec.path) if self.spec.path else Path.cwd() / "loop.yaml"
-        path = resolve_subloop(parent, st.loop)
+        ref = st.loop
+        if "${" in ref:
+            try:
+                ref = tpl.render(ref, self._ns(ctx, st, None)).strip()
+            except tpl.MissingVariable as exc:
+                raise _Fatal(f"sub-loop {st.loop}: {exc}") from None
+        path = resolve_subloop(parent, ref) if ref else None
         if path is None:
-            raise _Fatal(f"sub-loop file '{st.loop}' not found")
+            raise _Fatal(f"sub-loop file '{ref}' not found")
         try:
             return load_loop(path, context=self.context if st.context_passthrough else None)
         except ConfigError as exc:

@@ -404,7 +404,7 @@ class _Checker:
             if head not in self.captures and not fallback:
                 self.add("warning", where, f"no state captures '{head}' (capture: {head})")
             if len(ph.path) == 2 and ph.path[1] not in tpl.CAPTURE_FIELDS \
-                    and head not in self.subloop_states:
+                    and head not in self.subloop_states and not fallback:
                 self.add("error", where, f"{ph.source}: a capture has "
                                          f"{', '.join(tpl.CAPTURE_FIELDS)}")
         elif ph.namespace == "prev" and head not in tpl.PREV_FIELDS:
@@ -419,8 +419,9 @@ class _Checker:
     def subloop(self, st: StateSpec, where: str) -> None:
         assert st.loop is not None
         if "${" in st.loop:
-            self.add("error", where, "a sub-loop path cannot use variables (it is checked "
-                                     "before the run)")
+            self.template(st.loop, where, shell=False)
+            self.add("warning", where, "the sub-loop is chosen at run time: it is checked "
+                                       "when it starts (a dry run simulates it)")
             return
         child_path = resolve_subloop(self.path, st.loop)
         if child_path is None:

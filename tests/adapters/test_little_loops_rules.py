@@ -630,3 +630,33 @@ class TestDiffStall:
         assert result.status is Status.OK, result.error
         # passes 1, 2 change f.txt; 3 and 4 do not: the second unchanged look stalls
         assert verdicts(audit, result.run_id) == ["yes", "yes", "yes", "no"]
+
+
+class TestDynamicSubLoops:
+    async def test_a_sub_loop_chosen_at_run_time(self, tmp_path: Path) -> None:
+        """generalized-fsm-loop.md, Sub-Loop Composition (`loop: <name>` is interpolated,
+        as the catalogue's routers do with `loop: "${captured.chosen.output}"`): the file
+        is found and checked when the state starts; a dry run simulates the state."""
+        (tmp_path / "fast.yaml").write_text(
+            "initial: a\nstates:\n  a: {action: 'echo fast', capture: said, next: done}\n"
+            "  done: {terminal: true}\n")
+        spec = spec_of(tmp_path, """
+            initial: choose
+            states:
+              choose: {action: "echo fast", capture: chosen, next: run}
+              run:
+                loop: "${captured.chosen.output}"
+                context_passthrough: true
+                on_yes: done
+                on_no: wrong
+                on_error: wrong
+              done: {terminal: true}
+              wrong: {terminal: true}
+        """)
+        result, _, agent = await run(spec)
+        assert result.status is Status.OK, result.error
+        assert agent.captured["run"]["said"]["output"] == "fast"
+        dry, _, _ = await run(spec, scenario="all-pass",
+                              limits=Limits(max_steps=10, dry_run=True))
+        assert "chosen at run time" in dry.output
+        assert "reached terminal state 'done'" in dry.output

@@ -138,8 +138,6 @@ MALFORMED: list[tuple[str, str, int | None, str, str]] = [
      "states.a.loop", "sub-loop file 'nothere' not found"),
     ("subloop-cycle", "initial: a\nstates:\n  a: {loop: loop.yaml, on_yes: a}\n", 3,
      "states.a.loop", "sub-loops form a cycle: loop.yaml -> loop.yaml"),
-    ("subloop-variable-path", "initial: a\nstates:\n  a: {loop: '${context.x}', on_yes: a}\n",
-     3, "states.a.loop", "a sub-loop path cannot use variables"),
 ]
 
 
