@@ -561,7 +561,7 @@ class LoopAgent:
         assert st.action is not None
         ns = self._ns(ctx, st, None)
         if st.mode == "shell":
-            shown = tpl.render_shell(st.action, ns).display
+            shown = tpl.render_shell(st.action, ns, checked=False).display
         elif st.mode == "mcp_tool":
             shown = f"{tpl.render(st.action, ns)} {json.dumps(tpl.render_obj(st.params, ns))}"
         else:
@@ -835,6 +835,12 @@ class LoopAgent:
                                         "failure_terminal": child.failure_terminal})
         if (st.context_passthrough or st.with_) and child.captured:
             self.captured[st.name] = dict(child.captured)
+        if st.capture:
+            # little-loops: a sub-loop state's capture holds the child's outcome.
+            self.captured[st.capture] = {
+                "output": self.output if not sim else f"[simulated output of {st.name}]",
+                "stderr": "", "exit_code": 0 if verdict.verdict == "yes" else 1,
+                "duration_ms": 0, "verdict": verdict.verdict}
         ctx.event("evaluate", name=st.name, payload={
             "state": st.name, "type": "loop", "verdict": verdict.verdict,
             "details": verdict.details, **({"simulated": True} if sim else {})})
@@ -911,8 +917,16 @@ class LoopAgent:
             result: Mapping[str, Any] | None) -> tpl.Namespaces:
         elapsed = self._elapsed_ms()
         path = Path(self.spec.path).resolve() if self.spec.path else None
+        context: Mapping[str, Any] = self.context
+        captured: Mapping[str, Any] = self.captured
+        prev = self.prev
+        if self._sim is not None:
+            # A dry run has no real values: what is missing reads as a stand-in.
+            context = tpl.StandIn("context", self.context)
+            captured = tpl.StandIn("captured", self.captured)
+            prev = tpl.StandIn("prev", self.prev)
         ns = tpl.Namespaces(
-            context=self.context, captured=self.captured, prev=self.prev, result=result,
+            context=context, captured=captured, prev=prev, result=result,
             state={"name": st.name, "iteration": self.iteration},
             loop={"name": self.spec.name, "elapsed_ms": int(elapsed),
                   "elapsed": _duration(elapsed), "started_at": self._started_iso,

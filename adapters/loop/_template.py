@@ -224,8 +224,29 @@ def lookup(ph: Placeholder, ns: Namespaces) -> Any:
     return current
 
 
+class StandIn(dict[str, Any]):
+    """For dry runs: a mapping that has every key, missing ones reading `<namespace.path>`.
+
+    A dry run walks a loop without the values a real run would have (context
+    from --context, captures of simulated or skipped states, `prev` before any
+    action); these stand-ins keep the walk going and show what was missing.
+    """
+
+    def __init__(self, name: str, values: Mapping[str, Any] | None = None) -> None:
+        super().__init__(values or {})
+        self.name = name
+
+    def __contains__(self, key: object) -> bool:
+        return True
+
+    def __missing__(self, key: str) -> Any:
+        return StandIn(f"{self.name}.{key}")
+
+
 def to_text(value: Any) -> str:
     """How a value reads when interpolated: None -> '', bools lower-case, containers as JSON."""
+    if isinstance(value, StandIn) and not dict.__len__(value):
+        return f"<{value.name}>"
     if value is None:
         return ""
     if isinstance(value, bool):
@@ -638,12 +659,13 @@ class _Scanner:
         return i
 
 
-def render_shell(template: str, ns: Namespaces) -> ShellCommand:
+def render_shell(template: str, ns: Namespaces, *, checked: bool = True) -> ShellCommand:
     """Interpolate a shell action: values travel as environment variables, never as text.
 
     A value where bash evaluates arithmetic must be a plain integer (digits,
     an optional sign, surrounding whitespace): anything else raises
-    `UnsafeValue` and the action does not run.
+    `UnsafeValue` and the action does not run. `checked=False` (dry runs,
+    which run nothing and show stand-in values) skips the value checks.
 
     In a quoted heredoc (`<<'EOF'`) nothing is expanded, so the value is
     written into the body itself: the shell reads it as data, and a value
@@ -689,7 +711,7 @@ def render_shell(template: str, ns: Namespaces) -> ShellCommand:
             pasted.setdefault(hole.body, []).append((seg, value))
             command.append(value)
             continue
-        if hole.arith and not _INTEGER.fullmatch(value):
+        if checked and hole.arith and not _INTEGER.fullmatch(value):
             raise UnsafeValue(
                 f"{seg.source} stands where bash evaluates arithmetic, and its value "
                 f"{_excerpt(value)} is not a plain integer; the action was not run")
@@ -697,7 +719,8 @@ def render_shell(template: str, ns: Namespaces) -> ShellCommand:
         env[var] = value
         command.append(_REFERENCE[context].format(var))
     for index, values in pasted.items():
-        _check_body(scan.bodies[index], values)
+        if checked:
+            _check_body(scan.bodies[index], values)
     return ShellCommand("".join(command), env, "".join(display))
 
 

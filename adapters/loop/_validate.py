@@ -204,6 +204,8 @@ class _Checker:
         self.missing: set[str] = set()
         self.captures = {s.capture for s in spec.states.values() if s.capture}
         self.subloop_states = {s.name for s in spec.states.values() if s.loop is not None}
+        self.subloop_states |= {s.capture for s in spec.states.values()
+                                if s.loop is not None and s.capture}
         self.captures |= self.subloop_states
 
     def add(self, severity: Severity, where: str, message: str) -> None:

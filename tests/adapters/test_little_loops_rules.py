@@ -660,3 +660,42 @@ class TestDynamicSubLoops:
                               limits=Limits(max_steps=10, dry_run=True))
         assert "chosen at run time" in dry.output
         assert "reached terminal state 'done'" in dry.output
+
+    async def test_a_sub_loop_state_captures_its_outcome(self, tmp_path: Path) -> None:
+        """generalized-fsm-loop.md, Sub-Loop Composition: a `loop:` state's `capture:` holds
+        the child's outcome (its output, and the verdict it gave the parent)."""
+        (tmp_path / "child.yaml").write_text(
+            "initial: a\nstates:\n  a: {action: 'echo child-out', next: done}\n"
+            "  done: {terminal: true}\n")
+        spec = spec_of(tmp_path, """
+            initial: sub
+            states:
+              sub: {loop: child, capture: outcome, on_yes: show, on_no: show}
+              show: {action: 'echo "${captured.outcome.verdict}"', capture: shown, next: done}
+              done: {terminal: true}
+        """)
+        result, _, agent = await run(spec)
+        assert result.status is Status.OK, result.error
+        assert agent.captured["shown"]["output"] == "yes"
+
+    async def test_a_dry_run_walks_without_runner_values(self, tmp_path: Path) -> None:
+        """A child's context the runner would seed (little-loops seeds config thresholds)
+        is absent in a dry run: it reads as a stand-in and the walk reaches the end."""
+        (tmp_path / "child.yaml").write_text(
+            "initial: a\nstates:\n  a: {action: 'test 80 -ge ${context.readiness_threshold}',"
+            " on_yes: done}\n  done: {terminal: true}\n")
+        from loop_support import write
+
+        from adapters.loop import check_loop
+
+        spec = check_loop(write(tmp_path, """
+            initial: sub
+            states:
+              sub: {loop: child, on_yes: done}
+              done: {terminal: true}
+        """)).spec
+        assert spec is not None
+        dry, _, _ = await run(spec, scenario="all-pass",
+                              limits=Limits(max_steps=10, dry_run=True))
+        assert "<context.readiness_threshold>" in dry.output
+        assert dry.output.rstrip().endswith("reached terminal state 'done' after 1 iteration(s)")
