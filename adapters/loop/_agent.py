@@ -455,6 +455,11 @@ class LoopAgent:
                ctx: RunContext) -> tuple[str | None, str]:
         """next is handled by the caller; then the route table, then the shorthands."""
         v = verdict.verdict
+        spelled = verdict.details.get("as")
+        if isinstance(spelled, str) and spelled != v and (
+                spelled in st.on or (st.route is not None and spelled in st.route.table)) \
+                and not (v in st.on or (st.route is not None and v in st.route.table)):
+            v = spelled  # little-loops' name for the same verdict (mcp_result)
         result = {"verdict": v, "details": verdict.details}
         if st.route is not None:
             table = st.route
@@ -668,6 +673,9 @@ class LoopAgent:
             assert self._sim is not None
             outcome = await self._sim.outcome(st.name, self._sim_note)
             verdict = ev.Verdict(_simulated_verdict(kind, outcome), {"simulated": outcome})
+            if kind == "mcp_result":
+                verdict.details["as"] = {"pass": "success", "fail": "tool_error"}.get(
+                    outcome, "not_found")
             self._sim_note += f" => {outcome} ({verdict.verdict})"
         else:
             verdict = await self._judge(kind, spec, st, result, ctx)

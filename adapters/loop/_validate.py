@@ -490,7 +490,8 @@ class _Checker:
 _VERDICTS = {
     "exit_code": {"yes", "no"}, "output_contains": {"yes", "no"},
     "output_numeric": {"yes", "no"}, "output_json": {"yes", "no"},
-    "convergence": {"target", "progress", "stall"}, "mcp_result": {"yes", "no"},
+    "convergence": {"target", "progress", "stall"},
+    "mcp_result": {"yes", "no", "success", "tool_error", "not_found", "timeout"},
     "loop": {"yes", "no"}, "diff_stall": {"yes", "no"},
 }
 _DEFAULT_EVALUATOR = {"shell": "exit_code", "mcp_tool": "mcp_result", "loop": "loop"}

@@ -699,3 +699,27 @@ class TestDynamicSubLoops:
                               limits=Limits(max_steps=10, dry_run=True))
         assert "<context.readiness_threshold>" in dry.output
         assert dry.output.rstrip().endswith("reached terminal state 'done' after 1 iteration(s)")
+
+
+class TestMcpVerdictNames:
+    @pytest.mark.parametrize(("reply", "route"), [
+        ('{"isError": false}', "route.success"), ('{"isError": true}', "route.tool_error")])
+    async def test_mcp_result_routes_little_loops_names(self, tmp_path: Path, reply: str,
+                                                        route: str) -> None:
+        """generalized-fsm-loop.md, Tier 3: MCP Evaluator > mcp_result: a state routing
+        success / tool_error / not_found / timeout gets those names for yes / no / error."""
+        import sys
+
+        spec = spec_of(tmp_path, """
+            initial: shot
+            states:
+              shot:
+                action: playwright/screenshot
+                action_type: mcp_tool
+                route: {success: done, tool_error: retry, not_found: done}
+              retry: {terminal: true}
+              done: {terminal: true}
+        """)
+        command = [sys.executable, "-c", f"print({reply!r})"]
+        result, audit, _ = await run(spec, mcp_command=command)
+        assert routes(audit, result.run_id)[0][2] == route
