@@ -28,8 +28,10 @@ Errors (exit 2): a path that is not a regular file or is over 1 MiB (checked
 before reading), YAML whose aliases expand past 4 MiB or refer to themselves,
 malformed YAML or keys, unknown route targets, a missing or
 unknown initial state, evaluators missing parameters, bad ${...} templates,
-broken sub-loops. Warnings (exit 0): unknown keys, unreachable states, raw
-(unquoted) shell insertion, context variables that must come from --context.
+broken sub-loops, from:/import:/fragment: that cannot be resolved. Warnings
+(exit 0): unknown keys, little-loops features left out (named), unreachable
+states, raw (unquoted) shell insertion, values used in shell arithmetic,
+context variables that must come from --context.
 """
 
 
