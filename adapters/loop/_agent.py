@@ -42,9 +42,11 @@ from ._spec import (
     CURRENT,
     DEFAULT_ACTION_TIMEOUT,
     DEFAULT_MCP_TIMEOUT,
+    LEFT_OUT_EVALUATORS,
     EvaluateSpec,
     LoopSpec,
     StateSpec,
+    bind,
 )
 
 SCENARIOS = ("all-pass", "all-fail", "all-error", "first-fail", "alternating")
@@ -152,7 +154,8 @@ class LoopAgent:
         if spec.initial not in spec.states:
             raise ConfigError(f"loop {spec.name!r}: initial state {spec.initial!r} is not a state")
         self.spec = spec
-        self.context: dict[str, Any] = {**spec.context, **(context or {})}
+        defaults = {k: p.default for k, p in spec.parameters.items() if p.default is not None}
+        self.context: dict[str, Any] = {**spec.context, **defaults, **(context or {})}
         self.judge = judge
         self.scenario = scenario
         self.ask = ask
@@ -170,10 +173,15 @@ class LoopAgent:
         self.current = spec.initial
         self.iteration = 0
         self.captured: dict[str, Any] = {}
+        #: The failure terminal the run ended in, if it did.
+        self.failure_terminal: str | None = None
         self.prev: dict[str, Any] | None = None
         self.retries: dict[str, int] = {}
         self.prev_state: str | None = None
         self.last_values: dict[str, float] = {}
+        #: diff_stall: per state, the last `git diff --stat` and how many times in a row
+        #: it has not changed.
+        self.diff_stalls: dict[str, tuple[str, int]] = {}
         self.output = ""
         self.elapsed_offset_ms = 0.0
         self._t0 = 0.0
@@ -212,6 +220,7 @@ class LoopAgent:
             "loop": self.spec.name, "state": self.current, "iteration": self.iteration,
             "captured": self.captured, "prev": self.prev, "retries": self.retries,
             "prev_state": self.prev_state, "last_values": self.last_values,
+            "diff_stalls": {k: list(v) for k, v in self.diff_stalls.items()},
             "output": self.output[-_PREVIEW:], "elapsed_ms": self._elapsed_ms(),
             "backoff_due": self._backoff_due,
         }
@@ -230,6 +239,9 @@ class LoopAgent:
         self.prev_state = prev_state if isinstance(prev_state, str) else None
         self.last_values = {str(k): float(v) for k, v in _mapping(state.get("last_values")).items()
                             if isinstance(v, (int, float))}
+        self.diff_stalls = {str(k): (str(v[0]), _int(v[1]))
+                            for k, v in _mapping(state.get("diff_stalls")).items()
+                            if isinstance(v, (list, tuple)) and len(v) == 2}
         self.output = str(state.get("output") or "")
         self.elapsed_offset_ms = float(_int(state.get("elapsed_ms")))
         self._backoff_due = bool(state.get("backoff_due"))
@@ -260,7 +272,23 @@ class LoopAgent:
 
     # ----------------------------------------------------------- the machine
 
+    def _runner_context(self, *, sim: bool) -> None:
+        """What little-loops' runner provides: `run_dir` (created unless simulated), `max_steps`."""
+        if "run_dir" not in self.context:
+            stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
+            base = Path(self.cwd or ".").resolve() / ".loops" / "runs"
+            run_dir = base / f"{self.spec.name}-{stamp}"
+            if not sim and self._uses_run_dir():
+                run_dir.mkdir(parents=True, exist_ok=True)
+            self.context["run_dir"] = str(run_dir)
+        self.context.setdefault("max_steps", self.spec.max_iterations)
+
+    def _uses_run_dir(self) -> bool:
+        return any("context.run_dir" in text for st in self.spec.states.values()
+                   for text in (st.action or "", *map(str, st.with_.values())))
+
     def _begin(self, ctx: RunContext) -> Step | None:
+        self._runner_context(sim=False)
         self._begun = True
         self._t0 = trio.current_time()
         self._started_iso = datetime.now(UTC).isoformat(timespec="seconds")
@@ -290,6 +318,13 @@ class LoopAgent:
                 else:
                     self.retries.pop(self.prev_state, None)
             if st.terminal:
+                if st.failure:
+                    # little-loops: a failure terminal ends the run failed, even under maintain.
+                    self.failure_terminal = name
+                    return Step(output=self.output, final=True, name=name,
+                                error=f"reached failure terminal '{name}'",
+                                payload={"terminal": name, "failure": True,
+                                         "iteration": self.iteration})
                 if not self.spec.maintain:
                     return Step(output=self.output, final=True, name=name,
                                 payload={"terminal": name, "iteration": self.iteration})
@@ -401,6 +436,15 @@ class LoopAgent:
                                         f"killed by signal {result.signal}")
             if st.next is not None:
                 self._record_prev(st, result)
+                if result is not None and result.exit_code != 0 and "error" in st.on:
+                    # little-loops: `next` is the success path when on_error is set.
+                    ctx.event("evaluate", name=st.name, payload={
+                        "state": st.name, "type": "exit_code", "verdict": "error",
+                        "details": {"exit_code": result.exit_code,
+                                    "why": "a failing action with next and on_error"}})
+                    self._sim_note += " => error"
+                    return _Outcome("error", self._resolve(st.on["error"], st, ctx, None),
+                                    f"on_error (exit {result.exit_code})")
                 return _Outcome(None, self._resolve(st.next, st, ctx, None), "next")
             verdict = await self._evaluate(st, result, ctx, sim=sim)
         self._record_prev(st, result)
@@ -411,6 +455,11 @@ class LoopAgent:
                ctx: RunContext) -> tuple[str | None, str]:
         """next is handled by the caller; then the route table, then the shorthands."""
         v = verdict.verdict
+        spelled = verdict.details.get("as")
+        if isinstance(spelled, str) and spelled != v and (
+                spelled in st.on or (st.route is not None and spelled in st.route.table)) \
+                and not (v in st.on or (st.route is not None and v in st.route.table)):
+            v = spelled  # little-loops' name for the same verdict (mcp_result)
         result = {"verdict": v, "details": verdict.details}
         if st.route is not None:
             table = st.route
@@ -420,8 +469,13 @@ class LoopAgent:
                 return self._resolve(table.error, st, ctx, result), "route._error"
             if table.default is not None:
                 return self._resolve(table.default, st, ctx, result), "route._"
+            if v == "no" and table.error is not None:
+                # little-loops: a `no` nobody routes goes where errors go.
+                return self._resolve(table.error, st, ctx, result), "route._error (no)"
         if v in st.on:
             return self._resolve(st.on[v], st, ctx, result), f"on_{v}"
+        if v == "no" and "error" in st.on:
+            return self._resolve(st.on["error"], st, ctx, result), "on_error (no)"
         return None, f"no route for verdict '{v}'"
 
     def _resolve(self, target: str, st: StateSpec, ctx: RunContext,
@@ -512,7 +566,7 @@ class LoopAgent:
         assert st.action is not None
         ns = self._ns(ctx, st, None)
         if st.mode == "shell":
-            shown = tpl.render_shell(st.action, ns).display
+            shown = tpl.render_shell(st.action, ns, checked=False).display
         elif st.mode == "mcp_tool":
             shown = f"{tpl.render(st.action, ns)} {json.dumps(tpl.render_obj(st.params, ns))}"
         else:
@@ -619,6 +673,9 @@ class LoopAgent:
             assert self._sim is not None
             outcome = await self._sim.outcome(st.name, self._sim_note)
             verdict = ev.Verdict(_simulated_verdict(kind, outcome), {"simulated": outcome})
+            if kind == "mcp_result":
+                verdict.details["as"] = {"pass": "success", "fail": "tool_error"}.get(
+                    outcome, "not_found")
             self._sim_note += f" => {outcome} ({verdict.verdict})"
         else:
             verdict = await self._judge(kind, spec, st, result, ctx)
@@ -634,8 +691,19 @@ class LoopAgent:
         if spec is not None and spec.source is not None:
             text = tpl.render(spec.source, ns)
         code = result.exit_code if result is not None else 0
+        if kind in LEFT_OUT_EVALUATORS:
+            return ev.Verdict("error", {"error": f"the {kind} evaluator "
+                                                 f"({LEFT_OUT_EVALUATORS[kind]}) is not "
+                                                 "supported"})
+        if code != 0 and kind in _OUTPUT_EVALUATORS:
+            # little-loops: an evaluator that reads output does not judge a failed action.
+            return ev.Verdict("error", {"exit_code": code,
+                                        "error": f"action exited with code {code}"})
         if kind == "exit_code":
             return ev.exit_code(code)
+        if kind == "diff_stall":
+            assert spec is not None
+            return await self._diff_stall(st.name, spec)
         if kind == "mcp_result":
             return ev.mcp_result(text, code)
         if kind == "llm_structured":
@@ -645,7 +713,7 @@ class LoopAgent:
         operator = spec.operator or "eq"
         if kind == "output_contains":
             return ev.output_contains(text, tpl.render(spec.pattern or "", ns),
-                                      negate=spec.negate)
+                                      negate=spec.negate, error_patterns=spec.error_patterns)
         if kind == "output_numeric":
             return ev.output_numeric(text, operator, self._param(spec.target, ns))
         if kind == "output_json":
@@ -668,6 +736,25 @@ class LoopAgent:
         return ev.convergence(current, previous, target, tolerance=abs(tolerance),
                               direction=spec.direction)
 
+    async def _diff_stall(self, state: str, spec: EvaluateSpec) -> ev.Verdict:
+        """little-loops' diff_stall: `no` once `git diff --stat` has not changed for
+        `max_stall` evaluations in a row; `yes` otherwise (the first look included)."""
+        argv = ["git", "diff", "--stat", *(["--", *spec.scope] if spec.scope else [])]
+        result = await run_process(argv, cwd=self.cwd, timeout=30.0, grace=self.grace)
+        if result.exit_code != 0:
+            return ev.Verdict("error", {"error": f"git diff failed: "
+                                                 f"{(result.stderr or result.output)[:200]}"})
+        previous = self.diff_stalls.get(state)
+        if previous is None or previous[0] != result.output:
+            self.diff_stalls[state] = (result.output, 0)
+            return ev.Verdict("yes", {"stall_count": 0, "max_stall": spec.max_stall,
+                                      "diff_changed": True})
+        count = previous[1] + 1
+        self.diff_stalls[state] = (result.output, count)
+        return ev.Verdict("no" if count >= spec.max_stall else "yes",
+                          {"stall_count": count, "max_stall": spec.max_stall,
+                           "diff_changed": False})
+
     @staticmethod
     def _param(value: Any, ns: tpl.Namespaces) -> Any:
         return tpl.render(value, ns) if isinstance(value, str) and "${" in value else value
@@ -678,8 +765,21 @@ class LoopAgent:
         child_spec = st.child
         if child_spec is None:
             try:
-                child_spec = self._load_child(st)
+                child_spec = self._load_child(st, ctx)
             except _Fatal as exc:
+                if sim and st.loop is not None and "${" in st.loop:
+                    # Chosen at run time from values a dry run does not have: the
+                    # scenario decides its verdict, as for an action.
+                    assert self._sim is not None
+                    outcome = await self._sim.outcome(st.name, self._sim_note)
+                    verdict = ev.Verdict(_simulated_verdict("loop", outcome),
+                                         {"simulated": outcome, "why": str(exc)})
+                    self._sim_note = (f" [loop {st.loop}, chosen at run time] => {outcome} "
+                                      f"({verdict.verdict})")
+                    ctx.event("evaluate", name=st.name, payload={
+                        "state": st.name, "type": "loop", "verdict": verdict.verdict,
+                        "details": verdict.details, "simulated": True})
+                    return verdict
                 if not st.has_error_route():
                     raise
                 failed = ev.Verdict("error", {"error": str(exc)})
@@ -689,7 +789,22 @@ class LoopAgent:
                 return failed
         context: dict[str, Any] = {}
         if st.context_passthrough:
-            context = {**self.context, **self.captured}
+            # As in little-loops, the parent's context and its captured outputs (as
+            # text); unlike it, they override the child file's own defaults, as
+            # --context does for a top-level loop.
+            outputs = {k: v["output"] if isinstance(v, Mapping) and "exit_code" in v else v
+                       for k, v in self.captured.items()}
+            context = {**self.context, **outputs}
+        elif st.with_:
+            # little-loops' typed bindings: only what the child declares, plus run_dir.
+            ns = self._ns(ctx, st, None)
+            given = {k: self._param(v, ns) for k, v in st.with_.items()}
+            try:
+                context = bind(child_spec.parameters, given)
+            except ValueError as exc:
+                raise _Fatal(f"sub-loop {st.loop}: {exc}") from None
+            if "run_dir" in self.context:
+                context.setdefault("run_dir", self.context["run_dir"])
         child = LoopAgent(
             child_spec, context=context, judge=self.judge, scenario=self.scenario, ask=self.ask,
             cwd=self.cwd, env=self.env, prompt_command=self.prompt_command,
@@ -702,7 +817,8 @@ class LoopAgent:
             child._sim_indent = self._sim_indent + "      "
             self._sim_lines.append(f"{self._sim_indent}     sub-loop '{child_spec.name}':")
             reached = await child._simulate_run(ctx, child_spec.max_iterations)
-            verdict = ev.Verdict("yes" if reached else "no", {"simulated": True})
+            verdict = ev.Verdict("yes" if reached and child.failure_terminal is None else "no",
+                                 {"simulated": True})
             self._sim_note = f" [loop {child_spec.name}] => {verdict.verdict}"
         else:
             info = RunInfo(name=child_spec.name, subject_id=f"loop:{child_spec.name}", inputs={
@@ -713,7 +829,9 @@ class LoopAgent:
             self.output = res.output if isinstance(res.output, str) else tpl.to_text(res.output)
             self._step_output = self.output
             status = res.status
-            if status is Status.OK:
+            if child.failure_terminal is not None:
+                name = "no"  # little-loops: a child ending in a failure terminal is a `no`
+            elif status is Status.OK:
                 name = "yes"
             elif status is Status.ERROR and st.has_error_route():
                 name = "error"
@@ -721,9 +839,16 @@ class LoopAgent:
                 name = "no"
             verdict = ev.Verdict(name, {"child_run_id": res.run_id,
                                         "child_status": str(status), "child_error": res.error,
-                                        "child_reason": res.reason})
-        if st.context_passthrough and child.captured:
+                                        "child_reason": res.reason,
+                                        "failure_terminal": child.failure_terminal})
+        if (st.context_passthrough or st.with_) and child.captured:
             self.captured[st.name] = dict(child.captured)
+        if st.capture:
+            # little-loops: a sub-loop state's capture holds the child's outcome.
+            self.captured[st.capture] = {
+                "output": self.output if not sim else f"[simulated output of {st.name}]",
+                "stderr": "", "exit_code": 0 if verdict.verdict == "yes" else 1,
+                "duration_ms": 0, "verdict": verdict.verdict}
         ctx.event("evaluate", name=st.name, payload={
             "state": st.name, "type": "loop", "verdict": verdict.verdict,
             "details": verdict.details, **({"simulated": True} if sim else {})})
@@ -747,14 +872,20 @@ class LoopAgent:
         return Limits(max_steps=child.max_iterations, timeout=timeout, tool_timeout=None,
                       poll_interval=ctx.limits.poll_interval)
 
-    def _load_child(self, st: StateSpec) -> LoopSpec:
+    def _load_child(self, st: StateSpec, ctx: RunContext) -> LoopSpec:
         from ._validate import load_loop, resolve_subloop
 
         assert st.loop is not None
         parent = Path(self.spec.path) if self.spec.path else Path.cwd() / "loop.yaml"
-        path = resolve_subloop(parent, st.loop)
+        ref = st.loop
+        if "${" in ref:
+            try:
+                ref = tpl.render(ref, self._ns(ctx, st, None)).strip()
+            except tpl.MissingVariable as exc:
+                raise _Fatal(f"sub-loop {st.loop}: {exc}") from None
+        path = resolve_subloop(parent, ref) if ref else None
         if path is None:
-            raise _Fatal(f"sub-loop file '{st.loop}' not found")
+            raise _Fatal(f"sub-loop file '{ref}' not found")
         try:
             return load_loop(path, context=self.context if st.context_passthrough else None)
         except ConfigError as exc:
@@ -762,6 +893,7 @@ class LoopAgent:
 
     async def _simulate_run(self, ctx: RunContext, limit: int) -> bool:
         """Walk the machine in simulation; True when it reached a terminal state."""
+        self._runner_context(sim=True)
         self._t0 = trio.current_time()
         self._begun = True
         final = self._settle(ctx)
@@ -775,6 +907,11 @@ class LoopAgent:
             steps += 1
             if step.final:
                 final = step
+        if self.failure_terminal is not None:
+            self._sim_lines.append(f"{self._sim_indent}reached failure terminal "
+                                   f"'{self.failure_terminal}' after {self.iteration} "
+                                   "iteration(s) (the run would end error)")
+            return True
         ended_ok = final.error is None and final.handoff is None and final.stop is None
         if ended_ok:
             terminal = self.current
@@ -788,14 +925,29 @@ class LoopAgent:
             result: Mapping[str, Any] | None) -> tpl.Namespaces:
         elapsed = self._elapsed_ms()
         path = Path(self.spec.path).resolve() if self.spec.path else None
-        return tpl.Namespaces(
-            context=self.context, captured=self.captured, prev=self.prev, result=result,
+        context: Mapping[str, Any] = self.context
+        captured: Mapping[str, Any] = self.captured
+        prev = self.prev
+        if self._sim is not None:
+            # A dry run has no real values: what is missing reads as a stand-in.
+            context = tpl.StandIn("context", self.context)
+            captured = tpl.StandIn("captured", self.captured)
+            prev = tpl.StandIn("prev", self.prev)
+        ns = tpl.Namespaces(
+            context=context, captured=captured, prev=prev, result=result,
             state={"name": st.name, "iteration": self.iteration},
             loop={"name": self.spec.name, "elapsed_ms": int(elapsed),
                   "elapsed": _duration(elapsed), "started_at": self._started_iso,
                   "dir": str(path.parent) if path else os.getcwd(),
                   "file": str(path) if path else "", "run_id": ctx.run_id},
             env={**os.environ, **self.env})
+        if st.fragment is not None and (st.with_ or st.fragment_params):
+            given = {k: self._param(v, ns) for k, v in st.with_.items()}
+            try:
+                ns.param = bind(st.fragment_params, given)
+            except ValueError as exc:
+                raise _Fatal(f"fragment '{st.fragment}': {exc}") from None
+        return ns
 
     def _elapsed_ms(self) -> float:
         if not self._begun:
@@ -822,6 +974,10 @@ def _simulated_verdict(kind: str, outcome: str) -> str:
     if kind == "convergence":
         return "target" if outcome == "pass" else "progress"
     return "yes" if outcome == "pass" else "no"
+
+
+#: Evaluators that judge output, not exit status: a non-zero exit is `error` for them.
+_OUTPUT_EVALUATORS = ("output_contains", "output_numeric", "output_json", "convergence")
 
 
 def _capture(result: ActionResult) -> dict[str, Any]:

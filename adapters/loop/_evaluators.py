@@ -40,16 +40,25 @@ def exit_code(code: int) -> Verdict:
     return Verdict(verdict, {"exit_code": code})
 
 
-def output_contains(text: str, pattern: str, *, negate: bool = False) -> Verdict:
-    """yes when `pattern` (a regex, or plain text if it is not one) occurs; `negate` flips it."""
+def output_contains(text: str, pattern: str, *, negate: bool = False,
+                    error_patterns: tuple[str, ...] = ()) -> Verdict:
+    """yes when `pattern` (a regex, or plain text if it is not one) occurs; `negate` flips it.
+
+    `error_patterns` (plain text): when the pattern is not found (and not
+    negated), output containing one of them is `error` rather than `no`.
+    """
     try:
         matched = re.search(pattern, text, re.MULTILINE) is not None
         how = "regex"
     except re.error:
         matched = pattern in text
         how = "text"
-    return Verdict("yes" if matched != negate else "no",
-                   {"matched": matched, "pattern": pattern, "negate": negate, "as": how})
+    details = {"matched": matched, "pattern": pattern, "negate": negate, "as": how}
+    if not matched and not negate:
+        hit = next((p for p in error_patterns if p in text), None)
+        if hit is not None:
+            return Verdict("error", {**details, "error_pattern": hit})
+    return Verdict("yes" if matched != negate else "no", details)
 
 
 def parse_number(text: str) -> float | None:
@@ -143,14 +152,19 @@ def convergence(current: float, previous: float | None, target: float, *,
 def mcp_result(text: str, code: int) -> Verdict:
     """An MCP tool call's result envelope: yes unless `isError`, error if the call failed.
 
+    `details["as"]` names the verdict as little-loops spells it (success,
+    tool_error, not_found, timeout); a state that routes those names gets it.
+
     The caller (`mcp-call` by default) exits 0 with the result envelope as
     JSON, 1 when the tool reported an error, 124 on timeout, 127 when the
     server or tool was not found.
     """
     if code == 124:
-        return Verdict("error", {"exit_code": code, "error": "the MCP call timed out"})
+        return Verdict("error", {"exit_code": code, "error": "the MCP call timed out",
+                                 "as": "timeout"})
     if code == 127:
-        return Verdict("error", {"exit_code": code, "error": "MCP server or tool not found"})
+        return Verdict("error", {"exit_code": code, "error": "MCP server or tool not found",
+                                 "as": "not_found"})
     if code not in (0, 1):
         return Verdict("error", {"exit_code": code, "error": f"the MCP call failed ({code})"})
     try:
@@ -160,7 +174,8 @@ def mcp_result(text: str, code: int) -> Verdict:
     if not isinstance(envelope, Mapping):
         return Verdict("error", {"exit_code": code, "error": "output is not an MCP result"})
     is_error = bool(envelope.get("isError", code == 1))
-    return Verdict("no" if is_error else "yes", {"exit_code": code, "is_error": is_error})
+    return Verdict("no" if is_error else "yes", {"exit_code": code, "is_error": is_error,
+                                                 "as": "tool_error" if is_error else "success"})
 
 
 # ---------------------------------------------------------------- the model

@@ -22,7 +22,7 @@ Severity = Literal["error", "warning"]
 
 ACTION_TYPES = ("shell", "prompt", "slash_command", "mcp_tool")
 EVALUATORS = ("exit_code", "output_contains", "output_numeric", "output_json", "convergence",
-              "llm_structured", "mcp_result")
+              "llm_structured", "mcp_result", "diff_stall")
 OPERATORS = ("eq", "ne", "lt", "le", "gt", "ge")
 DIRECTIONS = ("minimize", "maximize")
 #: The verdicts the `on_*` shorthands name (plus on_success/on_failure aliases).
@@ -34,14 +34,60 @@ DEFAULT_ACTION_TIMEOUT = 3600.0
 DEFAULT_MCP_TIMEOUT = 30.0
 
 _LOOP_KEYS = ("name", "description", "initial", "states", "context", "max_iterations",
-              "max_steps", "timeout", "default_timeout", "backoff", "maintain", "llm")
+              "max_steps", "timeout", "default_timeout", "backoff", "maintain", "llm", "flow",
+              "state_defs", "import", "fragments", "parameters", "input_key", "required_inputs")
 _STATE_KEYS = ("action", "action_type", "evaluate", "route", "next", "terminal", "capture",
                "timeout", "max_retries", "on_retry_exhausted", "on_maintain", "loop",
-               "context_passthrough", "params", "description", "on_success", "on_failure")
+               "context_passthrough", "params", "description", "on_success", "on_failure",
+               "failure", "with", "fragment_parameters", "fragment_name")
+PARAMETER_TYPES = ("string", "integer", "number", "boolean", "enum", "path")
+_PARAMETER_KEYS = ("type", "required", "default", "description", "values")
+#: Terminals that are failures unless they say `failure: false` (little-loops' defaults).
+FAILURE_NAMES = ("failed", "error", "aborted", "finalize_aborted")
 _EVALUATE_KEYS = ("type", "source", "operator", "target", "tolerance", "pattern", "negate",
                   "path", "prompt", "schema", "min_confidence", "uncertain_suffix", "previous",
-                  "direction")
+                  "direction", "error_patterns", "scope", "max_stall")
 _LLM_KEYS = ("enabled", "model", "max_tokens", "timeout")
+
+# little-loops keys: tooling metadata we accept without a word, and features we
+# deliberately leave out (one warning naming the feature; the loop still runs).
+_QUIET_LOOP_KEYS = ("scope", "category", "labels", "visibility", "commands", "singleton")
+_LEFT_OUT_LOOP_KEYS = {
+    "on_handoff": "little-loops' handoff policy (here CONTEXT_HANDOFF ends the run 'handoff')",
+    "on_max_steps": "routing to a state at the step limit (here the run ends max_steps)",
+    "on_max_iterations": "routing to a state at the step limit (here the run ends max_steps)",
+    "max_edge_revisits": "edge-revisit limits (the critic watches for cycles)",
+    "default_idle_timeout": "per-action idle timeouts (the critic watches idleness)",
+    "circuit": "the rate-limit circuit breaker",
+    "artifact_versioning": "artifact versioning",
+    "pruning_profile": "context pruning profiles",
+    "tamper_guard": "the tamper guard",
+    "prepatch_check": "pre-patch checks",
+    "session_mode": "agent session modes",
+    "config": "ll-config overrides",
+    "targets": "harness targets",
+}
+_LEFT_OUT_STATE_KEYS = {
+    "agent": "choosing the prompt agent per state", "tools": "per-state agent tool scopes",
+    "model": "per-state models", "effort": "per-state reasoning effort",
+    "pruning_profile": "context pruning profiles", "learning": "learning states",
+    "throttle": "throttling", "cost_ceiling": "per-state cost ceilings",
+    "session_mode": "agent session modes", "worktree": "git worktrees for sub-loops",
+    "tamper_guard": "the tamper guard", "prepatch_check": "pre-patch checks",
+    "retryable_exit_codes": "retryable exit codes", "idle_timeout": "per-action idle timeouts",
+    "request_path": "orchestration request paths", "append_to_messages": "message appending",
+    "max_rate_limit_retries": "rate-limit retries",
+    "rate_limit_backoff_base_seconds": "rate-limit backoff",
+    "rate_limit_max_wait_seconds": "rate-limit backoff",
+    "rate_limit_long_wait_ladder": "rate-limit backoff", "type": "typed (learning) states",
+}
+#: little-loops evaluators we leave out: validation says so; a run judges them `error`.
+LEFT_OUT_EVALUATORS = {
+    "score_stall": "score-history stall detection", "open_question_stall": "open-question "
+    "stall detection", "action_stall": "repeated-action stall detection",
+    "harbor_scorer": "Harbor benchmark scoring", "comparator": "comparator evaluation",
+    "contract": "contract evaluation", "classify": "classifier routing",
+}
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
 
 
@@ -92,6 +138,52 @@ class EvaluateSpec:
     uncertain_suffix: bool = False
     previous: str | None = None
     direction: str = "minimize"
+    error_patterns: tuple[str, ...] = ()
+    scope: tuple[str, ...] = ()
+    max_stall: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class ParamSpec:
+    """A declared input (`parameters:` of a loop or a fragment), as little-loops types them."""
+
+    type: str = "string"
+    required: bool = False
+    default: Any = None
+    description: str | None = None
+    values: tuple[Any, ...] | None = None
+
+    def check(self, name: str, value: Any) -> str | None:
+        """Why `value` does not fit (None when it does)."""
+        text = str(value).strip()
+        if self.type == "integer" and not re.fullmatch(r"[-+]?\d+", text):
+            return f"parameter '{name}' must be an integer, got {_show(value)}"
+        if self.type == "number":
+            try:
+                float(text)
+            except ValueError:
+                return f"parameter '{name}' must be a number, got {_show(value)}"
+        if self.type == "boolean" and text.lower() not in ("true", "false"):
+            return f"parameter '{name}' must be true or false, got {_show(value)}"
+        if self.type == "enum" and self.values is not None and value not in self.values \
+                and text not in [str(v) for v in self.values]:
+            return f"parameter '{name}' must be one of {list(self.values)}, got {_show(value)}"
+        return None
+
+
+def bind(params: Mapping[str, ParamSpec], given: Mapping[str, Any]) -> dict[str, Any]:
+    """`given` plus the defaults of unbound parameters; ValueError naming what is wrong."""
+    out = dict(given)
+    for name, spec in params.items():
+        if name not in out and spec.default is not None:
+            out[name] = spec.default
+        if name not in out and spec.required:
+            raise ValueError(f"parameter '{name}' is required but not bound in 'with'")
+        if name in out:
+            why = spec.check(name, out[name])
+            if why is not None:
+                raise ValueError(why)
+    return out
 
 
 @dataclass(slots=True)
@@ -129,6 +221,10 @@ class StateSpec:
     context_passthrough: bool = False
     params: dict[str, Any] = field(default_factory=dict)
     description: str | None = None
+    failure: bool = False
+    with_: dict[str, Any] = field(default_factory=dict)
+    fragment: str | None = None
+    fragment_params: dict[str, ParamSpec] = field(default_factory=dict)
     child: LoopSpec | None = None
 
     @property
@@ -205,6 +301,9 @@ class LoopSpec:
     backoff: float = 0.0
     maintain: bool = False
     llm: LLMSpec = field(default_factory=LLMSpec)
+    parameters: dict[str, ParamSpec] = field(default_factory=dict)
+    input_key: str = "input"
+    required_inputs: tuple[str, ...] = ()
     path: str = ""
     lines: dict[str, int] = field(default_factory=dict)
 
@@ -325,9 +424,15 @@ class _Parser:
         return str(value)
 
     def unknown_keys(self, data: Mapping[Any, Any], known: tuple[str, ...], where: str,
-                     what: str) -> None:
+                     what: str, *, left_out: Mapping[str, str] | None = None,
+                     quiet: tuple[str, ...] = ()) -> None:
         for key in data:
-            if key not in known:
+            if key in known or key in quiet or (quiet and str(key).endswith("_ok")):
+                continue
+            if left_out and key in left_out:
+                self.warn(_join(where, str(key)), f"'{key}': {left_out[key]} is not supported "
+                                                  "here (ignored)")
+            else:
                 self.warn(_join(where, str(key)), f"unknown {what} key '{key}' (ignored)")
 
     # -- the format
@@ -343,7 +448,7 @@ class _Parser:
             if not isinstance(key, str):
                 self.warn(str(key), f"unknown key {key!r} (ignored)")
         self.unknown_keys({k: v for k, v in data.items() if isinstance(k, str)}, _LOOP_KEYS,
-                          "", "loop")
+                          "", "loop", left_out=_LEFT_OUT_LOOP_KEYS, quiet=_QUIET_LOOP_KEYS)
         name = self.text(data, "name", "name") or default_name
         description = self.text(data, "description", "description")
         initial = self.state_name(data["initial"], "initial") if "initial" in data else None
@@ -360,13 +465,62 @@ class _Parser:
         backoff = self.number(data, "backoff", "backoff", minimum=0)
         maintain = self.flag(data, "maintain", "maintain")
         llm = self.llm(data.get("llm"))
-        states = self.states(data.get("states"))
+        states_data = data.get("states")
+        if "flow" in data:
+            if "states" in data:
+                self.error("flow", "'flow' and 'states' are mutually exclusive (flow expands "
+                                   "into states)")
+            else:
+                states_data = self.flow(data["flow"], data.get("state_defs"))
+        elif "state_defs" in data:
+            self.warn("state_defs", "state_defs is only used with 'flow' (ignored)")
+        states = self.states(states_data, flow="flow" in data)
+        parameters = self.parameters(data.get("parameters"), "parameters")
+        input_key = self.text(data, "input_key", "input_key") or "input"
+        required = data.get("required_inputs")
+        if required is not None and (not isinstance(required, list) or not all(
+                isinstance(k, str) for k in required)):
+            self.error("required_inputs", f"expected a list of context keys, got "
+                                          f"{_kind(required)}")
+            required = None
+        if "input_key" in data and required is None:
+            self.warn("input_key", f"input_key without required_inputs: the run starts even "
+                                   f"when '{input_key}' is empty")
         return LoopSpec(
             name=name, initial=initial or "", states=states, description=description,
             context=context,
             max_iterations=max_iter or max_steps or DEFAULT_MAX_ITERATIONS,
             timeout=timeout, default_timeout=default_timeout, backoff=backoff or 0.0,
-            maintain=bool(maintain), llm=llm, path=self.file, lines=self.lines)
+            maintain=bool(maintain), llm=llm, parameters=parameters, input_key=input_key,
+            required_inputs=tuple(required or ()), path=self.file, lines=self.lines)
+
+    def parameters(self, data: Any, where: str) -> dict[str, ParamSpec]:
+        """A `parameters:` block: name -> {type, required, default, description, values}."""
+        if data is None:
+            return {}
+        if not isinstance(data, Mapping):
+            self.error(where, f"expected a mapping of parameter name -> spec, got {_kind(data)}")
+            return {}
+        self.note_lines(where, data)
+        out: dict[str, ParamSpec] = {}
+        for key, body in data.items():
+            at = _join(where, str(key))
+            if not isinstance(body, Mapping):
+                body = {"type": "string", "default": body}
+            self.note_lines(at, body)
+            self.unknown_keys(body, _PARAMETER_KEYS, at, "parameter")
+            kind = self.text(body, "type", _join(at, "type")) or "string"
+            if kind not in PARAMETER_TYPES:
+                self.error(_join(at, "type"), f"unknown parameter type '{kind}' "
+                                              f"(known: {', '.join(PARAMETER_TYPES)})")
+                kind = "string"
+            values = body.get("values")
+            out[str(key)] = ParamSpec(
+                type=kind, required=bool(self.flag(body, "required", _join(at, "required"))),
+                default=body.get("default"),
+                description=self.text(body, "description", _join(at, "description")),
+                values=tuple(values) if isinstance(values, list) else None)
+        return out
 
     def context(self, data: Any) -> dict[str, Any]:
         if data is None:
@@ -400,9 +554,63 @@ class _Parser:
         spec.timeout = self.number(data, "timeout", "llm.timeout", positive=True) or 120.0
         return spec
 
-    def states(self, data: Any) -> dict[str, StateSpec]:
+    def flow(self, flow: Any, defs: Any) -> Located | None:
+        """Expand `flow:` (little-loops' linear shorthand) into a states mapping.
+
+        Each entry is a state name (`next:` the following entry) or a branch
+        `name?yes_state:no_state` (`on_yes`/`on_no`); the last entry is
+        terminal. `state_defs:` bodies are deep-merged into the generated states.
+        """
+        if not isinstance(flow, list) or not flow:
+            self.error("flow", f"expected a non-empty list of state names, got {_kind(flow)}")
+            return None
+        if defs is not None and not isinstance(defs, Mapping):
+            self.error("state_defs", f"expected a mapping of state name -> state, "
+                                     f"got {_kind(defs)}")
+            defs = None
+        if isinstance(defs, Mapping):
+            self.note_lines("state_defs", defs)
+        line = self.lines.get("flow")
+        names = [e.partition("?")[0].strip() if isinstance(e, str) else "" for e in flow]
+        out = Located()
+        out.line = line
+        for i, entry in enumerate(flow):
+            where = f"flow.{i}"
+            name = names[i]
+            if not name:
+                self.error(where, f"expected a state name, got {_show(entry)}")
+                continue
+            if name in out:
+                self.error(where, f"state '{name}' appears twice in flow")
+                continue
+            body = Located()
+            body.line = line
+            _, branch, targets = str(entry).partition("?")
+            if branch:
+                yes, colon, no = (t.strip() for t in targets.partition(":"))
+                if not colon or not yes or not no:
+                    self.error(where, f"{_show(entry)}: a branch is written "
+                                      "name?yes_state:no_state")
+                    continue
+                body.update(on_yes=yes, on_no=no)
+            elif i + 1 < len(flow) and names[i + 1]:
+                body["next"] = names[i + 1]
+            if i == len(flow) - 1:
+                body["terminal"] = True
+            if defs is not None and name in defs and isinstance(defs[name], Mapping):
+                body = deep_merge(body, defs[name])
+            out[name] = body
+            out.key_lines[name] = (defs.key_lines.get(name) if isinstance(defs, Located)
+                                   else None) or line or 1
+        unused = [k for k in (defs or {}) if str(k) not in out]
+        for key in unused:
+            self.warn(f"state_defs.{key}", f"'{key}' is not in flow (ignored)")
+        return out
+
+    def states(self, data: Any, *, flow: bool = False) -> dict[str, StateSpec]:
         if data is None:
-            self.error("states", "missing 'states' (a mapping of state name -> state)")
+            if not flow:
+                self.error("states", "missing 'states' (a mapping of state name -> state)")
             return {}
         if not isinstance(data, Mapping) or not data:
             self.error("states", "expected a non-empty mapping of state name -> state, "
@@ -442,6 +650,9 @@ class _Parser:
                     self.warn(_join(where, key), "'on_' names no verdict (ignored)")
                 elif target is not None:
                     spec.on[verdict] = target
+            elif key in _LEFT_OUT_STATE_KEYS:
+                self.warn(_join(where, key), f"'{key}': {_LEFT_OUT_STATE_KEYS[key]} is not "
+                                             "supported here (ignored)")
             elif key not in _STATE_KEYS:
                 self.warn(_join(where, key), f"unknown state key '{key}' (ignored)")
         for alias, verdict in (("on_success", "yes"), ("on_failure", "no")):
@@ -463,6 +674,11 @@ class _Parser:
         if "next" in data:
             spec.next = self.state_name(data["next"], _join(where, "next"))
         spec.terminal = bool(self.flag(data, "terminal", _join(where, "terminal")))
+        failure = self.flag(data, "failure", _join(where, "failure"))
+        if failure and not spec.terminal:
+            self.warn(_join(where, "failure"), "failure only matters on a terminal state")
+        spec.failure = spec.terminal and (failure if failure is not None
+                                          else name in FAILURE_NAMES)
         capture = self.text(data, "capture", _join(where, "capture"))
         if capture is not None and not _NAME.match(capture):
             self.error(_join(where, "capture"), f"{capture!r} is not a valid capture name")
@@ -476,6 +692,17 @@ class _Parser:
         spec.loop = self.text(data, "loop", _join(where, "loop"))
         spec.context_passthrough = bool(
             self.flag(data, "context_passthrough", _join(where, "context_passthrough")))
+        with_ = data.get("with")
+        if with_ is not None and not isinstance(with_, Mapping):
+            self.error(_join(where, "with"), f"expected a mapping of parameter -> value, "
+                                             f"got {_kind(with_)}")
+        elif with_ is not None:
+            self.note_lines(_join(where, "with"), with_)
+            spec.with_ = {str(k): v for k, v in with_.items()}
+        if "fragment_name" in data:
+            spec.fragment = str(data["fragment_name"])
+            spec.fragment_params = self.parameters(data.get("fragment_parameters"),
+                                                   _join(where, "fragment_parameters"))
         params = data.get("params")
         if params is not None:
             if isinstance(params, Mapping):
@@ -486,7 +713,8 @@ class _Parser:
         if "route" in data:
             spec.route = self.route(data["route"], _join(where, "route"))
         if "evaluate" in data:
-            spec.evaluate = self.evaluate(data["evaluate"], _join(where, "evaluate"))
+            spec.evaluate = self.evaluate(data["evaluate"], _join(where, "evaluate"),
+                                          default=_DEFAULT_EVALUATOR.get(spec.mode))
         return spec
 
     def route(self, data: Any, where: str) -> RouteSpec | None:
@@ -508,20 +736,31 @@ class _Parser:
                 spec.table[verdict] = target
         return spec
 
-    def evaluate(self, data: Any, where: str) -> EvaluateSpec | None:
+    def evaluate(self, data: Any, where: str, *, default: str | None = None,
+                 ) -> EvaluateSpec | None:
         if isinstance(data, str):
             data = {"type": data}
         if not isinstance(data, Mapping):
             self.error(where, f"expected a mapping with a 'type', got {_kind(data)}")
             return None
         self.note_lines(where, data)
-        self.unknown_keys(data, _EVALUATE_KEYS, where, "evaluate")
+        if str(data.get("type")) not in LEFT_OUT_EVALUATORS:
+            self.unknown_keys(data, _EVALUATE_KEYS, where, "evaluate")
         kind = self.text(data, "type", _join(where, "type"))
+        if kind is None and "type" not in data:
+            # little-loops: the action type's default evaluator.
+            kind = default
+            if kind is None:
+                self.error(_join(where, "type"), "missing 'type' (a state without a shell, "
+                                                 "prompt or mcp_tool action has no default; "
+                                                 f"one of: {', '.join(EVALUATORS)})")
+                return None
         if kind is None:
-            if "type" not in data:
-                self.error(_join(where, "type"),
-                           f"missing 'type' (one of: {', '.join(EVALUATORS)})")
             return None
+        if kind in LEFT_OUT_EVALUATORS:
+            self.warn(_join(where, "type"), f"'{kind}': {LEFT_OUT_EVALUATORS[kind]} is not "
+                                            "supported here (a run judges it 'error')")
+            return EvaluateSpec(type=kind)
         if kind not in EVALUATORS:
             self.error(_join(where, "type"),
                        f"unknown evaluator '{kind}' (known: {', '.join(EVALUATORS)})")
@@ -544,6 +783,26 @@ class _Parser:
         elif direction is not None:
             spec.direction = direction
         spec.negate = bool(self.flag(data, "negate", _join(where, "negate")))
+        scope = data.get("scope")
+        if isinstance(scope, str):
+            scope = [scope]
+        if scope is not None and (not isinstance(scope, list)
+                                  or not all(isinstance(p, str) for p in scope)):
+            self.error(_join(where, "scope"), f"expected a list of paths, got {_kind(scope)}")
+        elif scope is not None:
+            spec.scope = tuple(scope)
+        max_stall = self.integer(data, "max_stall", _join(where, "max_stall"), 1)
+        if max_stall is not None:
+            spec.max_stall = max_stall
+        patterns = data.get("error_patterns")
+        if isinstance(patterns, str):
+            patterns = [patterns]
+        if patterns is not None and (not isinstance(patterns, list) or not all(
+                isinstance(p, (str, int, float)) and not isinstance(p, bool) for p in patterns)):
+            self.error(_join(where, "error_patterns"),
+                       f"expected a list of text, got {_kind(patterns)}")
+        elif patterns is not None:
+            spec.error_patterns = tuple(str(p) for p in patterns)
         spec.uncertain_suffix = bool(
             self.flag(data, "uncertain_suffix", _join(where, "uncertain_suffix")))
         confidence = self.number(data, "min_confidence", _join(where, "min_confidence"),
@@ -557,6 +816,31 @@ class _Parser:
         elif schema is not None:
             spec.schema = dict(schema)
         return spec
+
+
+#: The evaluator a state gets when `evaluate:` names no type (little-loops' defaults).
+_DEFAULT_EVALUATOR = {"shell": "exit_code", "prompt": "llm_structured",
+                      "mcp_tool": "mcp_result"}
+
+
+def deep_merge(base: Mapping[Any, Any], over: Mapping[Any, Any]) -> Located:
+    """`over` merged into `base`: mappings merge key by key, anything else is replaced.
+
+    Key lines are kept from whichever side supplied the key (`over` wins).
+    """
+    out = Located()
+    out.line = getattr(over, "line", None) or getattr(base, "line", None)
+    for source in (base, over):
+        lines = getattr(source, "key_lines", {})
+        for key, value in source.items():
+            if source is over and isinstance(value, Mapping) and isinstance(out.get(key),
+                                                                            Mapping):
+                out[key] = deep_merge(out[key], value)
+            else:
+                out[key] = value
+            if key in lines:
+                out.key_lines[key] = lines[key]
+    return out
 
 
 def parse_loop(data: Any, *, file: str = "", default_name: str = "loop",

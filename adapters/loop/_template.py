@@ -6,24 +6,28 @@ Syntax::
     ${captured.lint.output?}      `?`: missing -> empty string
     ${env.HOME:default=/root}     `:default=VALUE` (takes the rest, up to `}`)
     ${captured.msg.output:raw}    `:raw`: insert into a shell action unquoted
+    ${context.file:shell}         `:shell`: the value shell-quoted (little-loops);
+                                  in a shell action, one word wherever words are read
     $${HOME}                      a literal `${HOME}` (for the shell)
 
 Namespaces: context, captured (NAME.output|stderr|exit_code|duration_ms),
 prev (output|stderr|exit_code|duration_ms|state), result (verdict|details.*),
 state (name|iteration), loop (name|elapsed_ms|elapsed|started_at|dir|file|
-run_id), env.
+run_id), env, param (a fragment's parameters, bound by the state's `with:`).
 
 **Shell actions never parse an interpolated value.** `render_shell` does
 not paste values into the command text (where quoting mistakes become
 injection); it passes each value to bash as an environment variable and
-writes a quoted *reference* to it ("${KLOOP_1}") at the placeholder. The
+writes a quoted *reference* to it ("${KLOOP_1}") at the placeholder (a
+quoted heredoc body, where nothing expands, gets the value itself: it is
+data there, and a value that would end the body early is refused). The
 shell expands a parameter without re-reading it as syntax, so a captured
 `a'; touch INJECTED; echo '` stays one argument. The reference is written
 to suit the quoting context it lands in (a small scanner tracks quotes,
 `$(...)`, backquotes, comments and heredocs), and a wrong guess costs at
-worst word splitting, never execution: the value is not in the text. One
-place cannot take a reference and is refused by validation: a quoted
-heredoc body (nothing is expanded there). `:raw` opts out (validation
+worst word splitting, never execution: the value is not in the text. A
+quoted heredoc inside backquotes is refused (backquotes re-read their
+text). `:raw` opts out (validation
 warns). Large values go through a file instead of the environment (see
 `spill`).
 
@@ -44,10 +48,10 @@ import os
 import re
 import shlex
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-NAMESPACES = ("context", "captured", "prev", "result", "state", "loop", "env")
+NAMESPACES = ("context", "captured", "prev", "result", "state", "loop", "env", "param")
 
 #: The fields a capture (and `prev`) holds.
 CAPTURE_FIELDS = ("output", "stderr", "exit_code", "duration_ms")
@@ -85,6 +89,7 @@ class Placeholder:
     default: str | None = None
     optional: bool = False
     raw: bool = False
+    shell: bool = False
 
     @property
     def name(self) -> str:
@@ -131,7 +136,7 @@ def _placeholder(source: str) -> Placeholder:
     inner = source[2:-1]
     var, _, rest = inner.partition(":")
     default: str | None = None
-    raw = False
+    raw = shell = False
     while rest:
         if rest.startswith("default="):
             default = rest[len("default="):]
@@ -139,9 +144,13 @@ def _placeholder(source: str) -> Placeholder:
         mod, _, rest = rest.partition(":")
         if mod == "raw":
             raw = True
+        elif mod == "shell":
+            shell = True
         else:
-            raise TemplateError(
-                f"unknown modifier ':{mod}' in {source} (known: ':default=VALUE', ':raw')")
+            raise TemplateError(f"unknown modifier ':{mod}' in {source} "
+                                "(known: ':default=VALUE', ':raw', ':shell')")
+    if raw and shell:
+        raise TemplateError(f"{source}: ':raw' and ':shell' contradict each other")
     var = var.strip()
     optional = var.endswith("?")
     if optional:
@@ -155,7 +164,8 @@ def _placeholder(source: str) -> Placeholder:
                             f"(known: {', '.join(NAMESPACES)}){hint}")
     if not path or any(not part for part in path.split(".")):
         raise TemplateError(f"{source} needs a path after '{namespace}.'")
-    return Placeholder(source, namespace, tuple(path.split(".")), default, optional, raw)
+    return Placeholder(source, namespace, tuple(path.split(".")), default, optional, raw,
+                       shell)
 
 
 def placeholders(template: str) -> list[Placeholder]:
@@ -182,6 +192,7 @@ class Namespaces:
     state: Mapping[str, Any]
     loop: Mapping[str, Any]
     env: Mapping[str, str]
+    param: Mapping[str, Any] = field(default_factory=dict)
 
 
 def lookup(ph: Placeholder, ns: Namespaces) -> Any:
@@ -213,8 +224,29 @@ def lookup(ph: Placeholder, ns: Namespaces) -> Any:
     return current
 
 
+class StandIn(dict[str, Any]):
+    """For dry runs: a mapping that has every key, missing ones reading `<namespace.path>`.
+
+    A dry run walks a loop without the values a real run would have (context
+    from --context, captures of simulated or skipped states, `prev` before any
+    action); these stand-ins keep the walk going and show what was missing.
+    """
+
+    def __init__(self, name: str, values: Mapping[str, Any] | None = None) -> None:
+        super().__init__(values or {})
+        self.name = name
+
+    def __contains__(self, key: object) -> bool:
+        return True
+
+    def __missing__(self, key: str) -> Any:
+        return StandIn(f"{self.name}.{key}")
+
+
 def to_text(value: Any) -> str:
     """How a value reads when interpolated: None -> '', bools lower-case, containers as JSON."""
+    if isinstance(value, StandIn) and not dict.__len__(value):
+        return f"<{value.name}>"
     if value is None:
         return ""
     if isinstance(value, bool):
@@ -227,15 +259,17 @@ def to_text(value: Any) -> str:
 
 
 def value_of(ph: Placeholder, ns: Namespaces) -> str:
-    """The text `ph` stands for, applying `:default=` and `?`."""
+    """The text `ph` stands for, applying `:default=`, `?` and `:shell` (shell-quoted)."""
     try:
-        return to_text(lookup(ph, ns))
+        text = to_text(lookup(ph, ns))
     except MissingVariable:
         if ph.default is not None:
-            return ph.default
-        if ph.optional:
-            return ""
-        raise
+            text = ph.default
+        elif ph.optional:
+            text = ""
+        else:
+            raise
+    return shlex.quote(text) if ph.shell else text
 
 
 def render(template: str, ns: Namespaces) -> str:
@@ -275,7 +309,7 @@ class ShellCommand:
 
 # The quoting contexts the scanner distinguishes, and what a reference looks
 # like in each. "heredoc_q" (a quoted heredoc body) expands nothing, so no
-# reference can work there; validation refuses it.
+# reference can work there: the value is written in (see `render_shell`).
 _REFERENCE = {
     "top": '"${{{0}}}"',
     "sub": '"${{{0}}}"',
@@ -312,10 +346,13 @@ class Hole:
             `(( ))`, `$[ ]`, `let`, `declare -i`, a `[[ ]]` numeric test, an
             array subscript, a `${var:offset}`), where a value like
             `a[$(cmd)]` would run `cmd`.
+        body: For a quoted heredoc ("heredoc_q"), which body it is in (an index
+            into `Scan.bodies`).
     """
 
     kind: str
     arith: bool = False
+    body: int | None = None
 
 
 def shell_contexts(segments: list[Segment]) -> list[str]:
@@ -325,8 +362,22 @@ def shell_contexts(segments: list[Segment]) -> list[str]:
 
 def shell_holes(segments: list[Segment]) -> list[Hole]:
     """Where each placeholder of a shell template stands, in order."""
-    text = "".join(s if isinstance(s, str) else _HOLE for s in segments)
-    return _Scanner(text).run()
+    return _scan(segments).found
+
+
+@dataclass(frozen=True, slots=True)
+class QuotedBody:
+    """A quoted heredoc's body (holes as NUL characters) and how it ends."""
+
+    text: str
+    delimiter: str
+    strip_tabs: bool
+
+
+def _scan(segments: list[Segment]) -> _Scanner:
+    scanner = _Scanner("".join(s if isinstance(s, str) else _HOLE for s in segments))
+    scanner.run()
+    return scanner
 
 
 class _Scanner:
@@ -346,7 +397,8 @@ class _Scanner:
         # Each frame: [kind, depth, start]; `start` is where the current simple
         # command began (code frames), the `[[` (cond) or the `${` (param).
         self.stack: list[list[Any]] = [[kind, 0, 0]]
-        self.heredocs: list[tuple[str, bool, bool]] = []
+        self.heredocs: list[tuple[str, bool, bool, bool]] = []
+        self.bodies: list[QuotedBody] = []
 
     def run(self) -> list[Hole]:
         text, i, n = self.text, 0, len(self.text)
@@ -571,7 +623,8 @@ class _Scanner:
                 word.append(ch)
                 i += 1
         if word:
-            self.heredocs.append(("".join(word), quoted, strip))
+            in_bq = any(f[0] == "bq" for f in self.stack)
+            self.heredocs.append(("".join(word), quoted, strip, in_bq))
         return i
 
     def _newline(self, i: int) -> int:
@@ -579,7 +632,7 @@ class _Scanner:
         i += 1
         text, n = self.text, len(self.text)
         while self.heredocs and i <= n:
-            delim, quoted, strip = self.heredocs.pop(0)
+            delim, quoted, strip, in_bq = self.heredocs.pop(0)
             body_start = i
             body_end = n
             while i < n:
@@ -594,27 +647,40 @@ class _Scanner:
             else:
                 body_end = n
             body = text[body_start:body_end]
-            if quoted:
-                self.found.extend([Hole("heredoc_q")] * body.count(_HOLE))
+            if quoted and in_bq:
+                # Backquotes re-read their text: a value could end them.
+                self.found.extend([Hole("heredoc_q_bq")] * body.count(_HOLE))
+            elif quoted:
+                self.bodies.append(QuotedBody(body, delim, strip))
+                self.found.extend([Hole("heredoc_q", body=len(self.bodies) - 1)]
+                                  * body.count(_HOLE))
             else:
                 self.found.extend(_Scanner(body, "heredoc").run())
         return i
 
 
-def render_shell(template: str, ns: Namespaces) -> ShellCommand:
+def render_shell(template: str, ns: Namespaces, *, checked: bool = True) -> ShellCommand:
     """Interpolate a shell action: values travel as environment variables, never as text.
 
     A value where bash evaluates arithmetic must be a plain integer (digits,
     an optional sign, surrounding whitespace): anything else raises
-    `UnsafeValue` and the action does not run.
+    `UnsafeValue` and the action does not run. `checked=False` (dry runs,
+    which run nothing and show stand-in values) skips the value checks.
+
+    In a quoted heredoc (`<<'EOF'`) nothing is expanded, so the value is
+    written into the body itself: the shell reads it as data, and a value
+    containing the delimiter line is refused.
 
     Raises:
         MissingVariable: a variable without value or default.
-        UnsafeValue: a value that is not an integer in an arithmetic context.
-        TemplateError: a placeholder inside a quoted heredoc.
+        UnsafeValue: a value that is not an integer in an arithmetic context, or
+            that would end a quoted heredoc.
+        TemplateError: a placeholder inside a quoted heredoc inside backquotes.
     """
     segments = parse(template)
-    holes = iter(shell_holes(segments))
+    scan = _scan(segments)
+    holes = iter(scan.found)
+    pasted: dict[int, list[tuple[Placeholder, str]]] = {}
     command: list[str] = []
     display: list[str] = []
     env: dict[str, str] = {}
@@ -625,24 +691,55 @@ def render_shell(template: str, ns: Namespaces) -> ShellCommand:
             continue
         hole = next(holes, Hole("top"))
         context = hole.kind
+        if seg.shell and context in ("top", "sub", "bq", "arith"):
+            # Where the shell reads words, the quoted reference already makes the
+            # value one word, which is what `:shell`'s quoting is for.
+            seg = replace(seg, shell=False)
         value = value_of(seg, ns).replace("\x00", "")
         quoted = seg.raw or context not in ("top", "sub", "bq", "arith")
         display.append(_clip(value) if quoted else shlex.quote(_clip(value)))
         if seg.raw:
             command.append(value)
             continue
-        if context == "heredoc_q":
+        if context == "heredoc_q_bq":
             raise TemplateError(
-                f"{seg.source} is inside a quoted heredoc, where nothing is expanded; "
-                "use an unquoted heredoc (<<EOF) or :raw")
-        if hole.arith and not _INTEGER.fullmatch(value):
+                f"{seg.source} is inside a quoted heredoc inside backquotes, which re-read "
+                "their text; use $(...) instead of backquotes")
+        if context == "heredoc_q" and hole.body is not None:
+            # A quoted heredoc body is data to the shell: the value is written
+            # in (as little-loops does), once it is known not to end the body.
+            pasted.setdefault(hole.body, []).append((seg, value))
+            command.append(value)
+            continue
+        if checked and hole.arith and not _INTEGER.fullmatch(value):
             raise UnsafeValue(
                 f"{seg.source} stands where bash evaluates arithmetic, and its value "
                 f"{_excerpt(value)} is not a plain integer; the action was not run")
         var = f"{ENV_PREFIX}{len(env) + 1}"
         env[var] = value
         command.append(_REFERENCE[context].format(var))
+    for index, values in pasted.items():
+        if checked:
+            _check_body(scan.bodies[index], values)
     return ShellCommand("".join(command), env, "".join(display))
+
+
+def _check_body(body: QuotedBody, values: list[tuple[Placeholder, str]]) -> None:
+    """Refuse values that would end a quoted heredoc early (a line equal to its delimiter).
+
+    The body is rebuilt with the values written in; bash ends the heredoc at
+    the first line equal to the delimiter (after leading tabs, for `<<-`), so
+    no line of the rebuilt body may be one, however the value's lines join
+    the text around them.
+    """
+    parts = body.text.split(_HOLE)
+    text = parts[0] + "".join(value + part for (_, value), part in zip(values, parts[1:],
+                                                                       strict=False))
+    for line in text.split("\n"):
+        if (line.lstrip("\t") if body.strip_tabs else line) == body.delimiter:
+            names = ", ".join(ph.source for ph, _ in values)
+            raise UnsafeValue(f"{names}: the value would end the quoted heredoc early (a line "
+                              f"reading {body.delimiter!r}); the action was not run")
 
 
 #: A value up to this many bytes travels in bash's environment; a larger one,

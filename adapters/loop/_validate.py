@@ -20,10 +20,15 @@ from typing import Any
 from kernel import ConfigError
 
 from . import _template as tpl
+from ._compose import Composer, find_loop_file
 from ._spec import CURRENT, LoopSpec, Problem, Severity, StateSpec, parse_loop
 from ._yaml import YamlError, load_yaml
 
 MAX_FILE_BYTES = 1 << 20
+
+#: Context variables the runner provides (as little-loops' runner does): `run_dir`,
+#: a per-run directory; `max_steps`, the step limit.
+RUNNER_CONTEXT = ("run_dir", "max_steps")
 
 
 class LoopFileError(ConfigError):
@@ -53,6 +58,8 @@ class Report:
 
     spec: LoopSpec | None
     problems: list[Problem] = field(default_factory=list)
+    #: Context variables the loop uses that neither the file nor the caller defines.
+    missing_context: set[str] = field(default_factory=set)
 
     @property
     def errors(self) -> list[Problem]:
@@ -113,12 +120,30 @@ def _check(path: Path, context: dict[str, Any], required: bool,
     except YamlError as exc:
         msg = f"YAML syntax error: {exc.message}" if exc.syntax else exc.message
         return Report(None, [Problem("error", "", msg, shown, exc.line, exc.column)])
+    composer = Composer(path, _read_yaml)
+    data = composer.resolve(data)
     spec, problems = parse_loop(data, file=shown, default_name=path.stem)
+    problems[:0] = composer.problems
     if spec is None:
         return Report(None, problems)
-    _Checker(spec, problems, path, context, required, stack).run()
+    checker = _Checker(spec, problems, path, context, required, stack)
+    checker.run()
     problems.sort(key=lambda p: (p.line or 0))
-    return Report(spec, problems)
+    return Report(spec, problems, checker.missing)
+
+
+def _read_yaml(path: Path) -> tuple[Any, str | None]:
+    """A YAML file another loop names (from:, import:): (data, None) or (None, why not)."""
+    raw = _read_bounded(path)
+    if isinstance(raw, str):
+        return None, f"{path}: {raw}"
+    try:
+        return load_yaml(raw.decode("utf-8")), None
+    except UnicodeDecodeError as exc:
+        return None, f"{path}: not UTF-8 text (byte {exc.start})"
+    except YamlError as exc:
+        where = f"{path}:{exc.line}" if exc.line else str(path)
+        return None, f"{where}: {exc.message}"
 
 
 def _read_bounded(path: Path) -> bytes | str:
@@ -176,8 +201,12 @@ class _Checker:
         self.context = context
         self.required = required
         self.stack = (*stack, path.resolve())
+        self.missing: set[str] = set()
         self.captures = {s.capture for s in spec.states.values() if s.capture}
-        self.captures |= {s.name for s in spec.states.values() if s.loop is not None}
+        self.subloop_states = {s.name for s in spec.states.values() if s.loop is not None}
+        self.subloop_states |= {s.capture for s in spec.states.values()
+                                if s.loop is not None and s.capture}
+        self.captures |= self.subloop_states
 
     def add(self, severity: Severity, where: str, message: str) -> None:
         self.problems.append(Problem(severity, where, message, self.spec.path,
@@ -202,6 +231,7 @@ class _Checker:
 
     def state(self, st: StateSpec, names: list[str]) -> None:
         where = f"states.{st.name}"
+        self.current = st
         for key, target in st.targets():
             if target == CURRENT or "${" in target:
                 if "${" in target:
@@ -221,8 +251,9 @@ class _Checker:
         elif not (st.next or st.route or st.on or self.spec.maintain or _signals(st.action)):
             self.add("warning", where, "no transition out (no next, route or on_*): the run "
                                        "ends 'error' after this state unless its output signals")
-        if st.next is not None and (st.route is not None or st.on):
-            self.add("warning", f"{where}.next", "'next' wins: route/on_* keys are never used")
+        if st.next is not None and (st.route is not None or set(st.on) - {"error"}):
+            self.add("warning", f"{where}.next", "'next' wins: route/on_* keys other than "
+                                                 "on_error are never used")
         if st.action_type is not None and st.action is None:
             self.add("warning", f"{where}.action_type", "action_type without an action")
         if st.params and st.mode != "mcp_tool":
@@ -250,6 +281,21 @@ class _Checker:
                                            "always 'yes', and no route takes it")
         if st.loop is not None:
             self.subloop(st, f"{where}.loop")
+        elif st.fragment is not None:
+            for key, value in st.with_.items():
+                if isinstance(value, str):
+                    self.template(value, f"{where}.with.{key}", shell=False)
+            unknown = [k for k in st.with_ if st.fragment_params and k not in st.fragment_params]
+            for key in unknown:
+                self.add("error", f"{where}.with.{key}", f"fragment '{st.fragment}' declares no "
+                                                         f"parameter '{key}'")
+            for key, spec in st.fragment_params.items():
+                if spec.required and key not in st.with_ and spec.default is None:
+                    self.add("error", f"{where}.with", f"fragment '{st.fragment}' requires "
+                                                       f"parameter '{key}': bind it in 'with:'")
+        elif st.with_:
+            self.add("warning", f"{where}.with", "'with' binds parameters of a fragment or a "
+                                                 "sub-loop; this state has neither")
         self.verdicts_routed(st, where)
 
     def verdicts_routed(self, st: StateSpec, where: str) -> None:
@@ -259,6 +305,8 @@ class _Checker:
         kind = st.evaluate.type if st.evaluate else _DEFAULT_EVALUATOR.get(st.mode)
         gives = _VERDICTS.get(kind or "")
         routed = set(st.on) | (set(st.route.table) if st.route else set())
+        if "error" in st.on or (st.route and st.route.error):
+            routed.add("no")  # a `no` without its own route goes where errors go
         if gives is None or not routed or routed & gives:
             return
         self.add("warning", where, f"routes none of the verdicts {kind} gives "
@@ -326,9 +374,9 @@ class _Checker:
                                        "containing shell syntax will run as code")
         elif ph.raw:
             self.add("warning", where, f":raw in {ph.source} only matters in shell actions")
-        if shell and not ph.raw and context == "heredoc_q":
-            self.add("error", where, f"{ph.source} is inside a quoted heredoc, where nothing is "
-                                     "expanded; use an unquoted heredoc (<<EOF)")
+        if shell and not ph.raw and context == "heredoc_q_bq":
+            self.add("error", where, f"{ph.source} is inside a quoted heredoc inside "
+                                     "backquotes, which re-read their text; use $(...)")
         if shell and spot.arith:
             how = ("is pasted unquoted (:raw) into shell arithmetic, which runs "
                    "a value like a[$(cmd)]" if ph.raw else
@@ -337,15 +385,28 @@ class _Checker:
             self.add("warning", where, f"{ph.source} {how}")
         fallback = ph.default is not None or ph.optional
         head = ph.path[0]
-        if ph.namespace == "context":
-            if head not in self.spec.context and head not in self.context and not fallback:
+        if ph.namespace == "param":
+            st = self.current
+            declared = set(st.fragment_params) | (set(st.with_) if st.fragment else set())
+            if head not in declared and not fallback:
+                known = ", ".join(sorted(declared)) or "none"
+                self.add("error", where, f"{ph.source}: state '{st.name}' has no parameter "
+                                         f"'{head}' (its fragment's parameters and with: "
+                                         f"bindings: {known})")
+        elif ph.namespace == "context":
+            param_spec = self.spec.parameters.get(head)
+            if head not in self.spec.context and head not in self.context and not fallback \
+                    and head not in RUNNER_CONTEXT \
+                    and (param_spec is None or param_spec.default is None):
+                self.missing.add(head)
                 msg = (f"context variable '{head}' is not defined (pass --context "
                        f"{head}=VALUE, or add it under 'context:')")
                 self.add("error" if self.required else "warning", where, msg)
         elif ph.namespace == "captured":
             if head not in self.captures and not fallback:
                 self.add("warning", where, f"no state captures '{head}' (capture: {head})")
-            if len(ph.path) == 2 and ph.path[1] not in tpl.CAPTURE_FIELDS:
+            if len(ph.path) == 2 and ph.path[1] not in tpl.CAPTURE_FIELDS \
+                    and head not in self.subloop_states and not fallback:
                 self.add("error", where, f"{ph.source}: a capture has "
                                          f"{', '.join(tpl.CAPTURE_FIELDS)}")
         elif ph.namespace == "prev" and head not in tpl.PREV_FIELDS:
@@ -360,8 +421,9 @@ class _Checker:
     def subloop(self, st: StateSpec, where: str) -> None:
         assert st.loop is not None
         if "${" in st.loop:
-            self.add("error", where, "a sub-loop path cannot use variables (it is checked "
-                                     "before the run)")
+            self.template(st.loop, where, shell=False)
+            self.add("warning", where, "the sub-loop is chosen at run time: it is checked "
+                                       "when it starts (a dry run simulates it)")
             return
         child_path = resolve_subloop(self.path, st.loop)
         if child_path is None:
@@ -373,12 +435,30 @@ class _Checker:
             self.add("error", where, f"sub-loops form a cycle: {chain}")
             return
         given: dict[str, Any] = {}
+        if st.context_passthrough and st.with_:
+            self.add("error", where, "'with' and 'context_passthrough' exclude each other")
         if st.context_passthrough:
-            given = {**self.spec.context, **self.context, **{c: {} for c in self.captures}}
+            given = {**self.spec.context, **self.context, **{c: "" for c in self.captures}}
+        elif st.with_:
+            given = dict.fromkeys(st.with_, "")
         report = _check(child_path, given, self.required, self.stack)
         for p in report.errors:
             self.add("error", where, f"in sub-loop: {p}")
         st.child = report.spec if report.ok else None
+        if report.spec is not None and not st.context_passthrough:
+            params = report.spec.parameters
+            for key in st.with_:
+                if params and key not in params:
+                    self.add("error", f"states.{st.name}.with.{key}",
+                             f"the sub-loop declares no parameter '{key}' (it declares: "
+                             f"{', '.join(params)})")
+            for key, spec in params.items():
+                if spec.required and key not in st.with_ and spec.default is None:
+                    self.add("error", f"states.{st.name}.with",
+                             f"the sub-loop requires parameter '{key}': bind it in 'with:'")
+        for key, value in st.with_.items():
+            if isinstance(value, str):
+                self.template(value, f"states.{st.name}.with.{key}", shell=False)
 
     # -- the whole machine
 
@@ -410,22 +490,17 @@ class _Checker:
 _VERDICTS = {
     "exit_code": {"yes", "no"}, "output_contains": {"yes", "no"},
     "output_numeric": {"yes", "no"}, "output_json": {"yes", "no"},
-    "convergence": {"target", "progress", "stall"}, "mcp_result": {"yes", "no"},
-    "loop": {"yes", "no"},
+    "convergence": {"target", "progress", "stall"},
+    "mcp_result": {"yes", "no", "success", "tool_error", "not_found", "timeout"},
+    "loop": {"yes", "no"}, "diff_stall": {"yes", "no"},
 }
 _DEFAULT_EVALUATOR = {"shell": "exit_code", "mcp_tool": "mcp_result", "loop": "loop"}
 
 
 def resolve_subloop(parent: Path, ref: str) -> Path | None:
-    """The file a state's `loop:` names: relative to the parent file, `.yaml`/`.yml` optional."""
-    base = Path(ref).expanduser()
-    if not base.is_absolute():
-        base = parent.parent / base
-    for candidate in (base, base.with_name(base.name + ".yaml"),
-                      base.with_name(base.name + ".yml")):
-        if candidate.is_file():
-            return candidate
-    return None
+    """The file a state's `loop:` names: relative to the parent file (then the directories
+    above it, as little-loops falls back to its catalogue), `.yaml`/`.yml` optional."""
+    return find_loop_file(parent.parent, ref)
 
 
 def _signals(action: str | None) -> bool:

@@ -28,8 +28,10 @@ Errors (exit 2): a path that is not a regular file or is over 1 MiB (checked
 before reading), YAML whose aliases expand past 4 MiB or refer to themselves,
 malformed YAML or keys, unknown route targets, a missing or
 unknown initial state, evaluators missing parameters, bad ${...} templates,
-broken sub-loops. Warnings (exit 0): unknown keys, unreachable states, raw
-(unquoted) shell insertion, context variables that must come from --context.
+broken sub-loops, from:/import:/fragment: that cannot be resolved. Warnings
+(exit 0): unknown keys, little-loops features left out (named), unreachable
+states, raw (unquoted) shell insertion, values used in shell arithmetic,
+context variables that must come from --context.
 """
 
 
@@ -51,7 +53,8 @@ def build_loop(path: str, context: Mapping[str, str], *, scenario: str | None = 
         path: The loop file.
         context: `--context KEY=VALUE` pairs; they override the file's `context`.
         scenario: Dry-run results (all-pass | all-fail | all-error | first-fail |
-            alternating); None asks on a terminal.
+            alternating); None asks on a terminal. A dry run fills context the loop
+            lacks (and empty `required_inputs`) with `<name>` placeholders.
         judge: Where `llm_structured` verdicts come from (the LLM adapter);
             None makes those evaluations `error` verdicts saying so.
         on_line: Called with ("stdout" | "stderr", line) for every action output line.
@@ -73,11 +76,25 @@ def build_loop(path: str, context: Mapping[str, str], *, scenario: str | None = 
 
     if scenario is not None and scenario not in SCENARIOS:
         raise ConfigError(f"unknown --scenario {scenario!r} (choose from {', '.join(SCENARIOS)})")
-    report = check_loop(path, context=context, context_required=True)
+    dry = scenario is not None
+    context = dict(context)
+    # A dry run executes nothing: context it lacks is a placeholder, not an error.
+    report = check_loop(path, context=context, context_required=not dry)
     if not report.ok or report.spec is None:
         raise _LoopFileError(report.problems)
     spec = report.spec
-    warnings = [f"warning: {p}" for p in report.warnings]
+    if dry and report.missing_context:
+        for name in sorted(report.missing_context):
+            context[name] = f"<{name}>"
+    missing = [k for k in spec.required_inputs if not str(context.get(k, spec.context.get(
+        k, "")) or "")]
+    if missing and dry:
+        context.update({k: f"<{k}>" for k in missing})
+    elif missing:
+        raise ConfigError(f"{path}: loop '{spec.name}' requires input '{missing[0]}' "
+                          f"(required_inputs): pass --context {missing[0]}=VALUE")
+    warnings = [f"warning: {p}" for p in report.warnings if not (
+        dry and "is not defined (pass --context" in p.message)]
     if warn is not None:
         for line in warnings:
             warn(line)

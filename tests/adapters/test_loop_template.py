@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -163,10 +164,26 @@ class TestShellReferences:
                                namespaces(context={"x": "two words"}))
         assert cmd.display == "grep 'two words' \"in two words\""
 
-    def test_a_quoted_heredoc_refuses_a_placeholder(self) -> None:
-        """Nothing expands in a quoted heredoc, so a value cannot be placed there safely."""
-        with pytest.raises(tpl.TemplateError, match="quoted heredoc"):
-            tpl.render_shell("cat <<'EOF'\n${context.x}\nEOF", namespaces())
+    def test_a_quoted_heredoc_gets_the_value_written_in(self) -> None:
+        """Nothing expands in a quoted heredoc, so the value is written into the body
+        (little-loops substitutes before the shell runs; the body is data to bash)."""
+        cmd = tpl.render_shell("cat <<'EOF'\n<${context.x}>\nEOF", namespaces())
+        assert (cmd.command, cmd.env) == ("cat <<'EOF'\n<cx>\nEOF", {})
+
+    @pytest.mark.parametrize(("template", "value"), [
+        ("cat <<'EOF'\n${context.x}\nEOF", "a\nEOF\ntouch INJECTED"),
+        ("cat <<'EOF'\nE${context.x}\nrm -rf data\nEOF", "OF"),
+        ("cat <<'EOF'\n${context.x}${context.y}\nEOF", "E"),
+        ("cat <<-'EOF'\n\t${context.x}\n\tEOF", "x\n\t\tEOF"),
+        ("cat <<\\EOF\n${context.x}\nEOF", "EOF"),
+    ])
+    def test_a_value_that_would_end_the_heredoc_is_refused(self, template: str,
+                                                           value: str) -> None:
+        """A line equal to the delimiter, however the value's lines join the text around
+        them (and after tabs, for <<-), would turn the rest of the body into code."""
+        ns = namespaces(context={"x": value, "y": "OF"})
+        with pytest.raises(tpl.UnsafeValue, match="would end the quoted heredoc early"):
+            tpl.render_shell(template, ns)
 
 
 @pytest.mark.realtime
@@ -179,6 +196,10 @@ class TestShellExecution:
         ("printf '%s\\n' \"$(printf '%s' ${context.x})\"", EVIL),
         ("printf '%s\\n' `printf '%s' ${context.x}`", "a';"),
         ("cat <<EOF\n<${context.x}>\nEOF", f"<{EVIL}>"),
+        ("cat <<'EOF'\n<${context.x}>\nEOF", f"<{EVIL}>"),
+        ("cat <<-\"EOF\"\n\t<${context.x}>\n\tEOF", f"<{EVIL}>"),
+        ("x=$(cat <<'EOF'\n<${context.x}>\nEOF\n); printf '%s\\n' \"$x\"", f"<{EVIL}>"),
+        ("cat <<EOF\n$(printf '%s' ${context.x})\nEOF", EVIL),
         ("printf '%s\\n' ${context.x} # ${context.x}", EVIL),
         ("x=${context.x}; printf '%s\\n' \"$x\"", EVIL),
     ])
@@ -326,3 +347,37 @@ class TestArithmetic:
         assert "not a plain integer" in (result.error or "")
         assert not (tmp_path / "INJECTED").exists()
         assert not (tmp_path / "RAN").exists()
+
+
+class TestShellModifier:
+    """`${x:shell}`: little-loops' explicit quoting modifier (generalized-fsm-loop.md,
+    Variable Interpolation; interpolation's `:shell` is shlex quoting)."""
+
+    def test_outside_shell_actions_it_is_the_quoted_text(self) -> None:
+        """In prompts, routes and sources the value is written shell-quoted."""
+        ns = namespaces(context={"x": EVIL})
+        assert tpl.render("run ${context.x:shell}", ns) == "run " + shlex.quote(EVIL)
+        assert tpl.render("${context.y:shell:default=two words}", ns) == "'two words'"
+
+    def test_raw_and_shell_contradict(self) -> None:
+        with pytest.raises(tpl.TemplateError, match="contradict"):
+            tpl.parse("${context.x:raw:shell}")
+
+    @pytest.mark.realtime
+    @pytest.mark.parametrize(("template", "expected"), [
+        ("printf '%s\\n' ${context.x:shell}", EVIL),
+        ("printf '%s\\n' $(printf '%s' ${context.x:shell})", "a';"),
+        ('printf \'%s\\n\' "<${context.x:shell}>"', f"<{shlex.quote(EVIL)}>"),
+        ("printf '%s\\n' '<${context.x:shell}>'", f"<{shlex.quote(EVIL)}>"),
+        ("cat <<EOF\n<${context.x:shell}>\nEOF", f"<{shlex.quote(EVIL)}>"),
+        ("x=${context.x:shell}; printf '%s\\n' \"$x\"", EVIL),
+        ("cat <<'EOF'\n<${context.x:shell}>\nEOF", f"<{shlex.quote(EVIL)}>"),
+    ])
+    def test_a_hostile_value_stays_data(self, tmp_path: Path, template: str,
+                                        expected: str) -> None:
+        """Wherever `:shell` stands, bash never runs the `touch` inside the value."""
+        cmd = tpl.render_shell(template, namespaces(context={"x": EVIL}))
+        proc = subprocess.run(["bash", "-c", cmd.command], cwd=tmp_path, capture_output=True,
+                              text=True, env={**os.environ, **cmd.env}, timeout=10)
+        assert not (tmp_path / "INJECTED").exists()
+        assert proc.stdout.splitlines()[0] == expected
