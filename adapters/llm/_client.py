@@ -11,6 +11,7 @@ attribute and sent only as the `Authorization: Bearer` header: it is not in
 from __future__ import annotations
 
 import email.utils
+import logging
 import math
 import os
 import random
@@ -27,11 +28,7 @@ from ._errors import APIError, MalformedResponse
 if TYPE_CHECKING:
     import httpx
 
-def _log() -> Any:
-    """The module's logger; structlog is imported on the first message, not at import."""
-    import structlog
-
-    return structlog.get_logger("adapters.llm")
+_log = logging.getLogger("kernel.llm")
 
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
 
@@ -268,8 +265,8 @@ class ChatClient:
                 raise APIError(
                     f"{self.display_url}: {reason}; the retry wait of {wait:.1f}s "
                     "would pass the run's deadline", status_code=status, attempts=attempt)
-            _log().warning("model call retrying", url=self.display_url, attempt=attempt,
-                        reason=reason, wait_s=round(wait, 3))
+            _log.warning("model call retrying in %.3fs (attempt %d): %s: %s", wait, attempt,
+                         self.display_url, reason)
             if on_retry is not None:
                 on_retry(Retry(attempt, reason, wait, status))
             await trio.sleep(wait)

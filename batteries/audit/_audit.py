@@ -18,6 +18,7 @@ run's result, and the rows still land once the file is free again.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from collections.abc import AsyncIterator
@@ -41,12 +42,7 @@ from ._recorder import DuckDBRecorder
 from ._store import AuditBusyError, Batch, Store
 from .paths import resolve_db_path
 
-
-def _log() -> Any:
-    """The module's logger; structlog is imported on the first message, not at import."""
-    import structlog
-
-    return structlog.get_logger("kernel.audit")
+_log = logging.getLogger("kernel.audit")
 
 
 def _import_pyarrow() -> None:
@@ -250,12 +246,11 @@ class DuckDBAudit:
         if self._retry_failures >= 2:
             self.unwritten += len(batch)
             self._retry_failures = 0
-            _log().error("audit batch dropped", path=str(self.path), events=len(batch),
-                      error=str(exc))
+            _log.error("audit batch dropped: %d events for %s: %s", len(batch), self.path, exc)
             return
         self._retry, self._retry_len = batch, len(batch)
-        _log().warning("audit flush failed; will retry", path=str(self.path), events=len(batch),
-                    error=str(exc))
+        _log.warning("audit flush failed; will retry: %d events for %s: %s", len(batch),
+                     self.path, exc)
 
     async def _shutdown(self, scope: trio.CancelScope) -> None:
         with trio.CancelScope(shield=True):
@@ -265,6 +260,6 @@ class DuckDBAudit:
             self._running = False
             if self._retry is not None:
                 self.unwritten += len(self._retry)
-                _log().error("audit events could not be written", path=str(self.path),
-                          events=len(self._retry), error=self.last_error)
+                _log.error("audit events could not be written: %d events for %s: %s",
+                           len(self._retry), self.path, self.last_error)
                 self._retry, self._retry_len = None, 0
