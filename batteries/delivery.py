@@ -4,8 +4,8 @@
 - `DirectoryDelivery` writes `<root>/<run_id>/` with `result.json`, `output.txt`
   and the run's artifacts, atomically (a reader never sees half a run).
 - `WebhookDelivery` POSTs the result as JSON, retrying 5xx / 429 / network
-  errors with capped exponential backoff and jitter (stamina), bounded in
-  attempts and total time.
+  errors with capped exponential backoff and jitter, bounded in attempts and
+  total time.
 - `FanOut` delivers to several places; one failing does not stop the others.
 
 All are observers: a failure raises `kernel.DeliveryError`, which the kernel
@@ -16,16 +16,20 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import trio
 
 from kernel import Delivery, DeliveryError, Result
+
+if TYPE_CHECKING:
+    import httpx
 
 
 def result_document(result: Result) -> dict[str, Any]:
@@ -120,64 +124,87 @@ class DirectoryDelivery:
             target.write_text(content)
 
 
-class _Retryable(Exception):
-    """A response worth retrying (5xx, 429)."""
-
-
 class WebhookDelivery:
     """POST the result as JSON to `url`, with bounded retries.
+
+    Transport errors, 429 and 5xx are retried with capped exponential backoff
+    and jitter; any other 4xx fails at once. Waits and the total bound use
+    `trio.current_time()`, so tests drive the retries under a virtual clock.
 
     Args:
         url: The endpoint.
         headers: Extra headers (e.g. an Authorization header; never logged).
         attempts: Total tries, the first included.
         timeout: Total seconds across all tries; also caps each request.
-        wait_initial, wait_max: Backoff bounds between tries (jitter is added).
+        wait_initial, wait_max: Backoff bounds between tries (up to
+            `wait_initial` of jitter is added).
+        client: The `httpx.AsyncClient` to post with (the host's pool, proxies,
+            certificates); it is not closed here. If None, a client is made
+            for each delivery and closed after it.
+        transport: The transport of the client made here (e.g.
+            `httpx.MockTransport` in tests); ignored when `client` is given.
     """
 
     def __init__(self, url: str, *, headers: Mapping[str, str] | None = None,
                  attempts: int = 5, timeout: float = 30.0, wait_initial: float = 0.2,
-                 wait_max: float = 5.0) -> None:
+                 wait_max: float = 5.0, client: httpx.AsyncClient | None = None,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"webhook URL must be http(s)://..., got {url!r}")
+        if attempts < 1:
+            raise ValueError(f"attempts must be >= 1, got {attempts}")
         self.url = url
         self.headers = dict(headers or {})
         self.attempts = attempts
         self.timeout = timeout
         self.wait_initial = wait_initial
         self.wait_max = wait_max
+        self.client = client
+        self.transport = transport
         self.tries = 0
 
     async def deliver(self, result: Result) -> None:
         """POST until a 2xx, a non-retryable status, or the retry budget is spent."""
         import httpx
-        import stamina
 
         body = json.dumps(result_document(result), default=str)
+        if self.client is not None:
+            await self._post_until_done(self.client, body)
+            return
+        async with httpx.AsyncClient(timeout=self.timeout, transport=self.transport) as client:
+            await self._post_until_done(client, body)
+
+    async def _post_until_done(self, client: httpx.AsyncClient, body: str) -> None:
+        import httpx
+
         headers = {"content-type": "application/json", **self.headers}
+        deadline = trio.current_time() + self.timeout
         last = "no attempt made"
-        try:
-            async with httpx.AsyncClient(timeout=self.timeout) as client:
-                async for attempt in stamina.retry_context(
-                        on=(httpx.TransportError, _Retryable), attempts=self.attempts,
-                        timeout=self.timeout, wait_initial=self.wait_initial,
-                        wait_max=self.wait_max, wait_jitter=self.wait_initial):
-                    with attempt:
-                        self.tries += 1
-                        try:
-                            resp = await client.post(self.url, content=body, headers=headers)
-                        except httpx.TransportError as exc:
-                            last = f"{type(exc).__name__}: {exc}"
-                            raise
-                        if resp.status_code == 429 or resp.status_code >= 500:
-                            last = f"HTTP {resp.status_code}"
-                            raise _Retryable(last)
-                        if resp.status_code >= 400:
-                            raise DeliveryError(
-                                f"webhook {self.url} refused the result: HTTP {resp.status_code}")
-        except (httpx.TransportError, _Retryable) as exc:
-            raise DeliveryError(
-                f"webhook {self.url} failed after {self.tries} attempt(s): {last}") from exc
+        for attempt in range(1, self.attempts + 1):
+            self.tries += 1
+            with trio.move_on_at(deadline):
+                try:
+                    resp = await client.post(self.url, content=body, headers=headers)
+                except httpx.TransportError as exc:
+                    last = f"{type(exc).__name__}: {exc}".rstrip(": ")
+                else:
+                    if resp.status_code < 400:
+                        return
+                    if resp.status_code != 429 and resp.status_code < 500:
+                        raise DeliveryError(
+                            f"webhook {self.url} refused the result: HTTP {resp.status_code}")
+                    last = f"HTTP {resp.status_code}"
+            if trio.current_time() >= deadline:
+                last = f"no answer within {self.timeout:g}s (last: {last})"
+                break
+            if attempt == self.attempts:
+                break
+            wait = min(self.wait_max, self.wait_initial * 2 ** (attempt - 1))
+            wait += random.uniform(0, self.wait_initial)
+            if trio.current_time() + wait >= deadline:
+                break
+            await trio.sleep(wait)
+        raise DeliveryError(f"webhook {self.url} failed after {self.tries} attempt(s): {last}")
 
 
 class FanOut:

@@ -1,7 +1,14 @@
 """The run kernel: run agent runs under trio, supervised, with every step audited.
 
 The public surface is re-exported here; the modules behind it are private.
+
+The library logs through the standard `logging` module, under loggers named
+`kernel`, `kernel.audit`, `kernel.critic`, `kernel.llm`, ...; the `kernel`
+logger has a `NullHandler`, so nothing is printed unless the host configures
+logging (e.g. `logging.basicConfig(level=logging.WARNING)`).
 """
+
+import logging as _logging
 
 from ._context import RunContext as RunContext
 from ._loop import Kernel as Kernel
@@ -37,6 +44,8 @@ from .ports import Delivery as Delivery
 from .ports import EventSink as EventSink
 from .ports import Ports as Ports
 from .ports import RunRecorder as RunRecorder
+
+_logging.getLogger("kernel").addHandler(_logging.NullHandler())
 
 __all__ = [
     "Agent",

@@ -24,6 +24,7 @@ is re-raised unchanged.
 
 from __future__ import annotations
 
+import logging
 import math
 import traceback
 from collections.abc import Mapping
@@ -58,6 +59,11 @@ from .ports import (
     Ports,
     RunRecorder,
 )
+
+# Library code logs through the standard `logging` module under `kernel.*`; the
+# package puts a NullHandler on "kernel", so nothing is printed unless the host
+# configures logging (the CLI sends these to stderr).
+_log = logging.getLogger("kernel")
 
 # Statuses after which a checkpoint is kept for `kernel recover` rather than failed.
 _RESUMABLE = frozenset({Status.CANCELLED})
@@ -177,11 +183,9 @@ class _Run:
         self._failed_methods.add((port, method))
         msg = f"{type(exc).__name__}: {exc}"
         self.failures.append(PortFailure(port, method, msg))
-        # structlog is imported here, on the rare failure, not on every `import kernel`.
-        import structlog
-
-        structlog.get_logger("kernel").warning("port failed", port=port, method=method,
-                                               error=msg, run_id=self.info.run_id)
+        _log.warning("port failed: %s.%s: %s (run %s)", port, method, msg, self.info.run_id,
+                     extra={"port": port, "method": method, "error": msg,
+                            "run_id": self.info.run_id})
 
     def _end(self, status: Status, *, error: str | None = None, reason: str | None = None,
              output: Any = None) -> None:

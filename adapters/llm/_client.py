@@ -11,6 +11,7 @@ attribute and sent only as the `Authorization: Bearer` header: it is not in
 from __future__ import annotations
 
 import email.utils
+import logging
 import math
 import os
 import random
@@ -27,11 +28,7 @@ from ._errors import APIError, MalformedResponse
 if TYPE_CHECKING:
     import httpx
 
-def _log() -> Any:
-    """The module's logger; structlog is imported on the first message, not at import."""
-    import structlog
-
-    return structlog.get_logger("adapters.llm")
+_log = logging.getLogger("kernel.llm")
 
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
 
@@ -114,7 +111,8 @@ class ChatClient:
     the call fails instead, so a rate limit never silently eats a run.
 
     Use it as an async context manager to keep one connection pool for many
-    calls; otherwise each call opens (and closes) its own connection.
+    calls; otherwise each call opens (and closes) its own connection. A host
+    that owns a pool (proxies, certificates, limits) passes it as `client`.
 
     Args:
         base_url: The API root, e.g. "http://127.0.0.1:8000/v1"; requests go to
@@ -130,6 +128,11 @@ class ChatClient:
         max_backoff: Upper bound of one backoff wait.
         max_retry_after: Upper bound of a server-requested wait.
         headers: Extra request headers (e.g. an organisation id).
+        client: An `httpx.AsyncClient` to send every request with; it is never
+            closed here. The key, the extra headers and the timeouts above are
+            set on each request. If None, the client makes its own.
+        transport: The transport of the clients made here (e.g.
+            `httpx.MockTransport` in tests); ignored when `client` is given.
     """
 
     def __init__(
@@ -145,6 +148,8 @@ class ChatClient:
         max_backoff: float = 30.0,
         max_retry_after: float = 60.0,
         headers: Mapping[str, str] | None = None,
+        client: httpx.AsyncClient | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -163,6 +168,8 @@ class ChatClient:
         self.max_retry_after = max_retry_after
         self._extra_headers = dict(headers or {})
         self._pool: httpx.AsyncClient | None = None
+        self._given = client
+        self._transport = transport
 
     def __repr__(self) -> str:
         key = "set" if self._api_key else "unset"
@@ -185,17 +192,25 @@ class ChatClient:
         """True when an API key will be sent."""
         return self._api_key is not None
 
-    def _client(self) -> httpx.AsyncClient:
-        import httpx
-
+    def _headers(self) -> dict[str, str]:
         headers = {"Accept": "application/json", **self._extra_headers}
         if self._api_key is not None:
             headers["Authorization"] = f"Bearer {self._api_key}"
-        timeout = httpx.Timeout(self.read_timeout, connect=self.connect_timeout)
-        return httpx.AsyncClient(headers=headers, timeout=timeout)
+        return headers
+
+    def _timeout(self) -> httpx.Timeout:
+        import httpx
+
+        return httpx.Timeout(self.read_timeout, connect=self.connect_timeout)
+
+    def _client(self) -> httpx.AsyncClient:
+        import httpx
+
+        return httpx.AsyncClient(headers=self._headers(), timeout=self._timeout(),
+                                 transport=self._transport)
 
     async def __aenter__(self) -> ChatClient:
-        if self._pool is None:
+        if self._pool is None and self._given is None:
             self._pool = self._client()
         return self
 
@@ -206,6 +221,9 @@ class ChatClient:
                 await pool.aclose()
 
     async def _post(self, body: Mapping[str, Any]) -> httpx.Response:
+        if self._given is not None:
+            return await self._given.post(self.url, json=body, headers=self._headers(),
+                                          timeout=self._timeout())
         if self._pool is not None:
             return await self._pool.post(self.url, json=body)
         async with self._client() as client:
@@ -268,8 +286,8 @@ class ChatClient:
                 raise APIError(
                     f"{self.display_url}: {reason}; the retry wait of {wait:.1f}s "
                     "would pass the run's deadline", status_code=status, attempts=attempt)
-            _log().warning("model call retrying", url=self.display_url, attempt=attempt,
-                        reason=reason, wait_s=round(wait, 3))
+            _log.warning("model call retrying in %.3fs (attempt %d): %s: %s", wait, attempt,
+                         self.display_url, reason)
             if on_retry is not None:
                 on_retry(Retry(attempt, reason, wait, status))
             await trio.sleep(wait)

@@ -20,6 +20,7 @@ under `budget` of one core by spacing samples out when there are many trees.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import time
@@ -30,6 +31,8 @@ from typing import Protocol
 import trio
 
 from ._judge import Process
+
+_log = logging.getLogger("kernel.critic")
 
 # Kernel wait channels (or parts of them) of a task blocked reading a terminal or a
 # pipe, or waiting in select/poll; names vary by kernel version (pipe_read,
@@ -312,9 +315,7 @@ class ProcessSampler:
         except trio.Cancelled:
             raise
         except Exception:
-            import structlog
-
-            structlog.get_logger("kernel.critic").exception("process sampler failed")
+            _log.exception("process sampler failed")
         finally:
             if self._running_in is token:
                 self._running_in = None

@@ -26,6 +26,7 @@ dropped and logged, so it cannot block every later run.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -38,11 +39,7 @@ from ._sqlite import SQLiteStore
 from ._types import Batch, Op, StoreBusyError
 from .paths import journal_path
 
-
-def _log() -> Any:
-    import structlog
-
-    return structlog.get_logger("kernel.journal")
+_log = logging.getLogger("kernel.journal")
 
 
 class Journal:
@@ -155,8 +152,7 @@ class Journal:
             self.retry_len = 0
         for op, res in zip(deferred, results, strict=False):
             if isinstance(res, Exception):
-                _log().error("journal operation refused", operation=type(op).__name__,
-                             error=str(res))
+                _log.error("journal operation refused: %s: %s", type(op).__name__, res)
         mine = results[len(deferred):]
         for res in mine:
             if isinstance(res, Exception):
@@ -185,12 +181,12 @@ class Journal:
         if self._failures >= 2:
             self.unwritten += len(batch)
             self._failures = 0
-            _log().error("journal batch dropped", path=str(self.store.path), events=len(batch),
-                         operations=len(deferred), error=str(exc))
+            _log.error("journal batch dropped: %d events and %d operations for %s: %s",
+                       len(batch), len(deferred), self.store.path, exc)
             return
         self._keep(batch, deferred)
-        _log().warning("journal write failed; will retry", path=str(self.store.path),
-                       events=len(batch), error=str(exc))
+        _log.warning("journal write failed; will retry: %d events for %s: %s", len(batch),
+                     self.store.path, exc)
 
     def _keep(self, batch: Batch, deferred: list[Op]) -> None:
         """Put rows and operations that were not written back in front of the pending ones."""
@@ -223,7 +219,7 @@ class Journal:
             self.last_error = f"{type(exc).__name__}: {exc}"
         if not self.pending.empty() or self._deferred:
             self.unwritten += len(self.pending)
-            _log().error("journal rows could not be written", path=str(self.store.path),
-                         events=len(self.pending), operations=len(self._deferred),
-                         error=self.last_error)
+            _log.error("journal rows could not be written: %d events and %d operations for %s: %s",
+                       len(self.pending), len(self._deferred), self.store.path,
+                       self.last_error)
             self.pending, self._deferred = Batch(), []

@@ -6,11 +6,8 @@ one line on stderr and exit 2; a run's status maps to the DESIGN.md table.
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
 import sys
 from importlib import import_module
-from typing import Any
 
 import typer
 
@@ -70,49 +67,22 @@ for _name in ("analyst", "loops", "actions", "budget_cmd", "recover_cmd"):
 
 
 def _configure_logging() -> None:
-    """Send library logs to stderr (never stdout, which carries --json), errors only.
+    """Send the library's logs (the `kernel.*` loggers) to stderr, errors only.
 
-    The CLI prints port failures itself as one-line warnings; set
-    KERNEL_LOG_LEVEL=warning (or info/debug) to see the structured logs too.
-    structlog is configured the moment something imports it, not here: most
-    commands never log, and importing it (with rich) costs ~0.2 s of startup.
+    stderr, never stdout, which carries --json. The CLI prints port failures
+    itself as one-line warnings; set KERNEL_LOG_LEVEL=warning (or info/debug)
+    to see the library's log lines too.
     """
-    if "structlog" in sys.modules:
-        _configure_structlog(sys.modules["structlog"])
-        return
-    sys.meta_path.insert(0, _ConfigureOnImport())
-
-
-def _configure_structlog(structlog: Any) -> None:
     import logging
     import os
 
-    level = getattr(logging, os.environ.get("KERNEL_LOG_LEVEL", "error").upper(), logging.ERROR)
-    structlog.configure(
-        wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-        cache_logger_on_first_use=True,
-    )
-
-
-class _ConfigureOnImport(importlib.abc.MetaPathFinder):
-    """Configures structlog right after its first import, then steps aside."""
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != "structlog":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec("structlog")
-        if spec is None or spec.loader is None:
-            return spec
-        loader, run_module = spec.loader, spec.loader.exec_module
-
-        def exec_module(module: Any) -> None:
-            run_module(module)
-            _configure_structlog(module)
-
-        loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
+    name = os.environ.get("KERNEL_LOG_LEVEL", "error").upper()
+    level = logging.getLevelNamesMapping().get(name, logging.ERROR)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(name)s: %(levelname)s: %(message)s"))
+    logger = logging.getLogger("kernel")
+    logger.addHandler(handler)
+    logger.setLevel(level)
 
 
 def main(argv: list[str] | None = None) -> None:

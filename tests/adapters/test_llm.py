@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -12,8 +13,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
-import structlog
 import trio
 
 from adapters.llm import (
@@ -163,7 +164,129 @@ def make_agent(server: ChatServer, workdir: Path, prompt: str = "What is the ans
 
 FAST = Limits(max_steps=20, timeout=20, poll_interval=0.02, tool_timeout=5)
 
+
+class ChatScript:
+    """An `httpx.MockTransport` handler playing back `Reply`s, on trio's (virtual) clock."""
+
+    def __init__(self, *replies: Reply | dict[str, Any],
+                 then: Reply | dict[str, Any] | None = None) -> None:
+        self.replies = [r if isinstance(r, Reply) else Reply(r) for r in replies]
+        self.then = then if then is None or isinstance(then, Reply) else Reply(then)
+        self.requests: list[Seen] = []
+        self.times: list[float] = []
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.times.append(trio.current_time())
+        self.requests.append(Seen(request.url.path, dict(request.headers),
+                                  json.loads(request.content)))
+        reply = self.replies.pop(0) if self.replies else self.then
+        if reply is None:
+            reply = Reply({"error": {"message": "test script exhausted"}}, status=599)
+        if reply.delay:
+            await trio.sleep(reply.delay)
+        data = (reply.body.encode() if isinstance(reply.body, str)
+                else json.dumps(reply.body).encode())
+        return httpx.Response(reply.status, content=data,
+                              headers={"Content-Type": "application/json", **reply.headers})
+
+
+def mock_agent(script: ChatScript, workdir: Path, **kw: Any) -> LLMAgent:
+    """An LLMAgent whose client talks to `script` through `httpx.MockTransport`."""
+    client_kw = {k: kw.pop(k) for k in ("max_retries", "backoff", "max_backoff",
+                                        "max_retry_after") if k in kw}
+    client = ChatClient("http://llm.test/v1", transport=httpx.MockTransport(script),
+                        **client_kw)
+    return LLMAgent("test-model", "What is the answer?", client=client, cwd=workdir, **kw)
+
+
 # ------------------------------------------------------------------ runs
+
+
+class TestRetriesVirtualTime:
+    """Retries, backoff and Retry-After through `httpx.MockTransport` under autojump_clock."""
+
+    async def test_rate_limit_honours_retry_after(self, tmp_path: Path,
+                                                  autojump_clock: trio.abc.Clock) -> None:
+        """A 429 with Retry-After: 7 is retried exactly 7 s later and the run succeeds."""
+        script = ChatScript(
+            Reply({"error": {"message": "Rate limit reached"}}, status=429,
+                  headers={"Retry-After": "7"}),
+            completion("done"))
+        audit = MemoryAudit()
+        result = await Kernel(Ports(audit=audit)).run(mock_agent(script, tmp_path),
+                                                      RunInfo(), FAST)
+        assert result.status is Status.OK and result.output == "done"
+        assert len(script.requests) == 2
+        assert script.times[1] - script.times[0] == pytest.approx(7.0)
+        retry = next(e for e in audit.events(result.run_id) if e.kind == "model_retry")
+        assert retry.payload["status"] == 429 and retry.payload["wait_ms"] == 7000.0
+        assert "Rate limit reached" in retry.payload["reason"]
+        mc = next(e for e in audit.events(result.run_id) if e.kind == "model_call")
+        assert mc.payload["retries"] == 1 and mc.payload["waited_ms"] == 7000.0
+
+    async def test_server_errors_back_off_exponentially(self, tmp_path: Path,
+                                                        autojump_clock: trio.abc.Clock) -> None:
+        """503, 502, 500, 504 are retried; each wait doubles (jittered 50-100 %) up to the cap."""
+        script = ChatScript(Reply("upstream down", status=503), Reply("bad gw", status=502),
+                            Reply("boom", status=500), Reply("slow", status=504),
+                            completion("ok now"))
+        agent = mock_agent(script, tmp_path, backoff=2.0, max_backoff=5.0)
+        result = await Kernel().run(agent, RunInfo(), Limits(max_steps=5, timeout=120))
+        assert result.status is Status.OK and result.output == "ok now"
+        gaps = [b - a for a, b in zip(script.times, script.times[1:], strict=False)]
+        for gap, full in zip(gaps, (2.0, 4.0, 5.0, 5.0), strict=True):
+            assert full * 0.5 <= gap <= full, gaps
+
+    async def test_retries_exhausted_ends_error(self, tmp_path: Path,
+                                                autojump_clock: trio.abc.Clock) -> None:
+        """When every attempt fails, the run ends `error` saying how many attempts and why."""
+        script = ChatScript(then=Reply({"error": {"message": "overloaded"}}, status=503))
+        result = await Kernel().run(mock_agent(script, tmp_path, max_retries=2), RunInfo(), FAST)
+        assert result.status is Status.ERROR
+        assert "failed after 3 attempts: HTTP 503 Service Unavailable: overloaded" in (
+            result.error or "")
+        assert len(script.requests) == 3
+
+    async def test_client_error_is_not_retried(self, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch,
+                                               autojump_clock: trio.abc.Clock) -> None:
+        """A 401 fails at once with the API's message, and the key is not in the error."""
+        monkeypatch.setenv("OPENAI_API_KEY", SECRET)
+        script = ChatScript(then=Reply({"error": {"message": "Incorrect API key provided"}},
+                                       status=401))
+        result = await Kernel().run(mock_agent(script, tmp_path), RunInfo(), FAST)
+        assert result.status is Status.ERROR
+        assert "HTTP 401 Unauthorized: Incorrect API key provided" in (result.error or "")
+        assert len(script.requests) == 1
+        assert script.requests[0].headers["authorization"] == f"Bearer {SECRET}"
+        assert SECRET not in json.dumps(result.to_dict())
+
+    async def test_retry_after_past_the_deadline_fails_fast(
+            self, tmp_path: Path, autojump_clock: trio.abc.Clock) -> None:
+        """A Retry-After that would outlast the run's deadline ends it now, saying so."""
+        script = ChatScript(then=Reply({}, status=429, headers={"Retry-After": "30"}))
+        t0 = trio.current_time()
+        result = await Kernel().run(mock_agent(script, tmp_path), RunInfo(), Limits(timeout=5))
+        assert result.status is Status.ERROR
+        assert "the retry wait of 30.0s would pass the run's deadline" in (result.error or "")
+        assert trio.current_time() - t0 == 0  # no wait was taken
+        assert len(script.requests) == 1
+
+    async def test_the_hosts_client_is_used_and_left_open(
+            self, tmp_path: Path, autojump_clock: trio.abc.Clock) -> None:
+        """A host's AsyncClient carries every request, with the key and headers, and stays open."""
+        script = ChatScript(completion("hi"))
+        async with httpx.AsyncClient(transport=httpx.MockTransport(script)) as pool:
+            client = ChatClient("http://llm.test/v1", api_key="k-1", client=pool,
+                                headers={"OpenAI-Organization": "org-1"})
+            agent = LLMAgent("test-model", "hello", client=client, cwd=tmp_path)
+            result = await Kernel().run(agent, RunInfo(), FAST)
+            assert not pool.is_closed
+        assert result.status is Status.OK and result.output == "hi"
+        seen = script.requests[0]
+        assert seen.path == "/v1/chat/completions"
+        assert seen.headers["authorization"] == "Bearer k-1"
+        assert seen.headers["openai-organization"] == "org-1"
 
 
 @pytest.mark.realtime
@@ -211,62 +334,6 @@ class TestLLMAgentRun:
         mc = [e for e in audit.events(result.run_id) if e.kind == "model_call"][-1]
         assert mc.payload["input_tokens"] == 30 and mc.payload["retries"] == 0
         assert mc.payload["url"] == chat_server.url + "/chat/completions"
-
-    async def test_rate_limit_honours_retry_after(self, chat_server: ChatServer,
-                                                  tmp_path: Path) -> None:
-        """A 429 with Retry-After: 1 is retried after about a second and the run succeeds."""
-        chat_server.script(
-            Reply({"error": {"message": "Rate limit reached"}}, status=429,
-                  headers={"Retry-After": "1"}),
-            completion("done"),
-        )
-        audit = MemoryAudit()
-        t0 = time.monotonic()
-        result = await Kernel(Ports(audit=audit)).run(make_agent(chat_server, tmp_path),
-                                                      RunInfo(), FAST)
-        elapsed = time.monotonic() - t0
-        assert result.status is Status.OK and result.output == "done"
-        assert len(chat_server.requests) == 2
-        assert 1.0 <= elapsed < 30.0  # the upper margin is for a loaded machine
-        retry = next(e for e in audit.events(result.run_id) if e.kind == "model_retry")
-        assert retry.payload["status"] == 429 and retry.payload["wait_ms"] == 1000.0
-        assert "Rate limit reached" in retry.payload["reason"]
-        mc = next(e for e in audit.events(result.run_id) if e.kind == "model_call")
-        assert mc.payload["retries"] == 1 and mc.payload["waited_ms"] == 1000.0
-
-    async def test_server_errors_retried_with_backoff(self, chat_server: ChatServer,
-                                                      tmp_path: Path) -> None:
-        """503 and 502 answers are retried with backoff until a completion arrives."""
-        chat_server.script(Reply("upstream down", status=503), Reply("bad gateway", status=502),
-                           completion("ok now"))
-        result = await Kernel().run(make_agent(chat_server, tmp_path, backoff=0.01),
-                                    RunInfo(), FAST)
-        assert result.status is Status.OK and result.output == "ok now"
-        assert len(chat_server.requests) == 3
-
-    async def test_retries_exhausted_ends_error(self, chat_server: ChatServer,
-                                                tmp_path: Path) -> None:
-        """When every attempt fails, the run ends `error` saying how many attempts and why."""
-        chat_server.script(then=Reply({"error": {"message": "overloaded"}}, status=503))
-        result = await Kernel().run(
-            make_agent(chat_server, tmp_path, backoff=0.01, max_retries=2), RunInfo(), FAST)
-        assert result.status is Status.ERROR
-        assert "failed after 3 attempts: HTTP 503 Service Unavailable: overloaded" in (
-            result.error or "")
-        assert len(chat_server.requests) == 3
-
-    async def test_client_error_is_not_retried(self, chat_server: ChatServer, tmp_path: Path,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
-        """A 401 fails at once with the API's message, and the key is not in the error."""
-        monkeypatch.setenv("OPENAI_API_KEY", SECRET)
-        chat_server.script(then=Reply({"error": {"message": "Incorrect API key provided"}},
-                                      status=401))
-        result = await Kernel().run(make_agent(chat_server, tmp_path, backoff=0.01),
-                                    RunInfo(), FAST)
-        assert result.status is Status.ERROR
-        assert "HTTP 401 Unauthorized: Incorrect API key provided" in (result.error or "")
-        assert len(chat_server.requests) == 1
-        assert SECRET not in json.dumps(result.to_dict())
 
     @pytest.mark.parametrize(("body", "expected"), [
         ({"id": "chatcmpl-1", "object": "chat.completion"},
@@ -351,18 +418,6 @@ class TestLLMAgentRun:
         assert retry.payload["reason"].startswith("ReadTimeout")
         assert retry.payload["status"] is None
 
-    async def test_retry_after_past_the_deadline_fails_fast(self, chat_server: ChatServer,
-                                                            tmp_path: Path) -> None:
-        """A Retry-After that would outlast the run's deadline ends it now, saying so."""
-        chat_server.script(then=Reply({}, status=429, headers={"Retry-After": "50"}))
-        t0 = time.monotonic()
-        result = await Kernel().run(make_agent(chat_server, tmp_path),
-                                    RunInfo(), Limits(timeout=30))
-        assert result.status is Status.ERROR
-        assert "the retry wait of 50.0s would pass the run's deadline" in (result.error or "")
-        # Neither the wait nor the deadline was sat out (the margin is for a loaded machine).
-        assert time.monotonic() - t0 < 25
-
     async def test_bad_tool_arguments_are_fed_back(self, chat_server: ChatServer,
                                                    tmp_path: Path) -> None:
         """Arguments that are not JSON are not run; the model is told why and carries on."""
@@ -396,7 +451,8 @@ class TestLLMAgentRun:
 
     async def test_api_key_never_reaches_audit_or_logs(self, chat_server: ChatServer,
                                                        tmp_path: Path,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+                                                       monkeypatch: pytest.MonkeyPatch,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
         """The key is sent as a bearer token but never audited, logged or shown to the model."""
         monkeypatch.setenv("OPENAI_API_KEY", SECRET)
         (tmp_path / ".env").write_text(f"OPENAI_API_KEY={SECRET}\n")
@@ -407,8 +463,9 @@ class TestLLMAgentRun:
             completion("done"))
         audit = MemoryAudit()
         agent = make_agent(chat_server, tmp_path, allow_shell=True, backoff=0.01)
-        with structlog.testing.capture_logs() as logs:
+        with caplog.at_level(logging.DEBUG, logger="kernel"):
             result = await Kernel(Ports(audit=audit)).run(agent, RunInfo(), FAST)
+        logs = [r.getMessage() for r in caplog.records]
         assert result.status is Status.OK
         assert all(r.headers["authorization"] == f"Bearer {SECRET}"
                    for r in chat_server.requests)
@@ -418,7 +475,8 @@ class TestLLMAgentRun:
         for text in (events, json.dumps(logs, default=str), json.dumps(result.to_dict()),
                      json.dumps(chat_server.messages(2)), repr(agent)):
             assert SECRET not in text
-        assert any(log["event"] == "model call retrying" for log in logs)
+        assert any(r.name == "kernel.llm" and "model call retrying" in r.getMessage()
+                   for r in caplog.records)
 
     async def test_resume_continues_the_conversation(self, chat_server: ChatServer,
                                                      tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""Delivery batteries: stdout, an atomic directory, and a webhook on a real local server."""
+"""Delivery batteries: stdout, an atomic directory, and a webhook (mock transport, real server)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import httpx
 import pytest
 import trio
 
@@ -72,6 +73,89 @@ def dead_url() -> str:
     return f"http://127.0.0.1:{port}/hook"
 
 
+class Script:
+    """An `httpx.MockTransport` handler answering with scripted statuses, noting when."""
+
+    def __init__(self, *answers: int | str) -> None:
+        self.answers = list(answers)
+        self.times: list[float] = []
+        self.bodies: list[dict[str, object]] = []
+        self.headers: list[httpx.Headers] = []
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.times.append(trio.current_time())
+        self.bodies.append(json.loads(request.content))
+        self.headers.append(request.headers)
+        answer = self.answers.pop(0) if self.answers else 200
+        if answer == "refuse":
+            raise httpx.ConnectError("connection refused", request=request)
+        if answer == "hang":
+            await trio.sleep(10_000)
+        return httpx.Response(int(answer))
+
+
+class TestWebhookVirtualTime:
+    """Retries and backoff through `httpx.MockTransport`, waits on the virtual clock."""
+
+    async def test_backoff_doubles_up_to_the_cap(self, autojump_clock: trio.abc.Clock) -> None:
+        """500, 503, 429 and a refused connection are retried with capped, jittered backoff."""
+        script = Script(500, 503, 429, "refuse", 200)
+        delivery = WebhookDelivery("http://hook.test/x", attempts=5, wait_initial=1.0,
+                                   wait_max=3.0, timeout=100,
+                                   transport=httpx.MockTransport(script))
+        result = await Kernel(Ports(delivery=delivery)).run(
+            ScriptedAgent([Step(output="hello", final=True)]))
+        assert result.port_failures == [] and delivery.tries == 5
+        gaps = [b - a for a, b in zip(script.times, script.times[1:], strict=False)]
+        # wait n = min(wait_max, wait_initial * 2**(n-1)) + jitter in [0, wait_initial)
+        for gap, base in zip(gaps, (1.0, 2.0, 3.0, 3.0), strict=True):
+            assert base <= gap < base + 1.0, gaps
+        assert [b["output"] for b in script.bodies] == ["hello"] * 5
+
+    async def test_attempts_run_out(self, autojump_clock: trio.abc.Clock) -> None:
+        """After `attempts` failures the delivery fails, naming the count and the last answer."""
+        script = Script(502, 502, 502, 502)
+        delivery = WebhookDelivery("http://hook.test/x", attempts=3,
+                                   transport=httpx.MockTransport(script))
+        result = await Kernel(Ports(delivery=delivery)).run(ScriptedAgent())
+        assert len(script.times) == 3
+        assert "failed after 3 attempt(s): HTTP 502" in result.port_failures[0].error
+
+    async def test_client_error_is_not_retried(self, autojump_clock: trio.abc.Clock) -> None:
+        """A 4xx (other than 429) fails at once without retrying."""
+        script = Script(404)
+        delivery = WebhookDelivery("http://hook.test/x", transport=httpx.MockTransport(script))
+        result = await Kernel(Ports(delivery=delivery)).run(ScriptedAgent())
+        assert delivery.tries == 1 and len(script.times) == 1
+        assert "HTTP 404" in result.port_failures[0].error
+
+    async def test_total_timeout_bounds_a_hanging_endpoint(
+            self, autojump_clock: trio.abc.Clock) -> None:
+        """An endpoint that never answers is given up on at `timeout`, across all tries."""
+        script = Script("hang", "hang")
+        delivery = WebhookDelivery("http://hook.test/x", timeout=20, attempts=5,
+                                   transport=httpx.MockTransport(script))
+        t0 = trio.current_time()
+        result = await Kernel(Ports(delivery=delivery)).run(ScriptedAgent())
+        assert trio.current_time() - t0 == pytest.approx(20, abs=0.5)
+        assert len(script.times) == 1
+        assert "no answer within 20s" in result.port_failures[0].error
+
+    async def test_the_hosts_client_is_used_and_left_open(
+            self, autojump_clock: trio.abc.Clock) -> None:
+        """A client the host passes in carries the POST and is not closed by the delivery."""
+        script = Script(200)
+        async with httpx.AsyncClient(transport=httpx.MockTransport(script),
+                                     headers={"x-host": "mine"}) as client:
+            delivery = WebhookDelivery("http://hook.test/x", client=client,
+                                       headers={"authorization": "Bearer t"})
+            result = await Kernel(Ports(delivery=delivery)).run(ScriptedAgent())
+            assert result.port_failures == [] and len(script.times) == 1
+            assert not client.is_closed
+        assert script.headers[0]["x-host"] == "mine"
+        assert script.headers[0]["authorization"] == "Bearer t"
+
+
 @pytest.mark.realtime
 class TestWebhook:
     async def test_retry_after_500(self, hook_factory: type[Hook]) -> None:
@@ -96,14 +180,6 @@ class TestWebhook:
         assert failure.port == "delivery"
         assert "failed after 3 attempt(s)" in failure.error
         assert "port_failure" in audit.kinds(result.run_id)
-
-    async def test_client_error_is_not_retried(self, hook_factory: type[Hook]) -> None:
-        """A 4xx (other than 429) fails at once without retrying."""
-        hook = hook_factory([404])
-        delivery = WebhookDelivery(hook.url, wait_initial=0.01)
-        result = await Kernel(Ports(delivery=delivery)).run(ScriptedAgent())
-        assert delivery.tries == 1
-        assert "HTTP 404" in result.port_failures[0].error
 
     def test_bad_url(self) -> None:
         """A URL that is not http(s) is refused when the delivery is built."""
