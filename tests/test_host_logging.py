@@ -34,9 +34,11 @@ HOST = textwrap.dedent('''
     async def main(db, port):
         delivery = WebhookDelivery(f"http://127.0.0.1:{port}/hook", attempts=2,
                                    wait_initial=0.01, wait_max=0.01, timeout=10)
+        from batteries.store import journal_path
+
         async with DuckDBAudit.open(db) as audit:
-            db.unlink()
-            db.mkdir()  # every later flush of the audit fails: the file is a directory
+            # Every write of the audit fails: its journal's path is a directory.
+            journal_path(db).mkdir()
             result = await Kernel(Ports(audit=audit, delivery=delivery)).run(
                 Done(), RunInfo(name="host"), Limits(max_steps=3, timeout=30))
         return result
@@ -88,4 +90,4 @@ class TestHostLogging:
         assert proc.stdout == ""
         assert "WARNING:kernel:port failed: delivery.deliver" in proc.stderr
         assert "WARNING:kernel:port failed: audit.close" in proc.stderr
-        assert "kernel.audit:" in proc.stderr  # the audit battery's own log lines
+        assert "kernel.journal:" in proc.stderr  # the audit journal's own log lines

@@ -136,7 +136,7 @@ class TestRecorder:
                  "QUJDREVGR0hJSkbodyline2", "-----END RSA PRIVATE KEY-----", "after"]
         for line in lines:
             rec.log_event("output", name="stdout", payload={"line": line})
-        stored = [json.loads(p)["line"] for p in audit._pending.payloads]
+        stored = [json.loads(p)["line"] for p in audit.journal.pending.payloads]
         assert stored == ["before", "[REDACTED:private_key_start]",
                           *["[REDACTED:private_key_start]"] * 3, "after"]
 
