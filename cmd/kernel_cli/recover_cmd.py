@@ -81,7 +81,9 @@ def recover(
     """Resume every interrupted run (its process died while it was running).
 
     Several `kernel recover` may run at once: each run is resumed by exactly
-    one of them (whoever takes its lease first). Exit status: 0 if every
+    one of them (whoever takes its lease first). Any process the run started
+    that is still alive is stopped first; a run that cannot be resumed (a
+    plain command) is closed with status `lost`. Exit status: 0 if every
     run this process resumed ended ok (or there was nothing to do), 1 otherwise.
     """
     from kernel import AuditError
