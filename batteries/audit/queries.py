@@ -96,14 +96,15 @@ def list_runs(cur: duckdb.DuckDBPyConnection, *, status: str | None = None,
 # -------------------------------------------------------------- recovery
 
 
-def process_groups(cur: duckdb.DuckDBPyConnection, run_id: str) -> list[dict[str, Any]]:
+def process_groups(cur: Any, run_id: str) -> list[dict[str, Any]]:
     """The process groups run `run_id` recorded starting, oldest first.
 
     Each is the `process_start` payload of an adapter spawn (`pid`, `pgid`,
     `start_time`, `boot_id`, `host`, ...): what `kernel recover` needs to stop
     a group that outlived its supervisor, and to know a reused pid is not it.
-    This is the one lookup recover makes in the events; a store that keeps
-    events elsewhere implements this function.
+    This is the one lookup recover makes in the events. `cur` is any DB-API
+    cursor over an `events` table: the DuckDB file's, or the SQLite journal's
+    (what `kernel recover` reads: it is current and never blocks a writer).
     """
     found: list[dict[str, Any]] = []
     for (payload,) in cur.execute(

@@ -81,7 +81,9 @@ def recover(
     """Resume every interrupted run (its process died while it was running).
 
     Several `kernel recover` may run at once: each run is resumed by exactly
-    one of them (whoever takes its lease first). Exit status: 0 if every
+    one of them (whoever takes its lease first). Any process the run started
+    that is still alive is stopped first; a run that cannot be resumed (a
+    plain command) is closed with status `lost`. Exit status: 0 if every
     run this process resumed ended ok (or there was nothing to do), 1 otherwise.
     """
     from kernel import AuditError
@@ -304,16 +306,24 @@ def _stop_leftovers(run_id: str, *, db: str | None, wait: float = 10.0) -> None:
     leader start time), so a reused pid is never signalled. Waits until
     the groups are gone, so a resumed state never runs beside its orphan.
     """
+    import sqlite3
     import time
 
     from adapters._proc import live_group, stop_recorded
-    from batteries.audit import Store, queries, resolve_db_path
-    from kernel import AuditError
+    from batteries.audit import queries, resolve_db_path
+    from batteries.store import journal_path
 
+    # Read the journal, where runs write, read-only (WAL: never in a writer's way).
+    journal = journal_path(resolve_db_path(db))
+    if not journal.exists():
+        return
     try:
-        with Store(resolve_db_path(db)).reader() as cur:
-            groups = queries.process_groups(cur, run_id)
-    except AuditError as exc:
+        con = sqlite3.connect(f"{journal.resolve().as_uri()}?mode=ro", uri=True, timeout=10)
+        try:
+            groups = queries.process_groups(con.cursor(), run_id)
+        finally:
+            con.close()
+    except sqlite3.Error as exc:
         print(f"kernel: warning: run {run_id[:12]}: cannot read its processes: {exc}",
               file=sys.stderr)
         return
