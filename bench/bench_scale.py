@@ -6,7 +6,7 @@ against bare trio tasks of the same shape, measured in the same run.
 
 For each N in --runs: N concurrent bare trio tasks, each yielding to trio
 --steps times (the baseline), then N concurrent `Kernel.run`s of an agent
-doing the same, with `DuckDBAudit` and `WatchCritic` wired. The time is from
+doing the same, with the audit (`JournalAudit`) and `WatchCritic` wired. The time is from
 starting the first task until the last `Kernel.run` returned (each run's
 recorder is closed, so its rows are durable, before its `run` returns).
 Afterwards the database is read back: every run and every event must be
@@ -62,12 +62,12 @@ async def bare(runs: int, steps: int) -> float:
 
 
 async def kernel_runs(runs: int, steps: int, db: Path) -> tuple[float, int]:
-    from batteries.audit import DuckDBAudit
+    from batteries.audit import JournalAudit
     from batteries.critic import WatchCritic
 
     limits = Limits(max_steps=None, timeout=3600)
     done = 0
-    async with DuckDBAudit.open(db) as audit:
+    async with JournalAudit.open(db) as audit:
         kernel = Kernel(Ports(audit=audit, critic=WatchCritic()))
 
         async def one(i: int) -> None:
@@ -85,9 +85,16 @@ async def kernel_runs(runs: int, steps: int, db: Path) -> tuple[float, int]:
 
 
 def committed(db: Path) -> tuple[int, int, int]:
-    """(runs, events, runs whose event count differs from the first run's)."""
+    """(runs, events, runs whose event count differs from the first run's).
+
+    The audit writes a journal beside `db`; `sync` copies it into the
+    analysts' DuckDB file, which is then read back.
+    """
     import duckdb
 
+    from batteries.audit import sync
+
+    sync(db)
     with duckdb.connect(str(db), read_only=True) as con:
         row = con.execute("SELECT count(*) FROM runs WHERE status = 'ok'").fetchone()
         runs = int(row[0]) if row else 0
