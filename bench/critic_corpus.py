@@ -378,6 +378,8 @@ class Outcome:
     tool_calls: int | None = None
     leaked: int = 0  # processes still alive after `kernel run` exited
     model_requests: int | None = None
+    run_id: str | None = None
+    critic: list[str] = field(default_factory=list)  # its decisions, from `kernel show`
 
     @property
     def stopped_by(self) -> str | None:
@@ -434,8 +436,8 @@ def run_case(case: Case, mode: Mode, *, kernel: str, timeout: float, root: Path,
             (workdir / fname).write_text(text)
         key = f"{case.name}.{mode.name}"
         base_url = server.register(key, script, progress)
-    argv = kernel_argv(kernel, case, mode, timeout, root / f"{case.name}.{mode.name}.duckdb",
-                       progress, scale, base_url)
+    db = root / f"{case.name}.{mode.name}.duckdb"
+    argv = kernel_argv(kernel, case, mode, timeout, db, progress, scale, base_url)
     env = {k: v for k, v in os.environ.items()
            if k not in ("OPENAI_API_KEY", "OPENAI_BASE_URL", "PYTHONDONTWRITEBYTECODE")}
     env["NO_COLOR"] = "1"
@@ -465,12 +467,25 @@ def run_case(case: Case, mode: Mode, *, kernel: str, timeout: float, root: Path,
         o = Outcome(case.name, case.label, mode.name, str(doc.get("status")),
                     reason=doc.get("reason"), error=doc.get("error"),
                     exit_code=proc.returncode, wall_s=t1 - t0, steps=doc.get("steps"),
-                    tool_calls=doc.get("tool_calls"), leaked=leaked)
+                    tool_calls=doc.get("tool_calls"), leaked=leaked, run_id=doc.get("run_id"))
     if last is not None:
         o.latency_s = t1 - last
     if key is not None:
         o.model_requests = server.requests(key)
+    if o.verdict in ("MISSED", "FALSE KILL") and o.run_id:
+        o.critic = critic_lines(kernel, db, o.run_id, env)
     return o
+
+
+def critic_lines(kernel: str, db: Path, run_id: str, env: dict[str, str]) -> list[str]:
+    """The critic's decisions in a run's timeline (`kernel show`), for saying why."""
+    try:
+        shown = subprocess.run([kernel, "show", "--db", str(db), run_id], env=env,
+                               capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [" ".join(line.split())[:160] for line in shown.splitlines()
+            if " critic " in line and " watch " not in line]
 
 
 def parse_result(stdout: str) -> dict[str, Any] | None:
@@ -598,6 +613,10 @@ def case_table(outcomes: Sequence[Outcome], mode_titles: dict[str, str]) -> str:
                 f"{fmt(o.exit_code, 'd'):>4} {o.wall_s:7.1f} {fmt(lat):>6} "
                 f"{fmt(o.steps, 'd'):>5}  {o.verdict}"
                 + (f"  [{o.leaked} process(es) left behind]" if o.leaked else ""))
+        wrong = [o for o in rows if o.verdict in ("MISSED", "FALSE KILL")]
+        for o in sorted(wrong, key=lambda o: o.case):
+            lines.append(f"  why {o.case}: {' '.join((o.error or o.status).split())[:150]}")
+            lines += [f"    {c}" for c in o.critic]
     return "\n".join(lines)
 
 
