@@ -15,7 +15,9 @@ progress to a side file (the process behaviours themselves; the fake server
 for the model cases), so detection latency = the moment `kernel run` exited
 minus that moment.
 
-Every case runs in three modes, each with the same hard `--timeout`:
+Every case runs in three modes, each with the same hard `--timeout` (the
+defaults mode may get a longer one, `--defaults-timeout`, to let a default
+idle timeout of minutes play out):
 
     idle      --idle-timeout 3 (or --idle-timeout S)
     defaults  the critic with its default thresholds
@@ -39,6 +41,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -293,13 +296,17 @@ def write_progress(path: Path) -> None:
 
 @dataclass(frozen=True)
 class Case:
-    """One behaviour: a process (`proc`, a corpus_proc.py case) or a model script."""
+    """One behaviour: a process (`proc`, a corpus_proc.py case) or a model script.
+
+    `extra` cases run only when named with --only (they take minutes).
+    """
 
     name: str
     label: str  # "healthy" | "stuck"
     what: str
     proc: str | None = None
     script: type[Script] | None = None
+    extra: bool = False
 
 
 CASES: tuple[Case, ...] = (
@@ -339,6 +346,8 @@ CASES: tuple[Case, ...] = (
     Case("llm_same_error", "stuck", "different build commands, the identical error",
          script=SameError),
     Case("llm_empty", "stuck", "the model answers with an empty message", script=Empty),
+    Case("long_quiet_build", "healthy", "a light, silent 400 s build (for the defaults mode; "
+         "give --defaults-timeout 440)", proc="long_quiet_build", extra=True),
 )
 
 
@@ -347,12 +356,13 @@ class Mode:
     name: str
     title: str
     flags: tuple[str, ...]
+    timeout: float | None = None  # this mode's hard timeout, if not the common one
 
 
-def modes(idle: float) -> dict[str, Mode]:
+def modes(idle: float, defaults_timeout: float | None = None) -> dict[str, Mode]:
     return {
         "idle": Mode("idle", f"--idle-timeout {idle:g}", ("--idle-timeout", f"{idle:g}")),
-        "defaults": Mode("defaults", "critic defaults", ()),
+        "defaults": Mode("defaults", "critic defaults", (), defaults_timeout),
         "stepcap": Mode("stepcap", f"step cap {STEP_CAP} (no critic)",
                         ("--no-critic", "--max-steps", str(STEP_CAP))),
     }
@@ -437,6 +447,7 @@ def run_case(case: Case, mode: Mode, *, kernel: str, timeout: float, root: Path,
         key = f"{case.name}.{mode.name}"
         base_url = server.register(key, script, progress)
     db = root / f"{case.name}.{mode.name}.duckdb"
+    timeout = mode.timeout or timeout
     argv = kernel_argv(kernel, case, mode, timeout, db, progress, scale, base_url)
     env = {k: v for k, v in os.environ.items()
            if k not in ("OPENAI_API_KEY", "OPENAI_BASE_URL", "PYTHONDONTWRITEBYTECODE")}
@@ -588,6 +599,17 @@ def matrix(outcomes: Sequence[Outcome], mode: str, target_s: float | None = None
     return m
 
 
+def default_idle(kernel: str) -> float | None:
+    """The critic's default --idle-timeout, as `kernel run --help` states it."""
+    try:
+        text = subprocess.run([kernel, "run", "--help"], capture_output=True, text=True,
+                              timeout=60, env={**os.environ, "COLUMNS": "200"}).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    found = re.search(r"--idle-timeout\b.*?\[default: ([0-9.]+)", text, re.S)
+    return float(found.group(1)) if found else None
+
+
 def idle_target(idle: float) -> float:
     """Issue 14's bound: idle + grace + 0.5 s, grace = min(idle / 4, 60) (today's default)."""
     return idle + min(idle * 0.25, 60.0) + 0.5
@@ -678,6 +700,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="the idle mode's --idle-timeout (default 3)")
     p.add_argument("--timeout", type=float, default=40.0, metavar="S",
                    help="every run's hard --timeout (default 40)")
+    p.add_argument("--defaults-timeout", type=float, default=None, metavar="S",
+                   help="the defaults mode's hard --timeout (default: --timeout)")
     p.add_argument("--modes", default="idle,defaults,stepcap",
                    help="comma-separated: idle, defaults, stepcap (default: all)")
     p.add_argument("--only", default="", metavar="NAME[,NAME]", help="run only these cases")
@@ -690,9 +714,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.list:
         for c in CASES:
-            print(f"{c.name:<20} {c.label:<8} {c.what}")
+            print(f"{c.name:<20} {c.label:<8} {c.what}" + (" (only with --only)" if c.extra
+                                                             else ""))
         return 0
-    known = modes(args.idle_timeout)
+    known = modes(args.idle_timeout, args.defaults_timeout)
     try:
         chosen = [known[m.strip()] for m in args.modes.split(",") if m.strip()]
     except KeyError as exc:
@@ -701,7 +726,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = sorted(set(names) - {c.name for c in CASES})
     if unknown:
         p.error(f"unknown case(s): {', '.join(unknown)} (see --list)")
-    cases = [c for c in CASES if not names or c.name in names]
+    cases = [c for c in CASES if c.name in names or (not names and not c.extra)]
     kernel = args.kernel or default_kernel()
 
     def progress(o: Outcome) -> None:
@@ -714,8 +739,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                        concurrency=args.concurrency, on_done=progress)
     total = time.monotonic() - t0
     titles = {m.name: m.title for m in chosen}
-    ms = [matrix(outcomes, m.name, idle_target(args.idle_timeout) if m.name == "idle" else None)
-          for m in chosen]
+    targets = {"idle": idle_target(args.idle_timeout)}
+    if "defaults" in titles:
+        idle = default_idle(kernel)
+        if idle is not None:
+            targets["defaults"] = idle_target(idle)
+            titles["defaults"] += f" (idle {idle:g})"
+    ms = [matrix(outcomes, m.name, targets.get(m.name)) for m in chosen]
     if args.json:
         print(json.dumps({
             "kernel": kernel, "timeout": args.timeout, "idle_timeout": args.idle_timeout,
@@ -724,7 +754,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "matrix": [{**asdict(m), "median": m.median, "max": m.max, "title": titles[m.mode]}
                        for m in ms]}, indent=1))
         return 0
-    print(f"kernel: {kernel}\nhard --timeout {args.timeout:g} s per run, "
+    per_mode = "".join(f", {m.name} {m.timeout:g} s" for m in chosen if m.timeout)
+    print(f"kernel: {kernel}\nhard --timeout {args.timeout:g} s per run{per_mode}, "
           f"{args.concurrency} at a time, {total:.0f} s in all")
     print(case_table(outcomes, titles))
     print()
