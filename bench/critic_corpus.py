@@ -438,7 +438,7 @@ def run_case(case: Case, mode: Mode, *, kernel: str, timeout: float, root: Path,
     """Run one case in one mode through `kernel run` and classify how it ended."""
     workdir = root / f"{case.name}.{mode.name}"
     workdir.mkdir(parents=True)
-    progress = workdir.parent / f"{case.name}.{mode.name}.progress"
+    progress = root / f"{case.name}.{mode.name}.progress"
     base_url = key = None
     if case.script is not None:
         script = case.script(workdir, scale)
@@ -452,7 +452,7 @@ def run_case(case: Case, mode: Mode, *, kernel: str, timeout: float, root: Path,
     env = {k: v for k, v in os.environ.items()
            if k not in ("OPENAI_API_KEY", "OPENAI_BASE_URL", "PYTHONDONTWRITEBYTECODE")}
     env["NO_COLOR"] = "1"
-    out_path, err_path = workdir.parent / f"{key or case.name + '.' + mode.name}.out", None
+    out_path = root / f"{case.name}.{mode.name}.out"
     err_path = out_path.with_suffix(".err")
     t0 = time.time()
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
