@@ -12,8 +12,10 @@ CASE` for a process, `kernel run --agent llm --base-url http://127.0.0.1:PORT/..
 against a scripted chat-completions server in this process for a model.
 Real processes, real time. Each case writes the moment of its last real
 progress to a side file (the process behaviours themselves; the fake server
-for the model cases), so detection latency = the moment `kernel run` exited
-minus that moment.
+for the model cases), so detection latency ("lat s") = the moment the kernel
+ended the run (its `ended_at` in the run's audit file: the process tree is
+stopped by then) minus that moment; "+exit" is how much later `kernel run`
+itself exited (audit flush, delivery, interpreter exit).
 
 Every case runs in three modes, each with the same hard `--timeout` (the
 defaults mode may get a longer one, `--defaults-timeout`, to let a default
@@ -29,9 +31,8 @@ A stuck run is *caught* when the critic ends it (any status but `ok`,
 `timeout` or `max_steps`), *caught by the step cap* when it ends `max_steps`,
 and *missed* when it ends `ok` (e.g. an empty answer accepted) or `timeout`
 (the hard backstop, not the critic). A healthy run is *falsely killed* when it
-ends `killed`. Latency is measured for every stopped stuck run (critic or
-step cap): the moment `kernel run` exited minus the case's last real
-progress. Processes left behind after `kernel run` exits are counted as
+ends `killed`. Latency is counted for every stopped stuck run (critic or
+step cap). Processes left behind after `kernel run` exits are counted as
 leaks and then ended by id.
 """
 
@@ -383,7 +384,8 @@ class Outcome:
     error: str | None = None
     exit_code: int | None = None
     wall_s: float = 0.0
-    latency_s: float | None = None  # exit time - last real progress
+    latency_s: float | None = None  # the run's end (audit ended_at) - last real progress
+    exit_latency_s: float | None = None  # `kernel run` exited - last real progress
     steps: int | None = None
     tool_calls: int | None = None
     leaked: int = 0  # processes still alive after `kernel run` exited
@@ -480,12 +482,27 @@ def run_case(case: Case, mode: Mode, *, kernel: str, timeout: float, root: Path,
                     exit_code=proc.returncode, wall_s=t1 - t0, steps=doc.get("steps"),
                     tool_calls=doc.get("tool_calls"), leaked=leaked, run_id=doc.get("run_id"))
     if last is not None:
-        o.latency_s = t1 - last
+        o.exit_latency_s = t1 - last
+        ended = ended_at(db, o.run_id) if o.run_id else None
+        o.latency_s = (ended if ended is not None else t1) - last
     if key is not None:
         o.model_requests = server.requests(key)
     if o.verdict in ("MISSED", "FALSE KILL") and o.run_id:
         o.critic = critic_lines(kernel, db, o.run_id, env)
     return o
+
+
+def ended_at(db: Path, run_id: str) -> float | None:
+    """When the kernel ended the run (its process tree stopped), from the audit file."""
+    import duckdb
+
+    try:
+        with duckdb.connect(str(db), read_only=True) as con:
+            row = con.execute("SELECT epoch(ended_at) FROM runs WHERE run_id = ?",
+                              [run_id]).fetchone()
+    except duckdb.Error:
+        return None
+    return float(row[0]) if row and row[0] is not None else None
 
 
 def critic_lines(kernel: str, db: Path, run_id: str, env: dict[str, str]) -> list[str]:
@@ -622,17 +639,20 @@ def fmt(x: float | None, spec: str = ".1f") -> str:
 def case_table(outcomes: Sequence[Outcome], mode_titles: dict[str, str]) -> str:
     lines = []
     head = (f"{'case':<20} {'label':<8} {'status':<15} {'reason':<16} {'exit':>4} "
-            f"{'wall s':>7} {'lat s':>6} {'steps':>5}  verdict")
+            f"{'wall s':>7} {'lat s':>6} {'+exit':>5} {'steps':>5}  verdict")
     for mode, title in mode_titles.items():
         rows = [o for o in outcomes if o.mode == mode]
         if not rows:
             continue
         lines += ["", f"== {title}", head]
         for o in sorted(rows, key=lambda o: (o.label, o.case)):
-            lat = o.latency_s if o.label == "stuck" or o.status != "ok" else None
+            shown = o.label == "stuck" or o.status != "ok"
+            lat = o.latency_s if shown else None
+            tail = (o.exit_latency_s - o.latency_s if shown and o.latency_s is not None
+                    and o.exit_latency_s is not None else None)
             lines.append(
                 f"{o.case:<20} {o.label:<8} {o.status:<15} {(o.reason or '-')[:16]:<16} "
-                f"{fmt(o.exit_code, 'd'):>4} {o.wall_s:7.1f} {fmt(lat):>6} "
+                f"{fmt(o.exit_code, 'd'):>4} {o.wall_s:7.1f} {fmt(lat):>6} {fmt(tail):>5} "
                 f"{fmt(o.steps, 'd'):>5}  {o.verdict}"
                 + (f"  [{o.leaked} process(es) left behind]" if o.leaked else ""))
         wrong = [o for o in rows if o.verdict in ("MISSED", "FALSE KILL")]
