@@ -494,8 +494,10 @@ def run_case(case: Case, mode: Mode, *, kernel: str, timeout: float, root: Path,
 
 def ended_at(db: Path, run_id: str) -> float | None:
     """When the kernel ended the run (its process tree stopped), from the audit file."""
-    import duckdb
-
+    try:
+        import duckdb
+    except ImportError:  # run by a Python without the project installed
+        return None
     try:
         with duckdb.connect(str(db), read_only=True) as con:
             row = con.execute("SELECT epoch(ended_at) FROM runs WHERE run_id = ?",
