@@ -45,6 +45,7 @@ import os
 import re
 import shutil
 import signal
+import sqlite3
 import statistics
 import subprocess
 import sys
@@ -388,7 +389,7 @@ class Outcome:
     exit_latency_s: float | None = None  # `kernel run` exited - last real progress
     steps: int | None = None
     tool_calls: int | None = None
-    leaked: int = 0  # processes still alive after `kernel run` exited
+    leaked: list[str] = field(default_factory=list)  # alive after `kernel run` exited
     model_requests: int | None = None
     run_id: str | None = None
     critic: list[str] = field(default_factory=list)  # its decisions, from `kernel show`
@@ -493,7 +494,20 @@ def run_case(case: Case, mode: Mode, *, kernel: str, timeout: float, root: Path,
 
 
 def ended_at(db: Path, run_id: str) -> float | None:
-    """When the kernel ended the run (its process tree stopped), from the audit file."""
+    """When the kernel ended the run (its process tree stopped), from the audit.
+
+    Builds that journal to SQLite (`DB.journal`, times in microseconds) and
+    builds that write the DuckDB file directly are both read.
+    """
+    journal = Path(str(db) + ".journal")
+    if journal.exists():
+        try:
+            with contextlib.closing(sqlite3.connect(f"file:{journal}?mode=ro", uri=True)) as con:
+                row = con.execute("SELECT ended_at FROM runs WHERE run_id = ?",
+                                  [run_id]).fetchone()
+        except sqlite3.Error:
+            return None
+        return row[0] / 1e6 if row and row[0] is not None else None
     try:
         import duckdb
     except ImportError:  # run by a Python without the project installed
@@ -539,8 +553,31 @@ def read_progress(path: Path) -> float | None:
         return None
 
 
-def reap(workdir: Path) -> int:
-    """End (by pid) every process still working in `workdir`; return how many there were."""
+def reap(workdir: Path, grace: float = 3.0) -> list[str]:
+    """Processes still working in `workdir` `grace` s after `kernel run` exited ("PID CMDLINE").
+
+    Those are ended by pid. A helper finishing its own exit in the moment after
+    (the kernel's lifeline watcher) gets the grace and is not counted.
+    """
+    deadline = time.monotonic() + grace
+    while True:
+        found = procs_in(workdir)
+        if not found or time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    left = []
+    for pid in found:
+        with contextlib.suppress(OSError):
+            raw = (Path("/proc") / str(pid) / "cmdline").read_bytes()
+            cmd = raw.replace(b"\0", b" ").decode(errors="replace").strip()
+            left.append(f"{pid} {cmd}")
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    return left
+
+
+def procs_in(workdir: Path) -> list[int]:
+    """The pids whose working directory is `workdir` or below it."""
     mine = str(workdir)
     found = []
     for entry in Path("/proc").iterdir():
@@ -552,10 +589,7 @@ def reap(workdir: Path) -> int:
             continue
         if cwd == mine or cwd.startswith(mine + "/"):
             found.append(int(entry.name))
-    for pid in found:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
-    return len(found)
+    return found
 
 
 # --------------------------------------------------------------- reporting
@@ -594,7 +628,7 @@ def matrix(outcomes: Sequence[Outcome], mode: str, target_s: float | None = None
     for o in outcomes:
         if o.mode != mode:
             continue
-        m.leaked += o.leaked
+        m.leaked += len(o.leaked)
         m.wall_s = max(m.wall_s, o.wall_s)
         if o.label == "stuck":
             m.stuck += 1
@@ -656,7 +690,9 @@ def case_table(outcomes: Sequence[Outcome], mode_titles: dict[str, str]) -> str:
                 f"{o.case:<20} {o.label:<8} {o.status:<15} {(o.reason or '-')[:16]:<16} "
                 f"{fmt(o.exit_code, 'd'):>4} {o.wall_s:7.1f} {fmt(lat):>6} {fmt(tail):>5} "
                 f"{fmt(o.steps, 'd'):>5}  {o.verdict}"
-                + (f"  [{o.leaked} process(es) left behind]" if o.leaked else ""))
+                + (f"  [{len(o.leaked)} process(es) left behind]" if o.leaked else ""))
+        for o in sorted(rows, key=lambda o: o.case):
+            lines += [f"  left behind by {o.case}: {p[:150]}" for p in o.leaked]
         wrong = [o for o in rows if o.verdict in ("MISSED", "FALSE KILL")]
         for o in sorted(wrong, key=lambda o: o.case):
             lines.append(f"  why {o.case}: {' '.join((o.error or o.status).split())[:150]}")

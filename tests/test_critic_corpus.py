@@ -107,7 +107,7 @@ def test_three_cases_run_through_kernel_run(kernel_exe: str) -> None:
     assert (healthy.status, healthy.exit_code, healthy.verdict) == ("ok", 0, "ok")
     asleep = got["sleep_forever"]  # only the hard timeout ends it without a critic
     assert (asleep.status, asleep.exit_code, asleep.verdict) == ("timeout", 124, "MISSED")
-    assert asleep.latency_s is not None and asleep.leaked == 0
+    assert asleep.latency_s is not None and asleep.leaked == []
     loop = got["llm_exact_loop"]
     assert (loop.status, loop.steps) == ("max_steps", cc.STEP_CAP)
     assert loop.verdict == "caught (step cap)"
