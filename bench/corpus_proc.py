@@ -147,6 +147,24 @@ def quiet_build(c: Case) -> None:
     say(f"built {units} units")
 
 
+def long_quiet_build(c: Case) -> None:
+    """A quiet build longer than the default idle timeout: 400 s, never a line.
+
+    Light on purpose (about a tenth of a core): bursts of compile-like work,
+    an object file written after each.
+    """
+    os.makedirs("obj", exist_ok=True)
+    end = time.monotonic() + c.s(400)
+    units = 0
+    while time.monotonic() < end:
+        units += 1
+        digest = burn(0.05)
+        Path(f"obj/unit{units % 8}.o").write_bytes(digest.to_bytes(4, "little") * 16384)
+        c.progress()
+        time.sleep(0.45)
+    say(f"built {units} units")
+
+
 # -------------------------------------------------------------------- stuck
 
 
@@ -232,6 +250,7 @@ def waiting_input(c: Case) -> None:
 
 CASES: dict[str, Callable[[Case], None]] = {f.__name__: f for f in (
     cpu_silent, io_writer, child_worker, _worker, steady_output, bursty_output, quiet_build,
+    long_quiet_build,
     sleep_forever, fifo_read, deadlock, spinner, repeated_line, waiting_input)}
 
 

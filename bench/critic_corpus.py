@@ -12,10 +12,14 @@ CASE` for a process, `kernel run --agent llm --base-url http://127.0.0.1:PORT/..
 against a scripted chat-completions server in this process for a model.
 Real processes, real time. Each case writes the moment of its last real
 progress to a side file (the process behaviours themselves; the fake server
-for the model cases), so detection latency = the moment `kernel run` exited
-minus that moment.
+for the model cases), so detection latency ("lat s") = the moment the kernel
+ended the run (its `ended_at` in the run's audit file: the process tree is
+stopped by then) minus that moment; "+exit" is how much later `kernel run`
+itself exited (audit flush, delivery, interpreter exit).
 
-Every case runs in three modes, each with the same hard `--timeout`:
+Every case runs in three modes, each with the same hard `--timeout` (the
+defaults mode may get a longer one, `--defaults-timeout`, to let a default
+idle timeout of minutes play out):
 
     idle      --idle-timeout 3 (or --idle-timeout S)
     defaults  the critic with its default thresholds
@@ -27,9 +31,8 @@ A stuck run is *caught* when the critic ends it (any status but `ok`,
 `timeout` or `max_steps`), *caught by the step cap* when it ends `max_steps`,
 and *missed* when it ends `ok` (e.g. an empty answer accepted) or `timeout`
 (the hard backstop, not the critic). A healthy run is *falsely killed* when it
-ends `killed`. Latency is measured for every stopped stuck run (critic or
-step cap): the moment `kernel run` exited minus the case's last real
-progress. Processes left behind after `kernel run` exits are counted as
+ends `killed`. Latency is counted for every stopped stuck run (critic or
+step cap). Processes left behind after `kernel run` exits are counted as
 leaks and then ended by id.
 """
 
@@ -39,8 +42,10 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
+import sqlite3
 import statistics
 import subprocess
 import sys
@@ -293,13 +298,17 @@ def write_progress(path: Path) -> None:
 
 @dataclass(frozen=True)
 class Case:
-    """One behaviour: a process (`proc`, a corpus_proc.py case) or a model script."""
+    """One behaviour: a process (`proc`, a corpus_proc.py case) or a model script.
+
+    `extra` cases run only when named with --only (they take minutes).
+    """
 
     name: str
     label: str  # "healthy" | "stuck"
     what: str
     proc: str | None = None
     script: type[Script] | None = None
+    extra: bool = False
 
 
 CASES: tuple[Case, ...] = (
@@ -339,6 +348,8 @@ CASES: tuple[Case, ...] = (
     Case("llm_same_error", "stuck", "different build commands, the identical error",
          script=SameError),
     Case("llm_empty", "stuck", "the model answers with an empty message", script=Empty),
+    Case("long_quiet_build", "healthy", "a light, silent 400 s build (for the defaults mode; "
+         "give --defaults-timeout 440)", proc="long_quiet_build", extra=True),
 )
 
 
@@ -347,12 +358,13 @@ class Mode:
     name: str
     title: str
     flags: tuple[str, ...]
+    timeout: float | None = None  # this mode's hard timeout, if not the common one
 
 
-def modes(idle: float) -> dict[str, Mode]:
+def modes(idle: float, defaults_timeout: float | None = None) -> dict[str, Mode]:
     return {
         "idle": Mode("idle", f"--idle-timeout {idle:g}", ("--idle-timeout", f"{idle:g}")),
-        "defaults": Mode("defaults", "critic defaults", ()),
+        "defaults": Mode("defaults", "critic defaults", (), defaults_timeout),
         "stepcap": Mode("stepcap", f"step cap {STEP_CAP} (no critic)",
                         ("--no-critic", "--max-steps", str(STEP_CAP))),
     }
@@ -373,11 +385,14 @@ class Outcome:
     error: str | None = None
     exit_code: int | None = None
     wall_s: float = 0.0
-    latency_s: float | None = None  # exit time - last real progress
+    latency_s: float | None = None  # the run's end (audit ended_at) - last real progress
+    exit_latency_s: float | None = None  # `kernel run` exited - last real progress
     steps: int | None = None
     tool_calls: int | None = None
-    leaked: int = 0  # processes still alive after `kernel run` exited
+    leaked: list[str] = field(default_factory=list)  # alive after `kernel run` exited
     model_requests: int | None = None
+    run_id: str | None = None
+    critic: list[str] = field(default_factory=list)  # its decisions, from `kernel show`
 
     @property
     def stopped_by(self) -> str | None:
@@ -426,7 +441,7 @@ def run_case(case: Case, mode: Mode, *, kernel: str, timeout: float, root: Path,
     """Run one case in one mode through `kernel run` and classify how it ended."""
     workdir = root / f"{case.name}.{mode.name}"
     workdir.mkdir(parents=True)
-    progress = workdir.parent / f"{case.name}.{mode.name}.progress"
+    progress = root / f"{case.name}.{mode.name}.progress"
     base_url = key = None
     if case.script is not None:
         script = case.script(workdir, scale)
@@ -434,12 +449,13 @@ def run_case(case: Case, mode: Mode, *, kernel: str, timeout: float, root: Path,
             (workdir / fname).write_text(text)
         key = f"{case.name}.{mode.name}"
         base_url = server.register(key, script, progress)
-    argv = kernel_argv(kernel, case, mode, timeout, root / f"{case.name}.{mode.name}.duckdb",
-                       progress, scale, base_url)
+    db = root / f"{case.name}.{mode.name}.duckdb"
+    timeout = mode.timeout or timeout
+    argv = kernel_argv(kernel, case, mode, timeout, db, progress, scale, base_url)
     env = {k: v for k, v in os.environ.items()
            if k not in ("OPENAI_API_KEY", "OPENAI_BASE_URL", "PYTHONDONTWRITEBYTECODE")}
     env["NO_COLOR"] = "1"
-    out_path, err_path = workdir.parent / f"{key or case.name + '.' + mode.name}.out", None
+    out_path = root / f"{case.name}.{mode.name}.out"
     err_path = out_path.with_suffix(".err")
     t0 = time.time()
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
@@ -465,12 +481,55 @@ def run_case(case: Case, mode: Mode, *, kernel: str, timeout: float, root: Path,
         o = Outcome(case.name, case.label, mode.name, str(doc.get("status")),
                     reason=doc.get("reason"), error=doc.get("error"),
                     exit_code=proc.returncode, wall_s=t1 - t0, steps=doc.get("steps"),
-                    tool_calls=doc.get("tool_calls"), leaked=leaked)
+                    tool_calls=doc.get("tool_calls"), leaked=leaked, run_id=doc.get("run_id"))
     if last is not None:
-        o.latency_s = t1 - last
+        o.exit_latency_s = t1 - last
+        ended = ended_at(db, o.run_id) if o.run_id else None
+        o.latency_s = (ended if ended is not None else t1) - last
     if key is not None:
         o.model_requests = server.requests(key)
+    if o.verdict in ("MISSED", "FALSE KILL") and o.run_id:
+        o.critic = critic_lines(kernel, db, o.run_id, env)
     return o
+
+
+def ended_at(db: Path, run_id: str) -> float | None:
+    """When the kernel ended the run (its process tree stopped), from the audit.
+
+    Builds that journal to SQLite (`DB.journal`, times in microseconds) and
+    builds that write the DuckDB file directly are both read.
+    """
+    journal = Path(str(db) + ".journal")
+    if journal.exists():
+        try:
+            with contextlib.closing(sqlite3.connect(f"file:{journal}?mode=ro", uri=True)) as con:
+                row = con.execute("SELECT ended_at FROM runs WHERE run_id = ?",
+                                  [run_id]).fetchone()
+        except sqlite3.Error:
+            return None
+        return row[0] / 1e6 if row and row[0] is not None else None
+    try:
+        import duckdb
+    except ImportError:  # run by a Python without the project installed
+        return None
+    try:
+        with duckdb.connect(str(db), read_only=True) as con:
+            row = con.execute("SELECT epoch(ended_at) FROM runs WHERE run_id = ?",
+                              [run_id]).fetchone()
+    except duckdb.Error:
+        return None
+    return float(row[0]) if row and row[0] is not None else None
+
+
+def critic_lines(kernel: str, db: Path, run_id: str, env: dict[str, str]) -> list[str]:
+    """The critic's decisions in a run's timeline (`kernel show`), for saying why."""
+    try:
+        shown = subprocess.run([kernel, "show", "--db", str(db), run_id], env=env,
+                               capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [" ".join(line.split())[:160] for line in shown.splitlines()
+            if " critic " in line and " watch " not in line]
 
 
 def parse_result(stdout: str) -> dict[str, Any] | None:
@@ -494,8 +553,31 @@ def read_progress(path: Path) -> float | None:
         return None
 
 
-def reap(workdir: Path) -> int:
-    """End (by pid) every process still working in `workdir`; return how many there were."""
+def reap(workdir: Path, grace: float = 3.0) -> list[str]:
+    """Processes still working in `workdir` `grace` s after `kernel run` exited ("PID CMDLINE").
+
+    Those are ended by pid. A helper finishing its own exit in the moment after
+    (the kernel's lifeline watcher) gets the grace and is not counted.
+    """
+    deadline = time.monotonic() + grace
+    while True:
+        found = procs_in(workdir)
+        if not found or time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    left = []
+    for pid in found:
+        with contextlib.suppress(OSError):
+            raw = (Path("/proc") / str(pid) / "cmdline").read_bytes()
+            cmd = raw.replace(b"\0", b" ").decode(errors="replace").strip()
+            left.append(f"{pid} {cmd}")
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    return left
+
+
+def procs_in(workdir: Path) -> list[int]:
+    """The pids whose working directory is `workdir` or below it."""
     mine = str(workdir)
     found = []
     for entry in Path("/proc").iterdir():
@@ -507,10 +589,7 @@ def reap(workdir: Path) -> int:
             continue
         if cwd == mine or cwd.startswith(mine + "/"):
             found.append(int(entry.name))
-    for pid in found:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
-    return len(found)
+    return found
 
 
 # --------------------------------------------------------------- reporting
@@ -549,7 +628,7 @@ def matrix(outcomes: Sequence[Outcome], mode: str, target_s: float | None = None
     for o in outcomes:
         if o.mode != mode:
             continue
-        m.leaked += o.leaked
+        m.leaked += len(o.leaked)
         m.wall_s = max(m.wall_s, o.wall_s)
         if o.label == "stuck":
             m.stuck += 1
@@ -573,6 +652,17 @@ def matrix(outcomes: Sequence[Outcome], mode: str, target_s: float | None = None
     return m
 
 
+def default_idle(kernel: str) -> float | None:
+    """The critic's default --idle-timeout, as `kernel run --help` states it."""
+    try:
+        text = subprocess.run([kernel, "run", "--help"], capture_output=True, text=True,
+                              timeout=60, env={**os.environ, "COLUMNS": "200"}).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    found = re.search(r"--idle-timeout\b.*?\[default: ([0-9.]+)", text, re.S)
+    return float(found.group(1)) if found else None
+
+
 def idle_target(idle: float) -> float:
     """Issue 14's bound: idle + grace + 0.5 s, grace = min(idle / 4, 60) (today's default)."""
     return idle + min(idle * 0.25, 60.0) + 0.5
@@ -585,19 +675,28 @@ def fmt(x: float | None, spec: str = ".1f") -> str:
 def case_table(outcomes: Sequence[Outcome], mode_titles: dict[str, str]) -> str:
     lines = []
     head = (f"{'case':<20} {'label':<8} {'status':<15} {'reason':<16} {'exit':>4} "
-            f"{'wall s':>7} {'lat s':>6} {'steps':>5}  verdict")
+            f"{'wall s':>7} {'lat s':>6} {'+exit':>5} {'steps':>5}  verdict")
     for mode, title in mode_titles.items():
         rows = [o for o in outcomes if o.mode == mode]
         if not rows:
             continue
         lines += ["", f"== {title}", head]
         for o in sorted(rows, key=lambda o: (o.label, o.case)):
-            lat = o.latency_s if o.label == "stuck" or o.status != "ok" else None
+            shown = o.label == "stuck" or o.status != "ok"
+            lat = o.latency_s if shown else None
+            tail = (o.exit_latency_s - o.latency_s if shown and o.latency_s is not None
+                    and o.exit_latency_s is not None else None)
             lines.append(
                 f"{o.case:<20} {o.label:<8} {o.status:<15} {(o.reason or '-')[:16]:<16} "
-                f"{fmt(o.exit_code, 'd'):>4} {o.wall_s:7.1f} {fmt(lat):>6} "
+                f"{fmt(o.exit_code, 'd'):>4} {o.wall_s:7.1f} {fmt(lat):>6} {fmt(tail):>5} "
                 f"{fmt(o.steps, 'd'):>5}  {o.verdict}"
-                + (f"  [{o.leaked} process(es) left behind]" if o.leaked else ""))
+                + (f"  [{len(o.leaked)} process(es) left behind]" if o.leaked else ""))
+        for o in sorted(rows, key=lambda o: o.case):
+            lines += [f"  left behind by {o.case}: {p[:150]}" for p in o.leaked]
+        wrong = [o for o in rows if o.verdict in ("MISSED", "FALSE KILL")]
+        for o in sorted(wrong, key=lambda o: o.case):
+            lines.append(f"  why {o.case}: {' '.join((o.error or o.status).split())[:150]}")
+            lines += [f"    {c}" for c in o.critic]
     return "\n".join(lines)
 
 
@@ -659,6 +758,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="the idle mode's --idle-timeout (default 3)")
     p.add_argument("--timeout", type=float, default=40.0, metavar="S",
                    help="every run's hard --timeout (default 40)")
+    p.add_argument("--defaults-timeout", type=float, default=None, metavar="S",
+                   help="the defaults mode's hard --timeout (default: --timeout)")
     p.add_argument("--modes", default="idle,defaults,stepcap",
                    help="comma-separated: idle, defaults, stepcap (default: all)")
     p.add_argument("--only", default="", metavar="NAME[,NAME]", help="run only these cases")
@@ -671,9 +772,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.list:
         for c in CASES:
-            print(f"{c.name:<20} {c.label:<8} {c.what}")
+            print(f"{c.name:<20} {c.label:<8} {c.what}" + (" (only with --only)" if c.extra
+                                                             else ""))
         return 0
-    known = modes(args.idle_timeout)
+    known = modes(args.idle_timeout, args.defaults_timeout)
     try:
         chosen = [known[m.strip()] for m in args.modes.split(",") if m.strip()]
     except KeyError as exc:
@@ -682,7 +784,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = sorted(set(names) - {c.name for c in CASES})
     if unknown:
         p.error(f"unknown case(s): {', '.join(unknown)} (see --list)")
-    cases = [c for c in CASES if not names or c.name in names]
+    cases = [c for c in CASES if c.name in names or (not names and not c.extra)]
     kernel = args.kernel or default_kernel()
 
     def progress(o: Outcome) -> None:
@@ -695,8 +797,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                        concurrency=args.concurrency, on_done=progress)
     total = time.monotonic() - t0
     titles = {m.name: m.title for m in chosen}
-    ms = [matrix(outcomes, m.name, idle_target(args.idle_timeout) if m.name == "idle" else None)
-          for m in chosen]
+    targets = {"idle": idle_target(args.idle_timeout)}
+    if "defaults" in titles:
+        idle = default_idle(kernel)
+        if idle is not None:
+            targets["defaults"] = idle_target(idle)
+            titles["defaults"] += f" (idle {idle:g})"
+    ms = [matrix(outcomes, m.name, targets.get(m.name)) for m in chosen]
     if args.json:
         print(json.dumps({
             "kernel": kernel, "timeout": args.timeout, "idle_timeout": args.idle_timeout,
@@ -705,7 +812,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "matrix": [{**asdict(m), "median": m.median, "max": m.max, "title": titles[m.mode]}
                        for m in ms]}, indent=1))
         return 0
-    print(f"kernel: {kernel}\nhard --timeout {args.timeout:g} s per run, "
+    per_mode = "".join(f", {m.name} {m.timeout:g} s" for m in chosen if m.timeout)
+    print(f"kernel: {kernel}\nhard --timeout {args.timeout:g} s per run{per_mode}, "
           f"{args.concurrency} at a time, {total:.0f} s in all")
     print(case_table(outcomes, titles))
     print()

@@ -39,7 +39,7 @@ def outcome(case: str, label: str, status: str, *, mode: str = "idle",
 class TestCounting:
     def test_the_corpus_has_the_cases_the_issue_asks_for(self) -> None:
         """At least 8 healthy and 10 stuck behaviours, uniquely named, each runnable."""
-        labels = [c.label for c in cc.CASES]
+        labels = [c.label for c in cc.CASES if not c.extra]
         assert labels.count("healthy") >= 8 and labels.count("stuck") >= 10
         assert len({c.name for c in cc.CASES}) == len(cc.CASES)
         procs = load_procs()
@@ -107,7 +107,7 @@ def test_three_cases_run_through_kernel_run(kernel_exe: str) -> None:
     assert (healthy.status, healthy.exit_code, healthy.verdict) == ("ok", 0, "ok")
     asleep = got["sleep_forever"]  # only the hard timeout ends it without a critic
     assert (asleep.status, asleep.exit_code, asleep.verdict) == ("timeout", 124, "MISSED")
-    assert asleep.latency_s is not None and asleep.leaked == 0
+    assert asleep.latency_s is not None and asleep.leaked == []
     loop = got["llm_exact_loop"]
     assert (loop.status, loop.steps) == ("max_steps", cc.STEP_CAP)
     assert loop.verdict == "caught (step cap)"
