@@ -57,9 +57,13 @@ async def run_client(client: str, replies: list[Reply], tmp_path: Path, *,
                      repeat_last: bool = False, critic: Critic | None = None,
                      checkpointer: RecordingCheckpointer | None = None,
                      resume: Any = None, server: FakeModelServer | None = None,
+                     wrap_audit: Any = None,
                      prompt: str = "List the files, read notes.txt, then say what it holds.",
                      **options: Any) -> Outcome:
-    """Run `client` (real process) on a fake server scripted with `replies`."""
+    """Run `client` (real process) on a fake server scripted with `replies`.
+
+    `wrap_audit(audit)` may wrap the in-memory audit (e.g. in the live progress).
+    """
     exe = require(client)
     work = tmp_path / "work"
     work.mkdir(exist_ok=True)
@@ -74,7 +78,8 @@ async def run_client(client: str, replies: list[Reply], tmp_path: Path, *,
         agent = preset(client, prompt, cwd=str(work), env=env, executable=str(exe),
                        **options)
         audit = MemoryAudit()
-        ports = Ports(audit=audit, critic=critic if critic is not None else default_critic(),
+        ports = Ports(audit=wrap_audit(audit) if wrap_audit is not None else audit,
+                      critic=critic if critic is not None else default_critic(),
                       checkpointer=checkpointer)
         result = await Kernel(ports).run(agent, RunInfo(name=f"{client} scenario"), LIMITS,
                                          resume=resume)
