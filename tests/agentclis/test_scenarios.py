@@ -266,3 +266,28 @@ async def test_nudge_mid_run(client: str, tmp_path: Path) -> None:
         assert lost.payload["messages"] == [NUDGE]
         assert "not a stream-json input" in lost.payload["why"]
         assert not any(NUDGE in json.dumps(b) for b in out.server.model_bodies())
+
+
+@pytest.mark.parametrize("client", ALL)
+async def test_turn_failure_ends_error(client: str, tmp_path: Path) -> None:
+    """A turn the client gives up on ends `error` with the client's reason.
+
+    Claude Code retries every API error by itself, so its failure here is its turn limit
+    (`--max-turns 1` and a model that wants a tool: `error_max_turns`); Codex and Gemini
+    CLI fail the turn on a 400 from the model API.
+    """
+    if client == "claude":
+        out = await run_client(client, [Reply([ListDir(".")])], tmp_path, max_turns=1,
+                               repeat_last=True)
+        expected = "Reached maximum number of turns (1)"
+    else:
+        out = await run_client(client, [Reply(status=400)], tmp_path)
+        expected = "fake 400"
+    r = out.result
+    assert r.status is Status.ERROR, (r.error, out.agent_events())
+    assert r.error is not None and r.error.startswith("agent CLI reported an error: ")
+    assert expected in r.error
+    assert out.agent_events()[-1] == "error"
+    assert out.unknown() == []
+    if client == "claude":
+        assert r.usage.cost_usd > 0  # a failed turn still reports what it cost
