@@ -35,6 +35,7 @@ from ._liveness import ProbeState as ProbeState
 from ._liveness import classify_probe as classify_probe
 from ._liveness import generate_nonce as generate_nonce
 from ._liveness import has_nonce_echo as has_nonce_echo
+from ._liveness import is_approval_prompt as is_approval_prompt
 from ._liveness import is_busy as is_busy
 from ._liveness import pane_tail as pane_tail
 from ._liveness import read_context_pct as read_context_pct
@@ -66,6 +67,7 @@ __all__ = [
     "classify_probe",
     "generate_nonce",
     "has_nonce_echo",
+    "is_approval_prompt",
     "is_busy",
     "make_action",
     "pane_tail",

@@ -53,6 +53,22 @@ def _fold(text: str) -> str:
     return text.replace("...", "…").casefold()
 
 
+#: Claude Code's tool approval dialog: a question, then numbered choices starting at Yes.
+_APPROVAL = re.compile(
+    r"Do you want to [^\n?]{1,200}\?\s*\n(?:[^\n]*\n){0,3}?\s*(?:\u276f\s*)?1\.\s*Yes",
+    re.IGNORECASE)
+
+
+def is_approval_prompt(text: str, lines: int = 16) -> bool:
+    """True if the pane's tail shows a tool approval dialog waiting for a person.
+
+    Recognises Claude Code's dialog as recorded from the real TUI (2.1.330): "Do
+    you want to proceed?" followed by numbered choices, "1. Yes" first. While it
+    shows, the agent is not done and not stalled: it waits for approval.
+    """
+    return bool(_APPROVAL.search(pane_tail(text, lines).replace("\xa0", " ")))
+
+
 def is_busy(text: str, lines: int = TAIL_LINES) -> bool:
     """True if a busy marker shows in the pane's tail (case-insensitive; `...` counts as `…`).
 

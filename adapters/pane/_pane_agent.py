@@ -6,6 +6,11 @@ and the turn is over once the pane has stopped changing for `settle`
 seconds with no busy marker ("esc to interrupt", "Thinking…", "Working…")
 in its tail. The text that appeared after the prompt is the run's output.
 
+A screen that settles on a tool approval dialog (Claude Code's "Do you want to
+proceed? 1. Yes ...") is not an answer: the agent waits for a person. The
+wait is audited (`pane_approval`), the critic is told the agent is alive,
+and after `approval_ttl` seconds the run ends `killed` (`awaiting_approval`).
+
 A pane that never answers is the critic's business: with no change on the
 screen there is no activity, so the idle timeout nudges it (the nudge is
 typed into the pane) and then kills the run `stalled`. A pane whose program
@@ -21,7 +26,7 @@ import trio
 from kernel import Message, RunContext, Step
 
 from ._errors import MultiplexerError
-from ._liveness import is_busy
+from ._liveness import is_approval_prompt, is_busy
 from ._mux import Multiplexer
 
 
@@ -36,6 +41,8 @@ class PaneAgent:
         settle: Seconds the pane must stay unchanged, and not busy, to count as done.
         poll_interval: How often the pane is read.
         max_output_chars: The output keeps at most this many characters (the tail).
+        approval_ttl: Seconds the pane may wait on an approval dialog before the
+            run is ended `killed` with reason `awaiting_approval`.
     """
 
     target: str
@@ -44,6 +51,7 @@ class PaneAgent:
     settle: float = 2.0
     poll_interval: float = 0.25
     max_output_chars: int = 20_000
+    approval_ttl: float = 600.0
     _lock: trio.Lock = field(default_factory=trio.Lock, init=False, repr=False)
     _ctx: RunContext | None = field(default=None, init=False, repr=False)
     _nudges: int = field(default=0, init=False, repr=False)
@@ -91,6 +99,7 @@ class PaneAgent:
         ctx.event("pane_send", name=self.target, payload={"prompt": self.prompt[:2000]})
         sent = await self.mux.capture(self.target)
         last, changed_at, answered = sent, trio.current_time(), False
+        waiting_since: float | None = None
         nudges = self._nudges
         while True:
             await trio.sleep(self.poll_interval)
@@ -111,11 +120,24 @@ class PaneAgent:
                 for line in screen.splitlines():
                     if line.strip() and line not in before:
                         ctx.activity("pane_output", line)
-                last, changed_at = screen, now
+                last, changed_at, waiting_since = screen, now, None
                 answered = answered or screen != sent
                 continue
             if answered and not is_busy(screen) and now - changed_at >= self.settle:
-                break
+                if not is_approval_prompt(screen):
+                    break
+                if waiting_since is None:
+                    waiting_since = changed_at
+                    ctx.event("pane_approval", name=self.target, payload={
+                        "state": "waiting_for_approval",
+                        "screen": "\n".join(screen.rstrip().splitlines()[-16:])})
+                waited = now - waiting_since
+                if waited >= self.approval_ttl:
+                    return Step(final=True, name="pane", kill="awaiting_approval",
+                                output=_after(screen, self.prompt)[-self.max_output_chars:],
+                                error=f"pane {self.target} waited {waited:.1f}s on an approval "
+                                      f"dialog (approval TTL {self.approval_ttl:g}s): killed")
+                ctx.activity("waiting_for_approval")
         output = _after(last, self.prompt)[-self.max_output_chars:]
         ctx.event("pane_done", name=self.target, payload={"chars": len(output)})
         return Step(output=output, final=True, name="pane",

@@ -124,6 +124,80 @@ class TestParseLine:
         assert events[7].usage == Usage(9, 3)
         assert [events[8].text, events[9].text] == ["stream disconnected", "fatal"]
 
+    def test_codex_warnings_and_retries_are_not_the_end(self) -> None:
+        """Codex's error item is a warning and `Reconnecting... N/M` a retry; other errors end."""
+        lines = [
+            {"type": "item.completed", "item": {"id": "item_0", "type": "error",
+                                                "message": "Model metadata for `m` not found."}},
+            {"type": "error", "message": "Reconnecting... 1/5 (stream disconnected before "
+                                         "completion: error decoding response body)"},
+            {"type": "item.completed", "item": {"id": "i", "type": "todo_list", "items": [
+                {"text": "read", "completed": True}, {"text": "fix", "completed": False}]}},
+            {"type": "turn.completed", "usage": {"input_tokens": 300, "cached_input_tokens": 120,
+                                                 "output_tokens": 60}},
+            {"type": "error", "message": "unexpected status 401 Unauthorized"},
+        ]
+        events = [e for line in lines for e in parse_line(json.dumps(line))]
+        assert [e.type for e in events] == [EventType.WARNING, EventType.RETRY,
+                                            EventType.THINKING, EventType.DONE,
+                                            EventType.ERROR]
+        assert events[0].text == "Model metadata for `m` not found."
+        assert events[2].text == "[x] read\n[ ] fix"
+        assert (events[3].usage, events[3].cache_read) == (Usage(300, 60), 120)
+
+    def test_claude_retries_approvals_and_bookkeeping(self) -> None:
+        """api_retry is a retry, permission_denied and can_use_tool are approvals."""
+        lines = [
+            {"type": "system", "subtype": "api_retry", "attempt": 1, "max_retries": 10,
+             "retry_delay_ms": 500, "error_status": 529, "error": "overloaded_error"},
+            {"type": "system", "subtype": "permission_denied", "tool_name": "Bash",
+             "tool_use_id": "t1", "message": "needs approval"},
+            {"type": "control_request", "request_id": "r1", "request": {
+                "subtype": "can_use_tool", "tool_name": "Bash", "input": {"command": "rm x"},
+                "description": "Remove x"}},
+            {"type": "rate_limit_event", "rate_limit_info": {"status": "allowed_warning"}},
+            {"type": "system", "subtype": "status", "status": "requesting"},
+            {"type": "stream_event", "event": {"type": "content_block_delta", "index": 0,
+                                               "delta": {"type": "input_json_delta",
+                                                         "partial_json": "{"}}},
+        ]
+        events = [e for line in lines for e in parse_line(json.dumps(line))]
+        assert [e.type for e in events] == [EventType.RETRY, EventType.APPROVAL,
+                                            EventType.APPROVAL, EventType.WARNING,
+                                            EventType.INFO, EventType.INFO]
+        assert events[0].text == "API request failed (overloaded_error); retry 1/10 in 500 ms"
+        assert (events[1].tool, events[1].is_error) == ("Bash", True)
+        assert (events[2].tool, events[2].is_error, events[2].input) == (
+            "Bash", False, {"command": "rm x"})
+
+    def test_gemini_stream(self) -> None:
+        """Gemini CLI's init, messages, tools, warnings and result map to event types."""
+        lines = [
+            {"type": "init", "session_id": "g1", "model": "gemini-2.5-flash"},
+            {"type": "message", "role": "user", "content": "do it"},
+            {"type": "tool_use", "tool_name": "read_file", "tool_id": "r1",
+             "parameters": {"file_path": "a"}},
+            {"type": "tool_result", "tool_id": "r1", "status": "error",
+             "error": {"type": "tool_not_registered", "message": "not found"}},
+            {"type": "message", "role": "assistant", "content": "Hi ", "delta": True},
+            {"type": "error", "severity": "warning", "message": "Loop detected"},
+            {"type": "result", "status": "success", "stats": {
+                "input_tokens": 200, "output_tokens": 40, "cached": 80}},
+            {"type": "result", "status": "error", "error": {"type": "FatalTurnLimitedError",
+                                                            "message": "max turns"}},
+        ]
+        events = [e for line in lines for e in parse_line(json.dumps(line))]
+        assert [e.type for e in events] == [
+            EventType.SESSION_START, EventType.INFO, EventType.TOOL_USE, EventType.TOOL_RESULT,
+            EventType.TEXT_DELTA, EventType.WARNING, EventType.DONE, EventType.ERROR]
+        assert events[0].session_id == "g1"
+        assert (events[2].tool, events[2].tool_id, events[2].input) == (
+            "read_file", "r1", {"file_path": "a"})
+        assert (events[3].is_error, events[3].text) == (True, "not found")
+        assert not events[4].whole
+        assert (events[6].usage, events[6].cache_read) == (Usage(200, 40), 80)
+        assert (events[7].is_error, events[7].text) == (True, "max turns")
+
     def test_plain_dialect(self) -> None:
         """The normalised types themselves parse, with their fields."""
         (use,) = parse_line('{"type": "tool_use", "tool": "grep", "id": "7", "input": {"p": 1}}')

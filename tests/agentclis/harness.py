@@ -12,7 +12,7 @@ from fake_models import FakeModelServer, Reply
 from adapters.agentcli import SessionAgentCLI, preset
 from batteries.critic import CriticPolicy, WatchCritic
 from kernel import Critic, Kernel, Limits, Ports, Result, RunInfo
-from kernel.testing import AuditEvent, MemoryAudit, RecordingCheckpointer
+from kernel.testing import AuditEvent, MemoryAudit
 
 #: The idle window of the scenarios: generous, since a client may take seconds to start
 #: on a loaded 2-core machine, and the window counts from the spawn.
@@ -55,30 +55,24 @@ def default_critic() -> WatchCritic:
 
 async def run_client(client: str, replies: list[Reply], tmp_path: Path, *,
                      repeat_last: bool = False, critic: Critic | None = None,
-                     checkpointer: RecordingCheckpointer | None = None,
-                     resume: Any = None, server: FakeModelServer | None = None,
+                     wrap_audit: Any = None,
                      prompt: str = "List the files, read notes.txt, then say what it holds.",
                      **options: Any) -> Outcome:
-    """Run `client` (real process) on a fake server scripted with `replies`."""
+    """Run `client` (real process) on a fake server scripted with `replies`.
+
+    `wrap_audit(audit)` may wrap the in-memory audit (e.g. in the live progress).
+    """
     exe = require(client)
     work = tmp_path / "work"
     work.mkdir(exist_ok=True)
     (work / "notes.txt").write_text("remember the milk\n")
-    own = server is None
-    srv = server or FakeModelServer(CLIENTS[client][2], replies, repeat_last=repeat_last)
-    if own:
-        srv.__enter__()
-    try:
+    with FakeModelServer(CLIENTS[client][2], replies, repeat_last=repeat_last) as srv:
         env = client_env(client, srv.url, tmp_path / "home")
         options.setdefault("idle_ttl", IDLE_TTL)
         agent = preset(client, prompt, cwd=str(work), env=env, executable=str(exe),
                        **options)
         audit = MemoryAudit()
-        ports = Ports(audit=audit, critic=critic if critic is not None else default_critic(),
-                      checkpointer=checkpointer)
-        result = await Kernel(ports).run(agent, RunInfo(name=f"{client} scenario"), LIMITS,
-                                         resume=resume)
+        ports = Ports(audit=wrap_audit(audit) if wrap_audit is not None else audit,
+                      critic=critic if critic is not None else default_critic())
+        result = await Kernel(ports).run(agent, RunInfo(name=f"{client} scenario"), LIMITS)
         return Outcome(result, audit.events(result.run_id), srv, agent)
-    finally:
-        if own:
-            srv.close()

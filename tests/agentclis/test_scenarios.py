@@ -15,8 +15,11 @@ import pytest
 from fake_models import ListDir, ReadFile, Reply, Say, Shell, Think
 from harness import run_client
 
+from batteries.audit.queries import summarize
 from batteries.critic import CriticPolicy, WatchCritic
 from kernel import Status
+from kernel.testing import ScriptedCritic
+from kernel_cli.progress import Progress, ProgressAudit
 
 pytestmark = pytest.mark.realtime
 
@@ -161,16 +164,43 @@ NEEDS_APPROVAL = [Reply([Shell("touch made-by-agent.txt")]),
                   Reply([Say("I could not create the file.")])]
 
 
+class StateSpy(Progress):
+    """The live progress line's state, every value it took."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+        super().__init__("spy", None)
+
+    @property  # type: ignore[override]
+    def state(self) -> str:
+        return self.seen[-1]
+
+    @state.setter
+    def state(self, value: str) -> None:
+        if not self.seen or self.seen[-1] != value:
+            self.seen.append(value)
+
+
 async def test_claude_waiting_for_approval_is_its_own_state_and_reason(
         tmp_path: Path) -> None:
     """Claude asking for approval (stdio prompt) is `waiting_for_approval`, not a stall.
 
     The critic's idle timeout is far shorter than the wait: it is told the agent is alive
-    and waiting, and the approval bound ends the run with its own reason.
+    and waiting, and the approval bound ends the run with its own reason. The live
+    progress and `kernel show` say what the agent was doing at each moment.
     """
     critic = WatchCritic(CriticPolicy(idle_timeout=3.0, grace=1.0, soft_timeout=None))
-    out = await run_client("claude", NEEDS_APPROVAL, tmp_path, critic=critic,
-                           permission_prompt=True, approval_ttl=8.0)
+    spy = StateSpy()
+    replies = [Reply([Think("The user wants a file."), Say("I will create it."),
+                      Shell("touch made-by-agent.txt")]), *NEEDS_APPROVAL[1:]]
+    out = await run_client("claude", replies, tmp_path, critic=critic,
+                           permission_prompt=True, approval_ttl=8.0,
+                           wrap_audit=lambda audit: ProgressAudit(audit, spy))
+    states = [s.split("/")[1] for s in spy.seen if s.startswith("working/")]
+    assert [s for s in dict.fromkeys(states)] == [
+        "idle", "thinking", "responding", "running_tool", "waiting_for_approval"], spy.seen
+    shown = [summarize(e.kind, e.payload) for e in out.kinds("approval")]
+    assert shown == ["[working/waiting_for_approval] Run a command"]
     r = out.result
     assert (r.status, r.reason) == (Status.KILLED, "awaiting_approval"), r.error
     assert r.error is not None and "for approval of Bash (approval TTL 8s)" in r.error
@@ -209,3 +239,55 @@ async def test_tool_needing_approval_unattended(client: str, tmp_path: Path) -> 
         assert end.payload["error"]
     if client == "codex":
         assert "Read-only file system" in json.dumps(out.server.model_bodies()[-1])
+
+
+NUDGE = "Also run the linter before you finish."
+
+
+@pytest.mark.parametrize("client", ALL)
+async def test_nudge_mid_run(client: str, tmp_path: Path) -> None:
+    """A nudge mid-run reaches Claude Code (stream-json on stdin) and the model sees it;
+    the other clients take no input mid-run, so it is audited as undeliverable."""
+    critic = ScriptedCritic(steer_after={1.0: NUDGE})
+    replies = [Reply([Think("Working through the files one by one."),
+                      Say("First pass done.")], frame_delay=0.4),
+               Reply([Say("Linter noted, finishing.")])]
+    out = await run_client(client, replies, tmp_path, critic=critic, repeat_last=True)
+    r = out.result
+    assert r.status is Status.OK, (r.error, out.agent_events())
+    assert out.unknown() == []
+    if client == "claude":
+        (sent,) = out.kinds("steer_delivered")
+        assert sent.payload == {"messages": [NUDGE], "via": "stdin"}
+        assert any(NUDGE in json.dumps(b) for b in out.server.model_bodies())
+        assert r.output == "Linter noted, finishing."
+    else:
+        (lost,) = out.kinds("steer_undeliverable")
+        assert lost.payload["messages"] == [NUDGE]
+        assert "not a stream-json input" in lost.payload["why"]
+        assert not any(NUDGE in json.dumps(b) for b in out.server.model_bodies())
+
+
+@pytest.mark.parametrize("client", ALL)
+async def test_turn_failure_ends_error(client: str, tmp_path: Path) -> None:
+    """A turn the client gives up on ends `error` with the client's reason.
+
+    Claude Code retries every API error by itself, so its failure here is its turn limit
+    (`--max-turns 1` and a model that wants a tool: `error_max_turns`); Codex and Gemini
+    CLI fail the turn on a 400 from the model API.
+    """
+    if client == "claude":
+        out = await run_client(client, [Reply([ListDir(".")])], tmp_path, max_turns=1,
+                               repeat_last=True)
+        expected = "Reached maximum number of turns (1)"
+    else:
+        out = await run_client(client, [Reply(status=400)], tmp_path)
+        expected = "fake 400"
+    r = out.result
+    assert r.status is Status.ERROR, (r.error, out.agent_events())
+    assert r.error is not None and r.error.startswith("agent CLI reported an error: ")
+    assert expected in r.error
+    assert out.agent_events()[-1] == "error"
+    assert out.unknown() == []
+    if client == "claude":
+        assert r.usage.cost_usd > 0  # a failed turn still reports what it cost
