@@ -25,7 +25,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import date, datetime, timedelta
 from decimal import Decimal
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
 
@@ -221,12 +221,32 @@ def purge(
 
 
 def export(
-    directory: str = typer.Argument(..., metavar="DIR", help="Where to write the Parquet files."),
+    directory: str | None = typer.Argument(
+        None, metavar="[DIR]", help="Where to write the Parquet files."),
+    otlp: str | None = typer.Option(
+        None, "--otlp", metavar="URL",
+        help="Instead, send stored runs as OpenTelemetry traces (GenAI conventions) to the "
+             "OTLP/HTTP collector at URL (needs the otel extra)."),
+    run: list[str] | None = typer.Option(
+        None, "--run", metavar="RUN_ID", help="With --otlp: only this run (repeatable; "
+                                               "short ids work). Default: every finished run."),
+    since: timedelta | None = typer.Option(
+        None, "--since", metavar="AGE", parser=numbers.age(),
+        help="With --otlp: only runs started within this age (e.g. 2h, 7d)."),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help=_DB_HELP),
 ) -> None:
-    """Export every table to DIR/<table>.parquet."""
+    """Export every table to DIR/<table>.parquet, or runs as traces with --otlp URL."""
     from batteries.audit import queries
 
+    if otlp is not None:
+        if directory is not None:
+            _fail("give DIR or --otlp URL, not both", 2)
+        _export_otlp(otlp, run or [], since, db)
+        return
+    if run or since is not None:
+        _fail("--run and --since go with --otlp", 2)
+    if directory is None:
+        _fail("missing DIR (or --otlp URL)", 2)
     with _errors(), _reader(db) as cur:
         written = queries.export(cur, directory)
     for path in written:
@@ -241,6 +261,23 @@ def sync(
     with _errors():
         report = _sync(db)
     print(report)
+
+
+def _export_otlp(endpoint: str, run_ids: list[str], since: timedelta | None,
+                 db: str | None) -> None:
+    from .otel_cmd import send_runs, stored_runs
+
+    with _errors():
+        from batteries.otel import traces_url
+
+        traces_url(endpoint)  # a bad URL is bad input, before the database is read
+        with _reader(db) as cur:
+            runs = stored_runs(cur, run_ids, since)
+        spans, failed = send_runs(endpoint, runs)
+    if failed:
+        _fail(f"{failed} export request(s) to {endpoint} failed "
+              f"({spans} spans sent)", 1)
+    print(f"exported {len(runs)} runs ({spans} spans) to {endpoint}")
 
 
 # ------------------------------------------------------------------ helpers
@@ -285,7 +322,7 @@ def _errors() -> Iterator[None]:
         _fail(str(exc), 1)
 
 
-def _fail(message: str, code: int) -> None:
+def _fail(message: str, code: int) -> NoReturn:
     print(f"kernel: error: {_one_line(message)}", file=sys.stderr)
     raise typer.Exit(code)
 
