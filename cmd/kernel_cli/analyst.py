@@ -20,6 +20,7 @@ import csv
 import io
 import json
 import math
+import os
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -89,6 +90,10 @@ def show(
     run_id: str = typer.Argument(..., metavar="RUN_ID",
                                  help="A run id, or any unique prefix of one."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a timeline."),
+    html: str | None = typer.Option(
+        None, "--html", metavar="FILE",
+        help="Also write the run's timeline picture to FILE: one self-contained HTML page "
+             "(states, steps, tool calls, output rate, critic nudges and kill, usage)."),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help=_DB_HELP),
 ) -> None:
     """Show one run and its timeline: seq, +ms, kind, name, duration, summary."""
@@ -97,6 +102,8 @@ def show(
     with _errors(), _reader(db) as cur:
         full = queries.resolve_run_id(cur, run_id)
         run, events = queries.timeline(cur, full)
+    if html is not None:
+        _write_html(html, run, events)
     if json_out:
         _print_json({"run": run, "events": events})
         return
@@ -261,6 +268,22 @@ def sync(
     with _errors():
         report = _sync(db)
     print(report)
+
+
+def _write_html(path: str, run: dict[str, Any], events: list[dict[str, Any]]) -> None:
+    """Write `kernel show --html FILE` (the page is built by timeline_html.render)."""
+    from batteries.audit.paths import open_private_file
+
+    from .timeline_html import render
+
+    page = render(run, events).encode()
+    try:
+        fd = open_private_file(path, os.O_WRONLY | os.O_TRUNC)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(page)
+    except OSError as exc:
+        _fail(f"--html: cannot write {path}: {exc.strerror or exc}", 1)
+    print(f"wrote {path}", file=sys.stderr)
 
 
 def _export_otlp(endpoint: str, run_ids: list[str], since: timedelta | None,
