@@ -3,7 +3,7 @@
 The public surface is re-exported here; the modules behind it are private.
 
 The library logs through the standard `logging` module, under loggers named
-`kernel`, `kernel.audit`, `kernel.critic`, `kernel.llm`, ...; the `kernel`
+`kernel`, `kernel.journal`, `kernel.critic`, `kernel.llm`, ...; the `kernel`
 logger has a `NullHandler`, so nothing is printed unless the host configures
 logging (e.g. `logging.basicConfig(level=logging.WARNING)`).
 """

@@ -23,6 +23,7 @@ HOST = textwrap.dedent('''
 
     from batteries.audit import DuckDBAudit
     from batteries.delivery import WebhookDelivery
+    from batteries.store import journal_path
     from kernel import Kernel, Limits, Ports, RunInfo, Status, Step
 
 
@@ -34,11 +35,8 @@ HOST = textwrap.dedent('''
     async def main(db, port):
         delivery = WebhookDelivery(f"http://127.0.0.1:{port}/hook", attempts=2,
                                    wait_initial=0.01, wait_max=0.01, timeout=10)
-        from batteries.store import journal_path
-
+        journal_path(db).mkdir()  # every write of the audit fails: its journal is a directory
         async with DuckDBAudit.open(db) as audit:
-            # Every write of the audit fails: its journal's path is a directory.
-            journal_path(db).mkdir()
             result = await Kernel(Ports(audit=audit, delivery=delivery)).run(
                 Done(), RunInfo(name="host"), Limits(max_steps=3, timeout=30))
         return result
@@ -90,4 +88,4 @@ class TestHostLogging:
         assert proc.stdout == ""
         assert "WARNING:kernel:port failed: delivery.deliver" in proc.stderr
         assert "WARNING:kernel:port failed: audit.close" in proc.stderr
-        assert "kernel.journal:" in proc.stderr  # the audit journal's own log lines
+        assert "ERROR:kernel.journal:" in proc.stderr  # the store battery's own log lines

@@ -20,12 +20,13 @@ import csv
 import io
 import json
 import math
+import os
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import date, datetime, timedelta
 from decimal import Decimal
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
 
@@ -89,6 +90,10 @@ def show(
     run_id: str = typer.Argument(..., metavar="RUN_ID",
                                  help="A run id, or any unique prefix of one."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a timeline."),
+    html: str | None = typer.Option(
+        None, "--html", metavar="FILE",
+        help="Also write the run's timeline picture to FILE: one self-contained HTML page "
+             "(states, steps, tool calls, output rate, critic nudges and kill, usage)."),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help=_DB_HELP),
 ) -> None:
     """Show one run and its timeline: seq, +ms, kind, name, duration, summary."""
@@ -97,6 +102,8 @@ def show(
     with _errors(), _reader(db) as cur:
         full = queries.resolve_run_id(cur, run_id)
         run, events = queries.timeline(cur, full)
+    if html is not None:
+        _write_html(html, run, events)
     if json_out:
         _print_json({"run": run, "events": events})
         return
@@ -221,12 +228,32 @@ def purge(
 
 
 def export(
-    directory: str = typer.Argument(..., metavar="DIR", help="Where to write the Parquet files."),
+    directory: str | None = typer.Argument(
+        None, metavar="[DIR]", help="Where to write the Parquet files."),
+    otlp: str | None = typer.Option(
+        None, "--otlp", metavar="URL",
+        help="Instead, send stored runs as OpenTelemetry traces (GenAI conventions) to the "
+             "OTLP/HTTP collector at URL (needs the otel extra)."),
+    run: list[str] | None = typer.Option(
+        None, "--run", metavar="RUN_ID", help="With --otlp: only this run (repeatable; "
+                                               "short ids work). Default: every finished run."),
+    since: timedelta | None = typer.Option(
+        None, "--since", metavar="AGE", parser=numbers.age(),
+        help="With --otlp: only runs started within this age (e.g. 2h, 7d)."),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help=_DB_HELP),
 ) -> None:
-    """Export every table to DIR/<table>.parquet."""
+    """Export every table to DIR/<table>.parquet, or runs as traces with --otlp URL."""
     from batteries.audit import queries
 
+    if otlp is not None:
+        if directory is not None:
+            _fail("give DIR or --otlp URL, not both", 2)
+        _export_otlp(otlp, run or [], since, db)
+        return
+    if run or since is not None:
+        _fail("--run and --since go with --otlp", 2)
+    if directory is None:
+        _fail("missing DIR (or --otlp URL)", 2)
     with _errors(), _reader(db) as cur:
         written = queries.export(cur, directory)
     for path in written:
@@ -241,6 +268,39 @@ def sync(
     with _errors():
         report = _sync(db)
     print(report)
+
+
+def _write_html(path: str, run: dict[str, Any], events: list[dict[str, Any]]) -> None:
+    """Write `kernel show --html FILE` (the page is built by timeline_html.render)."""
+    from batteries.audit.paths import open_private_file
+
+    from .timeline_html import render
+
+    page = render(run, events).encode()
+    try:
+        fd = open_private_file(path, os.O_WRONLY | os.O_TRUNC)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(page)
+    except OSError as exc:
+        _fail(f"--html: cannot write {path}: {exc.strerror or exc}", 1)
+    print(f"wrote {path}", file=sys.stderr)
+
+
+def _export_otlp(endpoint: str, run_ids: list[str], since: timedelta | None,
+                 db: str | None) -> None:
+    from .otel_cmd import send_runs, stored_runs
+
+    with _errors():
+        from batteries.otel import traces_url
+
+        traces_url(endpoint)  # a bad URL is bad input, before the database is read
+        with _reader(db) as cur:
+            runs = stored_runs(cur, run_ids, since)
+        spans, failed = send_runs(endpoint, runs)
+    if failed:
+        _fail(f"{failed} export request(s) to {endpoint} failed "
+              f"({spans} spans sent)", 1)
+    print(f"exported {len(runs)} runs ({spans} spans) to {endpoint}")
 
 
 # ------------------------------------------------------------------ helpers
@@ -285,7 +345,7 @@ def _errors() -> Iterator[None]:
         _fail(str(exc), 1)
 
 
-def _fail(message: str, code: int) -> None:
+def _fail(message: str, code: int) -> NoReturn:
     print(f"kernel: error: {_one_line(message)}", file=sys.stderr)
     raise typer.Exit(code)
 

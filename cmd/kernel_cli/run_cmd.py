@@ -115,6 +115,11 @@ def run(
         None, "--webhook", metavar="URL",
         help="Also POST the result as JSON to URL (retried; repeatable). A failed "
              "delivery is a warning and never changes the exit code."),
+    otlp: str | None = typer.Option(
+        None, "--otlp", metavar="URL",
+        help="Also send the run as OpenTelemetry spans (GenAI conventions) to the "
+             "OTLP/HTTP collector at URL (default: $OTEL_EXPORTER_OTLP_ENDPOINT; needs the "
+             "otel extra)."),
     json_out: bool = typer.Option(
         False, "--json", help="Print the final result as one JSON object on stdout "
                               "(the command's output is not echoed)."),
@@ -189,10 +194,17 @@ def run(
     for url in webhook or []:
         if not url.startswith(("http://", "https://")):
             _fail(f"--webhook expects an http(s):// URL, got {url!r}")
+    if otlp:
+        from batteries.otel import traces_url
+
+        try:
+            traces_url(otlp)
+        except ConfigError as exc:
+            _fail(f"--otlp: {exc}")
     opts = PortOptions(db=db, no_audit=no_audit, no_critic=no_critic,
                        soft_timeout=soft_timeout, idle_timeout=idle_timeout,
                        model_timeout=model_timeout, tool_timeout=tool_timeout,
-                       deliver_dir=deliver_dir, webhooks=tuple(webhook or ()))
+                       deliver_dir=deliver_dir, webhooks=tuple(webhook or ()), otlp=otlp)
     import trio
 
     run_spec = stored_spec(

@@ -30,6 +30,7 @@ class PortOptions:
     tool_timeout: float | None = None
     deliver_dir: str | None = None
     webhooks: tuple[str, ...] = ()
+    otlp: str | None = None
 
 
 @asynccontextmanager
@@ -68,6 +69,7 @@ async def open_ports(opts: PortOptions, *, delivery: Delivery | None = None,
             audit = _audit(journal, warnings, redactor)
             budget = JournalBudget(journal)
             checkpointer = JournalCheckpointer(journal, redactor=redactor)
+        audit = await _with_otel(opts, audit, stack, warnings)
         critic = None if opts.no_critic else _make_critic(opts)
         yield Ports(audit=audit, budget=budget, critic=critic, checkpointer=checkpointer,
                     delivery=_delivery(opts, delivery))
@@ -98,6 +100,35 @@ def _delivery(opts: PortOptions, first: Delivery | None) -> Delivery | None:
         chosen.extend(WebhookDelivery(url) for url in opts.webhooks)
         return FanOut(chosen)
     return first
+
+
+async def _with_otel(opts: PortOptions, audit: Audit | None, stack: AsyncExitStack,
+                     warnings: list[PortFailure] | None) -> Audit | None:
+    """`audit`, teed into an OpenTelemetry export when --otlp or $OTEL_EXPORTER_OTLP_ENDPOINT.
+
+    --otlp without the otel extra is a `ConfigError` (exit 2). The environment
+    variable is often set machine-wide: without the extra it is an
+    `otlp.open` warning and the run goes on. --otlp "" turns the export off.
+    """
+    import os
+
+    endpoint = opts.otlp if opts.otlp is not None else (
+        os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None)
+    if not endpoint:
+        return audit
+    from batteries.otel import OTelAudit
+    from batteries.tee import TeeAudit
+    from kernel import ConfigError
+
+    try:
+        otel = await stack.enter_async_context(OTelAudit.open(endpoint))
+    except ConfigError as exc:
+        if opts.otlp is not None:
+            raise ConfigError(f"--otlp: {exc}") from exc
+        if warnings is not None:
+            warnings.append(PortFailure("otlp", "open", f"$OTEL_EXPORTER_OTLP_ENDPOINT: {exc}"))
+        return audit
+    return otel if audit is None else TeeAudit(audit, otel)
 
 
 def _make_critic(opts: PortOptions) -> Critic | None:

@@ -1,0 +1,52 @@
+"""`kernel export --otlp URL`: stored runs sent to an OpenTelemetry collector as traces.
+
+Reading and sending are apart: `stored_runs` reads each run's row and events
+as plain data (one short read session), `send_runs` hands them to
+`batteries.otel.export_run`, the converter live runs use too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+Run = tuple[dict[str, Any], list[dict[str, Any]]]
+
+
+def stored_runs(cur: Any, run_ids: Sequence[str], since: timedelta | None) -> list[Run]:
+    """The finished runs asked for (ids or unique prefixes; none: all, or those `since` ago).
+
+    Raises:
+        ConfigError: An unknown or ambiguous run id.
+    """
+    from batteries.audit import queries
+
+    if run_ids:
+        ids = [queries.resolve_run_id(cur, prefix) for prefix in run_ids]
+    else:
+        sql = "SELECT run_id FROM runs WHERE status IS NOT NULL"
+        params: list[Any] = []
+        start = queries.cutoff(since)
+        if start is not None:
+            sql += " AND started_at >= ?"
+            params.append(start)
+        ids = [row[0] for row in queries.rows(cur, sql + " ORDER BY started_at", params)[1]]
+    return [queries.timeline(cur, run_id) for run_id in ids]
+
+
+def send_runs(endpoint: str, runs: Sequence[Run]) -> tuple[int, int]:
+    """Send `runs` as traces to `endpoint`; returns (spans exported, failed exports).
+
+    Raises:
+        ConfigError: A malformed endpoint, or the otel extra is not installed.
+    """
+    from batteries.otel import OTLPTraces, export_run
+
+    traces = OTLPTraces(endpoint, batch=False)
+    try:
+        for run, events in runs:
+            export_run(traces.tracer, run, events)
+    finally:
+        traces.shutdown()
+    return traces.exported_spans, traces.failed_exports
