@@ -20,6 +20,7 @@ import typer
 from kernel import Checkpoint, ConfigError, Limits, Result, RunInfo, Status
 
 from . import numbers
+from .ids import short_id
 from .wiring import PortOptions, open_ports
 
 RUN_HELP = """Run CMD (after --), a LOOP.yaml state machine, or an --agent, under supervision.
@@ -118,7 +119,9 @@ def run(
     json_out: bool = typer.Option(
         False, "--json", help="Print the final result as one JSON object on stdout "
                               "(the command's output is not echoed)."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="Do not echo the command's output."),
+    quiet: bool = typer.Option(
+        False, "--quiet", "-q", help="Print nothing on stdout (the output is still audited; "
+                                     "the summary line still goes to stderr)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Simulate: execute nothing."),
     scenario: str | None = typer.Option(
         None, "--scenario", help="Dry-run results for a loop: all-pass|all-fail|all-error|"
@@ -207,8 +210,8 @@ def run(
         _fail(str(exc))
     code = exit_code(result, command=plan.is_command)
     # A dry run echoes nothing as it goes: its output (the path it would take) is the answer.
-    _report(result, code, json_out=json_out, echo_output=not plan.echoes or dry_run,
-            storage=_storage(journals))
+    _report(result, code, json_out=json_out,
+            echo_output=not quiet and (not plan.echoes or dry_run), storage=_storage(journals))
     raise typer.Exit(code)
 
 
@@ -350,7 +353,9 @@ def plan_from_spec(spec: dict[str, Any], *, quiet: bool) -> Plan:
         argv = list(spec["argv"])
         env = {f"KERNEL_CTX_{k.upper().replace('-', '_').replace('.', '_')}": v
                for k, v in ctx_vars.items()}
-        shell = ShellAgent(argv, env=env or None, on_output=None if quiet else _echo)
+        # Like timeout(1): the command reads our stdin (a pipe, a file, the terminal).
+        shell = ShellAgent(argv, env=env or None, on_output=None if quiet else _echo,
+                           inherit_stdin=True)
         info = RunInfo(name=shlex.join(argv)[:200], subject_id=os.path.basename(argv[0]),
                        inputs={"argv": argv, "context": ctx_vars})
         return Plan(shell, info, is_command=True, echoes=not quiet)
@@ -502,6 +507,7 @@ def _report(result: Result, code: int, *, json_out: bool, echo_output: bool,
         print(f"kernel: warning: {failure}", file=sys.stderr)
     if json_out:
         doc = result.to_dict()
+        doc["short_id"] = short_id(result.run_id)
         doc["command_exit_code"] = result.exit_code
         doc["exit_code"] = code
         if storage is not None:
@@ -513,12 +519,12 @@ def _report(result: Result, code: int, *, json_out: bool, echo_output: bool,
             result.output, default=str)
         if text:
             sys.stdout.write(text.rstrip("\n") + "\n")
-    if result.status not in (Status.OK, Status.DRY_RUN) or sys.stderr.isatty():
-        why = result.error or result.reason
-        print(f"kernel: run {result.run_id[:12]} {result.status} after "
-              f"{result.runtime_seconds:.1f}s, {result.steps} step(s)"
-              + (f": {why}" if why and why != str(result.status) else "")
-              + f" (exit {code})", file=sys.stderr)
+    # Always, terminal or not: the short id is how a person finds the run again.
+    why = result.error or result.reason
+    print(f"kernel: run {short_id(result.run_id)} {result.status} after "
+          f"{result.runtime_seconds:.1f}s, {result.steps} step(s)"
+          + (f": {why}" if why and why != str(result.status) else "")
+          + f" (exit {code})", file=sys.stderr)
 
 
 def _fail(message: str) -> None:

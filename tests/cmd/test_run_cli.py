@@ -172,9 +172,56 @@ class TestProgress:
         assert b"step" in seen and b"deadline in" in seen
 
     def test_no_progress_without_a_tty(self, kernel_exe: str, cli_env: dict[str, str]) -> None:
-        """Without a terminal, stderr carries no progress line."""
+        """Without a terminal, stderr carries no progress line: only the summary line."""
         proc = kernel(kernel_exe, cli_env, "run", "--", "sh", "-c", "sleep 0.6; echo x")
-        assert proc.returncode == 0 and proc.stderr == ""
+        assert proc.returncode == 0
+        assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("kernel: run ")
+
+
+class TestLikeTimeout:
+    """`kernel run` behaves like timeout(1) where a person would expect it to (issue 17)."""
+
+    def test_stdin_is_passed_through(self, kernel_exe: str, cli_env: dict[str, str]) -> None:
+        """`echo input | kernel run -- cat` prints input: the command reads our stdin."""
+        proc = subprocess.run([kernel_exe, "run", "--", "cat"], input="input\nmore\n",
+                              capture_output=True, text=True, env=cli_env, timeout=30)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout == "input\nmore\n"
+
+    def test_stdin_is_the_terminal(self, kernel_exe: str, cli_env: dict[str, str]) -> None:
+        """With a terminal on stdin, the command's stdin is that terminal."""
+        import pty
+
+        master, slave = pty.openpty()
+        try:
+            proc = subprocess.run([kernel_exe, "run", "--", "sh", "-c",
+                                   "test -t 0 && echo tty || echo notty"],
+                                  stdin=slave, capture_output=True, text=True, env=cli_env,
+                                  timeout=30)
+        finally:
+            os.close(slave)
+            os.close(master)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout == "tty\n"
+
+    def test_quiet_prints_nothing_on_stdout(self, kernel_exe: str,
+                                            cli_env: dict[str, str]) -> None:
+        """`kernel run -q -- seq 1 2000` prints nothing on stdout, the summary on stderr."""
+        proc = kernel(kernel_exe, cli_env, "run", "-q", "--", "seq", "1", "2000")
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout == ""
+        assert proc.stderr.startswith("kernel: run ") and " ok after " in proc.stderr
+
+    def test_summary_carries_the_short_id(self, kernel_exe: str,
+                                          cli_env: dict[str, str]) -> None:
+        """Without a terminal, the summary line still names the run by its short id."""
+        proc = kernel(kernel_exe, cli_env, "run", "--json", "--", "true")
+        doc = json.loads(proc.stdout)
+        assert doc["short_id"] == doc["run_id"][20:28]
+        again = kernel(kernel_exe, cli_env, "run", "--", "sh", "-c", "exit 9")
+        assert again.returncode == 9
+        words = again.stderr.strip().splitlines()[-1].split()
+        assert words[:2] == ["kernel:", "run"] and len(words[2]) == 8
 
 
 class TestDelivery:
