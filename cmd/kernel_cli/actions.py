@@ -20,6 +20,7 @@ import typer
 from kernel import ConfigError, KernelError
 
 from . import numbers
+from .ids import short_id
 from .wiring import PortOptions, open_ports
 
 if TYPE_CHECKING:
@@ -198,7 +199,7 @@ def _report(result: Result, attempt: Attempt | None, *, json_out: bool, cap: int
             sys.stdout.write(json.dumps({
                 "run_id": result.run_id, "status": str(result.status), "outcome": None,
                 "error": why, "exit_code": code}) + "\n")
-        print(f"kernel actions run: no attempt recorded: run {result.run_id[:12]} "
+        print(f"kernel actions run: no attempt recorded: run {short_id(result.run_id)} "
               f"{result.status}: {why}", file=sys.stderr)
         return code
     code = 0 if attempt.outcome.ok else 1
@@ -207,7 +208,7 @@ def _report(result: Result, attempt: Attempt | None, *, json_out: bool, cap: int
                "exit_code": code}
         sys.stdout.write(json.dumps(doc, default=str, ensure_ascii=False) + "\n")
     else:
-        sys.stdout.write(f"{attempt.summary()} [run {result.run_id[:12]}]\n")
+        sys.stdout.write(f"{attempt.summary()} [run {short_id(result.run_id)}]\n")
     return code
 
 
@@ -310,7 +311,7 @@ def query(
     table = [["STARTED (UTC)", "AGENT", "ACTION", "OUTCOME", "ELAPSED", "RUN", "DETAIL"]]
     for r in rows:
         table.append([_short_time(r["started_at"]), str(r["agent"]), str(r["action"]),
-                      str(r["outcome"]), _seconds(r["elapsed_s"]), str(r["run_id"])[:12],
+                      str(r["outcome"]), _seconds(r["elapsed_s"]), short_id(str(r["run_id"])),
                       _detail(r)])
     _print_table(table)
 

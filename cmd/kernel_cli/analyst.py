@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 from . import numbers
+from .ids import short_id
 
 if TYPE_CHECKING:
     from batteries.audit import Store
@@ -64,14 +65,22 @@ def runs(
         help="Only runs started within AGE: 90, 30s, 30m, 24h, 7d, 2w."),
     limit: int = typer.Option(20, "--limit", metavar="N", parser=numbers.count(minimum=1),
                               help="At most N runs."),
+    ids_only: bool = typer.Option(
+        False, "--quiet", "-q", help="Print only the runs' short ids, one a line."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help=_DB_HELP),
 ) -> None:
-    """List recent runs, newest first."""
+    """List recent runs, newest first (RUN is the short id `kernel show` takes)."""
     from batteries.audit import queries
 
     with _errors(), _reader(db) as cur:
         found = queries.list_runs(cur, status=status, since=since, limit=limit)
+    for r in found:
+        r["short_id"] = short_id(r["run_id"])
+    if ids_only:
+        for r in found:
+            print(r["short_id"])
+        return
     if json_out:
         _print_json(found)
         return
@@ -80,29 +89,38 @@ def runs(
         return
     print(_table(
         ("RUN", "STARTED", "STATUS", "STEPS", "TOOLS", "RUNTIME", "NAME"),
-        [(r["run_id"], _when(r["started_at"]), r["status"], r["steps"], r["tool_calls"],
+        [(r["short_id"], _when(r["started_at"]), r["status"], r["steps"], r["tool_calls"],
           _secs(r["runtime_seconds"]), _cell(r["name"])) for r in found],
         right=(3, 4, 5)))
 
 
 def show(
-    run_id: str = typer.Argument(..., metavar="RUN_ID",
-                                 help="A run id, or any unique prefix of one."),
+    run_id: str | None = typer.Argument(
+        None, metavar="RUN_ID", show_default=False,
+        help="The run's short id (as `kernel runs` prints it), a full id or any unique "
+             "prefix of one, or 'last'."),
+    last: bool = typer.Option(False, "--last", "-l", help="Show the newest run."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a timeline."),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help=_DB_HELP),
 ) -> None:
     """Show one run and its timeline: seq, +ms, kind, name, duration, summary."""
     from batteries.audit import queries
 
+    from . import ids
+
+    if last == (run_id is not None):
+        _fail("give a RUN_ID or --last (not both)", 2)
     with _errors(), _reader(db) as cur:
-        full = queries.resolve_run_id(cur, run_id)
+        full = ids.resolve(cur, ids.LAST if last else str(run_id))
         run, events = queries.timeline(cur, full)
     if json_out:
+        run["short_id"] = short_id(run["run_id"])
         _print_json({"run": run, "events": events})
         return
     status = run["status"] + (f" (exit {run['exit_code']})"
                               if run.get("exit_code") is not None else "")
-    lines = [f"run      {run['run_id']}  {_cell(run.get('name'))}".rstrip(),
+    lines = [f"run      {short_id(run['run_id'])}  {run['run_id']}  "
+             f"{_cell(run.get('name'))}".rstrip(),
              f"status   {status}"]
     who = [f"{k} {run[k]}" for k in ("subject_id", "caller_id", "channel_id", "parent_run_id")
            if run.get(k)]

@@ -81,11 +81,11 @@ def resolve(cur: Any, text: str, *, table: str = "runs") -> str:
         ConfigError: `text` is malformed, names no run, or names several.
     """
     if text.strip().lower() == LAST:
-        row = cur.execute(f"SELECT run_id FROM {table} ORDER BY started_at DESC NULLS LAST, "
-                          f"run_id DESC LIMIT 1").fetchone()
-        if row is None:
+        rows = cur.execute(f"SELECT run_id FROM {table} ORDER BY started_at DESC NULLS LAST, "
+                           f"run_id DESC LIMIT 1").fetchall()
+        if not rows:
             raise ConfigError("no runs yet: 'last' names nothing")
-        return str(row[0])
+        return str(rows[0][0])
     want = normalise(text)
     params: list[Any] = [want]
     where = "starts_with(lower(replace(run_id, '-', '')), ?)"

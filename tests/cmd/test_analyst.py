@@ -24,9 +24,11 @@ from kernel_cli.app import app
 
 PROCS = Path(__file__).resolve().parent.parent / "batteries" / "audit_procs.py"
 
-# Hand-picked run ids so prefixes are predictable: abc1/abc2 share "abc".
-A, B, C, D, E = ("abc1" + "0" * 28, "abc2" + "0" * 28, "def0" + "0" * 28,
-                 "0dd0" + "0" * 28, "e0e0" + "0" * 28)
+# Hand-picked run ids so prefixes are predictable: abc1/abc2 share "abc"; their random
+# ends (the short ids: digits 21-28) a1b2c3d4/a1b2ffff share "a1b2".
+A, B, C, D, E = ("abc1" + "0" * 16 + "a1b2c3d40001", "abc2" + "0" * 16 + "a1b2ffff0002",
+                 "def0" + "0" * 16 + "c0ffee000003", "0dd0" + "0" * 16 + "d00d00000004",
+                 "e0e0" + "0" * 16 + "e1e1e1000005")
 
 
 async def _populate(db: Path) -> None:
@@ -104,7 +106,7 @@ class TestRuns:
         lines = out.splitlines()
         assert lines[0].split() == ["RUN", "STARTED", "STATUS", "STEPS", "TOOLS", "RUNTIME",
                                     "NAME"]
-        assert [ln.split()[0] for ln in lines[1:]] == [E, C, B, A, D]
+        assert [ln.split()[0] for ln in lines[1:]] == [r[20:28] for r in (E, C, B, A, D)]
         assert "running" in lines[1] and "killed" in lines[2]
 
     def test_filters_by_status_since_and_limit(self, db: Path) -> None:
@@ -142,7 +144,7 @@ class TestShow:
         """A unique prefix finds the run; the timeline lists seq, +ms, kind, name, summary."""
         code, out, _ = kernel("show", "abc1")
         assert code == 0
-        assert f"run      {A}  lint ok" in out
+        assert f"run      a1b2c3d4  {A}  lint ok" in out
         assert "status   ok" in out
         header = next(ln for ln in out.splitlines() if ln.startswith("SEQ"))
         assert header.split() == ["SEQ", "+MS", "KIND", "NAME", "DURATION", "SUMMARY"]
@@ -172,14 +174,62 @@ class TestShow:
         assert code == 0 and json.loads(out)["run"]["run_id"] == C
 
     @pytest.mark.parametrize(("prefix", "fragment"), [
-        ("abc", "is ambiguous: it matches abc1, abc2"),
+        ("abc", f"is ambiguous: it matches a1b2c3d4 ({A}), a1b2ffff ({B})"),
+        ("a1b2", "is ambiguous: it matches a1b2c3d4"),
         ("fff", "no run matches 'fff'"),
-        ("not-hex!", "run id must be up to 32 hex digits"),
+        ("not-hex!", "a run id is a short id (8 hex digits), a full id or 'last'"),
     ])
     def test_bad_ids_are_one_line_and_exit_2(self, db: Path, prefix: str,
                                              fragment: str) -> None:
         """Ambiguous, unknown and malformed ids: one error line, exit code 2."""
         one_line_error(*kernel("show", prefix), 2, fragment)
+
+
+class TestShortIds:
+    """Ids a person can type: the random end of the id, resolved the same everywhere."""
+
+    def test_a_short_id_in_any_case_shows_the_run(self, db: Path) -> None:
+        """`kernel show C0FFEE00` (the short id, upper case) finds run C."""
+        code, out, err = kernel("show", "C0FFEE00", "--json")
+        assert code == 0, err
+        shown = json.loads(out)["run"]
+        assert (shown["run_id"], shown["short_id"]) == (C, "c0ffee00")
+
+    def test_a_short_prefix_of_four_digits_is_enough(self, db: Path) -> None:
+        """Four digits of the random end find the run when no other run shares them."""
+        code, out, _ = kernel("show", "d00d", "--json")
+        assert code == 0 and json.loads(out)["run"]["run_id"] == D
+
+    def test_last_and_dash_l_show_the_newest_run(self, db: Path) -> None:
+        """`kernel show last` and `kernel show -l` show the most recently started run."""
+        for args in (["last"], ["-l"], ["--last"], ["LAST"]):
+            code, out, err = kernel("show", *args, "--json")
+            assert code == 0, err
+            assert json.loads(out)["run"]["run_id"] == E
+
+    def test_show_needs_an_id_or_last(self, db: Path) -> None:
+        """Neither an id nor --last (or both) is one line and exit 2."""
+        one_line_error(*kernel("show"), 2, "give a RUN_ID or --last")
+        one_line_error(*kernel("show", "-l", "abc1"), 2, "give a RUN_ID or --last")
+
+    def test_runs_quiet_prints_short_ids_only(self, db: Path) -> None:
+        """`kernel runs -q` prints one short id a line, newest first; each one resolves."""
+        code, out, _ = kernel("runs", "-q")
+        assert code == 0
+        assert out.split() == [r[20:28] for r in (E, C, B, A, D)]
+        for short in out.split():
+            assert kernel("show", short, "--json")[0] == 0
+
+    def test_last_on_an_empty_database(self, tmp_path: Path) -> None:
+        """'last' on a database with no runs says so: one line, exit 2."""
+        empty = tmp_path / "empty.duckdb"
+        trio.run(_create, empty)
+        one_line_error(*kernel("show", "last", "--db", str(empty)), 2, "no runs yet")
+
+
+async def _create(db: Path) -> None:
+    async with DuckDBAudit.open(db):
+        pass
 
 
 class TestStats:
