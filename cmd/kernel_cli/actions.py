@@ -17,8 +17,6 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
 
-from kernel import ConfigError, KernelError
-
 from . import numbers
 from .ids import short_id
 from .wiring import PortOptions, open_ports
@@ -116,6 +114,7 @@ def run(
 ) -> None:
     """Run one attempt of a pane action and exit with its outcome's code."""
     from adapters.pane import TmuxMultiplexer, make_action, snapshot_chars
+    from kernel import ConfigError, KernelError
 
     try:
         if min_drop_pct is not None and action != "compact":
@@ -155,7 +154,7 @@ async def _execute(action: PaneAction, mux: Multiplexer, target: str, agent: str
     import trio
 
     from adapters.pane import ActionAgent
-    from kernel import Kernel, PortFailure
+    from kernel import ConfigError, Kernel, PortFailure
 
     status = await mux.target_status(target)
     if not status.alive:
@@ -229,6 +228,7 @@ def _select(command: str, db: str | None, sql: str, params: list[Any]) -> list[d
     from batteries.audit import resolve_db_path
     from batteries.audit.queries import dicts
     from batteries.store import journal_path
+    from kernel import KernelError
 
     path = resolve_db_path(db)
     if not path.exists() and not journal_path(path).exists():
@@ -250,6 +250,7 @@ def _filters(command: str, *, agent: str | None, action: str | None = None,
              outcome: str | None = None, since: timedelta | None = None
              ) -> tuple[list[str], list[Any]]:
     """WHERE clauses and parameters for the common options (bad input exits 2)."""
+
     from batteries.audit.queries import cutoff
 
     where: list[str] = []

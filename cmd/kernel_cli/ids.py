@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kernel import ConfigError
+if TYPE_CHECKING:
+    pass
+
 
 #: Where the random end of a 32-digit run id starts (after time, version, rand_a, variant).
 RANDOM_START = 20
@@ -48,6 +50,8 @@ def normalise(text: str) -> str:
     Raises:
         ConfigError: It is empty, not hex, or longer than a run id.
     """
+    from kernel import ConfigError
+
     want = text.strip().lower().replace("-", "")
     if not want or len(want) > 32 or not _HEX.fullmatch(want):
         raise ConfigError(f"a run id is a short id (8 hex digits), a full id or 'last', "
@@ -80,6 +84,8 @@ def resolve(cur: Any, text: str, *, table: str = "runs") -> str:
     Raises:
         ConfigError: `text` is malformed, names no run, or names several.
     """
+    from kernel import ConfigError
+
     if text.strip().lower() == LAST:
         rows = cur.execute(f"SELECT run_id FROM {table} ORDER BY started_at DESC NULLS LAST, "
                            f"run_id DESC LIMIT 1").fetchall()
@@ -98,6 +104,8 @@ def resolve(cur: Any, text: str, *, table: str = "runs") -> str:
 
 
 def _one(text: str, found: Sequence[str]) -> str:
+    from kernel import ConfigError
+
     if not found:
         raise ConfigError(f"no run matches {text!r}")
     if len(found) > 1:

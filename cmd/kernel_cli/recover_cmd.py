@@ -26,11 +26,13 @@ import os
 import sys
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
-from kernel import ConfigError, Limits, RunInfo, Status
+if TYPE_CHECKING:
+    pass
+
 
 from . import ids
 from .dberrors import guard_database
@@ -149,7 +151,7 @@ def resume(
                                             help=REDACT_HELP),
 ) -> None:
     """Resume one interrupted run from its last checkpoint; exit with its status's code."""
-    from kernel import AuditError
+    from kernel import AuditError, ConfigError
 
     try:
         want = run_id if run_id.strip().lower() == ids.LAST else ids.normalise(run_id)
@@ -238,6 +240,8 @@ def _resume_one(saved: Any, *, db: str | None, json_out: bool, given: _Given) ->
     """Rebuild and resume one run; returns its exit code."""
     import trio
 
+    from kernel import ConfigError, Limits, RunInfo
+
     short = ids.short_id(saved.run_id)
     _stop_leftovers(saved.run_id, db=db)
     if saved.spec["agent"].get("kind") != "command":
@@ -291,7 +295,7 @@ def _resume_one(saved: Any, *, db: str | None, json_out: bool, given: _Given) ->
 def _lose(saved: Any, why: str, *, db: str | None) -> int:
     """Close a run that cannot resume: checkpoint failed, audit row `lost`; returns 1."""
     from batteries.audit import Store, queries, resolve_db_path
-    from kernel import AuditError
+    from kernel import AuditError, Status
 
     run_id = saved.run_id
     _checkpointer(db).mark_failed(run_id, f"not resumable: {why}")

@@ -13,11 +13,13 @@ import sys
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
-from kernel import Checkpoint, ConfigError, Limits, Result, RunInfo, Status
+if TYPE_CHECKING:
+    from kernel import Checkpoint, Limits, Result, RunInfo
+
 
 from . import numbers
 from .ids import short_id
@@ -158,6 +160,8 @@ def run(
         None, "--redact", metavar="REGEX", help=REDACT_HELP),
 ) -> None:
     """Run one thing, supervised and audited, and exit with its status's code."""
+    from kernel import ConfigError, Limits
+
     # A scenario only decides simulated verdicts: it never runs a loop for real.
     dry_run = dry_run or scenario is not None
     try:
@@ -273,6 +277,8 @@ class Plan:
 
 def parse_context(pairs: list[str]) -> dict[str, str]:
     """Parse repeated KEY=VALUE options; a malformed one is a ConfigError."""
+    from kernel import ConfigError
+
     out: dict[str, str] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
@@ -290,6 +296,8 @@ def agent_spec(args: list[str], ctx_vars: dict[str, str], *, agent: str | None,
                api_key_env: str | None, allow_shell: bool, scenario: str | None,
                target: str | None = None, max_turns: int | None = None) -> dict[str, Any]:
     """What to run, as a JSON-ready spec (kept with the checkpoint, for `kernel resume`)."""
+    from kernel import ConfigError
+
     if agent is not None:
         if args:
             raise ConfigError("--agent takes no command or loop file; use --prompt/--cmd")
@@ -317,6 +325,8 @@ def agent_spec(args: list[str], ctx_vars: dict[str, str], *, agent: str | None,
 
 def plan_from_spec(spec: dict[str, Any], *, quiet: bool) -> Plan:
     """Build the agent a spec describes (ConfigError for anything wrong with it)."""
+    from kernel import ConfigError, RunInfo
+
     kind = spec.get("kind")
     ctx_vars = dict(spec.get("context") or {})
     if kind == "agent":
@@ -495,6 +505,8 @@ async def _execute(agent: Any, info: RunInfo, limits: Limits, opts: PortOptions,
 
 def exit_code(result: Result, *, command: bool) -> int:
     """The process exit code for a result (DESIGN.md "The run")."""
+    from kernel import Status
+
     if (command and result.status in (Status.OK, Status.ERROR)
             and result.exit_code is not None):
         return result.exit_code
@@ -503,6 +515,8 @@ def exit_code(result: Result, *, command: bool) -> int:
 
 def _report(result: Result, code: int, *, json_out: bool, echo_output: bool,
             storage: dict[str, Any] | None = None) -> None:
+    from kernel import Status
+
     for failure in result.port_failures:
         print(f"kernel: warning: {failure}", file=sys.stderr)
     if json_out:

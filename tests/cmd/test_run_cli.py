@@ -137,6 +137,32 @@ class TestImports:
                              check=True).stdout
         assert out.strip().splitlines()[-1] == "[]"
 
+    @pytest.mark.parametrize(("argv", "absent"), [
+        (["--help"], ("duckdb", "pyarrow", "trio", "kernel", "pydantic")),
+        (["run", "--help"], ("duckdb", "trio", "kernel", "pydantic")),
+        (["run", "--no-audit", "--timeout", "1m", "-c", "k=v", "--", "true"], ("pydantic",)),
+    ])
+    def test_start_up_imports_only_what_the_command_needs(self, argv: list[str],
+                                                          absent: tuple[str, ...]) -> None:
+        """Help loads no kernel, trio or pydantic; a run parses its options without pydantic.
+
+        typer would coerce every option through a pydantic adapter (most of
+        `kernel run`'s start-up); app._plain_coercion passes typed values through.
+        """
+        code = ("import sys\nfrom kernel_cli.app import main\n"
+                f"try:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
+                f"print(sorted(m for m in {absent!r} if m in sys.modules))")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             check=True, stdin=subprocess.DEVNULL).stdout
+        assert out.strip().splitlines()[-1] == "[]"
+
+    def test_the_executable_exits_with_the_code_and_flushed_output(
+            self, kernel_exe: str, cli_env: dict[str, str]) -> None:
+        """`entry` skips interpreter teardown but keeps the exit code and all of stdout."""
+        proc = kernel(kernel_exe, cli_env, "run", "--", "sh", "-c", "seq 1 3000; exit 6")
+        assert proc.returncode == 6
+        assert proc.stdout.splitlines()[-1] == "3000" and len(proc.stdout.splitlines()) == 3000
+
     def test_pdb_still_imports_from_the_repo_root(self) -> None:
         """The cmd/ directory does not shadow the standard library's cmd module."""
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
