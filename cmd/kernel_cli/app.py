@@ -7,6 +7,7 @@ one line on stderr and exit 2; a run's status maps to the DESIGN.md table.
 from __future__ import annotations
 
 import sys
+from functools import partial
 from importlib import import_module
 from typing import Any
 
@@ -22,8 +23,17 @@ Every run is recorded to an embedded DuckDB file ($KERNEL_DB, else the user
 data directory); analysts query it with `kernel query` or straight from DuckDB.
 """
 
+class _KernelGroup(typer.core.TyperGroup):
+    """The root command group: tidies every command under it once it is built."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _tidy(self)
+
+
 app = typer.Typer(
     name="kernel",
+    cls=_KernelGroup,
     help=HELP,
     no_args_is_help=True,
     add_completion=False,
@@ -84,6 +94,37 @@ def _configure_logging() -> None:
     logger = logging.getLogger("kernel")
     logger.addHandler(handler)
     logger.setLevel(level)
+
+
+def _tidy(command: Any) -> None:
+    """Help that shows real metavars, and fast option parsing, for every command.
+
+    typer prints an argument's Python type beside its name (`RUN_ID <str>`)
+    and braces round required ones in the usage line (`{RUN_ID}`): arguments
+    here all have a metavar, which is shown alone. Then `_plain_coercion`.
+    """
+    def walk(cmd: Any) -> None:
+        for param in getattr(cmd, "params", ()):
+            if type(param).__name__ == "TyperArgument":
+                param.display_type_rich = _no_type
+                param.display_type = _no_type
+                param._usage_display_name = partial(_usage_name, param)
+        for sub in getattr(cmd, "commands", {}).values():
+            walk(sub)
+
+    walk(command)
+    _plain_coercion(command)
+
+
+def _no_type(*_args: Any, **_kwargs: Any) -> None:
+    return None
+
+
+def _usage_name(param: Any) -> str:
+    name = str(param.display_name_raw)
+    if not param.required:
+        name = f"[{name}]"
+    return name + ("..." if param.nargs != 1 else "")
 
 
 def _plain_coercion(command: Any) -> None:
@@ -164,8 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: run the app, turn usage errors into one line + exit 2."""
     _configure_logging()
     try:
-        command = typer.main.get_command(app)
-        _plain_coercion(command)
+        command = typer.main.get_command(app)  # a _KernelGroup: tidied as it is built
         code = command.main(args=argv, prog_name="kernel", standalone_mode=False)
     except KeyboardInterrupt:
         sys.exit(130)

@@ -36,7 +36,8 @@ def _fail(message: str) -> None:
 
 @budget_app.command("set")
 def set_budget(
-    caller: str = typer.Argument(..., help="The caller id ('*' for the default budget)."),
+    caller: str = typer.Argument(..., metavar="CALLER",
+                                 help="The caller id ('*' for the default budget)."),
     runs: int | None = typer.Option(None, "--runs", metavar="N", parser=numbers.count(),
                                     help="Runs per window."),
     runtime: float | None = typer.Option(
@@ -66,8 +67,9 @@ def set_budget(
 
 @budget_app.command("show")
 def show_budget(
-    caller: str | None = typer.Argument(None, help="Show one caller (with what applies to "
-                                                   "them); default: every budget."),
+    caller: str | None = typer.Argument(
+        None, metavar="CALLER",
+        help="Show one caller (with what applies to them); default: every budget."),
     as_json: bool = typer.Option(False, "--json", help="JSON lines instead of a table."),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help="Database file."),
 ) -> None:
@@ -108,7 +110,7 @@ def show_budget(
 
 @budget_app.command("rm")
 def remove_budget(
-    caller: str = typer.Argument(..., help="The caller id."),
+    caller: str = typer.Argument(..., metavar="CALLER", help="The caller id."),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help="Database file."),
 ) -> None:
     """Remove CALLER's budget (their spend history stays)."""

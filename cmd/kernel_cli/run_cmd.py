@@ -101,7 +101,7 @@ def run(
     caller: str | None = typer.Option(
         None, "--caller", metavar="ID",
         help="Who is running this (budgets are per caller). Default: $KERNEL_CALLER or $USER."),
-    name: str | None = typer.Option(None, "--name", help="A label for the run."),
+    name: str | None = typer.Option(None, "--name", metavar="TEXT", help="A label for the run."),
     db: str | None = typer.Option(
         None, "--db", metavar="PATH", help="Audit database (default: $KERNEL_DB or the "
                                            "user data dir)."),
@@ -126,8 +126,9 @@ def run(
                                      "the summary line still goes to stderr)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Simulate: execute nothing."),
     scenario: str | None = typer.Option(
-        None, "--scenario", help="Dry-run results for a loop: all-pass|all-fail|all-error|"
-                                 "first-fail|alternating. Implies --dry-run."),
+        None, "--scenario", metavar="NAME",
+        help="Dry-run results for a loop: all-pass|all-fail|all-error|"
+             "first-fail|alternating. Implies --dry-run."),
     agent: str | None = typer.Option(
         None, "--agent", metavar="KIND",
         help="Run an agent instead: llm | agentcli | pane, or a coding-agent CLI run "
@@ -137,20 +138,23 @@ def run(
         help="The tmux pane an --agent pane lives in (session[:window[.pane]]); "
              "$KERNEL_TMUX_SOCKET picks the tmux server."),
     model: str | None = typer.Option(
-        None, "--model", help="Model name (--agent llm, claude, codex, gemini; for a loop, the "
-                              "model its llm_structured evaluations ask unless the file sets "
-                              "llm.model)."),
+        None, "--model", metavar="NAME",
+        help="Model name (--agent llm, claude, codex, gemini; for a loop, the "
+             "model its llm_structured evaluations ask unless the file sets "
+             "llm.model)."),
     max_turns: int | None = typer.Option(
         None, "--max-turns", metavar="N", parser=numbers.count(minimum=1), show_default=False,
         help="The agent's own turn limit (--agent claude)."),
     base_url: str | None = typer.Option(
-        None, "--base-url", help="OpenAI-compatible API base URL (--agent llm and loop "
-                                 "llm_structured evaluations; default $OPENAI_BASE_URL)."),
+        None, "--base-url", metavar="URL",
+        help="OpenAI-compatible API base URL (--agent llm and loop "
+             "llm_structured evaluations; default $OPENAI_BASE_URL)."),
     prompt: str | None = typer.Option(
-        None, "--prompt", help="The task (--agent llm|agentcli|pane|claude|codex|gemini; a "
-                               "pane gets it typed)."),
+        None, "--prompt", metavar="TEXT",
+        help="The task (--agent llm|agentcli|pane|claude|codex|gemini; a "
+             "pane gets it typed)."),
     cmd: str | None = typer.Option(
-        None, "--cmd", help="The agent's command line (--agent agentcli)."),
+        None, "--cmd", metavar="COMMAND", help="The agent's command line (--agent agentcli)."),
     api_key_env: str | None = typer.Option(
         None, "--api-key-env", metavar="VAR", help="Env var holding the API key "
                                                     "(default OPENAI_API_KEY)."),
