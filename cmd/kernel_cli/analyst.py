@@ -10,7 +10,8 @@ imported inside the commands, so `kernel --help` stays light.
 Exit codes: 0 on success; 2 for bad input (a malformed `--since`, an unknown
 or ambiguous run id, a write statement given to `query`, a database that
 opens but is damaged inside, ...); 1 when the database cannot be opened
-(missing, not an audit database, locked too long).
+(not an audit database, locked too long). No database at all is a fresh
+install: `runs`, `stats` and `query` say "no runs yet" and exit 0.
 Either way the error is one line on stderr.
 """
 
@@ -73,6 +74,8 @@ def runs(
     """List recent runs, newest first (RUN is the short id `kernel show` takes)."""
     from batteries.audit import queries
 
+    if _nothing_yet(db, quiet=ids_only or json_out):
+        return
     with _errors(), _reader(db) as cur:
         found = queries.list_runs(cur, status=status, since=since, limit=limit)
     for r in found:
@@ -110,6 +113,8 @@ def show(
 
     if last == (run_id is not None):
         _fail("give a RUN_ID or --last (not both)", 2)
+    if _nothing_yet(db, quiet=True):
+        _fail(f"no runs yet (no audit database at {_db_path(db)})", 2)
     with _errors(), _reader(db) as cur:
         full = ids.resolve(cur, ids.LAST if last else str(run_id))
         run, events = queries.timeline(cur, full)
@@ -160,6 +165,10 @@ def stats(
         if by not in queries.STATS_BY:
             raise _config_error(f"--by must be one of {', '.join(queries.STATS_BY)}, "
                                 f"got {by!r}")
+        if _nothing_yet(db, quiet=json_out):
+            if json_out:
+                _print_json([])
+            return
         with _reader(db) as cur:
             found = queries.stats(cur, by=by, since=since)
     if json_out:
@@ -195,6 +204,8 @@ def query(
             raise _config_error(f"--format must be table, json or csv, got {fmt!r}")
         # Refuse a write before touching the database at all.
         queries.check_read_only(sql)
+        if _nothing_yet(db, quiet=False, stream=sys.stderr):
+            return
         # A sealed session: the audit attached read-only in an instance that
         # can open no file, so no statement can write (or read) anything else.
         with _store(db).reader(sealed=True) as cur:
@@ -269,6 +280,28 @@ def _sync(db: str | None) -> Any:
     from batteries.audit import resolve_db_path, sync
 
     return sync(resolve_db_path(db))
+
+
+def _db_path(db: str | None) -> Any:
+    from batteries.audit import resolve_db_path
+
+    return resolve_db_path(db)
+
+
+def _nothing_yet(db: str | None, *, quiet: bool, stream: Any = None) -> bool:
+    """True (after saying so, unless `quiet`) when no run was ever recorded at `db`.
+
+    A fresh install has no audit database and no journal: that is an empty
+    history, not an error, so the listing commands exit 0.
+    """
+    from batteries.store import journal_path
+
+    path = _db_path(db)
+    if path.exists() or journal_path(path).exists():
+        return False
+    if not quiet:
+        print(f"no runs yet (no audit database at {path})", file=stream or sys.stdout)
+    return True
 
 
 def _store(db: str | None) -> Store:

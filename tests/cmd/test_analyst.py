@@ -132,11 +132,11 @@ class TestRuns:
         """Malformed options give one error line and exit code 2."""
         one_line_error(*kernel("runs", *args), 2, fragment)
 
-    def test_a_missing_database_is_one_line_and_exit_1(self, tmp_path: Path) -> None:
-        """No database at the path: one line naming it, exit code 1."""
+    def test_a_missing_database_is_no_runs_yet(self, tmp_path: Path) -> None:
+        """No database at the path: no runs yet, naming the path, exit code 0."""
         missing = tmp_path / "nowhere.duckdb"
-        one_line_error(*kernel("runs", "--db", str(missing)), 1, "no audit database",
-                       str(missing))
+        code, out, _ = kernel("runs", "--db", str(missing))
+        assert code == 0 and out.strip() == f"no runs yet (no audit database at {missing})"
 
 
 class TestShow:
@@ -220,16 +220,47 @@ class TestShortIds:
         for short in out.split():
             assert kernel("show", short, "--json")[0] == 0
 
-    def test_last_on_an_empty_database(self, tmp_path: Path) -> None:
-        """'last' on a database with no runs says so: one line, exit 2."""
+    def test_last_with_no_runs(self, tmp_path: Path) -> None:
+        """'last' where no run was ever recorded says so: one line, exit 2."""
         empty = tmp_path / "empty.duckdb"
-        trio.run(_create, empty)
         one_line_error(*kernel("show", "last", "--db", str(empty)), 2, "no runs yet")
+        one_line_error(*kernel("show", "-l", "--db", str(empty)), 2, "no runs yet")
 
 
-async def _create(db: Path) -> None:
-    async with DuckDBAudit.open(db):
-        pass
+class TestEmptyState:
+    """A fresh install has no runs: the listing commands say so and exit 0 (issue 17)."""
+
+    @pytest.mark.parametrize("args", [["runs"], ["stats"], ["stats", "--by", "tool"]])
+    def test_listing_with_no_runs_exits_0(self, tmp_path: Path, args: list[str]) -> None:
+        """`kernel runs` / `stats` on a fresh $HOME: "no runs yet" on stdout, exit 0."""
+        code, out, err = kernel(*args, "--db", str(tmp_path / "fresh.duckdb"))
+        assert (code, err) == (0, "")
+        assert out.startswith("no runs yet (no audit database at ")
+
+    def test_query_with_no_runs_exits_0(self, tmp_path: Path) -> None:
+        """`kernel query` on a fresh $HOME prints no rows, says why on stderr, exits 0."""
+        code, out, err = kernel("query", "SELECT 1", "--db", str(tmp_path / "fresh.duckdb"))
+        assert (code, out) == (0, "")
+        assert err.startswith("no runs yet")
+
+    def test_json_and_ids_with_no_runs_are_empty(self, tmp_path: Path) -> None:
+        """Scripts get an empty result, not a sentence: `runs -q`, `runs --json`, `stats --json`."""
+        fresh = str(tmp_path / "fresh.duckdb")
+        assert kernel("runs", "-q", "--db", fresh)[:2] == (0, "")
+        assert kernel("runs", "--json", "--db", fresh)[:2] == (0, "")
+        code, out, _ = kernel("stats", "--json", "--db", fresh)
+        assert code == 0 and json.loads(out) == []
+
+    def test_a_fresh_home_end_to_end(self, kernel_exe: str, tmp_path: Path) -> None:
+        """The installed `kernel runs` with a fresh $HOME and no $KERNEL_DB exits 0."""
+        import os
+
+        env = {k: v for k, v in os.environ.items() if k not in ("KERNEL_DB", "XDG_DATA_HOME")}
+        env["HOME"] = str(tmp_path)
+        proc = subprocess.run([kernel_exe, "runs"], env=env, capture_output=True, text=True,
+                              stdin=subprocess.DEVNULL, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.startswith(f"no runs yet (no audit database at {tmp_path}")
 
 
 class TestStats:
