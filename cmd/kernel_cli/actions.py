@@ -30,7 +30,7 @@ ACTIONS_HELP = """Probe and act on agents living in tmux panes, and read the att
 \b
   kernel actions run nonce-probe dev        is the agent in pane "dev" answering?
   kernel actions run compact dev:0.1 --min-drop-pct 30 --timeout 60
-  kernel actions query --agent dev --since 2h
+  kernel actions query --pane dev --since 2h
   kernel actions stats --since 7d
 
 Every attempt ends in one outcome: success, precondition_fail, send_error,
@@ -100,7 +100,7 @@ def run(
         help="compact: the context percentage must drop by at least this many points "
              "[default: 20]."),
     agent: str | None = typer.Option(
-        None, "--agent", metavar="NAME", help="The agent's name in the record "
+        None, "--pane", metavar="NAME", help="The pane's agent's name in the record "
                                               "[default: TARGET]."),
     tmux_socket: str | None = typer.Option(
         None, "--tmux-socket", metavar="NAME|PATH", envvar="KERNEL_TMUX_SOCKET",
@@ -281,7 +281,8 @@ def _jsonish(value: Any) -> Any:
 
 
 def query(
-    agent: str | None = typer.Option(None, "--agent", metavar="NAME", help="Only this agent."),
+    agent: str | None = typer.Option(None, "--pane", metavar="NAME",
+                                     help="Only attempts on the pane agent of this name."),
     action: str | None = typer.Option(None, "--action", metavar="NAME",
                                       help="Only this action."),
     outcome: str | None = typer.Option(None, "--outcome", metavar="OUTCOME",
@@ -318,7 +319,8 @@ def query(
 
 
 def stats(
-    agent: str | None = typer.Option(None, "--agent", metavar="NAME", help="Only this agent."),
+    agent: str | None = typer.Option(None, "--pane", metavar="NAME",
+                                     help="Only attempts on the pane agent of this name."),
     since: timedelta | None = typer.Option(
         None, "--since", metavar="AGE", parser=numbers.age(),
         help="Only attempts started within 90, 30s, 30m, 2h, 7d, 2w."),
