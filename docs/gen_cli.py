@@ -37,6 +37,12 @@ def _commands(command: object, path: list[str]) -> list[list[str]]:
 
 def render() -> str:
     """The reference, as Markdown."""
+    # Help texts that name paths are made at import: set the environment first.
+    for key, value in ENV.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
     import typer
     from typer.testing import CliRunner
 

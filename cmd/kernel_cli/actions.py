@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import typer
 
 from . import numbers
+from .dbopt import DB_HELP
 from .ids import short_id
 from .wiring import PortOptions, open_ports
 
@@ -108,8 +109,7 @@ def run(
     json_out: bool = typer.Option(
         False, "--json", help="Print the attempt as one JSON object on stdout."),
     db: str | None = typer.Option(
-        None, "--db", metavar="PATH", help="Audit database (default: $KERNEL_DB or the "
-                                           "user data dir)."),
+        None, "--db", metavar="PATH", help=DB_HELP),
     no_audit: bool = typer.Option(False, "--no-audit", help="Record nothing."),
 ) -> None:
     """Run one attempt of a pane action and exit with its outcome's code."""
@@ -294,7 +294,7 @@ def query(
                               help="At most N attempts."),
     json_out: bool = typer.Option(
         False, "--json", help="One JSON array, with the pane snapshots and extras."),
-    db: str | None = typer.Option(None, "--db", metavar="PATH", help="Audit database."),
+    db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
 ) -> None:
     """List recent attempts, most recent first."""
     where, params = _filters("query", agent=agent, action=action, outcome=outcome, since=since)
@@ -325,7 +325,7 @@ def stats(
         None, "--since", metavar="AGE", parser=numbers.age(),
         help="Only attempts started within 90, 30s, 30m, 2h, 7d, 2w."),
     json_out: bool = typer.Option(False, "--json", help="One JSON array."),
-    db: str | None = typer.Option(None, "--db", metavar="PATH", help="Audit database."),
+    db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
 ) -> None:
     """Count, mean and p95 elapsed seconds of attempts, by action and outcome."""
     where, params = _filters("stats", agent=agent, since=since)
@@ -354,8 +354,17 @@ def _seconds(value: Any) -> str:
 
 
 def _short_time(value: Any) -> str:
+    """An attempt's ISO-8601 start time in UTC (the column says so), to the second."""
+    from datetime import UTC, datetime
+
     text = str(value or "")
-    return text[:19].replace("T", " ")
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        return text[:19].replace("T", " ")
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return when.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
 
 
 def _detail(row: dict[str, Any]) -> str:

@@ -24,13 +24,14 @@ import math
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from datetime import date, datetime, timedelta
+from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
 import typer
 
 from . import numbers
+from .dbopt import DB_HELP
 from .ids import short_id
 
 if TYPE_CHECKING:
@@ -38,9 +39,6 @@ if TYPE_CHECKING:
 
 RETENTION_ENV = "KERNEL_RETENTION_DAYS"
 DEFAULT_RETENTION_DAYS = 30
-
-_DB_HELP = ("The analysts' DuckDB file (default: $KERNEL_DB, else kernel.duckdb in the user "
-            "data directory); its journal is the .journal file beside it.")
 
 
 def register(app: typer.Typer) -> None:
@@ -69,7 +67,7 @@ def runs(
     ids_only: bool = typer.Option(
         False, "--quiet", "-q", help="Print only the runs' short ids, one a line."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
-    db: str | None = typer.Option(None, "--db", metavar="PATH", help=_DB_HELP),
+    db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
 ) -> None:
     """List recent runs, newest first (RUN is the short id `kernel show` takes)."""
     from batteries.audit import queries
@@ -91,7 +89,7 @@ def runs(
         print("no runs")
         return
     print(_table(
-        ("RUN", "STARTED", "STATUS", "STEPS", "TOOLS", "RUNTIME", "NAME"),
+        ("RUN", "STARTED (UTC)", "STATUS", "STEPS", "TOOLS", "RUNTIME", "NAME"),
         [(r["short_id"], _when(r["started_at"]), r["status"], r["steps"], r["tool_calls"],
           _secs(r["runtime_seconds"]), _cell(r["name"])) for r in found],
         right=(3, 4, 5)))
@@ -104,7 +102,7 @@ def show(
              "prefix of one, or 'last'."),
     last: bool = typer.Option(False, "--last", "-l", help="Show the newest run."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a timeline."),
-    db: str | None = typer.Option(None, "--db", metavar="PATH", help=_DB_HELP),
+    db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
 ) -> None:
     """Show one run and its timeline: seq, +ms, kind, name, duration, summary."""
     from batteries.audit import queries
@@ -131,7 +129,7 @@ def show(
            if run.get(k)]
     if who:
         lines.append("         " + "  ".join(who))
-    lines.append(f"started  {_when(run['started_at'])}  runtime {_secs(run['runtime_seconds'])}"
+    lines.append(f"started  {_when(run['started_at'])} UTC  runtime {_secs(run['runtime_seconds'])}"
                  f"  steps {_num(run['steps'])}  tool calls {_num(run['tool_calls'])}")
     for key in ("reason", "error"):
         if run.get(key):
@@ -156,7 +154,7 @@ def stats(
                            help="Group runs by subject and status, by status, or tool calls "
                                 "by tool."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
-    db: str | None = typer.Option(None, "--db", metavar="PATH", help=_DB_HELP),
+    db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
 ) -> None:
     """Counts, mean and p95 runtime (or tool latency) for the usual groupings."""
     from batteries.audit import queries
@@ -188,7 +186,7 @@ def query(
     sql: str = typer.Argument(..., metavar="SQL", help="One SELECT statement."),
     fmt: str = typer.Option("table", "--format", metavar="table|json|csv",
                             help="Output format."),
-    db: str | None = typer.Option(None, "--db", metavar="PATH", help=_DB_HELP),
+    db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
 ) -> None:
     """Run one read-only SQL query against the audit database.
 
@@ -228,7 +226,7 @@ def purge(
         None, "--days", metavar="N", parser=numbers.days(),
         help=f"Delete runs older than N days (default: ${RETENTION_ENV}, else "
              f"{DEFAULT_RETENTION_DAYS})."),
-    db: str | None = typer.Option(None, "--db", metavar="PATH", help=_DB_HELP),
+    db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
 ) -> None:
     """Delete runs (and their events) that ended more than N days ago, from both files."""
     import time
@@ -251,7 +249,7 @@ def purge(
 
 def export(
     directory: str = typer.Argument(..., metavar="DIR", help="Where to write the Parquet files."),
-    db: str | None = typer.Option(None, "--db", metavar="PATH", help=_DB_HELP),
+    db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
 ) -> None:
     """Export every table to DIR/<table>.parquet."""
     from batteries.audit import queries
@@ -263,7 +261,7 @@ def export(
 
 
 def sync(
-    db: str | None = typer.Option(None, "--db", metavar="PATH", help=_DB_HELP),
+    db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
 ) -> None:
     """Bring the analysts' DuckDB file up to date from the journal (every analyst command
     does this first; run it before opening the file in another tool)."""
@@ -362,8 +360,11 @@ def _one_line(text: str) -> str:
 
 
 def _when(value: Any) -> str:
+    """A timestamp in UTC, whatever $TZ says: every time column is labelled (UTC)."""
     if isinstance(value, datetime):
-        return value.astimezone().strftime("%Y-%m-%d %H:%M:%S")
+        if value.tzinfo is None:  # the store keeps UTC; a naive value is UTC already
+            value = value.replace(tzinfo=UTC)
+        return str(value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S"))
     return "" if value is None else str(value)
 
 

@@ -9,6 +9,7 @@ from typing import Any
 import typer
 
 from . import numbers
+from .dbopt import DB_HELP
 
 budget_app = typer.Typer(
     name="budget", no_args_is_help=True, rich_markup_mode=None,
@@ -50,7 +51,7 @@ def set_budget(
     window: float = typer.Option(
         "24h", "--window", metavar="DURATION", parser=numbers.duration(zero=False),
         help="The rolling window: 30m, 24h, 7d, 2w (or seconds)."),
-    db: str | None = typer.Option(None, "--db", metavar="PATH", help="Database file."),
+    db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
 ) -> None:
     """Create or replace CALLER's budget."""
     from kernel import AuditError
@@ -71,7 +72,7 @@ def show_budget(
         None, metavar="CALLER",
         help="Show one caller (with what applies to them); default: every budget."),
     as_json: bool = typer.Option(False, "--json", help="JSON lines instead of a table."),
-    db: str | None = typer.Option(None, "--db", metavar="PATH", help="Database file."),
+    db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
 ) -> None:
     """Budgets and what each caller spent in the current window."""
     from dataclasses import asdict
@@ -111,7 +112,7 @@ def show_budget(
 @budget_app.command("rm")
 def remove_budget(
     caller: str = typer.Argument(..., metavar="CALLER", help="The caller id."),
-    db: str | None = typer.Option(None, "--db", metavar="PATH", help="Database file."),
+    db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
 ) -> None:
     """Remove CALLER's budget (their spend history stays)."""
     from kernel import AuditError

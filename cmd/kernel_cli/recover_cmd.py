@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
+from .dbopt import DB_HELP
+
 if TYPE_CHECKING:
     pass
 
@@ -73,9 +75,7 @@ _CONTEXT_HELP = ("A secret context value the run was started with (repeatable): 
 def recover(
     list_only: bool = typer.Option(False, "--list", help="Only list interrupted runs."),
     json_out: bool = typer.Option(False, "--json", help="One JSON object per line."),
-    db: str | None = typer.Option(None, "--db", metavar="PATH",
-                                  help="Audit database (default: $KERNEL_DB or the user "
-                                       "data dir)."),
+    db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
     context: list[str] | None = typer.Option(None, "--context", "-c", metavar="KEY=VALUE",
                                              help=_CONTEXT_HELP),
     redact: list[str] | None = typer.Option(None, "--redact", metavar="REGEX",
@@ -135,9 +135,7 @@ def resume(
                                  help="The run's short id, a full id (or any unique prefix), "
                                       "or 'last' for the newest interrupted run."),
     json_out: bool = typer.Option(False, "--json", help="The final result as JSON."),
-    db: str | None = typer.Option(None, "--db", metavar="PATH",
-                                  help="Audit database (default: $KERNEL_DB or the user "
-                                       "data dir)."),
+    db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
     context: list[str] | None = typer.Option(None, "--context", "-c", metavar="KEY=VALUE",
                                              help=_CONTEXT_HELP),
     webhook: list[str] | None = typer.Option(

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
+from .dbopt import DB_HELP
+
 if TYPE_CHECKING:
     from kernel import Checkpoint, Limits, Result, RunInfo
 
@@ -103,8 +105,7 @@ def run(
         help="Who is running this (budgets are per caller). Default: $KERNEL_CALLER or $USER."),
     name: str | None = typer.Option(None, "--name", metavar="TEXT", help="A label for the run."),
     db: str | None = typer.Option(
-        None, "--db", metavar="PATH", help="Audit database (default: $KERNEL_DB or the "
-                                           "user data dir)."),
+        None, "--db", metavar="PATH", help=DB_HELP),
     no_audit: bool = typer.Option(False, "--no-audit", help="Record nothing."),
     checkpoint_interval: float = typer.Option(
         0.0, "--checkpoint-interval", metavar="DURATION", parser=numbers.duration(),

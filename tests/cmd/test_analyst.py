@@ -104,8 +104,8 @@ class TestRuns:
         code, out, _ = kernel("runs")
         assert code == 0
         lines = out.splitlines()
-        assert lines[0].split() == ["RUN", "STARTED", "STATUS", "STEPS", "TOOLS", "RUNTIME",
-                                    "NAME"]
+        assert lines[0].split() == ["RUN", "STARTED", "(UTC)", "STATUS", "STEPS", "TOOLS",
+                                    "RUNTIME", "NAME"]
         assert [ln.split()[0] for ln in lines[1:]] == [r[20:28] for r in (E, C, B, A, D)]
         assert "running" in lines[1] and "killed" in lines[2]
 
