@@ -300,7 +300,7 @@ class Child:
 
 async def spawn(argv: Sequence[str], *, cwd: str | None = None,
                 env: Mapping[str, str] | None = None, stdin_pipe: bool = False,
-                merge_stderr: bool = False) -> Child:
+                merge_stderr: bool = False, inherit_stdin: bool = False) -> Child:
     """Start `argv` in its own session, tied to this process's lifeline.
 
     Args:
@@ -308,6 +308,8 @@ async def spawn(argv: Sequence[str], *, cwd: str | None = None,
         cwd: Working directory (default: the current one).
         env: The child's whole environment (default: this process's).
         stdin_pipe: Give the child a stdin pipe (else /dev/null).
+        inherit_stdin: Give the child this process's own stdin (a pipe, a file,
+            a terminal), as timeout(1) does; wins over `stdin_pipe`.
         merge_stderr: Send stderr into the stdout pipe (else a pipe of its own).
 
     Raises:
@@ -316,7 +318,8 @@ async def spawn(argv: Sequence[str], *, cwd: str | None = None,
     base = dict(os.environ if env is None else env)
     base[LIFELINE_ENV] = _LIFELINE.env_value(base.get(LIFELINE_ENV))
     proc = await trio.lowlevel.open_process(
-        list(argv), stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL,
+        list(argv),
+        stdin=None if inherit_stdin else subprocess.PIPE if stdin_pipe else subprocess.DEVNULL,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
         cwd=cwd, env=base, start_new_session=True)
     started = start_time(proc.pid)

@@ -53,6 +53,8 @@ class ShellAgent:
         on_output: Called with every chunk of output exactly as read (the CLI
             echoes these, so the echo is byte-exact however long a line is).
         grace: Seconds between SIGTERM and SIGKILL when stopping the command.
+        inherit_stdin: Give the command our own stdin (a pipe, a file, a
+            terminal), as timeout(1) does; nudges are then undeliverable.
         steer_stdin: Write critic nudges to the command's stdin (else stdin is
             /dev/null and nudges are audited as undeliverable).
     """
@@ -66,6 +68,7 @@ class ShellAgent:
     max_line_events: int = 10_000
     grace: float = 2.0
     steer_stdin: bool = False
+    inherit_stdin: bool = False
     on_output: ChunkSink | None = None
 
     def __post_init__(self) -> None:
@@ -94,7 +97,8 @@ class ShellAgent:
         env = {**os.environ, **self.env} if self.env else None
         t0 = trio.current_time()
         try:
-            child = await spawn(self.argv, cwd=self.cwd, env=env, stdin_pipe=self.steer_stdin)
+            child = await spawn(self.argv, cwd=self.cwd, env=env, stdin_pipe=self.steer_stdin,
+                                inherit_stdin=self.inherit_stdin)
         except OSError as exc:
             return Step(final=True, error=f"cannot start {self.argv[0]!r}: {exc.strerror or exc}",
                         exit_code=127 if isinstance(exc, FileNotFoundError) else 126,
@@ -174,7 +178,8 @@ class ShellAgent:
     async def on_steer(self, messages: list[Message]) -> None:
         """Write nudges to stdin when enabled; otherwise audit them as undeliverable."""
         ctx, proc = self._ctx, self._proc
-        if self.steer_stdin and proc is not None and proc.stdin is not None:
+        steerable = self.steer_stdin and not self.inherit_stdin
+        if steerable and proc is not None and proc.stdin is not None:
             for m in messages:
                 try:
                     await proc.stdin.send_all(m.content.encode() + b"\n")

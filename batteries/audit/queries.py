@@ -29,7 +29,6 @@ from .paths import make_private_dir, make_private_file
 if TYPE_CHECKING:
     import duckdb
 
-_HEX = re.compile(r"^[0-9a-f]+$")
 #: Statement types `read_only_query` accepts (and EXPLAIN of one of them).
 READ_ONLY_TYPES = frozenset({"SELECT"})
 #: The `--status` values `list_runs` accepts: every Status, and "running" for open runs.
@@ -147,30 +146,6 @@ def mark_lost(cur: duckdb.DuckDBPyConnection, run_id: str, why: str, *,
 def _where(since: timedelta | None, column: str) -> tuple[list[str], list[Any]]:
     at = cutoff(since)
     return ([f"{column} >= ?"], [at]) if at is not None else ([], [])
-
-
-def resolve_run_id(cur: duckdb.DuckDBPyConnection, prefix: str) -> str:
-    """The one run id starting with `prefix` (case and dashes ignored), as git does.
-
-    Raises:
-        ConfigError: Not hex, no run matches, or several do.
-    """
-    want = prefix.strip().lower().replace("-", "")
-    if not want or not _HEX.match(want) or len(want) > 32:
-        raise ConfigError(f"run id must be up to 32 hex digits, got {prefix!r}")
-    found = [r[0] for r in cur.execute(
-        "SELECT run_id FROM runs WHERE starts_with(run_id, ?) ORDER BY run_id LIMIT 6",
-        [want]).fetchall()]
-    if not found:
-        raise ConfigError(f"no run matches {prefix!r}")
-    if len(found) > 1:
-        shared = next((i for i, chars in enumerate(zip(*found, strict=False))
-                       if len(set(chars)) > 1), len(want))
-        width = shared + 1
-        more = ", ".join(f[:width] for f in found[:5])
-        raise ConfigError(f"run id {prefix!r} is ambiguous: it matches {more}"
-                          f"{', ...' if len(found) > 5 else ''}; give more digits")
-    return str(found[0])
 
 
 def timeline(cur: duckdb.DuckDBPyConnection, run_id: str) -> tuple[dict[str, Any],

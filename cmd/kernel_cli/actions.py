@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
 
-from kernel import ConfigError, KernelError
-
 from . import numbers
+from .dbopt import DB_HELP
+from .ids import short_id
 from .wiring import PortOptions, open_ports
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ ACTIONS_HELP = """Probe and act on agents living in tmux panes, and read the att
 \b
   kernel actions run nonce-probe dev        is the agent in pane "dev" answering?
   kernel actions run compact dev:0.1 --min-drop-pct 30 --timeout 60
-  kernel actions query --agent dev --since 2h
+  kernel actions query --pane dev --since 2h
   kernel actions stats --since 7d
 
 Every attempt ends in one outcome: success, precondition_fail, send_error,
@@ -101,7 +101,7 @@ def run(
         help="compact: the context percentage must drop by at least this many points "
              "[default: 20]."),
     agent: str | None = typer.Option(
-        None, "--agent", metavar="NAME", help="The agent's name in the record "
+        None, "--pane", metavar="NAME", help="The pane's agent's name in the record "
                                               "[default: TARGET]."),
     tmux_socket: str | None = typer.Option(
         None, "--tmux-socket", metavar="NAME|PATH", envvar="KERNEL_TMUX_SOCKET",
@@ -109,12 +109,12 @@ def run(
     json_out: bool = typer.Option(
         False, "--json", help="Print the attempt as one JSON object on stdout."),
     db: str | None = typer.Option(
-        None, "--db", metavar="PATH", help="Audit database (default: $KERNEL_DB or the "
-                                           "user data dir)."),
+        None, "--db", metavar="PATH", help=DB_HELP),
     no_audit: bool = typer.Option(False, "--no-audit", help="Record nothing."),
 ) -> None:
     """Run one attempt of a pane action and exit with its outcome's code."""
     from adapters.pane import TmuxMultiplexer, make_action, snapshot_chars
+    from kernel import ConfigError, KernelError
 
     try:
         if min_drop_pct is not None and action != "compact":
@@ -154,7 +154,7 @@ async def _execute(action: PaneAction, mux: Multiplexer, target: str, agent: str
     import trio
 
     from adapters.pane import ActionAgent
-    from kernel import Kernel, PortFailure
+    from kernel import ConfigError, Kernel, PortFailure
 
     status = await mux.target_status(target)
     if not status.alive:
@@ -198,7 +198,7 @@ def _report(result: Result, attempt: Attempt | None, *, json_out: bool, cap: int
             sys.stdout.write(json.dumps({
                 "run_id": result.run_id, "status": str(result.status), "outcome": None,
                 "error": why, "exit_code": code}) + "\n")
-        print(f"kernel actions run: no attempt recorded: run {result.run_id[:12]} "
+        print(f"kernel actions run: no attempt recorded: run {short_id(result.run_id)} "
               f"{result.status}: {why}", file=sys.stderr)
         return code
     code = 0 if attempt.outcome.ok else 1
@@ -207,7 +207,7 @@ def _report(result: Result, attempt: Attempt | None, *, json_out: bool, cap: int
                "exit_code": code}
         sys.stdout.write(json.dumps(doc, default=str, ensure_ascii=False) + "\n")
     else:
-        sys.stdout.write(f"{attempt.summary()} [run {result.run_id[:12]}]\n")
+        sys.stdout.write(f"{attempt.summary()} [run {short_id(result.run_id)}]\n")
     return code
 
 
@@ -228,6 +228,7 @@ def _select(command: str, db: str | None, sql: str, params: list[Any]) -> list[d
     from batteries.audit import resolve_db_path
     from batteries.audit.queries import dicts
     from batteries.store import journal_path
+    from kernel import KernelError
 
     path = resolve_db_path(db)
     if not path.exists() and not journal_path(path).exists():
@@ -249,6 +250,7 @@ def _filters(command: str, *, agent: str | None, action: str | None = None,
              outcome: str | None = None, since: timedelta | None = None
              ) -> tuple[list[str], list[Any]]:
     """WHERE clauses and parameters for the common options (bad input exits 2)."""
+
     from batteries.audit.queries import cutoff
 
     where: list[str] = []
@@ -279,7 +281,8 @@ def _jsonish(value: Any) -> Any:
 
 
 def query(
-    agent: str | None = typer.Option(None, "--agent", metavar="NAME", help="Only this agent."),
+    agent: str | None = typer.Option(None, "--pane", metavar="NAME",
+                                     help="Only attempts on the pane agent of this name."),
     action: str | None = typer.Option(None, "--action", metavar="NAME",
                                       help="Only this action."),
     outcome: str | None = typer.Option(None, "--outcome", metavar="OUTCOME",
@@ -291,7 +294,7 @@ def query(
                               help="At most N attempts."),
     json_out: bool = typer.Option(
         False, "--json", help="One JSON array, with the pane snapshots and extras."),
-    db: str | None = typer.Option(None, "--db", metavar="PATH", help="Audit database."),
+    db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
 ) -> None:
     """List recent attempts, most recent first."""
     where, params = _filters("query", agent=agent, action=action, outcome=outcome, since=since)
@@ -310,18 +313,19 @@ def query(
     table = [["STARTED (UTC)", "AGENT", "ACTION", "OUTCOME", "ELAPSED", "RUN", "DETAIL"]]
     for r in rows:
         table.append([_short_time(r["started_at"]), str(r["agent"]), str(r["action"]),
-                      str(r["outcome"]), _seconds(r["elapsed_s"]), str(r["run_id"])[:12],
+                      str(r["outcome"]), _seconds(r["elapsed_s"]), short_id(str(r["run_id"])),
                       _detail(r)])
     _print_table(table)
 
 
 def stats(
-    agent: str | None = typer.Option(None, "--agent", metavar="NAME", help="Only this agent."),
+    agent: str | None = typer.Option(None, "--pane", metavar="NAME",
+                                     help="Only attempts on the pane agent of this name."),
     since: timedelta | None = typer.Option(
         None, "--since", metavar="AGE", parser=numbers.age(),
         help="Only attempts started within 90, 30s, 30m, 2h, 7d, 2w."),
     json_out: bool = typer.Option(False, "--json", help="One JSON array."),
-    db: str | None = typer.Option(None, "--db", metavar="PATH", help="Audit database."),
+    db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
 ) -> None:
     """Count, mean and p95 elapsed seconds of attempts, by action and outcome."""
     where, params = _filters("stats", agent=agent, since=since)
@@ -350,8 +354,17 @@ def _seconds(value: Any) -> str:
 
 
 def _short_time(value: Any) -> str:
+    """An attempt's ISO-8601 start time in UTC (the column says so), to the second."""
+    from datetime import UTC, datetime
+
     text = str(value or "")
-    return text[:19].replace("T", " ")
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        return text[:19].replace("T", " ")
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return when.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
 
 
 def _detail(row: dict[str, Any]) -> str:

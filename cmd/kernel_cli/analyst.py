@@ -10,7 +10,8 @@ imported inside the commands, so `kernel --help` stays light.
 Exit codes: 0 on success; 2 for bad input (a malformed `--since`, an unknown
 or ambiguous run id, a write statement given to `query`, a database that
 opens but is damaged inside, ...); 1 when the database cannot be opened
-(missing, not an audit database, locked too long).
+(not an audit database, locked too long). No database at all is a fresh
+install: `runs`, `stats` and `query` say "no runs yet" and exit 0.
 Either way the error is one line on stderr.
 """
 
@@ -24,22 +25,21 @@ import os
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from datetime import date, datetime, timedelta
+from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
 
 from . import numbers
+from .dbopt import DB_HELP
+from .ids import short_id
 
 if TYPE_CHECKING:
     from batteries.audit import Store
 
 RETENTION_ENV = "KERNEL_RETENTION_DAYS"
 DEFAULT_RETENTION_DAYS = 30
-
-_DB_HELP = ("The analysts' DuckDB file (default: $KERNEL_DB, else kernel.duckdb in the user "
-            "data directory); its journal is the .journal file beside it.")
 
 
 def register(app: typer.Typer) -> None:
@@ -65,14 +65,24 @@ def runs(
         help="Only runs started within AGE: 90, 30s, 30m, 24h, 7d, 2w."),
     limit: int = typer.Option(20, "--limit", metavar="N", parser=numbers.count(minimum=1),
                               help="At most N runs."),
+    ids_only: bool = typer.Option(
+        False, "--quiet", "-q", help="Print only the runs' short ids, one a line."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
-    db: str | None = typer.Option(None, "--db", metavar="PATH", help=_DB_HELP),
+    db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
 ) -> None:
-    """List recent runs, newest first."""
+    """List recent runs, newest first (RUN is the short id `kernel show` takes)."""
     from batteries.audit import queries
 
+    if _nothing_yet(db, quiet=ids_only or json_out):
+        return
     with _errors(), _reader(db) as cur:
         found = queries.list_runs(cur, status=status, since=since, limit=limit)
+    for r in found:
+        r["short_id"] = short_id(r["run_id"])
+    if ids_only:
+        for r in found:
+            print(r["short_id"])
+        return
     if json_out:
         _print_json(found)
         return
@@ -80,42 +90,53 @@ def runs(
         print("no runs")
         return
     print(_table(
-        ("RUN", "STARTED", "STATUS", "STEPS", "TOOLS", "RUNTIME", "NAME"),
-        [(r["run_id"], _when(r["started_at"]), r["status"], r["steps"], r["tool_calls"],
+        ("RUN", "STARTED (UTC)", "STATUS", "STEPS", "TOOLS", "RUNTIME", "NAME"),
+        [(r["short_id"], _when(r["started_at"]), r["status"], r["steps"], r["tool_calls"],
           _secs(r["runtime_seconds"]), _cell(r["name"])) for r in found],
         right=(3, 4, 5)))
 
 
 def show(
-    run_id: str = typer.Argument(..., metavar="RUN_ID",
-                                 help="A run id, or any unique prefix of one."),
+    run_id: str | None = typer.Argument(
+        None, metavar="RUN_ID", show_default=False,
+        help="The run's short id (as `kernel runs` prints it), a full id or any unique "
+             "prefix of one, or 'last'."),
+    last: bool = typer.Option(False, "--last", "-l", help="Show the newest run."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a timeline."),
     html: str | None = typer.Option(
         None, "--html", metavar="FILE",
         help="Also write the run's timeline picture to FILE: one self-contained HTML page "
              "(states, steps, tool calls, output rate, critic nudges and kill, usage)."),
-    db: str | None = typer.Option(None, "--db", metavar="PATH", help=_DB_HELP),
+    db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
 ) -> None:
     """Show one run and its timeline: seq, +ms, kind, name, duration, summary."""
     from batteries.audit import queries
 
+    from . import ids
+
+    if last == (run_id is not None):
+        _fail("give a RUN_ID or --last (not both)", 2)
+    if _nothing_yet(db, quiet=True):
+        _fail(f"no runs yet (no audit database at {_db_path(db)})", 2)
     with _errors(), _reader(db) as cur:
-        full = queries.resolve_run_id(cur, run_id)
+        full = ids.resolve(cur, ids.LAST if last else str(run_id))
         run, events = queries.timeline(cur, full)
     if html is not None:
         _write_html(html, run, events)
     if json_out:
+        run["short_id"] = short_id(run["run_id"])
         _print_json({"run": run, "events": events})
         return
     status = run["status"] + (f" (exit {run['exit_code']})"
                               if run.get("exit_code") is not None else "")
-    lines = [f"run      {run['run_id']}  {_cell(run.get('name'))}".rstrip(),
+    lines = [f"run      {short_id(run['run_id'])}  {run['run_id']}  "
+             f"{_cell(run.get('name'))}".rstrip(),
              f"status   {status}"]
     who = [f"{k} {run[k]}" for k in ("subject_id", "caller_id", "channel_id", "parent_run_id")
            if run.get(k)]
     if who:
         lines.append("         " + "  ".join(who))
-    lines.append(f"started  {_when(run['started_at'])}  runtime {_secs(run['runtime_seconds'])}"
+    lines.append(f"started  {_when(run['started_at'])} UTC  runtime {_secs(run['runtime_seconds'])}"
                  f"  steps {_num(run['steps'])}  tool calls {_num(run['tool_calls'])}")
     for key in ("reason", "error"):
         if run.get(key):
@@ -140,7 +161,7 @@ def stats(
                            help="Group runs by subject and status, by status, or tool calls "
                                 "by tool."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
-    db: str | None = typer.Option(None, "--db", metavar="PATH", help=_DB_HELP),
+    db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
 ) -> None:
     """Counts, mean and p95 runtime (or tool latency) for the usual groupings."""
     from batteries.audit import queries
@@ -149,6 +170,10 @@ def stats(
         if by not in queries.STATS_BY:
             raise _config_error(f"--by must be one of {', '.join(queries.STATS_BY)}, "
                                 f"got {by!r}")
+        if _nothing_yet(db, quiet=json_out):
+            if json_out:
+                _print_json([])
+            return
         with _reader(db) as cur:
             found = queries.stats(cur, by=by, since=since)
     if json_out:
@@ -168,7 +193,7 @@ def query(
     sql: str = typer.Argument(..., metavar="SQL", help="One SELECT statement."),
     fmt: str = typer.Option("table", "--format", metavar="table|json|csv",
                             help="Output format."),
-    db: str | None = typer.Option(None, "--db", metavar="PATH", help=_DB_HELP),
+    db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
 ) -> None:
     """Run one read-only SQL query against the audit database.
 
@@ -184,6 +209,8 @@ def query(
             raise _config_error(f"--format must be table, json or csv, got {fmt!r}")
         # Refuse a write before touching the database at all.
         queries.check_read_only(sql)
+        if _nothing_yet(db, quiet=False, stream=sys.stderr):
+            return
         # A sealed session: the audit attached read-only in an instance that
         # can open no file, so no statement can write (or read) anything else.
         with _store(db).reader(sealed=True) as cur:
@@ -206,7 +233,7 @@ def purge(
         None, "--days", metavar="N", parser=numbers.days(),
         help=f"Delete runs older than N days (default: ${RETENTION_ENV}, else "
              f"{DEFAULT_RETENTION_DAYS})."),
-    db: str | None = typer.Option(None, "--db", metavar="PATH", help=_DB_HELP),
+    db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
 ) -> None:
     """Delete runs (and their events) that ended more than N days ago, from both files."""
     import time
@@ -240,7 +267,7 @@ def export(
     since: timedelta | None = typer.Option(
         None, "--since", metavar="AGE", parser=numbers.age(),
         help="With --otlp: only runs started within this age (e.g. 2h, 7d)."),
-    db: str | None = typer.Option(None, "--db", metavar="PATH", help=_DB_HELP),
+    db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
 ) -> None:
     """Export every table to DIR/<table>.parquet, or runs as traces with --otlp URL."""
     from batteries.audit import queries
@@ -261,7 +288,7 @@ def export(
 
 
 def sync(
-    db: str | None = typer.Option(None, "--db", metavar="PATH", help=_DB_HELP),
+    db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
 ) -> None:
     """Bring the analysts' DuckDB file up to date from the journal (every analyst command
     does this first; run it before opening the file in another tool)."""
@@ -311,6 +338,28 @@ def _sync(db: str | None) -> Any:
     from batteries.audit import resolve_db_path, sync
 
     return sync(resolve_db_path(db))
+
+
+def _db_path(db: str | None) -> Any:
+    from batteries.audit import resolve_db_path
+
+    return resolve_db_path(db)
+
+
+def _nothing_yet(db: str | None, *, quiet: bool, stream: Any = None) -> bool:
+    """True (after saying so, unless `quiet`) when no run was ever recorded at `db`.
+
+    A fresh install has no audit database and no journal: that is an empty
+    history, not an error, so the listing commands exit 0.
+    """
+    from batteries.store import journal_path
+
+    path = _db_path(db)
+    if path.exists() or journal_path(path).exists():
+        return False
+    if not quiet:
+        print(f"no runs yet (no audit database at {path})", file=stream or sys.stdout)
+    return True
 
 
 def _store(db: str | None) -> Store:
@@ -371,8 +420,11 @@ def _one_line(text: str) -> str:
 
 
 def _when(value: Any) -> str:
+    """A timestamp in UTC, whatever $TZ says: every time column is labelled (UTC)."""
     if isinstance(value, datetime):
-        return value.astimezone().strftime("%Y-%m-%d %H:%M:%S")
+        if value.tzinfo is None:  # the store keeps UTC; a naive value is UTC already
+            value = value.replace(tzinfo=UTC)
+        return str(value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S"))
     return "" if value is None else str(value)
 
 

@@ -7,7 +7,9 @@ one line on stderr and exit 2; a run's status maps to the DESIGN.md table.
 from __future__ import annotations
 
 import sys
+from functools import partial
 from importlib import import_module
+from typing import Any
 
 import typer
 
@@ -21,8 +23,17 @@ Every run is recorded to an embedded DuckDB file ($KERNEL_DB, else the user
 data directory); analysts query it with `kernel query` or straight from DuckDB.
 """
 
+class _KernelGroup(typer.core.TyperGroup):
+    """The root command group: tidies every command under it once it is built."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _tidy(self)
+
+
 app = typer.Typer(
     name="kernel",
+    cls=_KernelGroup,
     help=HELP,
     no_args_is_help=True,
     add_completion=False,
@@ -85,12 +96,117 @@ def _configure_logging() -> None:
     logger.setLevel(level)
 
 
+def _tidy(command: Any) -> None:
+    """Help that shows real metavars, and fast option parsing, for every command.
+
+    typer prints an argument's Python type beside its name (`RUN_ID <str>`)
+    and braces round required ones in the usage line (`{RUN_ID}`): arguments
+    here all have a metavar, which is shown alone. Then `_plain_coercion`.
+    """
+    def walk(cmd: Any) -> None:
+        for param in getattr(cmd, "params", ()):
+            if type(param).__name__ == "TyperArgument":
+                param.display_type_rich = _no_type
+                param.display_type = _no_type
+                param._usage_display_name = partial(_usage_name, param)
+        for sub in getattr(cmd, "commands", {}).values():
+            walk(sub)
+
+    walk(command)
+    _plain_coercion(command)
+
+
+def _no_type(*_args: Any, **_kwargs: Any) -> None:
+    return None
+
+
+def _usage_name(param: Any) -> str:
+    name = str(param.display_name_raw)
+    if not param.required:
+        name = f"[{name}]"
+    return name + ("..." if param.nargs != 1 else "")
+
+
+def _plain_coercion(command: Any) -> None:
+    """Skip typer's per-parameter pydantic adapters where the value needs no conversion.
+
+    typer 0.2x coerces every parameter of the invoked command, default or
+    not, through a pydantic TypeAdapter built on first use: importing
+    pydantic and building ~30 adapters is most of `kernel run`'s start-up.
+    For parameters annotated str, int, float, bool, timedelta (optional or
+    not) or list[str], a value click has already made of that type is passed
+    through as is, and an option with a `parser=` (our `numbers` parsers) gets
+    the parser called on it, as typer's adapter would; any other value
+    (and any other annotation, and any bounded number) still goes through
+    typer's own coercion, so behaviour is unchanged. Uses typer internals:
+    if they change, this does nothing.
+    """
+    try:
+        from typer._coercion import RuntimeParam, build_runtime_param
+    except ImportError:  # pragma: no cover - a typer without the adapter layer
+        return
+    from datetime import timedelta
+    from typing import Union, get_args, get_origin
+
+    scalars: tuple[type, ...] = (str, int, float, bool, timedelta)
+
+    def plain_type(annotation: Any) -> Any:
+        if annotation in scalars:
+            return annotation
+        args = [a for a in get_args(annotation) if a is not type(None)]
+        origin = get_origin(annotation)
+        if origin is list and args == [str]:
+            return list
+        if (origin is Union or type(annotation).__name__ == "UnionType") and len(args) == 1:
+            return plain_type(args[0])
+        return None
+
+    class Plain(RuntimeParam):
+        def _coerce_value(self, value: Any, param: Any, ctx: Any) -> Any:
+            parse = self.parameter_info.parser
+            if parse is not None:  # what typer's adapter would do: call it on each value
+                if isinstance(value, (list, tuple)):
+                    return [parse(v) for v in value]
+                return parse(value)
+            want = plain_type(self.annotation)
+            if want is list and isinstance(value, (list, tuple)) and all(
+                    isinstance(v, str) for v in value):
+                return list(value)
+            if (want not in (None, list) and isinstance(value, want)
+                    and (want is bool or not isinstance(value, bool))):
+                return value
+            real = build_runtime_param(param.type_descriptor)
+            return real._coerce_value(value, param=param, ctx=ctx)
+
+    def walk(cmd: Any) -> None:
+        params = list(getattr(cmd, "params", ()))
+        try:  # the help option is made (and cached) on first use: make it now
+            ctx = cmd.context_class(cmd, help_option_names=["-h", "--help"])
+            params.append(cmd.get_help_option(ctx))
+        except Exception:  # pragma: no cover - typer internals changed: skip it
+            pass
+        for param in params:
+            desc = getattr(param, "type_descriptor", None)
+            info = getattr(desc, "parameter_info", None)
+            if (desc is None or getattr(param, "_runtime_param", 0) is not None
+                    or plain_type(desc.annotation) is None
+                    or getattr(info, "min", None) is not None
+                    or getattr(info, "max", None) is not None):
+                continue
+            param._runtime_param = Plain(parameter_info=info,  # type: ignore[arg-type]
+                                         annotation=desc.annotation)
+        for sub in getattr(cmd, "commands", {}).values():
+            walk(sub)
+
+    walk(command)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: run the app, turn usage errors into one line + exit 2."""
     _configure_logging()
     try:
-        code = typer.main.get_command(app).main(
-            args=argv, prog_name="kernel", standalone_mode=False)
+        command = typer.main.get_command(app)  # a _KernelGroup: tidied as it is built
+        code = command.main(args=argv, prog_name="kernel", standalone_mode=False)
     except KeyboardInterrupt:
         sys.exit(130)
     except Exception as exc:
@@ -114,3 +230,33 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{cmd}: error: {fmt()}{hint}", file=sys.stderr)
         sys.exit(code)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def entry() -> None:
+    """The `kernel` executable: `main`, then exit without the interpreter's teardown.
+
+    Everything a command writes is closed inside it (the audit, checkpoints
+    and deliveries are finished before its trio run returns), so once stdout
+    and stderr are flushed there is nothing left to do but free memory and
+    unload modules, which costs a loaded interpreter (duckdb, pyarrow, trio)
+    ~0.1 s. In-process callers (tests) use `main`, which exits normally.
+    """
+    import contextlib
+    import os
+
+    try:
+        main()
+        code: int | str | None = 0
+    except SystemExit as exc:
+        code = exc.code
+    if isinstance(code, str):
+        print(code, file=sys.stderr)
+        code = 1
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):  # a closed pipe: like any failed write, exit 1 if clean
+        code = code or 1
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.flush()
+    os._exit(code or 0)
+

@@ -9,6 +9,7 @@ from typing import Any
 import typer
 
 from . import numbers
+from .dbopt import DB_HELP
 
 budget_app = typer.Typer(
     name="budget", no_args_is_help=True, rich_markup_mode=None,
@@ -36,7 +37,8 @@ def _fail(message: str) -> None:
 
 @budget_app.command("set")
 def set_budget(
-    caller: str = typer.Argument(..., help="The caller id ('*' for the default budget)."),
+    caller: str = typer.Argument(..., metavar="CALLER",
+                                 help="The caller id ('*' for the default budget)."),
     runs: int | None = typer.Option(None, "--runs", metavar="N", parser=numbers.count(),
                                     help="Runs per window."),
     runtime: float | None = typer.Option(
@@ -49,7 +51,7 @@ def set_budget(
     window: float = typer.Option(
         "24h", "--window", metavar="DURATION", parser=numbers.duration(zero=False),
         help="The rolling window: 30m, 24h, 7d, 2w (or seconds)."),
-    db: str | None = typer.Option(None, "--db", metavar="PATH", help="Database file."),
+    db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
 ) -> None:
     """Create or replace CALLER's budget."""
     from kernel import AuditError
@@ -66,10 +68,11 @@ def set_budget(
 
 @budget_app.command("show")
 def show_budget(
-    caller: str | None = typer.Argument(None, help="Show one caller (with what applies to "
-                                                   "them); default: every budget."),
+    caller: str | None = typer.Argument(
+        None, metavar="CALLER",
+        help="Show one caller (with what applies to them); default: every budget."),
     as_json: bool = typer.Option(False, "--json", help="JSON lines instead of a table."),
-    db: str | None = typer.Option(None, "--db", metavar="PATH", help="Database file."),
+    db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
 ) -> None:
     """Budgets and what each caller spent in the current window."""
     from dataclasses import asdict
@@ -108,8 +111,8 @@ def show_budget(
 
 @budget_app.command("rm")
 def remove_budget(
-    caller: str = typer.Argument(..., help="The caller id."),
-    db: str | None = typer.Option(None, "--db", metavar="PATH", help="Database file."),
+    caller: str = typer.Argument(..., metavar="CALLER", help="The caller id."),
+    db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
 ) -> None:
     """Remove CALLER's budget (their spend history stays)."""
     from kernel import AuditError

@@ -14,10 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from kernel import Agent, ConfigError, Limits, RunInfo
-
 if TYPE_CHECKING:
     from adapters.loop import VerdictSource
+    from kernel import Agent, Limits, RunInfo
 
 VALIDATE_HELP = """Check LOOP.yaml without running it: schema, references, variables.
 
@@ -73,6 +72,7 @@ def build_loop(path: str, context: Mapping[str, str], *, scenario: str | None = 
     """
     from adapters.loop import SCENARIOS, LoopAgent, check_loop
     from adapters.loop import LoopFileError as _LoopFileError
+    from kernel import ConfigError, Limits, RunInfo
 
     if scenario is not None and scenario not in SCENARIOS:
         raise ConfigError(f"unknown --scenario {scenario!r} (choose from {', '.join(SCENARIOS)})")
@@ -116,6 +116,8 @@ def build_loop(path: str, context: Mapping[str, str], *, scenario: str | None = 
 
 def parse_pairs(pairs: list[str]) -> dict[str, str]:
     """Parse repeated `--context KEY=VALUE` options; a malformed one is a ConfigError."""
+    from kernel import ConfigError
+
     out: dict[str, str] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
@@ -137,6 +139,7 @@ def validate(
 ) -> None:
     """Check a loop file: exit 2 on errors, 0 when it can run (warnings allowed)."""
     from adapters.loop import check_loop
+    from kernel import ConfigError
 
     try:
         given = parse_pairs(context or [])

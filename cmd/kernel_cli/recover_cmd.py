@@ -26,12 +26,17 @@ import os
 import sys
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
-from kernel import ConfigError, Limits, RunInfo, Status
+from .dbopt import DB_HELP
 
+if TYPE_CHECKING:
+    pass
+
+
+from . import ids
 from .dberrors import guard_database
 from .run_cmd import (
     REDACT_HELP,
@@ -70,9 +75,7 @@ _CONTEXT_HELP = ("A secret context value the run was started with (repeatable): 
 def recover(
     list_only: bool = typer.Option(False, "--list", help="Only list interrupted runs."),
     json_out: bool = typer.Option(False, "--json", help="One JSON object per line."),
-    db: str | None = typer.Option(None, "--db", metavar="PATH",
-                                  help="Audit database (default: $KERNEL_DB or the user "
-                                       "data dir)."),
+    db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
     context: list[str] | None = typer.Option(None, "--context", "-c", metavar="KEY=VALUE",
                                              help=_CONTEXT_HELP),
     redact: list[str] | None = typer.Option(None, "--redact", metavar="REGEX",
@@ -100,7 +103,8 @@ def recover(
                    "host": saved.host, "pid": saved.pid,
                    "updated_at": str(saved.updated_at)}
             print(json.dumps(row) if json_out else
-                  f"{saved.run_id[:12]}  {row['kind']:8} steps={row['steps']:<4} {row['name']}")
+                  f"{ids.short_id(saved.run_id)}  {row['kind']:8} steps={row['steps']:<4} "
+                  f"{row['name']}")
         if not runs and not json_out:
             print("no interrupted runs", file=sys.stderr)
         raise typer.Exit(0)
@@ -110,7 +114,7 @@ def recover(
         try:
             saved = _claim(cp, listed.run_id)
         except AuditError as exc:
-            print(f"kernel: run {listed.run_id[:12]}: {exc}", file=sys.stderr)
+            print(f"kernel: run {ids.short_id(listed.run_id)}: {exc}", file=sys.stderr)
             worst = 1
             continue
         if saved is None:
@@ -129,11 +133,11 @@ def _claim(cp: Any, run_id: str) -> Any:
 
 
 def resume(
-    run_id: str = typer.Argument(..., help="The run id (a unique prefix is enough)."),
+    run_id: str = typer.Argument(..., metavar="RUN_ID",
+                                 help="The run's short id, a full id (or any unique prefix), "
+                                      "or 'last' for the newest interrupted run."),
     json_out: bool = typer.Option(False, "--json", help="The final result as JSON."),
-    db: str | None = typer.Option(None, "--db", metavar="PATH",
-                                  help="Audit database (default: $KERNEL_DB or the user "
-                                       "data dir)."),
+    db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
     context: list[str] | None = typer.Option(None, "--context", "-c", metavar="KEY=VALUE",
                                              help=_CONTEXT_HELP),
     webhook: list[str] | None = typer.Option(
@@ -147,26 +151,34 @@ def resume(
                                             help=REDACT_HELP),
 ) -> None:
     """Resume one interrupted run from its last checkpoint; exit with its status's code."""
-    from kernel import AuditError
+    from kernel import AuditError, ConfigError
 
     try:
+        want = run_id if run_id.strip().lower() == ids.LAST else ids.normalise(run_id)
         cp = _checkpointer(db)
-        matches = [r for r in cp.interrupted() if r.run_id.startswith(run_id)]
+        waiting = cp.interrupted()
+        if want == ids.LAST:  # the newest interrupted run
+            matches = waiting[-1:]
+            if not matches:
+                _fail("no interrupted run: 'last' names nothing")
+        else:
+            matches = [r for r in waiting if ids.matches(r.run_id, want)]
         if not matches:
-            saved = next(iter(cp.find(run_id)), None)
-            if saved is None:
+            known = [r for r in cp.find("") if ids.matches(r.run_id, want)]
+            if not known:
                 _fail(f"no run {run_id!r} with a checkpoint")
-            elif saved.status != "running":
-                _fail(f"run {saved.run_id[:12]} is {saved.status}; nothing to resume")
+            saved = known[-1]
+            if saved.status != "running":
+                _fail(f"run {ids.short_id(saved.run_id)} is {saved.status}; nothing to resume")
             else:
-                _fail(f"run {saved.run_id[:12]} is still running (pid {saved.pid} on "
+                _fail(f"run {ids.short_id(saved.run_id)} is still running (pid {saved.pid} on "
                       f"{saved.host})")
         if len(matches) > 1:
-            _fail(f"run id prefix {run_id!r} is ambiguous ({len(matches)} runs)")
+            ids.pick(run_id, [r.run_id for r in matches])  # raises, naming the candidates
         saved = _claim(cp, matches[0].run_id)
         if saved is None:
-            _fail(f"run {matches[0].run_id[:12]} is being resumed by another process")
-    except AuditError as exc:
+            _fail(f"run {ids.short_id(matches[0].run_id)} is being resumed by another process")
+    except (AuditError, ConfigError) as exc:
         _fail(str(exc))
     given = _Given(context or [], webhook or [], base_url, redact or [])
     raise typer.Exit(_resume_one(saved, db=db, json_out=json_out, given=given))
@@ -228,7 +240,9 @@ def _resume_one(saved: Any, *, db: str | None, json_out: bool, given: _Given) ->
     """Rebuild and resume one run; returns its exit code."""
     import trio
 
-    short = saved.run_id[:12]
+    from kernel import ConfigError, Limits, RunInfo
+
+    short = ids.short_id(saved.run_id)
     _stop_leftovers(saved.run_id, db=db)
     if saved.spec["agent"].get("kind") != "command":
         try:
@@ -281,7 +295,7 @@ def _resume_one(saved: Any, *, db: str | None, json_out: bool, given: _Given) ->
 def _lose(saved: Any, why: str, *, db: str | None) -> int:
     """Close a run that cannot resume: checkpoint failed, audit row `lost`; returns 1."""
     from batteries.audit import Store, queries, resolve_db_path
-    from kernel import AuditError
+    from kernel import AuditError, Status
 
     run_id = saved.run_id
     _checkpointer(db).mark_failed(run_id, f"not resumable: {why}")
@@ -290,9 +304,9 @@ def _lose(saved: Any, why: str, *, db: str | None) -> int:
             queries.mark_lost(cur, run_id, f"supervisor gone, not resumable: {why}",
                               info=saved.spec.get("info"), started_at=_utc(saved.updated_at))
     except AuditError as exc:
-        print(f"kernel: warning: run {run_id[:12]}: cannot mark it lost: {exc}",
+        print(f"kernel: warning: run {ids.short_id(run_id)}: cannot mark it lost: {exc}",
               file=sys.stderr)
-    print(f"kernel: run {run_id[:12]} cannot resume: {why}; marked {Status.LOST}",
+    print(f"kernel: run {ids.short_id(run_id)} cannot resume: {why}; marked {Status.LOST}",
           file=sys.stderr)
     return 1
 
@@ -324,7 +338,7 @@ def _stop_leftovers(run_id: str, *, db: str | None, wait: float = 10.0) -> None:
         finally:
             con.close()
     except sqlite3.Error as exc:
-        print(f"kernel: warning: run {run_id[:12]}: cannot read its processes: {exc}",
+        print(f"kernel: warning: run {ids.short_id(run_id)}: cannot read its processes: {exc}",
               file=sys.stderr)
         return
     stopped = sum(stop_recorded(g) for g in groups)
@@ -333,7 +347,7 @@ def _stop_leftovers(run_id: str, *, db: str | None, wait: float = 10.0) -> None:
     deadline = time.monotonic() + wait
     while any(live_group(g) for g in groups) and time.monotonic() < deadline:
         time.sleep(0.02)
-    print(f"kernel: run {run_id[:12]}: stopped {stopped} process(es) it left running",
+    print(f"kernel: run {ids.short_id(run_id)}: stopped {stopped} process(es) it left running",
           file=sys.stderr)
 
 

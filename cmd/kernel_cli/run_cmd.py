@@ -13,13 +13,18 @@ import sys
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
-from kernel import Checkpoint, ConfigError, Limits, Result, RunInfo, Status
+from .dbopt import DB_HELP
+
+if TYPE_CHECKING:
+    from kernel import Checkpoint, Limits, Result, RunInfo
+
 
 from . import numbers
+from .ids import short_id
 from .wiring import PortOptions, open_ports
 
 RUN_HELP = """Run CMD (after --), a LOOP.yaml state machine, or an --agent, under supervision.
@@ -98,10 +103,9 @@ def run(
     caller: str | None = typer.Option(
         None, "--caller", metavar="ID",
         help="Who is running this (budgets are per caller). Default: $KERNEL_CALLER or $USER."),
-    name: str | None = typer.Option(None, "--name", help="A label for the run."),
+    name: str | None = typer.Option(None, "--name", metavar="TEXT", help="A label for the run."),
     db: str | None = typer.Option(
-        None, "--db", metavar="PATH", help="Audit database (default: $KERNEL_DB or the "
-                                           "user data dir)."),
+        None, "--db", metavar="PATH", help=DB_HELP),
     no_audit: bool = typer.Option(False, "--no-audit", help="Record nothing."),
     checkpoint_interval: float = typer.Option(
         0.0, "--checkpoint-interval", metavar="DURATION", parser=numbers.duration(),
@@ -123,11 +127,14 @@ def run(
     json_out: bool = typer.Option(
         False, "--json", help="Print the final result as one JSON object on stdout "
                               "(the command's output is not echoed)."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="Do not echo the command's output."),
+    quiet: bool = typer.Option(
+        False, "--quiet", "-q", help="Print nothing on stdout (the output is still audited; "
+                                     "the summary line still goes to stderr)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Simulate: execute nothing."),
     scenario: str | None = typer.Option(
-        None, "--scenario", help="Dry-run results for a loop: all-pass|all-fail|all-error|"
-                                 "first-fail|alternating. Implies --dry-run."),
+        None, "--scenario", metavar="NAME",
+        help="Dry-run results for a loop: all-pass|all-fail|all-error|"
+             "first-fail|alternating. Implies --dry-run."),
     agent: str | None = typer.Option(
         None, "--agent", metavar="KIND",
         help="Run an agent instead: llm | agentcli | pane, or a coding-agent CLI run "
@@ -137,20 +144,23 @@ def run(
         help="The tmux pane an --agent pane lives in (session[:window[.pane]]); "
              "$KERNEL_TMUX_SOCKET picks the tmux server."),
     model: str | None = typer.Option(
-        None, "--model", help="Model name (--agent llm, claude, codex, gemini; for a loop, the "
-                              "model its llm_structured evaluations ask unless the file sets "
-                              "llm.model)."),
+        None, "--model", metavar="NAME",
+        help="Model name (--agent llm, claude, codex, gemini; for a loop, the "
+             "model its llm_structured evaluations ask unless the file sets "
+             "llm.model)."),
     max_turns: int | None = typer.Option(
         None, "--max-turns", metavar="N", parser=numbers.count(minimum=1), show_default=False,
         help="The agent's own turn limit (--agent claude)."),
     base_url: str | None = typer.Option(
-        None, "--base-url", help="OpenAI-compatible API base URL (--agent llm and loop "
-                                 "llm_structured evaluations; default $OPENAI_BASE_URL)."),
+        None, "--base-url", metavar="URL",
+        help="OpenAI-compatible API base URL (--agent llm and loop "
+             "llm_structured evaluations; default $OPENAI_BASE_URL)."),
     prompt: str | None = typer.Option(
-        None, "--prompt", help="The task (--agent llm|agentcli|pane|claude|codex|gemini; a "
-                               "pane gets it typed)."),
+        None, "--prompt", metavar="TEXT",
+        help="The task (--agent llm|agentcli|pane|claude|codex|gemini; a "
+             "pane gets it typed)."),
     cmd: str | None = typer.Option(
-        None, "--cmd", help="The agent's command line (--agent agentcli)."),
+        None, "--cmd", metavar="COMMAND", help="The agent's command line (--agent agentcli)."),
     api_key_env: str | None = typer.Option(
         None, "--api-key-env", metavar="VAR", help="Env var holding the API key "
                                                     "(default OPENAI_API_KEY)."),
@@ -160,6 +170,8 @@ def run(
         None, "--redact", metavar="REGEX", help=REDACT_HELP),
 ) -> None:
     """Run one thing, supervised and audited, and exit with its status's code."""
+    from kernel import ConfigError, Limits
+
     # A scenario only decides simulated verdicts: it never runs a loop for real.
     dry_run = dry_run or scenario is not None
     try:
@@ -219,8 +231,8 @@ def run(
         _fail(str(exc))
     code = exit_code(result, command=plan.is_command)
     # A dry run echoes nothing as it goes: its output (the path it would take) is the answer.
-    _report(result, code, json_out=json_out, echo_output=not plan.echoes or dry_run,
-            storage=_storage(journals))
+    _report(result, code, json_out=json_out,
+            echo_output=not quiet and (not plan.echoes or dry_run), storage=_storage(journals))
     raise typer.Exit(code)
 
 
@@ -282,6 +294,8 @@ class Plan:
 
 def parse_context(pairs: list[str]) -> dict[str, str]:
     """Parse repeated KEY=VALUE options; a malformed one is a ConfigError."""
+    from kernel import ConfigError
+
     out: dict[str, str] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
@@ -299,6 +313,8 @@ def agent_spec(args: list[str], ctx_vars: dict[str, str], *, agent: str | None,
                api_key_env: str | None, allow_shell: bool, scenario: str | None,
                target: str | None = None, max_turns: int | None = None) -> dict[str, Any]:
     """What to run, as a JSON-ready spec (kept with the checkpoint, for `kernel resume`)."""
+    from kernel import ConfigError
+
     if agent is not None:
         if args:
             raise ConfigError("--agent takes no command or loop file; use --prompt/--cmd")
@@ -326,6 +342,8 @@ def agent_spec(args: list[str], ctx_vars: dict[str, str], *, agent: str | None,
 
 def plan_from_spec(spec: dict[str, Any], *, quiet: bool) -> Plan:
     """Build the agent a spec describes (ConfigError for anything wrong with it)."""
+    from kernel import ConfigError, RunInfo
+
     kind = spec.get("kind")
     ctx_vars = dict(spec.get("context") or {})
     if kind == "agent":
@@ -362,7 +380,9 @@ def plan_from_spec(spec: dict[str, Any], *, quiet: bool) -> Plan:
         argv = list(spec["argv"])
         env = {f"KERNEL_CTX_{k.upper().replace('-', '_').replace('.', '_')}": v
                for k, v in ctx_vars.items()}
-        shell = ShellAgent(argv, env=env or None, on_output=None if quiet else _echo)
+        # Like timeout(1): the command reads our stdin (a pipe, a file, the terminal).
+        shell = ShellAgent(argv, env=env or None, on_output=None if quiet else _echo,
+                           inherit_stdin=True)
         info = RunInfo(name=shlex.join(argv)[:200], subject_id=os.path.basename(argv[0]),
                        inputs={"argv": argv, "context": ctx_vars})
         return Plan(shell, info, is_command=True, echoes=not quiet)
@@ -502,6 +522,8 @@ async def _execute(agent: Any, info: RunInfo, limits: Limits, opts: PortOptions,
 
 def exit_code(result: Result, *, command: bool) -> int:
     """The process exit code for a result (DESIGN.md "The run")."""
+    from kernel import Status
+
     if (command and result.status in (Status.OK, Status.ERROR)
             and result.exit_code is not None):
         return result.exit_code
@@ -510,10 +532,13 @@ def exit_code(result: Result, *, command: bool) -> int:
 
 def _report(result: Result, code: int, *, json_out: bool, echo_output: bool,
             storage: dict[str, Any] | None = None) -> None:
+    from kernel import Status
+
     for failure in result.port_failures:
         print(f"kernel: warning: {failure}", file=sys.stderr)
     if json_out:
         doc = result.to_dict()
+        doc["short_id"] = short_id(result.run_id)
         doc["command_exit_code"] = result.exit_code
         doc["exit_code"] = code
         if storage is not None:
@@ -525,12 +550,12 @@ def _report(result: Result, code: int, *, json_out: bool, echo_output: bool,
             result.output, default=str)
         if text:
             sys.stdout.write(text.rstrip("\n") + "\n")
-    if result.status not in (Status.OK, Status.DRY_RUN) or sys.stderr.isatty():
-        why = result.error or result.reason
-        print(f"kernel: run {result.run_id[:12]} {result.status} after "
-              f"{result.runtime_seconds:.1f}s, {result.steps} step(s)"
-              + (f": {why}" if why and why != str(result.status) else "")
-              + f" (exit {code})", file=sys.stderr)
+    # Always, terminal or not: the short id is how a person finds the run again.
+    why = result.error or result.reason
+    print(f"kernel: run {short_id(result.run_id)} {result.status} after "
+          f"{result.runtime_seconds:.1f}s, {result.steps} step(s)"
+          + (f": {why}" if why and why != str(result.status) else "")
+          + f" (exit {code})", file=sys.stderr)
 
 
 def _fail(message: str) -> None:

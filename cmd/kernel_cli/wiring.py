@@ -11,10 +11,9 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kernel import Audit, Critic, Delivery, PortFailure, Ports
-
 if TYPE_CHECKING:
     from batteries.redact import Redactor
+    from kernel import Audit, Critic, Delivery, PortFailure, Ports
 
 
 @dataclass(slots=True)
@@ -53,6 +52,8 @@ async def open_ports(opts: PortOptions, *, delivery: Delivery | None = None,
     Raises:
         ConfigError: A bad `$KERNEL_AUDIT_LOCK_TIMEOUT` or `$KERNEL_JOURNAL_SYNC`.
     """
+    from kernel import Ports
+
     async with AsyncExitStack() as stack:
         audit = budget = checkpointer = None
         if not opts.no_audit:
@@ -79,6 +80,7 @@ def _audit(journal: Any, warnings: list[PortFailure] | None,
            redactor: Redactor | None = None) -> Audit | None:
     """The audit on `journal`; None (and an `audit.open` warning) if its settings are bad."""
     from batteries.audit import JournalAudit
+    from kernel import PortFailure
 
     try:
         return JournalAudit(journal, redactor=redactor)

@@ -90,6 +90,13 @@ class TestQueryInput:
         """A malformed number is typer's usage error: one line from `kernel`, exit 2."""
         usage_error(["actions", *args], needle, capsys)
 
+    @pytest.mark.parametrize("command", ["query", "stats"])
+    def test_the_pane_name_option_is_pane(self, _isolated_db: Path, command: str,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+        """`--pane NAME` filters by the pane's agent; `--agent` is `kernel run`'s alone."""
+        assert cli("actions", command, "--pane", "dev", "--json").exit_code == 0
+        usage_error(["actions", command, "--agent", "dev"], "No such option: --agent", capsys)
+
     def test_no_database_yet(self, _isolated_db: Path) -> None:
         """Before anything was recorded, query and stats show nothing and succeed."""
         assert not _isolated_db.exists()

@@ -222,7 +222,7 @@ class TestActionsCli:
         """A probe of a live agent exits 0, and the attempt is in `kernel actions query`."""
         name = tmux.agent("alive")
         code, doc = act(kernel_exe, env, "nonce-probe", name, "--poll-interval", "0.1",
-                        "--agent", "claude-1")
+                        "--pane", "claude-1")
         assert code == 0 and doc["outcome"] == "success" and doc["status"] == "ok"
         assert doc["extras"]["probe"] == "alive"
         assert doc["pane_after"]["text"].count(doc["extras"]["nonce"]) >= 2
@@ -312,7 +312,7 @@ class TestActionsCli:
         The four runs are separate processes writing the one database at once.
         """
         a1, a2, busy = tmux.agent("alive"), tmux.agent("alive"), tmux.agent("busy")
-        runs = [("nonce-probe", a1, "--agent", "fleet"), ("nonce-probe", a2, "--agent", "fleet"),
+        runs = [("nonce-probe", a1, "--pane", "fleet"), ("nonce-probe", a2, "--pane", "fleet"),
                 ("nonce-probe", busy), ("compact", busy, "--skip-reason", "later")]
         procs = [subprocess.Popen([kernel_exe, "actions", "run", *r, "--poll-interval", "0.1"],
                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -323,7 +323,7 @@ class TestActionsCli:
         assert len(rows) == 4
         started = [r["started_at"] for r in rows]
         assert started == sorted(started, reverse=True)
-        assert sorted(r["outcome"] for r in attempts("--agent", busy)) == \
+        assert sorted(r["outcome"] for r in attempts("--pane", busy)) == \
             ["precondition_fail", "skipped_by_policy"]
         assert [r["agent"] for r in attempts("--outcome", "success")] == ["fleet", "fleet"]
         assert len(attempts("--limit", "1", "--since", "1h")) == 1
@@ -335,10 +335,10 @@ class TestActionsCli:
             ("nonce-probe", "success"): 2}
         probe = stats[("nonce-probe", "success")]
         assert 0 < probe["mean_s"] <= probe["p95_s"]
-        table = cli("actions", "stats", "--agent", "fleet").stdout.splitlines()
+        table = cli("actions", "stats", "--pane", "fleet").stdout.splitlines()
         assert table[0].split() == ["ACTION", "OUTCOME", "COUNT", "MEAN", "P95"]
         assert table[1].split()[:3] == ["nonce-probe", "success", "2"] and len(table) == 2
-        listing = cli("actions", "query", "--agent", busy).stdout
+        listing = cli("actions", "query", "--pane", busy).stdout
         assert "skipped_by_policy" in listing and "later" in listing
 
     def test_sigterm_cancels_the_attempt(self, kernel_exe: str, env: dict[str, str],

@@ -24,9 +24,11 @@ from kernel_cli.app import app
 
 PROCS = Path(__file__).resolve().parent.parent / "batteries" / "audit_procs.py"
 
-# Hand-picked run ids so prefixes are predictable: abc1/abc2 share "abc".
-A, B, C, D, E = ("abc1" + "0" * 28, "abc2" + "0" * 28, "def0" + "0" * 28,
-                 "0dd0" + "0" * 28, "e0e0" + "0" * 28)
+# Hand-picked run ids so prefixes are predictable: abc1/abc2 share "abc"; their random
+# ends (the short ids: digits 21-28) a1b2c3d4/a1b2ffff share "a1b2".
+A, B, C, D, E = ("abc1" + "0" * 16 + "a1b2c3d40001", "abc2" + "0" * 16 + "a1b2ffff0002",
+                 "def0" + "0" * 16 + "c0ffee000003", "0dd0" + "0" * 16 + "d00d00000004",
+                 "e0e0" + "0" * 16 + "e1e1e1000005")
 
 
 async def _populate(db: Path) -> None:
@@ -102,9 +104,9 @@ class TestRuns:
         code, out, _ = kernel("runs")
         assert code == 0
         lines = out.splitlines()
-        assert lines[0].split() == ["RUN", "STARTED", "STATUS", "STEPS", "TOOLS", "RUNTIME",
-                                    "NAME"]
-        assert [ln.split()[0] for ln in lines[1:]] == [E, C, B, A, D]
+        assert lines[0].split() == ["RUN", "STARTED", "(UTC)", "STATUS", "STEPS", "TOOLS",
+                                    "RUNTIME", "NAME"]
+        assert [ln.split()[0] for ln in lines[1:]] == [r[20:28] for r in (E, C, B, A, D)]
         assert "running" in lines[1] and "killed" in lines[2]
 
     def test_filters_by_status_since_and_limit(self, db: Path) -> None:
@@ -130,11 +132,11 @@ class TestRuns:
         """Malformed options give one error line and exit code 2."""
         one_line_error(*kernel("runs", *args), 2, fragment)
 
-    def test_a_missing_database_is_one_line_and_exit_1(self, tmp_path: Path) -> None:
-        """No database at the path: one line naming it, exit code 1."""
+    def test_a_missing_database_is_no_runs_yet(self, tmp_path: Path) -> None:
+        """No database at the path: no runs yet, naming the path, exit code 0."""
         missing = tmp_path / "nowhere.duckdb"
-        one_line_error(*kernel("runs", "--db", str(missing)), 1, "no audit database",
-                       str(missing))
+        code, out, _ = kernel("runs", "--db", str(missing))
+        assert code == 0 and out.strip() == f"no runs yet (no audit database at {missing})"
 
 
 class TestShow:
@@ -142,7 +144,7 @@ class TestShow:
         """A unique prefix finds the run; the timeline lists seq, +ms, kind, name, summary."""
         code, out, _ = kernel("show", "abc1")
         assert code == 0
-        assert f"run      {A}  lint ok" in out
+        assert f"run      a1b2c3d4  {A}  lint ok" in out
         assert "status   ok" in out
         header = next(ln for ln in out.splitlines() if ln.startswith("SEQ"))
         assert header.split() == ["SEQ", "+MS", "KIND", "NAME", "DURATION", "SUMMARY"]
@@ -172,14 +174,93 @@ class TestShow:
         assert code == 0 and json.loads(out)["run"]["run_id"] == C
 
     @pytest.mark.parametrize(("prefix", "fragment"), [
-        ("abc", "is ambiguous: it matches abc1, abc2"),
+        ("abc", f"is ambiguous: it matches a1b2c3d4 ({A}), a1b2ffff ({B})"),
+        ("a1b2", "is ambiguous: it matches a1b2c3d4"),
         ("fff", "no run matches 'fff'"),
-        ("not-hex!", "run id must be up to 32 hex digits"),
+        ("not-hex!", "a run id is a short id (8 hex digits), a full id or 'last'"),
     ])
     def test_bad_ids_are_one_line_and_exit_2(self, db: Path, prefix: str,
                                              fragment: str) -> None:
         """Ambiguous, unknown and malformed ids: one error line, exit code 2."""
         one_line_error(*kernel("show", prefix), 2, fragment)
+
+
+class TestShortIds:
+    """Ids a person can type: the random end of the id, resolved the same everywhere."""
+
+    def test_a_short_id_in_any_case_shows_the_run(self, db: Path) -> None:
+        """`kernel show C0FFEE00` (the short id, upper case) finds run C."""
+        code, out, err = kernel("show", "C0FFEE00", "--json")
+        assert code == 0, err
+        shown = json.loads(out)["run"]
+        assert (shown["run_id"], shown["short_id"]) == (C, "c0ffee00")
+
+    def test_a_short_prefix_of_four_digits_is_enough(self, db: Path) -> None:
+        """Four digits of the random end find the run when no other run shares them."""
+        code, out, _ = kernel("show", "d00d", "--json")
+        assert code == 0 and json.loads(out)["run"]["run_id"] == D
+
+    def test_last_and_dash_l_show_the_newest_run(self, db: Path) -> None:
+        """`kernel show last` and `kernel show -l` show the most recently started run."""
+        for args in (["last"], ["-l"], ["--last"], ["LAST"]):
+            code, out, err = kernel("show", *args, "--json")
+            assert code == 0, err
+            assert json.loads(out)["run"]["run_id"] == E
+
+    def test_show_needs_an_id_or_last(self, db: Path) -> None:
+        """Neither an id nor --last (or both) is one line and exit 2."""
+        one_line_error(*kernel("show"), 2, "give a RUN_ID or --last")
+        one_line_error(*kernel("show", "-l", "abc1"), 2, "give a RUN_ID or --last")
+
+    def test_runs_quiet_prints_short_ids_only(self, db: Path) -> None:
+        """`kernel runs -q` prints one short id a line, newest first; each one resolves."""
+        code, out, _ = kernel("runs", "-q")
+        assert code == 0
+        assert out.split() == [r[20:28] for r in (E, C, B, A, D)]
+        for short in out.split():
+            assert kernel("show", short, "--json")[0] == 0
+
+    def test_last_with_no_runs(self, tmp_path: Path) -> None:
+        """'last' where no run was ever recorded says so: one line, exit 2."""
+        empty = tmp_path / "empty.duckdb"
+        one_line_error(*kernel("show", "last", "--db", str(empty)), 2, "no runs yet")
+        one_line_error(*kernel("show", "-l", "--db", str(empty)), 2, "no runs yet")
+
+
+class TestEmptyState:
+    """A fresh install has no runs: the listing commands say so and exit 0 (issue 17)."""
+
+    @pytest.mark.parametrize("args", [["runs"], ["stats"], ["stats", "--by", "tool"]])
+    def test_listing_with_no_runs_exits_0(self, tmp_path: Path, args: list[str]) -> None:
+        """`kernel runs` / `stats` on a fresh $HOME: "no runs yet" on stdout, exit 0."""
+        code, out, err = kernel(*args, "--db", str(tmp_path / "fresh.duckdb"))
+        assert (code, err) == (0, "")
+        assert out.startswith("no runs yet (no audit database at ")
+
+    def test_query_with_no_runs_exits_0(self, tmp_path: Path) -> None:
+        """`kernel query` on a fresh $HOME prints no rows, says why on stderr, exits 0."""
+        code, out, err = kernel("query", "SELECT 1", "--db", str(tmp_path / "fresh.duckdb"))
+        assert (code, out) == (0, "")
+        assert err.startswith("no runs yet")
+
+    def test_json_and_ids_with_no_runs_are_empty(self, tmp_path: Path) -> None:
+        """Scripts get an empty result, not a sentence: `runs -q`, `runs --json`, `stats --json`."""
+        fresh = str(tmp_path / "fresh.duckdb")
+        assert kernel("runs", "-q", "--db", fresh)[:2] == (0, "")
+        assert kernel("runs", "--json", "--db", fresh)[:2] == (0, "")
+        code, out, _ = kernel("stats", "--json", "--db", fresh)
+        assert code == 0 and json.loads(out) == []
+
+    def test_a_fresh_home_end_to_end(self, kernel_exe: str, tmp_path: Path) -> None:
+        """The installed `kernel runs` with a fresh $HOME and no $KERNEL_DB exits 0."""
+        import os
+
+        env = {k: v for k, v in os.environ.items() if k not in ("KERNEL_DB", "XDG_DATA_HOME")}
+        env["HOME"] = str(tmp_path)
+        proc = subprocess.run([kernel_exe, "runs"], env=env, capture_output=True, text=True,
+                              stdin=subprocess.DEVNULL, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.startswith(f"no runs yet (no audit database at {tmp_path}")
 
 
 class TestStats:

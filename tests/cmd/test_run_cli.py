@@ -137,6 +137,32 @@ class TestImports:
                              check=True).stdout
         assert out.strip().splitlines()[-1] == "[]"
 
+    @pytest.mark.parametrize(("argv", "absent"), [
+        (["--help"], ("duckdb", "pyarrow", "trio", "kernel", "pydantic")),
+        (["run", "--help"], ("duckdb", "trio", "kernel", "pydantic")),
+        (["run", "--no-audit", "--timeout", "1m", "-c", "k=v", "--", "true"], ("pydantic",)),
+    ])
+    def test_start_up_imports_only_what_the_command_needs(self, argv: list[str],
+                                                          absent: tuple[str, ...]) -> None:
+        """Help loads no kernel, trio or pydantic; a run parses its options without pydantic.
+
+        typer would coerce every option through a pydantic adapter (most of
+        `kernel run`'s start-up); app._plain_coercion passes typed values through.
+        """
+        code = ("import sys\nfrom kernel_cli.app import main\n"
+                f"try:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
+                f"print(sorted(m for m in {absent!r} if m in sys.modules))")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             check=True, stdin=subprocess.DEVNULL).stdout
+        assert out.strip().splitlines()[-1] == "[]"
+
+    def test_the_executable_exits_with_the_code_and_flushed_output(
+            self, kernel_exe: str, cli_env: dict[str, str]) -> None:
+        """`entry` skips interpreter teardown but keeps the exit code and all of stdout."""
+        proc = kernel(kernel_exe, cli_env, "run", "--", "sh", "-c", "seq 1 3000; exit 6")
+        assert proc.returncode == 6
+        assert proc.stdout.splitlines()[-1] == "3000" and len(proc.stdout.splitlines()) == 3000
+
     def test_pdb_still_imports_from_the_repo_root(self) -> None:
         """The cmd/ directory does not shadow the standard library's cmd module."""
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -172,9 +198,56 @@ class TestProgress:
         assert b"step" in seen and b"deadline in" in seen
 
     def test_no_progress_without_a_tty(self, kernel_exe: str, cli_env: dict[str, str]) -> None:
-        """Without a terminal, stderr carries no progress line."""
+        """Without a terminal, stderr carries no progress line: only the summary line."""
         proc = kernel(kernel_exe, cli_env, "run", "--", "sh", "-c", "sleep 0.6; echo x")
-        assert proc.returncode == 0 and proc.stderr == ""
+        assert proc.returncode == 0
+        assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("kernel: run ")
+
+
+class TestLikeTimeout:
+    """`kernel run` behaves like timeout(1) where a person would expect it to (issue 17)."""
+
+    def test_stdin_is_passed_through(self, kernel_exe: str, cli_env: dict[str, str]) -> None:
+        """`echo input | kernel run -- cat` prints input: the command reads our stdin."""
+        proc = subprocess.run([kernel_exe, "run", "--", "cat"], input="input\nmore\n",
+                              capture_output=True, text=True, env=cli_env, timeout=30)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout == "input\nmore\n"
+
+    def test_stdin_is_the_terminal(self, kernel_exe: str, cli_env: dict[str, str]) -> None:
+        """With a terminal on stdin, the command's stdin is that terminal."""
+        import pty
+
+        master, slave = pty.openpty()
+        try:
+            proc = subprocess.run([kernel_exe, "run", "--", "sh", "-c",
+                                   "test -t 0 && echo tty || echo notty"],
+                                  stdin=slave, capture_output=True, text=True, env=cli_env,
+                                  timeout=30)
+        finally:
+            os.close(slave)
+            os.close(master)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout == "tty\n"
+
+    def test_quiet_prints_nothing_on_stdout(self, kernel_exe: str,
+                                            cli_env: dict[str, str]) -> None:
+        """`kernel run -q -- seq 1 2000` prints nothing on stdout, the summary on stderr."""
+        proc = kernel(kernel_exe, cli_env, "run", "-q", "--", "seq", "1", "2000")
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout == ""
+        assert proc.stderr.startswith("kernel: run ") and " ok after " in proc.stderr
+
+    def test_summary_carries_the_short_id(self, kernel_exe: str,
+                                          cli_env: dict[str, str]) -> None:
+        """Without a terminal, the summary line still names the run by its short id."""
+        proc = kernel(kernel_exe, cli_env, "run", "--json", "--", "true")
+        doc = json.loads(proc.stdout)
+        assert doc["short_id"] == doc["run_id"][20:28]
+        again = kernel(kernel_exe, cli_env, "run", "--", "sh", "-c", "exit 9")
+        assert again.returncode == 9
+        words = again.stderr.strip().splitlines()[-1].split()
+        assert words[:2] == ["kernel:", "run"] and len(words[2]) == 8
 
 
 class TestDelivery:

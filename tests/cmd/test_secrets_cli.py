@@ -291,14 +291,14 @@ class TestResume:
         refused = kernel(kernel_exe, env, "resume", run_id[:12])
         assert refused.returncode == 2
         (line,) = refused.stderr.strip().splitlines()
-        assert line == (f"kernel: run {run_id[:12]} cannot resume: its secrets are not stored; "
-                        f"give them again: kernel resume {run_id[:12]} --context api_token=...")
+        assert line == (f"kernel: run {run_id[20:28]} cannot resume: its secrets are not stored; "
+                        f"give them again: kernel resume {run_id[20:28]} --context api_token=...")
         recovered = kernel(kernel_exe, env, "recover")
         assert recovered.returncode != 0 and "--context api_token=..." in recovered.stderr
         listed = kernel(kernel_exe, env, "recover", "--list", "--json")
         assert run_id in listed.stdout  # refused, but still resumable
 
-        resumed = kernel(kernel_exe, env, "resume", run_id[:12], "--json",
+        resumed = kernel(kernel_exe, env, "resume", run_id[20:28].upper(), "--json",
                          "-c", f"api_token={secret}")
         assert resumed.returncode == 0, resumed.stderr
         assert json.loads(resumed.stdout)["status"] == "ok"

@@ -1,0 +1,73 @@
+"""One vocabulary across commands (issue 17): the same option says the same thing."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from batteries.audit import resolve_db_path
+from kernel_cli import dbopt
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+DB_COMMANDS = [["run"], ["runs"], ["show"], ["stats"], ["query"], ["purge"], ["export"],
+               ["sync"], ["recover"], ["resume"], ["actions", "run"], ["actions", "query"],
+               ["actions", "stats"], ["budget", "set"], ["budget", "show"], ["budget", "rm"]]
+
+
+def help_of(args: list[str], env: dict[str, str]) -> str:
+    code = f"from kernel_cli.app import main; main({[*args, '--help']!r})"
+    proc = subprocess.run([sys.executable, "-c", code],
+                          capture_output=True, text=True, env=env, cwd=ROOT, check=False,
+                          stdin=subprocess.DEVNULL)
+    return proc.stdout
+
+
+class TestDbOption:
+    def test_the_default_path_is_the_one_the_store_uses(self, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+        """dbopt.default_path() agrees with batteries.audit.resolve_db_path, env set or not."""
+        monkeypatch.delenv("KERNEL_DB", raising=False)
+        assert dbopt.default_path() == str(resolve_db_path(None))
+        monkeypatch.setenv("KERNEL_DB", str(tmp_path / "x.duckdb"))
+        assert dbopt.default_path() == str(resolve_db_path(None)) == str(tmp_path / "x.duckdb")
+
+    def test_every_db_option_has_one_wording_with_the_path_in_effect(
+            self, tmp_path: Path) -> None:
+        """Each command's --db help is the same text, naming the file it would use now."""
+        env = {**os.environ, "KERNEL_DB": str(tmp_path / "here.duckdb"), "COLUMNS": "400"}
+        seen = set()
+        for args in DB_COMMANDS:
+            text = help_of(args, env)
+            assert "--db PATH" in text, (args, text)
+            block = text.split("--db PATH", 1)[1]
+            block = re.split(r"\n\s*-", block, maxsplit=1)[0]  # up to the next option
+            seen.add(re.sub(r"\s+", "", block))  # wrapping differs with the column width
+        assert len(seen) == 1, seen
+        want = f"[default: {tmp_path / 'here.duckdb'}, from $KERNEL_DB]"
+        assert re.sub(r"\s+", "", want) in seen.pop()
+
+
+class TestTimeZone:
+    def test_time_columns_are_utc_whatever_tz_says(self, kernel_exe: str,
+                                                   cli_env: dict[str, str]) -> None:
+        """`kernel runs` labels STARTED (UTC) and prints UTC under TZ=Asia/Tokyo too."""
+        import json
+        from datetime import UTC, datetime
+
+        run = subprocess.run([kernel_exe, "run", "--json", "--", "true"], env=cli_env,
+                             capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                             timeout=60)
+        short = json.loads(run.stdout)["short_id"]
+        tokyo = {**cli_env, "TZ": "Asia/Tokyo"}
+        table = subprocess.run([kernel_exe, "runs"], env=tokyo, capture_output=True,
+                               text=True, stdin=subprocess.DEVNULL, timeout=60).stdout
+        header, *rows = table.splitlines()
+        assert header.split()[:3] == ["RUN", "STARTED", "(UTC)"]
+        row = next(r for r in rows if r.startswith(short))
+        shown = datetime.strptime(" ".join(row.split()[1:3]), "%Y-%m-%d %H:%M:%S")
+        assert abs((datetime.now(UTC).replace(tzinfo=None) - shown).total_seconds()) < 3600
