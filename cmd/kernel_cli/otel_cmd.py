@@ -22,8 +22,10 @@ def stored_runs(cur: Any, run_ids: Sequence[str], since: timedelta | None) -> li
     """
     from batteries.audit import queries
 
+    from . import ids as run_ids_
+
     if run_ids:
-        ids = [queries.resolve_run_id(cur, prefix) for prefix in run_ids]
+        ids = [run_ids_.resolve(cur, prefix) for prefix in run_ids]
     else:
         sql = "SELECT run_id FROM runs WHERE status IS NOT NULL"
         params: list[Any] = []
