@@ -234,11 +234,14 @@ class TestExactlyOnce:
         """Several `kernel recover` started together on interrupted runs: each run is resumed
         by exactly one of them, every remaining state runs once, seq contiguous and unique."""
         loop = tmp_path / "numbered.yaml"
-        loop.write_text(NUMBERED.format(states=8, pause="sleep 0.05; "))
+        # Half a second a state: the runs are killed one after another, and the last one
+        # (at its 4th state) must still be running when its turn comes on a loaded machine.
+        loop.write_text(NUMBERED.format(states=8, pause="sleep 0.5; "))
         markers = [tmp_path / f"marks-{i}" for i in range(4)]
         procs = [_start(kernel_exe, cli_env, loop, m, tmp_path) for m in markers]
-        for proc, marker, at in zip(procs, markers, (1, 2, 3, 4), strict=True):
-            _kill_when(proc, marker, at)
+        codes = [_kill_when(proc, marker, at)
+                 for proc, marker, at in zip(procs, markers, (1, 2, 3, 4), strict=True)]
+        assert codes == [-signal.SIGKILL] * 4, codes  # every run was interrupted
         go = tmp_path / "go"
         script = (f'while [ ! -e "{go}" ]; do sleep 0.01; done; '
                   f'exec "{kernel_exe}" recover --json')
