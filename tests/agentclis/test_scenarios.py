@@ -65,6 +65,9 @@ async def test_two_tool_calls_and_an_answer(client: str, tmp_path: Path) -> None
         assert r.usage.output_tokens == 70
     if client != "gemini":  # Gemini CLI keeps the model's thoughts off its stream
         assert "thinking" in out.agent_events()
+    if client == "codex":  # its non-fatal warning item: audited with its message, not fatal
+        (warning,) = [e for e in out.kinds("agent_event") if e.name == "warning"]
+        assert warning.payload["text"].startswith("Model metadata for `fake-model` not found")
 
 
 @pytest.mark.parametrize("client", ALL)
