@@ -256,7 +256,7 @@ def purge(
 
 def export(
     directory: str | None = typer.Argument(
-        None, metavar="[DIR]", help="Where to write the Parquet files."),
+        None, metavar="DIR", help="Where to write the Parquet files."),
     otlp: str | None = typer.Option(
         None, "--otlp", metavar="URL",
         help="Instead, send stored runs as OpenTelemetry traces (GenAI conventions) to the "

@@ -15,17 +15,17 @@ Run = tuple[dict[str, Any], list[dict[str, Any]]]
 
 
 def stored_runs(cur: Any, run_ids: Sequence[str], since: timedelta | None) -> list[Run]:
-    """The finished runs asked for (ids or unique prefixes; none: all, or those `since` ago).
+    """The finished runs asked for (short ids, prefixes or `last`; none: all, or `since` ago).
 
     Raises:
         ConfigError: An unknown or ambiguous run id.
     """
     from batteries.audit import queries
 
-    from . import ids as run_ids_
+    from .ids import resolve
 
     if run_ids:
-        ids = [run_ids_.resolve(cur, prefix) for prefix in run_ids]
+        ids = [resolve(cur, text) for text in run_ids]
     else:
         sql = "SELECT run_id FROM runs WHERE status IS NOT NULL"
         params: list[Any] = []

@@ -109,6 +109,11 @@ class TestTimelineHTML:
         assert not re.search(r"<(link|img|iframe)\b|\bsrc=|@import|url\(", html)
         # the only URLs are SVG's namespace name, which is never fetched
         assert set(re.findall(r"https?://[^\"' ]+", html)) <= {"http://www.w3.org/2000/svg"}
+        proc = subprocess.run([kernel_exe, "show", run_id, "--db", str(db), "--html",
+                               str(tmp_path / "missing" / "t.html")],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+        assert "--html: cannot write" in proc.stderr
 
     def test_chromium_renders_the_killed_loop(self, killed_loop: tuple[str, Path],
                                               kernel_exe: str, tmp_path: Path) -> None:
