@@ -41,6 +41,7 @@ from .store import (
     ClaimRun,
     FinishRun,
     Journal,
+    LoseRun,
     Owner,
     RegisterRun,
     ReleaseRun,
@@ -137,6 +138,21 @@ class JournalCheckpointer:
     def mark_failed(self, run_id: str, error: str) -> None:
         """Give up on a run (e.g. its agent cannot resume)."""
         self.store.commit(None, [FinishRun(run_id, "failed", self.redactor.text(error))])
+
+    def mark_lost(self, saved: SavedRun, why: str) -> None:
+        """Give up on a run whose supervisor is gone: checkpoint failed, run row `lost`.
+
+        One transaction. A run killed before its first audit write gets a
+        row made from its spec's RunInfo, so `kernel runs` shows it.
+        """
+        why = self.redactor.text(why)
+        info = saved.spec.get("info") if isinstance(saved.spec, dict) else None
+        started = saved.updated_at
+        self.store.commit(None, [
+            FinishRun(saved.run_id, "failed", f"not resumable: {why}"),
+            LoseRun(saved.run_id, f"supervisor gone, not resumable: {why}",
+                    info if isinstance(info, dict) else None,
+                    None if started is None else int(started.timestamp() * 1e6))])
 
 
 #: The checkpointer's former name (it lived in the DuckDB file); kept for hosts.

@@ -16,7 +16,6 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -113,34 +112,6 @@ def process_groups(cur: Any, run_id: str) -> list[dict[str, Any]]:
         if isinstance(doc, dict) and doc.get("pgid") is not None:
             found.append(doc)
     return found
-
-
-def mark_lost(cur: duckdb.DuckDBPyConnection, run_id: str, why: str, *,
-              info: Mapping[str, Any] | None = None, started_at: datetime | None = None) -> bool:
-    """Close a still-open run row as `lost` (its supervisor is gone and it cannot resume).
-
-    A run killed before its first audit write has no row yet: with `info`
-    (the run spec's RunInfo fields) one is created, so `kernel runs` shows it.
-    Needs a write session. Returns False if the row was already closed.
-    """
-    lost = Status.LOST
-    values = [str(lost), lost.exit_code, str(lost), why]
-    closed = cur.execute(
-        "UPDATE runs SET status = ?, ended_at = now(), exit_code = ?, reason = ?, error = ? "
-        "WHERE run_id = ? AND status IS NULL RETURNING run_id", [*values, run_id]).fetchall()
-    if closed:
-        return True
-    if info is None or cur.execute("SELECT 1 FROM runs WHERE run_id = ?", [run_id]).fetchall():
-        return False
-    cur.execute(
-        "INSERT INTO runs (run_id, parent_run_id, subject_id, name, caller_id, channel_id, "
-        "inputs, started_at, ended_at, status, exit_code, reason, error) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, now(), ?, ?, ?, ?)",
-        [run_id, info.get("parent_run_id"), info.get("subject_id"), info.get("name"),
-         info.get("caller_id"), info.get("channel_id"),
-         json.dumps(info.get("inputs") or {}, default=str),
-         started_at or datetime.now(UTC), *values])
-    return True
 
 
 def _where(since: timedelta | None, column: str) -> tuple[list[str], list[Any]]:

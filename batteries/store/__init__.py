@@ -20,6 +20,7 @@ from ._types import Batch as Batch
 from ._types import CallerBudget as CallerBudget
 from ._types import ClaimRun as ClaimRun
 from ._types import FinishRun as FinishRun
+from ._types import LoseRun as LoseRun
 from ._types import Op as Op
 from ._types import Owner as Owner
 from ._types import RegisterRun as RegisterRun
@@ -42,6 +43,7 @@ __all__ = [
     "ClaimRun",
     "FinishRun",
     "Journal",
+    "LoseRun",
     "Op",
     "Owner",
     "RegisterRun",

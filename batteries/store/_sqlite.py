@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kernel import Checkpoint, ConfigError, Usage
+from kernel import Checkpoint, ConfigError, Status, Usage
 
 from ._files import private_dir, private_file
 from ._types import (
@@ -50,6 +50,7 @@ from ._types import (
     CallerBudget,
     ClaimRun,
     FinishRun,
+    LoseRun,
     Op,
     Owner,
     RegisterRun,
@@ -524,6 +525,8 @@ class SQLiteStore:
                         (op.runtime_seconds, op.tokens, op.cost_usd, self._rev(con, rev),
                          op.reservation_id))
             return None
+        if isinstance(op, LoseRun):
+            return self._lose(con, op, rev)
         if isinstance(op, ClaimRun):
             return self._claim(con, op, rev)
         if isinstance(op, ReleaseRun):
@@ -579,6 +582,29 @@ class SQLiteStore:
             (cp.run_id, _text(_dumps(op.spec)), state, cp.steps, cp.tool_calls,
              u.input_tokens, u.output_tokens, u.thinking_tokens, u.cost_usd, o.host, o.pid,
              o.started, now, now, now, self._rev(con, rev)))
+        return True
+
+    def _lose(self, con: sqlite3.Connection, op: LoseRun, rev: list[int]) -> bool:
+        lost = Status.LOST
+        values = (str(lost), lost.exit_code, str(lost), _text(op.why))
+        now = now_us()
+        cur = con.execute("UPDATE runs SET status = ?, exit_code = ?, reason = ?, error = ?, "
+                          "ended_at = ?, rev = ? WHERE run_id = ? AND status IS NULL",
+                          (*values, now, self._rev(con, rev), op.run_id))
+        if cur.rowcount:
+            return True
+        info = op.info
+        if info is None or con.execute("SELECT 1 FROM runs WHERE run_id = ?",
+                                       (op.run_id,)).fetchone():
+            return False
+        con.execute(
+            "INSERT INTO runs (run_id, parent_run_id, subject_id, name, caller_id, channel_id, "
+            "inputs, started_at, ended_at, status, exit_code, reason, error, rev) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (op.run_id, info.get("parent_run_id"), info.get("subject_id"), info.get("name"),
+             info.get("caller_id"), info.get("channel_id"),
+             _text(_dumps(info.get("inputs") or {})), op.started_us or now, now, *values,
+             self._rev(con, rev)))
         return True
 
     def _claim(self, con: sqlite3.Connection, op: ClaimRun, rev: list[int]) -> bool:

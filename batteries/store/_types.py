@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import os
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -175,6 +176,21 @@ class FinishRun:
 
 
 @dataclass(slots=True, frozen=True)
+class LoseRun:
+    """Close a run whose supervisor is gone and that cannot resume: status `lost`.
+
+    Closes the run's open row; a run killed before its first audit write has
+    no row, and one is made from `info` (the run spec's RunInfo fields) so
+    that `kernel runs` shows it. Returns True if a row was closed or made.
+    """
+
+    run_id: str
+    why: str
+    info: Mapping[str, Any] | None = None
+    started_us: int | None = None
+
+
+@dataclass(slots=True, frozen=True)
 class ClaimRun:
     """Take over an interrupted run for recovery: True if the lease is now `owner`'s.
 
@@ -234,8 +250,8 @@ class RemoveBudget:
     caller_id: str
 
 
-Op = (RegisterRun | SaveCheckpoint | FinishRun | ClaimRun | ReleaseRun | ReserveBudget
-      | SettleBudget | SetBudget | RemoveBudget)
+Op = (RegisterRun | SaveCheckpoint | FinishRun | LoseRun | ClaimRun | ReleaseRun
+      | ReserveBudget | SettleBudget | SetBudget | RemoveBudget)
 
 
 # -------------------------------------------------------------------- rows

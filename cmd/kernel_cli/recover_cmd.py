@@ -293,16 +293,13 @@ def _resume_one(saved: Any, *, db: str | None, json_out: bool, given: _Given) ->
 
 
 def _lose(saved: Any, why: str, *, db: str | None) -> int:
-    """Close a run that cannot resume: checkpoint failed, audit row `lost`; returns 1."""
-    from batteries.audit import Store, queries, resolve_db_path
+    """Close a run that cannot resume: checkpoint failed, run row `lost` (one journal
+    transaction; the analysts' file follows at its next sync); returns 1."""
     from kernel import AuditError, Status
 
     run_id = saved.run_id
-    _checkpointer(db).mark_failed(run_id, f"not resumable: {why}")
     try:
-        with Store(resolve_db_path(db)).session(write=True) as cur:
-            queries.mark_lost(cur, run_id, f"supervisor gone, not resumable: {why}",
-                              info=saved.spec.get("info"), started_at=_utc(saved.updated_at))
+        _checkpointer(db).mark_lost(saved, why)
     except AuditError as exc:
         print(f"kernel: warning: run {ids.short_id(run_id)}: cannot mark it lost: {exc}",
               file=sys.stderr)
@@ -349,12 +346,3 @@ def _stop_leftovers(run_id: str, *, db: str | None, wait: float = 10.0) -> None:
         time.sleep(0.02)
     print(f"kernel: run {ids.short_id(run_id)}: stopped {stopped} process(es) it left running",
           file=sys.stderr)
-
-
-def _utc(when: Any) -> Any:
-    """The checkpointer keeps naive UTC timestamps; the audit wants aware ones."""
-    import datetime as dt
-
-    if isinstance(when, dt.datetime) and when.tzinfo is None:
-        return when.replace(tzinfo=dt.UTC)
-    return when
