@@ -185,6 +185,71 @@ class TestShow:
         one_line_error(*kernel("show", prefix), 2, fragment)
 
 
+class TestShowReadable:
+    """`kernel show` an analyst can read (issue 17): filters, limits, the exit code."""
+
+    def test_kind_filters_the_timeline(self, db: Path) -> None:
+        """--kind keeps only those kinds (repeatable or comma-separated), in JSON too."""
+        code, out, _ = kernel("show", "abc1", "--kind", "tool_end")
+        rows = out.split("SUMMARY", 1)[1].strip().splitlines()
+        assert code == 0 and [r.split()[2] for r in rows] == ["tool_end"] * 5
+        code, out, _ = kernel("show", "abc1", "--kind", "step,run_end", "--kind", "tool_start",
+                              "--json")
+        assert [e["kind"] for e in json.loads(out)["events"]] == ["tool_start", "step",
+                                                                  "run_end"]
+
+    def test_limit_shows_the_first_events_and_says_how_many_are_left(self, db: Path) -> None:
+        """--limit 3 prints three events and a note naming the six left out."""
+        code, out, _ = kernel("show", "abc1", "--limit", "3")
+        body = out.split("SUMMARY", 1)[1].strip().splitlines()
+        assert code == 0 and len(body) == 4
+        assert body[-1].startswith("(6 more event(s) not shown: --limit 0 shows all")
+        assert "more event" not in kernel("show", "abc1", "--limit", "0")[1]
+
+    def test_a_killed_commands_exit_code_is_in_the_header(self, tmp_path: Path) -> None:
+        """A run killed mid-command shows the command's exit code from its process_exit."""
+        path = tmp_path / "killed.duckdb"
+        rid = "f" * 20 + "b0b0b0b0b0b0"
+
+        async def populate() -> None:
+            async with DuckDBAudit.open(path) as audit:
+                rec = await audit.start_run(RunInfo(name="sleep 30", run_id=rid))
+                rec.log_event("process_start", name="sleep", payload={"pid": 1})
+                rec.log_event("process_exit", name="sleep", payload={"exit_code": 143})
+                await rec.close(RunStats(Status.KILLED, reason="stalled", runtime_seconds=1.0))
+
+        trio.run(populate)
+        code, out, err = kernel("show", "b0b0b0b0", "--db", str(path))
+        assert code == 0, err
+        assert "status   killed (exit 143)" in out
+
+    def test_lines_fit_the_terminal(self, kernel_exe: str, cli_env: dict[str, str]) -> None:
+        """On a terminal 60 columns wide, no line of `kernel show` is longer than 60."""
+        import os
+        import pty
+
+        subprocess.run([kernel_exe, "run", "--", "sh", "-c", "echo " + "x" * 200],
+                       env=cli_env, capture_output=True, stdin=subprocess.DEVNULL, timeout=60)
+        master, slave = pty.openpty()
+        proc = subprocess.Popen([kernel_exe, "show", "last"], stdout=slave, stderr=slave,
+                                stdin=subprocess.DEVNULL, env={**cli_env, "COLUMNS": "60"})
+        os.close(slave)
+        seen = b""
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            seen += chunk
+        os.close(master)
+        assert proc.wait(timeout=60) == 0
+        lines = seen.decode().replace("\r", "").splitlines()
+        assert any("xxxxxxxx" in ln for ln in lines)
+        assert max(len(ln) for ln in lines) <= 60
+
+
 class TestShortIds:
     """Ids a person can type: the random end of the id, resolved the same everywhere."""
 
