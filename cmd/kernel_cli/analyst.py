@@ -73,6 +73,8 @@ def runs(
     """List recent runs, newest first (RUN is the short id `kernel show` takes)."""
     from batteries.audit import queries
 
+    if status is not None and status not in queries.STATUS_CHOICES:
+        _fail(f"--status must be one of {', '.join(queries.STATUS_CHOICES)}, got {status!r}", 2)
     if _nothing_yet(db, quiet=ids_only or json_out):
         return
     with _errors(), _reader(db) as cur:
@@ -430,7 +432,9 @@ def _errors() -> Iterator[None]:
 
 
 def _fail(message: str, code: int) -> NoReturn:
-    print(f"kernel: error: {_one_line(message)}", file=sys.stderr)
+    from .dberrors import error_prefix
+
+    print(f"{error_prefix()} {_one_line(message)}", file=sys.stderr)
     raise typer.Exit(code)
 
 

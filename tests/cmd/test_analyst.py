@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 import sqlite3
 import subprocess
 import sys
@@ -86,7 +87,7 @@ def one_line_error(code: int, out: str, err: str, want_code: int, *fragments: st
     assert out == ""
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
-    assert lines[0].startswith("kernel: error: ")
+    assert re.match(r"kernel [a-z]+: error: ", lines[0]), lines[0]  # `kernel <cmd>: error:`
     for f in fragments:
         assert f in lines[0], lines[0]
 
@@ -473,7 +474,7 @@ class TestInstalledExecutable:
         assert proc.returncode == 2
         assert proc.stdout == ""
         assert proc.stderr.splitlines() == [
-            "kernel: error: query is read-only: DELETE statements are refused"]
+            "kernel query: error: query is read-only: DELETE statements are refused"]
         with Store(db).reader() as cur:
             assert cur.execute("SELECT count(*) FROM runs").fetchall() == [(5,)]
 
@@ -512,7 +513,7 @@ class TestInstalledExecutable:
         out, err = waiting.communicate(timeout=60)
         assert gave_up.returncode == 1
         assert gave_up.stderr.splitlines() == [
-            f"kernel: error: audit database {db} is locked by another process "
+            f"kernel runs: error: audit database {db} is locked by another process "
             "(gave up after 0.2s)"]
         assert waiting.returncode == 0, err
         assert len(json.loads(out)) == 5
