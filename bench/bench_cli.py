@@ -1,6 +1,6 @@
 """Whole-process wall time of everyday `kernel` commands, against `python -c pass`.
 
-    python bench/bench_cli.py [--runs N] [--only NAME ...]
+    python bench/bench_cli.py [--runs N] [--only NAME ...] [--baseline KERNEL]
 
 Each case is the installed `kernel` executable started afresh (as a user's
 shell starts it), timed from spawn to exit; the cases are run round-robin,
@@ -8,8 +8,10 @@ N times each (default 21), so load on the shared machine hits them alike.
 The median wall time is reported with the median CPU time (user + system,
 which load on the shared machine disturbs less), beside the baseline
 `python -c pass` (the same interpreter, measured in the same rounds) and
-the issue 17 target. The
-audit database is a fresh one in a temporary $HOME holding a few runs.
+the issue 17 target. With `--baseline KERNEL` (another
+`kernel` executable, e.g. one installed from main in its own venv), every
+kernel case is also run with it, in the same rounds. The audit database is
+a fresh one in a temporary $HOME holding a few runs.
 Bytecode is written as on a user's machine (PYTHONDONTWRITEBYTECODE unset).
 """
 
@@ -43,16 +45,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=21, help="runs of each case (>= 20)")
     parser.add_argument("--only", nargs="*", help="case names to run (and the baseline)")
+    parser.add_argument("--baseline", metavar="KERNEL",
+                        help="another kernel executable to time the same cases with")
     ns = parser.parse_args()
     cases = {k: v for k, v in CASES.items()
              if not ns.only or k == "python -c pass" or k in ns.only}
+    if ns.baseline:
+        for name, (argv, _target, code) in list(cases.items()):
+            if argv[0] == KERNEL:
+                cases[f"baseline: {name}"] = ([ns.baseline, *argv[1:]], None, code)
     with tempfile.TemporaryDirectory() as home:
         env = {k: v for k, v in os.environ.items()
                if k not in ("PYTHONDONTWRITEBYTECODE", "KERNEL_DB")}
         env.update(HOME=home, XDG_DATA_HOME=str(Path(home) / "data"))
-        for _ in range(3):  # a database with a few runs; bytecode compiled once
-            subprocess.run([KERNEL, "run", "--", "true"], env=env, capture_output=True,
-                           check=True, stdin=subprocess.DEVNULL)
+        for exe in (KERNEL, ns.baseline or KERNEL):  # a few runs; bytecode compiled once
+            for _ in range(2):
+                subprocess.run([exe, "run", "--", "true"], env=env, capture_output=True,
+                               check=True, stdin=subprocess.DEVNULL)
         times: dict[str, list[float]] = {k: [] for k in cases}
         cpu: dict[str, list[float]] = {k: [] for k in cases}
         for _ in range(ns.runs):

@@ -73,6 +73,8 @@ def runs(
     """List recent runs, newest first (RUN is the short id `kernel show` takes)."""
     from batteries.audit import queries
 
+    if status is not None and status not in queries.STATUS_CHOICES:
+        _fail(f"--status must be one of {', '.join(queries.STATUS_CHOICES)}, got {status!r}", 2)
     if _nothing_yet(db, quiet=ids_only or json_out):
         return
     with _errors(), _reader(db) as cur:
@@ -102,6 +104,14 @@ def show(
         help="The run's short id (as `kernel runs` prints it), a full id or any unique "
              "prefix of one, or 'last'."),
     last: bool = typer.Option(False, "--last", "-l", help="Show the newest run."),
+    kind: list[str] | None = typer.Option(
+        None, "--kind", metavar="KIND",
+        help="Only events of this kind (repeatable, or comma-separated: "
+             "--kind tool_end,critic)."),
+    limit: int = typer.Option(
+        200, "--limit", metavar="N", parser=numbers.count(),
+        help="At most N events, the first ones (0 = all); a note says how many were left "
+             "out."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a timeline."),
     html: str | None = typer.Option(
         None, "--html", metavar="FILE",
@@ -109,7 +119,10 @@ def show(
              "(states, steps, tool calls, output rate, critic nudges and kill, usage)."),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
 ) -> None:
-    """Show one run and its timeline: seq, +ms, kind, name, duration, summary."""
+    """Show one run and its timeline: seq, +ms, kind, name, duration, summary.
+
+    On a terminal, lines are cut to its width.
+    """
     from batteries.audit import queries
 
     from . import ids
@@ -123,6 +136,18 @@ def show(
         run, events = queries.timeline(cur, full)
     if html is not None:
         _write_html(html, run, events)
+    if run.get("exit_code") is None:  # killed or timed out: the command's own end, if seen
+        ends = [e for e in events if e["kind"] == "process_exit"
+                and isinstance(e.get("payload"), dict)
+                and e["payload"].get("exit_code") is not None]
+        if ends:
+            run["exit_code"] = ends[-1]["payload"]["exit_code"]
+    kinds = {k.strip() for spec in kind or [] for k in spec.split(",") if k.strip()}
+    if kinds:
+        events = [e for e in events if e["kind"] in kinds]
+    total = len(events)
+    if limit:
+        events = events[:limit]
     if json_out:
         run["short_id"] = short_id(run["run_id"])
         _print_json({"run": run, "events": events})
@@ -144,13 +169,16 @@ def show(
     sentence = queries.critic_sentence(events)
     if sentence:
         lines.append(f"critic   {sentence}")
-    print("\n".join(lines))
-    print()
-    print(_table(
+    table = _table(
         ("SEQ", "+MS", "KIND", "NAME", "DURATION", "SUMMARY"),
         [(e["seq"], f"{e['offset_ms']:.0f}", e["kind"], _cell(e["name"]),
           _ms(e["duration_ms"]), e["summary"]) for e in events],
-        right=(0, 1, 4)))
+        right=(0, 1, 4))
+    text = "\n".join(lines) + "\n\n" + table
+    if total > len(events):
+        text += (f"\n({total - len(events)} more event(s) not shown: --limit 0 shows all, "
+                 f"--kind picks some)")
+    print(_fit(text) if sys.stdout.isatty() else text)
 
 
 def stats(
@@ -340,6 +368,15 @@ def _sync(db: str | None) -> Any:
     return sync(resolve_db_path(db))
 
 
+def _fit(text: str) -> str:
+    """Each line cut to the terminal's width (with an ellipsis), for reading, not piping."""
+    import shutil
+
+    width = max(shutil.get_terminal_size().columns, 40)
+    return "\n".join(line if len(line) <= width else line[:width - 1] + "…"
+                     for line in text.splitlines())
+
+
 def _db_path(db: str | None) -> Any:
     from batteries.audit import resolve_db_path
 
@@ -395,7 +432,9 @@ def _errors() -> Iterator[None]:
 
 
 def _fail(message: str, code: int) -> NoReturn:
-    print(f"kernel: error: {_one_line(message)}", file=sys.stderr)
+    from .dberrors import error_prefix
+
+    print(f"{error_prefix()} {_one_line(message)}", file=sys.stderr)
     raise typer.Exit(code)
 
 

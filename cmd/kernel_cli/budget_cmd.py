@@ -9,6 +9,7 @@ from typing import Any
 import typer
 
 from . import numbers
+from .dberrors import error_prefix
 from .dbopt import DB_HELP
 
 budget_app = typer.Typer(
@@ -31,7 +32,7 @@ def _store(db: str | None) -> Any:
 
 
 def _fail(message: str) -> None:
-    print(f"kernel budget: error: {message}", file=sys.stderr)
+    print(f"{error_prefix()} {message}", file=sys.stderr)
     raise typer.Exit(2)
 
 

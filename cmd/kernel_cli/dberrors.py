@@ -3,7 +3,7 @@
 A file that opens but has a corrupt block makes DuckDB (or SQLite) raise its
 own error in the middle of a query. The commands that read the store wrap
 themselves with `database_errors` (or the `guard_database` decorator) so that
-error becomes `kernel: error: audit database is damaged or unreadable: ...`
+error becomes `kernel <cmd>: error: audit database is damaged or unreadable: ...`
 on stderr and exit status 2, like any other bad input.
 """
 
@@ -21,6 +21,16 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 #: Exit status for a damaged or unreadable database.
 EXIT_DAMAGED = 2
+
+
+def error_prefix() -> str:
+    """`kernel <command>: error:`, the one prefix every command's error line starts with."""
+    try:
+        from typer._click.globals import get_current_context
+
+        return f"{get_current_context().command_path}: error:"
+    except Exception:  # no command running (or typer's internals moved): the program name
+        return "kernel: error:"
 
 
 def is_database_error(exc: BaseException) -> bool:
@@ -46,7 +56,7 @@ def database_errors() -> Iterator[None]:
     except Exception as exc:
         if not is_database_error(exc):
             raise
-        print(f"kernel: error: audit database is damaged or unreadable: {_first_line(exc)}",
+        print(f"{error_prefix()} audit database is damaged or unreadable: {_first_line(exc)}",
               file=sys.stderr)
         raise typer.Exit(EXIT_DAMAGED) from None
 

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 
 from . import ids
-from .dberrors import guard_database
+from .dberrors import error_prefix, guard_database
 from .run_cmd import (
     REDACT_HELP,
     _execute,
@@ -64,7 +64,7 @@ def _checkpointer(db: str | None) -> Any:
 
 
 def _fail(message: str) -> None:
-    print(f"kernel: error: {message}", file=sys.stderr)
+    print(f"{error_prefix()} {message}", file=sys.stderr)
     raise typer.Exit(2)
 
 
@@ -248,7 +248,7 @@ def _resume_one(saved: Any, *, db: str | None, json_out: bool, given: _Given) ->
         try:
             restored, why, final = restore_secrets(saved.spec, given, short)
         except ConfigError as exc:
-            print(f"kernel: error: {exc}", file=sys.stderr)
+            print(f"{error_prefix()} {exc}", file=sys.stderr)
             return 2
         if restored is None:
             if final:
@@ -282,7 +282,7 @@ def _resume_one(saved: Any, *, db: str | None, json_out: bool, given: _Given) ->
     try:
         redactor = make_redactor(dict(agent_spec.get("context") or {}), given.redact)
     except ConfigError as exc:
-        print(f"kernel: error: {exc}", file=sys.stderr)
+        print(f"{error_prefix()} {exc}", file=sys.stderr)
         return 2
     print(f"kernel: resuming run {short} from step {saved.checkpoint.steps}", file=sys.stderr)
     result = trio.run(partial(_execute, plan.agent, info, limits, opts, spec=spec,

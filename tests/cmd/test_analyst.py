@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 import sqlite3
 import subprocess
 import sys
@@ -86,7 +87,7 @@ def one_line_error(code: int, out: str, err: str, want_code: int, *fragments: st
     assert out == ""
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
-    assert lines[0].startswith("kernel: error: ")
+    assert re.match(r"kernel [a-z]+: error: ", lines[0]), lines[0]  # `kernel <cmd>: error:`
     for f in fragments:
         assert f in lines[0], lines[0]
 
@@ -183,6 +184,71 @@ class TestShow:
                                              fragment: str) -> None:
         """Ambiguous, unknown and malformed ids: one error line, exit code 2."""
         one_line_error(*kernel("show", prefix), 2, fragment)
+
+
+class TestShowReadable:
+    """`kernel show` an analyst can read (issue 17): filters, limits, the exit code."""
+
+    def test_kind_filters_the_timeline(self, db: Path) -> None:
+        """--kind keeps only those kinds (repeatable or comma-separated), in JSON too."""
+        code, out, _ = kernel("show", "abc1", "--kind", "tool_end")
+        rows = out.split("SUMMARY", 1)[1].strip().splitlines()
+        assert code == 0 and [r.split()[2] for r in rows] == ["tool_end"] * 5
+        code, out, _ = kernel("show", "abc1", "--kind", "step,run_end", "--kind", "tool_start",
+                              "--json")
+        assert [e["kind"] for e in json.loads(out)["events"]] == ["tool_start", "step",
+                                                                  "run_end"]
+
+    def test_limit_shows_the_first_events_and_says_how_many_are_left(self, db: Path) -> None:
+        """--limit 3 prints three events and a note naming the six left out."""
+        code, out, _ = kernel("show", "abc1", "--limit", "3")
+        body = out.split("SUMMARY", 1)[1].strip().splitlines()
+        assert code == 0 and len(body) == 4
+        assert body[-1].startswith("(6 more event(s) not shown: --limit 0 shows all")
+        assert "more event" not in kernel("show", "abc1", "--limit", "0")[1]
+
+    def test_a_killed_commands_exit_code_is_in_the_header(self, tmp_path: Path) -> None:
+        """A run killed mid-command shows the command's exit code from its process_exit."""
+        path = tmp_path / "killed.duckdb"
+        rid = "f" * 20 + "b0b0b0b0b0b0"
+
+        async def populate() -> None:
+            async with DuckDBAudit.open(path) as audit:
+                rec = await audit.start_run(RunInfo(name="sleep 30", run_id=rid))
+                rec.log_event("process_start", name="sleep", payload={"pid": 1})
+                rec.log_event("process_exit", name="sleep", payload={"exit_code": 143})
+                await rec.close(RunStats(Status.KILLED, reason="stalled", runtime_seconds=1.0))
+
+        trio.run(populate)
+        code, out, err = kernel("show", "b0b0b0b0", "--db", str(path))
+        assert code == 0, err
+        assert "status   killed (exit 143)" in out
+
+    def test_lines_fit_the_terminal(self, kernel_exe: str, cli_env: dict[str, str]) -> None:
+        """On a terminal 60 columns wide, no line of `kernel show` is longer than 60."""
+        import os
+        import pty
+
+        subprocess.run([kernel_exe, "run", "--", "sh", "-c", "echo " + "x" * 200],
+                       env=cli_env, capture_output=True, stdin=subprocess.DEVNULL, timeout=60)
+        master, slave = pty.openpty()
+        proc = subprocess.Popen([kernel_exe, "show", "last"], stdout=slave, stderr=slave,
+                                stdin=subprocess.DEVNULL, env={**cli_env, "COLUMNS": "60"})
+        os.close(slave)
+        seen = b""
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            seen += chunk
+        os.close(master)
+        assert proc.wait(timeout=60) == 0
+        lines = seen.decode().replace("\r", "").splitlines()
+        assert any("xxxxxxxx" in ln for ln in lines)
+        assert max(len(ln) for ln in lines) <= 60
 
 
 class TestShortIds:
@@ -408,7 +474,7 @@ class TestInstalledExecutable:
         assert proc.returncode == 2
         assert proc.stdout == ""
         assert proc.stderr.splitlines() == [
-            "kernel: error: query is read-only: DELETE statements are refused"]
+            "kernel query: error: query is read-only: DELETE statements are refused"]
         with Store(db).reader() as cur:
             assert cur.execute("SELECT count(*) FROM runs").fetchall() == [(5,)]
 
@@ -447,7 +513,7 @@ class TestInstalledExecutable:
         out, err = waiting.communicate(timeout=60)
         assert gave_up.returncode == 1
         assert gave_up.stderr.splitlines() == [
-            f"kernel: error: audit database {db} is locked by another process "
+            f"kernel runs: error: audit database {db} is locked by another process "
             "(gave up after 0.2s)"]
         assert waiting.returncode == 0, err
         assert len(json.loads(out)) == 5

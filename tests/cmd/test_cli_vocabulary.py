@@ -71,3 +71,26 @@ class TestTimeZone:
         row = next(r for r in rows if r.startswith(short))
         shown = datetime.strptime(" ".join(row.split()[1:3]), "%Y-%m-%d %H:%M:%S")
         assert abs((datetime.now(UTC).replace(tzinfo=None) - shown).total_seconds()) < 3600
+
+
+class TestErrorFormat:
+    @pytest.mark.parametrize(("args", "prefix"), [
+        (["run", "--context", "novalue", "--", "true"], "kernel run: error: "),
+        (["run", "--timeout", "soon", "--", "true"], "kernel run: error: "),
+        (["show", "zz-not-hex"], "kernel show: error: "),
+        (["runs", "--status", "great"], "kernel runs: error: "),
+        (["query", "DELETE FROM runs"], "kernel query: error: "),
+        (["resume", "ffff"], "kernel resume: error: "),
+        (["budget", "set", "ci", "--runs", "-1"], "kernel budget set: error: "),
+        (["actions", "query", "--outcome", "meh"], "kernel actions query: error: "),
+        (["purge", "--days", "x"], "kernel purge: error: "),
+    ])
+    def test_every_command_says_kernel_cmd_error(self, kernel_exe: str,
+                                                 cli_env: dict[str, str], args: list[str],
+                                                 prefix: str) -> None:
+        """Bad input to any command is one line `kernel <cmd>: error: ...` and exit 2."""
+        proc = subprocess.run([kernel_exe, *args], env=cli_env, capture_output=True,
+                              text=True, stdin=subprocess.DEVNULL, timeout=60)
+        assert proc.returncode == 2, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(prefix), proc.stderr

@@ -85,7 +85,7 @@ def _one_line_exit_2(args: list[str]) -> str:
     lines = result.stderr.strip().splitlines()
     assert result.exit_code == 2, (args, result.exit_code, result.stderr[-2000:])
     assert len(lines) == 1, result.stderr[-2000:]
-    assert lines[0].startswith("kernel: error: "), lines[0]
+    assert lines[0].startswith(f"kernel {args[0]}: error: "), lines[0]
     return lines[0]
 
 

@@ -175,7 +175,7 @@ def test_every_write_attempt_is_refused_and_nothing_changes(
         result = runner.invoke(app, ["query", sql], catch_exceptions=False)
         lines = result.stderr.strip().splitlines()
         if (result.exit_code != 2 or result.stdout != "" or len(lines) != 1
-                or not lines[0].startswith("kernel: error: ")):
+                or not lines[0].startswith("kernel query: error: ")):
             wrong.append((sql, result.exit_code, result.stdout[:200], result.stderr[:300]))
     assert wrong == []
     assert _snapshot(tmp_path) == before
@@ -211,6 +211,6 @@ def test_the_issue_reproduction_through_the_installed_cli(
         assert proc.returncode == 2, proc.stderr
         assert proc.stdout == ""
         assert len(proc.stderr.splitlines()) == 1, proc.stderr
-        assert proc.stderr.startswith("kernel: error: ")
+        assert proc.stderr.startswith("kernel query: error: ")
     assert _snapshot(audit_db.parent) == before
     assert not (tmp_path / "run.sh").exists()

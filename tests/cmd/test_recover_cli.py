@@ -128,7 +128,7 @@ class TestRecover:
                               env=cli_env, timeout=60)
         assert proc.returncode == 2
         assert proc.stderr.strip().splitlines() == [
-            "kernel: error: no run 'ffff' with a checkpoint"]
+            "kernel resume: error: no run 'ffff' with a checkpoint"]
 
 
 
