@@ -940,7 +940,7 @@ class LoopAgent:
                   "elapsed": _duration(elapsed), "started_at": self._started_iso,
                   "dir": str(path.parent) if path else os.getcwd(),
                   "file": str(path) if path else "", "run_id": ctx.run_id},
-            env={**os.environ, **self.env})
+            env={**os.environ, **self.env}, dry=self._sim is not None)
         if st.fragment is not None and (st.with_ or st.fragment_params):
             given = {k: self._param(v, ns) for k, v in st.with_.items()}
             try:

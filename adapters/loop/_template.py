@@ -9,6 +9,10 @@ Syntax::
     ${context.file:shell}         `:shell`: the value shell-quoted (little-loops);
                                   in a shell action, one word wherever words are read
     $${HOME}                      a literal `${HOME}` (for the shell)
+    ${loop.started_at:0:19}       bash's own operators (`:N`, `:N:M`, `:-`, `:=`,
+                                  `:+`, `:?`) are not applied to loop variables, as
+                                  in little-loops: reaching one ends the run error
+                                  (a dry run shows a stand-in; validate warns)
 
 Namespaces: context, captured (NAME.output|stderr|exit_code|duration_ms),
 prev (output|stderr|exit_code|duration_ms|state), result (verdict|details.*),
@@ -61,6 +65,12 @@ PREV_FIELDS = (*CAPTURE_FIELDS, "state")
 
 ENV_PREFIX = "KLOOP_"
 
+#: Why a bash operator after a loop variable has no value (little-loops:
+#: generalized-fsm-loop.md, "Resolution Rules", BUG-2346).
+BASH_OP_WHY = ("'{op}' is bash syntax, which loop variables do not take (as in "
+               "little-loops); transform the value in the shell instead "
+               "(v=${{...}}; echo \"$${{v{op}}}\")")
+
 
 class TemplateError(ValueError):
     """A template is malformed (unclosed `${`, unknown namespace or modifier)."""
@@ -90,6 +100,9 @@ class Placeholder:
     optional: bool = False
     raw: bool = False
     shell: bool = False
+    #: A bash parameter operator written after the variable (`:0:19`, `:-x`):
+    #: not applied, as in little-loops; looking the value up raises TemplateError.
+    bash_op: str | None = None
 
     @property
     def name(self) -> str:
@@ -132,11 +145,19 @@ def parse(template: str) -> list[Segment]:
     return out
 
 
+#: What follows `${name:` when it is bash's own operator: substring
+#: (`:0:19`, `:3`) or a default/assign/alternate/error form (`:-`, `:=`, `:+`, `:?`).
+_BASH_OP = re.compile(r"-?[0-9]+(?::-?[0-9]+)?|[-=+?].*", re.DOTALL)
+
+
 def _placeholder(source: str) -> Placeholder:
     inner = source[2:-1]
     var, _, rest = inner.partition(":")
     default: str | None = None
     raw = shell = False
+    bash_op: str | None = None
+    if _BASH_OP.fullmatch(rest):
+        bash_op, rest = ":" + rest, ""
     while rest:
         if rest.startswith("default="):
             default = rest[len("default="):]
@@ -165,7 +186,7 @@ def _placeholder(source: str) -> Placeholder:
     if not path or any(not part for part in path.split(".")):
         raise TemplateError(f"{source} needs a path after '{namespace}.'")
     return Placeholder(source, namespace, tuple(path.split(".")), default, optional, raw,
-                       shell)
+                       shell, bash_op)
 
 
 def placeholders(template: str) -> list[Placeholder]:
@@ -193,10 +214,21 @@ class Namespaces:
     loop: Mapping[str, Any]
     env: Mapping[str, str]
     param: Mapping[str, Any] = field(default_factory=dict)
+    #: A dry run: a placeholder that cannot have a value reads as a stand-in.
+    dry: bool = False
 
 
 def lookup(ph: Placeholder, ns: Namespaces) -> Any:
-    """The raw value of `ph` (defaults not applied). Raises `MissingVariable`."""
+    """The raw value of `ph` (defaults not applied).
+
+    Raises:
+        MissingVariable: no value.
+        TemplateError: `ph` carries a bash operator (outside a dry run).
+    """
+    if ph.bash_op is not None:
+        if ns.dry:
+            return StandIn(f"{ph.name}{ph.bash_op}")
+        raise TemplateError(f"{ph.source}: {BASH_OP_WHY.format(op=ph.bash_op)}")
     if ph.namespace == "prev" and ns.prev is None:
         raise MissingVariable(ph.name, "no state has run an action yet")
     if ph.namespace == "result" and ns.result is None:

@@ -369,6 +369,9 @@ class _Checker:
     def placeholder(self, ph: tpl.Placeholder, where: str, *, shell: bool,
                     spot: tpl.Hole) -> None:
         context = spot.kind
+        if ph.bash_op is not None:
+            self.add("warning", where, f"{ph.source}: " + tpl.BASH_OP_WHY.format(op=ph.bash_op)
+                     + "; a run that reaches it ends error")
         if ph.raw and shell:
             self.add("warning", where, f"{ph.source} is inserted unquoted (:raw): a value "
                                        "containing shell syntax will run as code")

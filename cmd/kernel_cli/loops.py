@@ -30,7 +30,8 @@ unknown initial state, evaluators missing parameters, bad ${...} templates,
 broken sub-loops, from:/import:/fragment: that cannot be resolved. Warnings
 (exit 0): unknown keys, little-loops features left out (named), unreachable
 states, raw (unquoted) shell insertion, values used in shell arithmetic,
-context variables that must come from --context.
+bash operators after a loop variable (${x:0:19}: not applied, a run reaching
+one ends error), context variables that must come from --context.
 """
 
 

@@ -723,3 +723,37 @@ class TestMcpVerdictNames:
         command = [sys.executable, "-c", f"print({reply!r})"]
         result, audit, _ = await run(spec, mcp_command=command)
         assert routes(audit, result.run_id)[0][2] == route
+
+
+class TestBashOperatorsOnLoopVariables:
+    async def test_validate_warns_dry_runs_walk_runs_end_error(self, tmp_path: Path) -> None:
+        """generalized-fsm-loop.md, Resolution Rules ("Bash default values", BUG-2346;
+        "Undefined variable": the loop terminates with error): `${loop.started_at:0:19}`
+        is not applied. The file validates with a warning at its line, a dry run walks
+        it, and a run that reaches it ends `error` before the action starts."""
+        from loop_support import write
+
+        from adapters.loop import check_loop
+
+        path = write(tmp_path, """
+            initial: stamp
+            states:
+              stamp:
+                action: 'echo "${loop.started_at:0:19}"; touch RAN'
+                next: done
+              done: {terminal: true}
+        """)
+        report = check_loop(path)
+        assert not [p for p in report.problems if p.severity == "error"]
+        (warning,) = [p for p in report.problems if "bash syntax" in p.message]
+        assert warning.line == 4
+        assert report.spec is not None
+        dry, _, _ = await run(report.spec, scenario="all-pass",
+                              limits=Limits(max_steps=10, dry_run=True))
+        assert "<loop.started_at:0:19>" in dry.output
+        assert "reached terminal state 'done'" in dry.output
+        result, _, _ = await run(report.spec, cwd=str(tmp_path))
+        assert result.status is Status.ERROR
+        assert "state 'stamp': ${loop.started_at:0:19}: ':0:19' is bash syntax" in (
+            result.error or "")
+        assert not (tmp_path / "RAN").exists()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shlex
 import subprocess
 from pathlib import Path
@@ -381,3 +383,57 @@ class TestShellModifier:
                               text=True, env={**os.environ, **cmd.env}, timeout=10)
         assert not (tmp_path / "INJECTED").exists()
         assert proc.stdout.splitlines()[0] == expected
+
+
+class TestBashOperators:
+    """`${x:0:19}`, `${x:-d}` and kin: bash's operators are not applied to loop variables
+    (little-loops, generalized-fsm-loop.md, Resolution Rules: "Bash default values",
+    BUG-2346; its interpolation module knows only `:default=`, `?` and `:shell`)."""
+
+    @pytest.mark.parametrize(("source", "op"), [
+        ("${loop.started_at:0:19}", ":0:19"), ("${context.x:3}", ":3"),
+        ("${context.x:-fallback}", ":-fallback"), ("${context.x:=v}", ":=v"),
+        ("${context.x:+set}", ":+set"), ("${context.x:?unset}", ":?unset"),
+    ])
+    def test_parsed_but_never_given_a_value(self, source: str, op: str) -> None:
+        """The operator is recognised (not a typo), and looking the value up is an error
+        naming it, in plain text and in a shell action alike."""
+        (ph,) = tpl.placeholders(source)
+        assert ph.bash_op == op
+        ns = namespaces(context={"x": EVIL})
+        with pytest.raises(tpl.TemplateError, match=re.escape(f"'{op}' is bash syntax")):
+            tpl.render(source, ns)
+        with pytest.raises(tpl.TemplateError, match=re.escape(f"'{op}' is bash syntax")):
+            tpl.render_shell(f"echo {source}", ns)
+
+    def test_a_dry_run_reads_a_stand_in(self) -> None:
+        ns = namespaces()
+        ns.dry = True
+        assert tpl.render("at ${loop.started_at:0:19}", ns) == "at <loop.started_at:0:19>"
+
+    def test_other_unknown_modifiers_stay_errors(self) -> None:
+        with pytest.raises(tpl.TemplateError, match="unknown modifier ':shel'"):
+            tpl.parse("${context.x:shel}")
+
+    @pytest.mark.realtime
+    @pytest.mark.parametrize("where", [
+        'echo "${captured.v.output:0:19}"', "echo ${captured.v.output:0:5}",
+        "cat <<'EOF'\n${captured.v.output:0:19}\nEOF", "cat <<EOF\n${captured.v.output:-x}\nEOF",
+    ])
+    async def test_a_hostile_value_never_reaches_the_shell(self, tmp_path: Path,
+                                                           where: str) -> None:
+        """A hostile captured value under a bash operator: the run ends `error` before the
+        action starts, in any quoting context (nothing is pasted, nothing runs)."""
+        spec = spec_of(tmp_path, f"""
+            initial: get
+            states:
+              get: {{action: {json.dumps(f"printf '%s' {shlex.quote(EVIL)}")}, capture: v,
+                     next: use}}
+              use: {{action: {json.dumps(where + "; touch RAN")}, next: done}}
+              done: {{terminal: true}}
+        """)
+        result, _audit, _agent = await run(spec, cwd=str(tmp_path))
+        assert result.status is Status.ERROR
+        assert "is bash syntax" in (result.error or "")
+        assert not (tmp_path / "INJECTED").exists()
+        assert not (tmp_path / "RAN").exists()
