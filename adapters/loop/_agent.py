@@ -816,31 +816,39 @@ class LoopAgent:
             child._sim, child._sim_lines = self._sim, self._sim_lines
             child._sim_indent = self._sim_indent + "      "
             self._sim_lines.append(f"{self._sim_indent}     sub-loop '{child_spec.name}':")
-            reached = await child._simulate_run(ctx, child_spec.max_iterations)
-            verdict = ev.Verdict("yes" if reached and child.failure_terminal is None else "no",
-                                 {"simulated": True})
+            child_error: str | None = None
+            ended = await child._simulate_run(ctx, child_spec.max_iterations)
+            terminated_by = "terminal" if ended else "max_steps" if ended is None else "error"
+            verdict = ev.Verdict("yes" if ended and child.failure_terminal is None else
+                                 "timeout" if ended is None and _routes(st, "timeout") else "no",
+                                 {"simulated": True, "terminated_by": terminated_by})
             self._sim_note = f" [loop {child_spec.name}] => {verdict.verdict}"
         else:
             info = RunInfo(name=child_spec.name, subject_id=f"loop:{child_spec.name}", inputs={
                 "loop": child_spec.path, "parent_state": st.name,
                 "context": {k: tpl.to_text(v) for k, v in child.context.items()}})
-            limits = self._child_limits(child_spec, ctx)
+            limits = self._child_limits(child_spec, ctx, st.timeout)
             res = await ctx.run_child(child, info, limits)
             self.output = res.output if isinstance(res.output, str) else tpl.to_text(res.output)
             self._step_output = self.output
-            status = res.status
+            status, child_error = res.status, res.error
+            terminated_by = ("terminal" if child.failure_terminal is not None else
+                             _TERMINATED_BY.get(status, str(status)))
             if child.failure_terminal is not None:
                 name = "no"  # little-loops: a child ending in a failure terminal is a `no`
             elif status is Status.OK:
                 name = "yes"
             elif status is Status.ERROR and st.has_error_route():
                 name = "error"
+            elif terminated_by in _CUT_OFF and _routes(st, "timeout"):
+                name = "timeout"  # little-loops: cut off mid-work goes to on_timeout
             else:
                 name = "no"
             verdict = ev.Verdict(name, {"child_run_id": res.run_id,
                                         "child_status": str(status), "child_error": res.error,
                                         "child_reason": res.reason,
-                                        "failure_terminal": child.failure_terminal})
+                                        "failure_terminal": child.failure_terminal,
+                                        "terminated_by": terminated_by})
         if (st.context_passthrough or st.with_) and child.captured:
             self.captured[st.name] = dict(child.captured)
         if st.capture:
@@ -849,14 +857,27 @@ class LoopAgent:
                 "output": self.output if not sim else f"[simulated output of {st.name}]",
                 "stderr": "", "exit_code": 0 if verdict.verdict == "yes" else 1,
                 "duration_ms": 0, "verdict": verdict.verdict}
+        # little-loops: how the child ended, under the state's name (after the
+        # merges above, which replace the whole entry).
+        outcome = self.captured.setdefault(st.name, {})
+        if isinstance(outcome, dict):
+            outcome["terminated_by"] = terminated_by
+            if child.failure_terminal is not None:
+                outcome["failure_terminal"] = True
+            if terminated_by == "error" and child_error:
+                outcome["error"] = child_error
         ctx.event("evaluate", name=st.name, payload={
             "state": st.name, "type": "loop", "verdict": verdict.verdict,
             "details": verdict.details, **({"simulated": True} if sim else {})})
         return verdict
 
     @staticmethod
-    def _child_limits(child: LoopSpec, ctx: RunContext) -> Limits:
+    def _child_limits(child: LoopSpec, ctx: RunContext, state_timeout: float | None) -> Limits:
         """The child's own max_iterations and timeout, always finite.
+
+        The `loop:` state's own `timeout` caps the child's (little-loops), so
+        a child can be cut off while the parent still has time to route it
+        (`on_timeout`).
 
         The parent's deadline bounds the child anyway (the child runs inside
         the parent's cancel scope, and is recorded `cancelled` when the parent
@@ -869,6 +890,8 @@ class LoopAgent:
         timeout = child.timeout if child.timeout is not None else Limits().timeout
         if math.isfinite(left) and child.timeout is None:
             timeout = left + 1.0
+        if state_timeout is not None:
+            timeout = state_timeout if timeout is None else min(timeout, state_timeout)
         return Limits(max_steps=child.max_iterations, timeout=timeout, tool_timeout=None,
                       poll_interval=ctx.limits.poll_interval)
 
@@ -891,8 +914,9 @@ class LoopAgent:
         except ConfigError as exc:
             raise _Fatal(f"sub-loop {st.loop}: {exc}") from None
 
-    async def _simulate_run(self, ctx: RunContext, limit: int) -> bool:
-        """Walk the machine in simulation; True when it reached a terminal state."""
+    async def _simulate_run(self, ctx: RunContext, limit: int) -> bool | None:
+        """Walk the machine in simulation: True when it reached a terminal state,
+        None when it ran out of steps first, False when it ended otherwise."""
         self._runner_context(sim=True)
         self._t0 = trio.current_time()
         self._begun = True
@@ -902,7 +926,7 @@ class LoopAgent:
             if steps >= limit:
                 self._sim_lines.append(f"{self._sim_indent}stopped: max_iterations={limit} "
                                        "reached (the run would end max_steps)")
-                return False
+                return None
             step = await self._advance(ctx, sim=True)
             steps += 1
             if step.final:
@@ -1020,6 +1044,20 @@ def _check_exec_size(argv: Sequence[str], env: Mapping[str, str]) -> None:
     if total > arg_max - 4096:
         raise _Fatal(f"the action cannot start: its arguments and "
                      f"environment take {total} bytes, over the system's limit ({arg_max})")
+
+
+#: little-loops' `terminated_by` for how a child run ended (a failure terminal
+#: is "terminal" too); statuses it has no name for keep the kernel's.
+_TERMINATED_BY = {Status.OK: "terminal", Status.ERROR: "error", Status.TIMEOUT: "timeout",
+                  Status.MAX_STEPS: "max_steps", Status.HANDOFF: "handoff",
+                  Status.CANCELLED: "interrupted"}
+#: The endings little-loops routes to `on_timeout`: the child was cut off mid-work.
+_CUT_OFF = ("timeout", "max_steps")
+
+
+def _routes(st: StateSpec, verdict: str) -> bool:
+    """True when `st` names a route for `verdict` (`on_<verdict>` or the route table)."""
+    return verdict in st.on or (st.route is not None and verdict in st.route.table)
 
 
 def _missing_message(exc: tpl.MissingVariable, state: str) -> str:

@@ -495,7 +495,7 @@ _VERDICTS = {
     "output_numeric": {"yes", "no"}, "output_json": {"yes", "no"},
     "convergence": {"target", "progress", "stall"},
     "mcp_result": {"yes", "no", "success", "tool_error", "not_found", "timeout"},
-    "loop": {"yes", "no"}, "diff_stall": {"yes", "no"},
+    "loop": {"yes", "no", "timeout"}, "diff_stall": {"yes", "no"},
 }
 _DEFAULT_EVALUATOR = {"shell": "exit_code", "mcp_tool": "mcp_result", "loop": "loop"}
 

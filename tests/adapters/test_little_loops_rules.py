@@ -725,6 +725,94 @@ class TestMcpVerdictNames:
         assert routes(audit, result.run_id)[0][2] == route
 
 
+class TestSubLoopEndings:
+    async def test_a_child_cut_off_routes_on_timeout(self, tmp_path: Path) -> None:
+        """executor.py `_execute_sub_loop` (ENH-3019; LOOPS_GUIDE.md, "`terminated_by` exit
+        reasons"): a child that hits its step limit or its timeout (the `loop:` state's
+        `timeout` caps the child's) routes to `on_timeout`; without one, to `on_no`."""
+        (tmp_path / "spin.yaml").write_text(
+            "initial: a\nmax_iterations: 2\nstates:\n  a: {action: 'true', next: a}\n")
+        (tmp_path / "slow.yaml").write_text(
+            "initial: a\nstates:\n  a: {action: 'sleep 60', next: done}\n"
+            "  done: {terminal: true}\n")
+        spec = spec_of(tmp_path, """
+            initial: steps
+            states:
+              steps: {loop: spin, on_yes: wrong, on_no: wrong, on_timeout: slow}
+              slow: {loop: slow, timeout: 1, on_yes: wrong, on_no: wrong, on_timeout: plain}
+              plain: {loop: spin, on_yes: wrong, on_no: done}
+              done: {terminal: true}
+              wrong: {terminal: true}
+        """)
+        result, audit, _ = await run(spec)
+        assert result.status is Status.OK, result.error
+        assert routes(audit, result.run_id) == [("steps", "slow", "on_timeout"),
+                                                ("slow", "plain", "on_timeout"),
+                                                ("plain", "done", "on_no")]
+        children = sorted((r for r in audit.runs.values()
+                           if r.info.parent_run_id == result.run_id),
+                          key=lambda r: r.started_at)
+        assert [c.status for c in children] == [Status.MAX_STEPS, Status.TIMEOUT,
+                                                Status.MAX_STEPS]
+
+    async def test_terminated_by_is_captured_under_the_state_name(
+            self, tmp_path: Path) -> None:
+        """executor.py `_execute_sub_loop` (ENH-3019, ENH-2814) with EVENT-SCHEMA.md
+        `loop_complete.terminated_by`: after a `loop:` state, `${captured.<state>.
+        terminated_by}` says how the child ended (`terminal` for any terminal, with
+        `failure_terminal` true for a failure one; `error` with the child's `error`;
+        `max_steps` at its step limit)."""
+        (tmp_path / "ok.yaml").write_text(
+            "initial: a\nstates:\n  a: {action: 'true', next: done}\n  done: {terminal: true}\n")
+        (tmp_path / "bad.yaml").write_text(
+            "initial: a\nstates:\n  a: {action: 'true', next: failed}\n"
+            "  failed: {terminal: true}\n")
+        (tmp_path / "boom.yaml").write_text(
+            "initial: a\nstates:\n  a: {action: 'echo FATAL_ERROR: disk gone', next: a}\n")
+        (tmp_path / "spin.yaml").write_text(
+            "initial: a\nmax_iterations: 2\nstates:\n  a: {action: 'true', next: a}\n")
+        spec = spec_of(tmp_path, """
+            initial: ok
+            states:
+              ok: {loop: ok, on_yes: bad}
+              bad: {loop: bad, on_no: boom}
+              boom: {loop: boom, on_error: spin}
+              spin: {loop: spin, on_no: show}
+              show:
+                action: >-
+                  echo "${captured.ok.terminated_by} ${captured.bad.terminated_by}
+                  ${captured.bad.failure_terminal} ${captured.boom.terminated_by}
+                  ${captured.spin.terminated_by} ${captured.ok.failure_terminal:default=-}";
+                  echo "${captured.boom.error}"
+                capture: shown
+                next: done
+              done: {terminal: true}
+        """)
+        result, _, agent = await run(spec)
+        assert result.status is Status.OK, result.error
+        first, second = agent.captured["shown"]["output"].splitlines()
+        assert first.split() == ["terminal", "terminal", "true", "error", "max_steps", "-"]
+        assert "disk gone" in second
+
+    async def test_a_dry_run_routes_a_child_out_of_steps_on_timeout(
+            self, tmp_path: Path) -> None:
+        """The same rule in a dry run: a simulated child that never reaches a terminal
+        within its max_iterations takes `on_timeout`."""
+        (tmp_path / "spin.yaml").write_text(
+            "initial: a\nmax_iterations: 2\nstates:\n  a: {action: 'true', next: a}\n")
+        spec = spec_of(tmp_path, """
+            initial: sub
+            states:
+              sub: {loop: spin, on_yes: wrong, on_no: wrong, on_timeout: done}
+              done: {terminal: true}
+              wrong: {terminal: true}
+        """)
+        dry, _, _ = await run(spec, scenario="all-pass",
+                              limits=Limits(max_steps=10, dry_run=True))
+        assert "[loop spin] => timeout" in dry.output
+        assert dry.output.rstrip().endswith("reached terminal state 'done' after 1 iteration(s)")
+
+
 class TestBashOperatorsOnLoopVariables:
     async def test_validate_warns_dry_runs_walk_runs_end_error(self, tmp_path: Path) -> None:
         """generalized-fsm-loop.md, Resolution Rules ("Bash default values", BUG-2346;

@@ -387,13 +387,14 @@ class TestSubLoops:
         assert agent.captured["sub"]["seen"]["output"] == "child sees ok from-parent"
 
     async def test_without_passthrough_the_child_keeps_to_itself(self, tmp_path: Path) -> None:
-        """Without passthrough the child sees only its own context, and nothing comes back."""
+        """Without passthrough the child sees only its own context, and none of its captures
+        come back: only how it ended (little-loops' `terminated_by`)."""
         spec = spec_of(tmp_path, self.parent(tmp_path))
         _, audit, agent = await run(spec)
         child_id = next(r.info.run_id for r in audit.runs.values() if r.info.parent_run_id)
         (end,) = events(audit, child_id, "action_end")
         assert end.payload["output_tail"] == "child sees ok -\n"
-        assert "sub" not in agent.captured
+        assert agent.captured["sub"] == {"terminated_by": "terminal"}
 
     async def test_a_child_error_takes_on_error_when_the_state_has_one(self,
                                                                        tmp_path: Path) -> None:
