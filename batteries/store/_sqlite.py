@@ -190,6 +190,10 @@ def _text(value: str | None) -> str | None:
     return value
 
 
+class WouldBlock(Exception):
+    """A transaction asked not to wait could not start at once (nothing was written)."""
+
+
 @dataclass(slots=True)
 class StoreStats:
     """What this process's transactions cost, for reports and benchmarks.
@@ -237,6 +241,7 @@ class SQLiteStore:
         self.stats = StoreStats()
         self._con: sqlite3.Connection | None = None
         self._lock = threading.Lock()
+        self._migrated = False
 
     def __repr__(self) -> str:
         return f"SQLiteStore({str(self.path)!r})"
@@ -338,23 +343,37 @@ class SQLiteStore:
             if self._con is not None:
                 self._con.close()
                 self._con = None
+                self._migrated = False
 
     # ------------------------------------------------------------ transactions
 
     @contextmanager
-    def _write(self) -> Iterator[sqlite3.Connection]:
-        with self._lock:
+    def _write(self, *, wait: bool = True) -> Iterator[sqlite3.Connection]:
+        """One write transaction; with `wait=False`, `WouldBlock` instead of any waiting.
+
+        The time waited for the write lock (`BEGIN IMMEDIATE`) is accounted in
+        `stats`; opening the connection (and creating the journal) is not.
+        """
+        if not self._lock.acquire(blocking=wait):
+            raise WouldBlock
+        try:
             t0 = time.perf_counter()
+            if not wait and self._con is None:
+                raise WouldBlock  # opening (maybe creating) the file is for a worker thread
             con = self._connect(create=True)
+            t1 = time.perf_counter()
             try:
-                con.execute("BEGIN IMMEDIATE")
+                self._begin(con, wait)
             except sqlite3.Error as exc:
+                self._account(t0, time.perf_counter() - t1)
                 raise self._error("cannot write to", exc) from exc
-            waited = time.perf_counter() - t0
+            waited = time.perf_counter() - t1
             try:
-                found = con.execute("PRAGMA user_version").fetchone()[0]
-                if found < JOURNAL_VERSION:
-                    self._migrate(con, found)
+                if not self._migrated:
+                    found = con.execute("PRAGMA user_version").fetchone()[0]
+                    if found < JOURNAL_VERSION:
+                        self._migrate(con, found)
+                    self._migrated = True
                 yield con
                 con.execute("COMMIT")
             except BaseException as exc:
@@ -365,6 +384,25 @@ class SQLiteStore:
                 raise
             finally:
                 self._account(t0, waited)
+        finally:
+            self._lock.release()
+
+    def _begin(self, con: sqlite3.Connection, wait: bool) -> None:
+        """BEGIN IMMEDIATE, waiting up to `lock_timeout` for the write lock (SQLite's busy
+        handler); with `wait` False the busy timeout is 0 for this one attempt and a taken
+        lock raises `WouldBlock` (the PRAGMAs touch no file: a few microseconds)."""
+        if wait:
+            con.execute("BEGIN IMMEDIATE")
+            return
+        con.execute("PRAGMA busy_timeout = 0")
+        try:
+            con.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as exc:
+            if "locked" in str(exc) or "busy" in str(exc):
+                raise WouldBlock from None
+            raise
+        finally:
+            con.execute(f"PRAGMA busy_timeout = {int(self.lock_timeout * 1000)}")
 
     @contextmanager
     def _read(self) -> Iterator[sqlite3.Connection]:
@@ -388,7 +426,8 @@ class SQLiteStore:
         s.max_wait_s = max(s.max_wait_s, waited)
         s.max_transaction_s = max(s.max_transaction_s, time.perf_counter() - t0)
 
-    def commit(self, batch: Batch | None, ops: Sequence[Op] = ()) -> list[Any]:
+    def commit(self, batch: Batch | None, ops: Sequence[Op] = (), *,
+               wait: bool = True) -> list[Any]:
         """Write `batch` and then apply `ops`, in one transaction; return each op's result.
 
         An op the store refuses is undone alone and its `StoreError` is
@@ -397,12 +436,17 @@ class SQLiteStore:
         Recorders of new runs in `batch` learn their seq base only after the
         commit, so a failed transaction leaves them untouched for a retry.
 
+        With `wait=False` nothing waits: if this process's connection is not
+        open yet or the write lock is taken, `WouldBlock` is raised and
+        nothing is written (the caller retries from a worker thread).
+
         Raises:
             StoreBusyError: The write lock stayed taken past the lock timeout.
             StoreError: The journal cannot be created or written (nothing was written).
+            WouldBlock: `wait=False` and the transaction could not start at once.
         """
         rev: list[int] = []
-        with self._write() as con:
+        with self._write(wait=wait) as con:
             bases = self._write_batch(con, batch, rev) if batch is not None else {}
             results = [self._apply_one(con, op, rev) for op in ops]
         for rec, base in bases.items():
@@ -437,8 +481,10 @@ class SQLiteStore:
             if rid in next_in_batch:
                 base = next_in_batch[rid]
             else:
-                row = con.execute("SELECT last_seq FROM runs WHERE run_id = ?",
-                                  (rid,)).fetchone()
+                row = con.execute(
+                    "SELECT max(r.last_seq, coalesce((SELECT max(seq) FROM events e "
+                    "WHERE e.run_id = r.run_id), -1)) FROM runs r WHERE r.run_id = ?",
+                    (rid,)).fetchone()
                 if row is not None:  # a resumed run: continue after its last event
                     base = int(row[0]) + 1
                 else:
@@ -479,8 +525,6 @@ class SQLiteStore:
                 con.executemany("INSERT INTO events (run_id, seq, ts, kind, iteration, name, "
                                 "duration_ms, payload) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                                 [(*r[:5], _text(r[5]), r[6], _text(r[7])) for r in rows])
-            con.executemany("UPDATE runs SET last_seq = max(last_seq, ?) WHERE run_id = ?",
-                            [(seq, rid) for rid, seq in last.items()])
         if batch.closes:
             r = self._rev(con, rev)
             con.executemany(
@@ -563,12 +607,14 @@ class SQLiteStore:
         cp, o, u = op.checkpoint, op.owner, op.checkpoint.usage
         now = now_us()
         state = _text(_dumps(cp.state))
+        # No change number here: the analysts' copy of a checkpoint follows its
+        # registration, claims and end, not every save (one statement less per save).
         cur = con.execute(
             "UPDATE checkpoints SET state = ?, steps = ?, tool_calls = ?, input_tokens = ?, "
             "output_tokens = ?, thinking_tokens = ?, cost_usd = ?, heartbeat_at = ?, "
-            "updated_at = ?, rev = ? WHERE run_id = ?",
+            "updated_at = ? WHERE run_id = ?",
             (state, cp.steps, cp.tool_calls, u.input_tokens, u.output_tokens,
-             u.thinking_tokens, u.cost_usd, now, now, self._rev(con, rev), cp.run_id))
+             u.thinking_tokens, u.cost_usd, now, now, cp.run_id))
         if cur.rowcount:
             return True
         if op.spec is None:

@@ -1,0 +1,206 @@
+"""10-step runs with every battery and a durable checkpoint per step, beside LangGraph.
+
+    pip install -e '.[bench]'
+    python bench/bench_langgraph.py [--runs N] [--repeat R]
+
+Measured in one process, in turns, best of R rounds (drift on a shared
+machine hits every variant alike):
+
+- kernel + batteries: `Kernel.run` of a 10-step agent with the journal audit,
+  the watch critic and a durable checkpoint after every step (the
+  journal checkpointer; `synchronous=NORMAL`), all sharing one `Journal`
+  as `kernel run` wires them; each run registered with a spec first.
+- LangGraph + InMemorySaver / + SqliteSaver: a graph of one node looping
+  10 times (a conditional edge back to itself), `invoke`d with a new
+  thread_id per run, its saver checkpointing every super-step.
+- bare trio: the same 10-step agent in a plain loop (the per-step baseline).
+
+Also printed: the durable checkpoint save on its own (p50/p99 of `save`
+awaited from trio, thread hop included) and the per-step cost of the
+kernel with the audit and critic but no checkpoint, against a bare step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sqlite3
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypedDict
+
+import trio
+
+from kernel import Checkpoint, Kernel, Limits, Ports, RunInfo, Step
+
+STEPS = 10
+_CONTINUE = Step()
+
+
+class Counter:
+    """A 10-step agent with resumable state (what a loop state or LLM turn looks like)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.done = 0
+
+    async def step(self, ctx: Any) -> Step:
+        await trio.lowlevel.checkpoint()
+        self.done += 1
+        if self.done == self.n:
+            return Step(output=self.done, final=True)
+        return _CONTINUE
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"state": "count", "done": self.done}
+
+
+SPEC = {"agent": {"kind": "bench"}, "info": {}, "limits": {}}
+
+
+# ------------------------------------------------------------------ kernel
+
+
+async def kernel_runs(tmp: Path, runs: int, *, checkpoint: bool = True) -> float:
+    """Seconds per run for `runs` kernel runs with every battery on one journal."""
+    from batteries.audit import JournalAudit
+    from batteries.checkpoint import JournalCheckpointer
+    from batteries.critic import WatchCritic
+    from batteries.store import Journal
+
+    limits = Limits(max_steps=None, timeout=3600)
+    async with Journal.open(tmp / f"k-{time.monotonic_ns()}.duckdb") as journal:
+        cp = JournalCheckpointer(journal)
+        ports = Ports(audit=JournalAudit(journal), critic=WatchCritic(),
+                      checkpointer=cp if checkpoint else None)
+        kernel = Kernel(ports)
+        warm = RunInfo()
+        await cp.register(warm.run_id, SPEC)
+        await kernel.run(Counter(STEPS), warm, limits)  # warm: the journal exists
+        t0 = time.perf_counter()
+        for _ in range(runs):
+            info = RunInfo(name="bench")
+            if checkpoint:
+                await cp.register(info.run_id, SPEC)
+            result = await kernel.run(Counter(STEPS), info, limits)
+            assert result.steps == STEPS and not result.port_failures, result
+        return (time.perf_counter() - t0) / runs
+
+
+async def bare_runs(runs: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(runs):
+        agent = Counter(STEPS)
+        while not (await agent.step(None)).final:
+            pass
+    return (time.perf_counter() - t0) / runs
+
+
+async def save_latencies(tmp: Path, n: int) -> list[float]:
+    """Durations of `n` durable checkpoint saves (awaited from trio) on an open journal."""
+    from batteries.checkpoint import JournalCheckpointer
+    from batteries.store import Journal
+
+    out = []
+    async with Journal.open(tmp / "saves.duckdb") as journal:
+        cp = JournalCheckpointer(journal)
+        info = RunInfo()
+        await cp.register(info.run_id, SPEC)
+        await journal.transact()
+        for i in range(n):
+            checkpoint = Checkpoint(info.run_id, i, {"state": "count", "done": i})
+            t0 = time.perf_counter()
+            await cp.save(checkpoint)
+            out.append(time.perf_counter() - t0)
+    return out
+
+
+# --------------------------------------------------------------- langgraph
+
+
+class _State(TypedDict):
+    n: int
+
+
+def langgraph_runs(saver: Any, runs: int) -> float:
+    """Seconds per run for `runs` invocations of a 10-super-step graph."""
+    from langgraph.graph import END, START, StateGraph
+
+    def count(state: _State) -> _State:
+        return {"n": state["n"] + 1}
+
+    def route(state: _State) -> str:
+        return END if state["n"] >= STEPS else "count"
+
+    graph = StateGraph(_State)
+    graph.add_node("count", count)
+    graph.add_edge(START, "count")
+    graph.add_conditional_edges("count", route)
+    app = graph.compile(checkpointer=saver)
+    app.invoke({"n": 0}, {"configurable": {"thread_id": "warm"}})
+    t0 = time.perf_counter()
+    for i in range(runs):
+        out = app.invoke({"n": 0}, {"configurable": {"thread_id": f"t{i}"}})
+        assert out["n"] == STEPS
+    return (time.perf_counter() - t0) / runs
+
+
+def in_memory() -> Any:
+    from langgraph.checkpoint.memory import InMemorySaver
+
+    return InMemorySaver()
+
+
+def sqlite_saver(tmp: Path) -> Callable[[], Any]:
+    def make() -> Any:
+        from langgraph.checkpoint.sqlite import SqliteSaver
+
+        con = sqlite3.connect(tmp / f"lg-{time.monotonic_ns()}.sqlite",
+                              check_same_thread=False)
+        return SqliteSaver(con)
+    return make
+
+
+# -------------------------------------------------------------------- main
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=300)
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    n, r = args.runs, args.repeat
+    with tempfile.TemporaryDirectory() as tmpdir:
+        tmp = Path(tmpdir)
+        variants: list[tuple[str, Callable[[], float]]] = [
+            ("kernel + audit + critic + checkpoint/step", lambda: trio.run(kernel_runs, tmp, n)),
+            ("LangGraph + InMemorySaver", lambda: langgraph_runs(in_memory(), n)),
+            ("LangGraph + SqliteSaver", lambda: langgraph_runs(sqlite_saver(tmp)(), n)),
+            ("kernel + audit + critic (no checkpoint)",
+             lambda: trio.run(lambda: kernel_runs(tmp, n, checkpoint=False))),
+            ("bare trio loop", lambda: trio.run(bare_runs, n)),
+        ]
+        best = {name: float("inf") for name, _ in variants}
+        for _ in range(r):
+            for name, fn in variants:
+                best[name] = min(best[name], fn())
+        saves = sorted(trio.run(save_latencies, tmp, 2000))
+    ours = best[variants[0][0]]
+    print(f"{STEPS}-step runs, {n} runs per round, best of {r} rounds")
+    print(f"{'variant':44} {'us/run':>10} {'us/step':>9} {'x kernel':>9}")
+    for name, _ in variants:
+        print(f"{name:44} {best[name] * 1e6:10.1f} {best[name] * 1e6 / STEPS:9.2f} "
+              f"{best[name] / ours:9.2f}")
+    p50, p99 = saves[len(saves) // 2], saves[int(len(saves) * 0.99)]
+    print(f"durable checkpoint save (JournalCheckpointer.save, awaited): p50 {p50 * 1e6:.0f} us, "
+          f"p99 {p99 * 1e6:.0f} us, mean {statistics.fmean(saves) * 1e6:.0f} us")
+    bare = best["bare trio loop"]
+    plain = best["kernel + audit + critic (no checkpoint)"]
+    print(f"per step, audit + critic, no checkpoint: {plain / bare:.2f}x a bare trio step "
+          f"({(plain - bare) * 1e6 / STEPS:.1f} us more; per-run fixed costs included)")
+
+
+if __name__ == "__main__":
+    main()
