@@ -69,7 +69,7 @@ def lock_timeout_from_env() -> float:
     """`$KERNEL_AUDIT_LOCK_TIMEOUT` in seconds (default 10).
 
     Raises:
-        ConfigError: The variable is not a number >= 0.
+        ConfigError: The variable is not a finite number >= 0.
     """
     raw = os.environ.get(LOCK_TIMEOUT_ENV, "").strip()
     if not raw:
@@ -79,8 +79,8 @@ def lock_timeout_from_env() -> float:
     except ValueError:
         raise ConfigError(f"{LOCK_TIMEOUT_ENV} must be a number of seconds, "
                           f"got {raw!r}") from None
-    if not value >= 0:
-        raise ConfigError(f"{LOCK_TIMEOUT_ENV} must be >= 0, got {raw!r}")
+    if not 0 <= value < float("inf"):
+        raise ConfigError(f"{LOCK_TIMEOUT_ENV} must be a finite number >= 0, got {raw!r}")
     return value
 
 

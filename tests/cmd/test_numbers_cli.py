@@ -116,6 +116,22 @@ def test_the_retention_variable_is_checked_the_same_way(
         assert code == 2 and err.count("\n") == 1 and "KERNEL_RETENTION_DAYS" in err, err
 
 
+def test_the_lock_timeout_variable_refuses_non_finite_values(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """$KERNEL_AUDIT_LOCK_TIMEOUT=inf or nan would wait forever: a ConfigError naming it."""
+    from batteries.audit import _store as audit_store
+    from batteries.store import _sqlite as journal_store
+    from kernel import ConfigError
+
+    for bad in ("inf", "nan", "-1", "soon"):
+        monkeypatch.setenv("KERNEL_AUDIT_LOCK_TIMEOUT", bad)
+        for parse in (audit_store.lock_timeout_from_env, journal_store.lock_timeout_from_env):
+            with pytest.raises(ConfigError, match="KERNEL_AUDIT_LOCK_TIMEOUT"):
+                parse()
+    monkeypatch.setenv("KERNEL_AUDIT_LOCK_TIMEOUT", "2.5")
+    assert journal_store.lock_timeout_from_env() == 2.5
+
+
 @pytest.mark.parametrize("field", ["timeout", "soft_timeout", "tool_timeout", "max_cost_usd",
                                    "checkpoint_every_seconds", "poll_interval",
                                    "finalize_timeout"])
