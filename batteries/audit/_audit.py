@@ -133,7 +133,7 @@ class JournalAudit:
 
     async def _write(self) -> None:
         try:
-            await self.journal.transact()
+            await self.journal.commit_buffered()
         except AuditError as exc:
             raise AuditWriteError(str(exc)) from exc
         except Exception as exc:

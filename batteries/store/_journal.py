@@ -97,6 +97,11 @@ class Journal:
         self.retry_len = 0
         self._deferred: list[Op] = []
         self._failures = 0
+        # Group commit: transactions are numbered as they take the pending rows;
+        # `_durable` is the number of the last one that committed. Rows buffered
+        # before transaction N took its batch are durable once `_durable >= N`.
+        self._begun = 0
+        self._durable = 0
         self._lock = trio.Lock()
         self._dirty = trio.Event()
         self._wake = trio.Event()
@@ -148,33 +153,59 @@ class Journal:
             StoreError: The journal cannot be written.
         """
         async with self._lock:
-            batch, self.pending = self.pending, Batch()
-            deferred, self._deferred = self._deferred, []
-            todo = None if batch.empty() else batch
-            try:
-                results = None
-                if len(batch) <= INLINE_EVENTS:
-                    # A small transaction that can start at once runs here: its commit
-                    # (tens of us) is cheaper than two thread switches (~100 us idle,
-                    # milliseconds on a loaded machine). One that would wait does not.
-                    try:
-                        results = self.store.commit(todo, [*deferred, *ops], wait=False)
-                    except WouldBlock:
-                        results = None
-                if results is None:
-                    results = await trio.to_thread.run_sync(
-                        self.store.commit, todo, [*deferred, *ops])
-                else:
-                    await trio.lowlevel.checkpoint()
-            except BaseException as exc:
-                if isinstance(exc, Exception):
-                    self._failed(batch, deferred, exc)
-                else:  # cancelled before the write started (e.g. waiting for a thread)
-                    self._keep(batch, deferred)
-                raise
-            self.last_error = None
-            self._failures = 0
-            self.retry_len = 0
+            return await self._transact(ops)
+
+    async def commit_buffered(self) -> None:
+        """Make everything buffered so far durable, sharing transactions with other callers.
+
+        Callers that arrive while a transaction is being written wait for the
+        lock; the first of them then writes everything buffered meanwhile, and
+        the others find their rows already committed and return without a
+        transaction of their own (many runs closing at once cost a few
+        transactions, not one each).
+
+        Raises:
+            StoreBusyError: The journal stayed locked past the lock timeout.
+            StoreError: The journal cannot be written.
+        """
+        need = self._begun + 1  # the first transaction to take its batch after this call
+        async with self._lock:
+            if self._durable >= need:
+                return
+            await self._transact(())
+
+    async def _transact(self, ops: Sequence[Op]) -> list[Any]:
+        # Called holding `_lock`.
+        self._begun += 1
+        number = self._begun
+        batch, self.pending = self.pending, Batch()
+        deferred, self._deferred = self._deferred, []
+        todo = None if batch.empty() else batch
+        try:
+            results = None
+            if len(batch) <= INLINE_EVENTS:
+                # A small transaction that can start at once runs here: its commit
+                # (tens of us) is cheaper than two thread switches (~100 us idle,
+                # milliseconds on a loaded machine). One that would wait does not.
+                try:
+                    results = self.store.commit(todo, [*deferred, *ops], wait=False)
+                except WouldBlock:
+                    results = None
+            if results is None:
+                results = await trio.to_thread.run_sync(
+                    self.store.commit, todo, [*deferred, *ops])
+            else:
+                await trio.lowlevel.checkpoint()
+        except BaseException as exc:
+            if isinstance(exc, Exception):
+                self._failed(batch, deferred, exc)
+            else:  # cancelled before the write started (e.g. waiting for a thread)
+                self._keep(batch, deferred)
+            raise
+        self.last_error = None
+        self._failures = 0
+        self.retry_len = 0
+        self._durable = number
         for op, res in zip(deferred, results, strict=False):
             if isinstance(res, Exception):
                 _log.error("journal operation refused: %s: %s", type(op).__name__, res)

@@ -133,3 +133,29 @@ class TestJournal:
         assert (third.events, third.runs) == (3, 1)
         with Store(db).reader() as cur:
             assert cur.execute("SELECT count(*), count(status) FROM runs").fetchall() == [(2, 1)]
+
+    async def test_runs_closing_together_share_transactions(self, tmp_path: Path) -> None:
+        """Closes that arrive while a transaction is written are committed by the next
+        one, not one transaction each; every run's rows are durable when its run returns."""
+        db = tmp_path / "k.duckdb"
+        runs = 50
+        durable: list[int] = []
+        async with JournalAudit.open(db) as audit:
+            kernel = Kernel(Ports(audit=audit))
+            store = audit.journal.store
+
+            async def one(i: int) -> None:
+                info = RunInfo(name=f"r{i}")
+                await kernel.run(ScriptedAgent([Step(), Step(final=True)]), info)
+                with closing(sqlite3.connect(store.path)) as con:
+                    row = con.execute("SELECT count(*) FROM events e JOIN runs r USING "
+                                      "(run_id) WHERE run_id = ? AND r.status = 'ok'",
+                                      (info.run_id,)).fetchone()
+                durable.append(row[0])
+
+            async with trio.open_nursery() as nursery:
+                for i in range(runs):
+                    nursery.start_soon(one, i)
+            transactions = store.stats.transactions
+        assert durable == [4] * runs  # run_start, two steps, run_end
+        assert transactions <= 5, transactions
