@@ -19,7 +19,7 @@ from typing import Any
 
 import trio
 
-from batteries.redact import Redactor
+from batteries.redact import KEY_START, Redactor
 from kernel import AuditError, AuditWriteError, RunInfo
 
 from ._encode import (
@@ -27,6 +27,7 @@ from ._encode import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     MAX_OUTPUT_ENV,
     MAX_PAYLOAD_ENV,
+    encode_payload,
     env_cap,
 )
 from ._recorder import DuckDBRecorder
@@ -71,6 +72,8 @@ class JournalAudit:
                                   else env_cap(MAX_PAYLOAD_ENV, DEFAULT_MAX_PAYLOAD_BYTES))
         self.host = socket.gethostname()
         self.pid = os.getpid()
+        self._step_texts: dict[tuple[bool, int], str] = {}
+        self._step_texts_redactor = self.redactor
 
     def __repr__(self) -> str:
         return f"JournalAudit({str(self.journal.store.path)!r})"
@@ -84,6 +87,29 @@ class JournalAudit:
     def last_error(self) -> str | None:
         """The last write error, if the last write failed."""
         return self.journal.last_error
+
+    def step_text(self, final: bool, tool_calls: int) -> str | None:
+        """The stored payload of a `step` event carrying nothing but `final` and a tool-call count.
+
+        Encoded and redacted once per (final, count) with the audit's current
+        redactor, exactly as `encode_payload` would each time, then reused:
+        most steps' payloads are one of a handful of texts. None (encode it
+        the long way) for an unusual count, or if redaction left a private
+        key's first line in it.
+        """
+        if self._step_texts_redactor is not self.redactor:
+            self._step_texts, self._step_texts_redactor = {}, self.redactor
+        key = (final, tool_calls)
+        text = self._step_texts.get(key)
+        if text is None:
+            if tool_calls > 64:
+                return None
+            text = encode_payload({"final": final, "tool_calls": tool_calls},
+                                  self.max_output_bytes, self.max_payload_bytes, self.redactor)
+            if KEY_START in text:
+                return None
+            self._step_texts[key] = text
+        return text
 
     @classmethod
     @asynccontextmanager

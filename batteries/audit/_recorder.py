@@ -85,6 +85,13 @@ class DuckDBRecorder:
 
     def on_step(self, iteration: int, step: Step, duration_s: float) -> None:
         """Buffer a `step` event (payload: final, tool_calls, output, and the step's payload)."""
+        if step.output is None and not step.payload and not self.key_lines:
+            # Only values the kernel made (a bool, a count): the encoded, redacted text
+            # depends on nothing else, so the audit keeps it (see `JournalAudit.step_text`).
+            text = self.audit.step_text(step.final, len(step.tool_calls))
+            if text is not None:
+                self._add("step", step.name, text, duration_s * 1000, iteration)
+                return
         payload: dict[str, Any] = {"final": step.final, "tool_calls": len(step.tool_calls)}
         if step.output is not None:
             payload["output"] = step.output

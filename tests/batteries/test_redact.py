@@ -140,6 +140,29 @@ class TestRecorder:
         assert stored == ["before", "[REDACTED:private_key_start]",
                           *["[REDACTED:private_key_start]"] * 3, "after"]
 
+    def test_kernel_made_step_payloads_read_as_if_encoded_each_time(self) -> None:
+        """A step's final flag and tool-call count are encoded once and reused; the stored
+        text is what encoding and redacting it each time gives, for any redactor."""
+        from kernel import Step, ToolCall
+
+        steps = [Step(), Step(final=True), Step(tool_calls=[ToolCall("a"), ToolCall("b")]),
+                 Step(), Step(output="out", payload={"x": 1})]
+        for redactor in (Redactor(), Redactor(patterns=["tool_calls", "false"])):
+            audit = DuckDBAudit(":memory:", redactor=redactor)
+            rec = DuckDBRecorder(audit, RunInfo())
+            for i, step in enumerate(steps):
+                rec.on_step(i, step, 0.001)
+            expected = [encode_payload({"final": s.final, "tool_calls": len(s.tool_calls),
+                                        **({"output": s.output} if s.output else {}),
+                                        **(s.payload or {})}, 1 << 16, 1 << 18, redactor)
+                        for s in steps]
+            assert audit.journal.pending.payloads == expected
+            audit.redactor = Redactor(patterns=["final"])  # a new redactor is used at once
+            rec.on_step(9, Step(), 0.001)
+            assert audit.journal.pending.payloads[-1] == encode_payload(
+                {"final": False, "tool_calls": 0}, 1 << 16, 1 << 18, audit.redactor)
+            assert "final" not in audit.journal.pending.payloads[-1]
+
 
 class TestEncode:
     def test_payload_is_redacted_before_it_is_capped(self) -> None:
