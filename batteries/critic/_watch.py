@@ -99,10 +99,18 @@ class WatchCritic:
         if history < 2:
             raise ConfigError(f"WatchCritic history must be >= 2, got {history}")
         self.history = history
+        self._policy_cache: tuple[CriticPolicy, dict[str, Any]] | None = None
         p = self.policy
         self.sampler = ProcessSampler(
             probe, interval=p.sample_interval, cpu_busy=p.cpu_busy, io_busy=p.io_busy,
             max_interval=None if p.idle_timeout is None else p.idle_timeout / 3)
+
+    def _policy_dict(self) -> dict[str, Any]:
+        """`policy.as_dict()`, built once per policy (it is frozen): a copy per run."""
+        cached = self._policy_cache
+        if cached is None or cached[0] is not self.policy:
+            cached = self._policy_cache = (self.policy, self.policy.as_dict())
+        return dict(cached[1])
 
     def monitor(self, info: RunInfo, soft_timeout: float | None, *, backstop: float | None,
                 max_steps: int | None, events: EventSink) -> WatchHandle:
@@ -113,7 +121,7 @@ class WatchCritic:
                              sampler=self.sampler)
         events("critic", name="watch", payload={
             "judge": type(self.judge).__name__,
-            "policy": self.policy.as_dict(),
+            "policy": self._policy_dict(),
             "soft_timeout": soft,
             "deadline_s": handle._rel(handle._deadline),
             "backstop_s": handle._rel(backstop),

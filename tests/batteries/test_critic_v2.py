@@ -519,3 +519,22 @@ class TestEventDriven:
             self, autojump_clock: trio.abc.Clock) -> None:
         result, _, _ = await run(SilentCommand(600), limits=Limits(poll_interval=3600))
         assert result.status is Status.KILLED and result.runtime_seconds == 4.0
+
+
+async def test_each_runs_watch_event_carries_the_current_policy() -> None:
+    """The `watch` event's policy is the critic's policy as it is when the run starts."""
+    audit = MemoryAudit()
+    critic = WatchCritic(CriticPolicy(idle_timeout=30))
+    kernel = Kernel(Ports(audit=audit, critic=critic))
+
+    async def watched() -> dict[str, Any]:
+        result = await kernel.run(ScriptedAgent([Step(final=True)]), RunInfo(name="p"),
+                                  Limits(timeout=3600))
+        return next(e.payload for e in audit.events(result.run_id)
+                    if e.kind == "critic" and e.name == "watch")["policy"]
+
+    first, second = await watched(), await watched()
+    assert first == second == CriticPolicy(idle_timeout=30).as_dict()
+    critic.policy = CriticPolicy(idle_timeout=90)
+    third = await watched()
+    assert third == CriticPolicy(idle_timeout=90).as_dict() and third["idle_timeout"] == 90
