@@ -10,8 +10,9 @@ doing the same, with the audit (`JournalAudit`) and `WatchCritic` wired. The tim
 starting the first task until the last `Kernel.run` returned (each run's
 recorder is closed, so its rows are durable, before its `run` returns).
 Afterwards the database is read back: every run and every event must be
-there, or the bench fails. Prints seconds, the ratio to the baseline, and the
-ratio of the largest N's time to the smallest's.
+there, or the bench fails. Prints seconds (wall and this process's CPU, all
+threads: the CPU figure moves less with other work on the machine), the
+ratios to the baseline, and the ratio of the largest N's time to the smallest's.
 
 A second part measures the process sampler: `--procs` real `sleep` processes
 registered with one critic's `ProcessSampler` for `--sample-seconds`, and the
@@ -48,20 +49,20 @@ class Counter:
         return _FINAL if self.n == 0 else _CONTINUE
 
 
-async def bare(runs: int, steps: int) -> float:
+async def bare(runs: int, steps: int) -> tuple[float, float]:
     async def one() -> None:
         agent = Counter(steps)
         while not (await agent.step(None)).final:
             pass
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     async with trio.open_nursery() as nursery:
         for _ in range(runs):
             nursery.start_soon(one)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
-async def kernel_runs(runs: int, steps: int, db: Path) -> tuple[float, int]:
+async def kernel_runs(runs: int, steps: int, db: Path) -> tuple[float, float, int]:
     from batteries.audit import JournalAudit
     from batteries.critic import WatchCritic
 
@@ -76,12 +77,12 @@ async def kernel_runs(runs: int, steps: int, db: Path) -> tuple[float, int]:
             assert result.steps == steps, result
             done += 1
 
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         async with trio.open_nursery() as nursery:
             for i in range(runs):
                 nursery.start_soon(one, i)
-        elapsed = time.perf_counter() - t0
-    return elapsed, done
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return elapsed, cpu, done
 
 
 def committed(db: Path) -> tuple[int, int, int]:
@@ -107,33 +108,36 @@ def committed(db: Path) -> tuple[int, int, int]:
 
 
 def scale(sizes: list[int], steps: int, repeat: int) -> None:
-    print(f"{steps} steps per run, best of {repeat}")
+    print(f"{steps} steps per run, best of {repeat}; cpu: this process's CPU seconds "
+          f"(all its threads), steadier than wall time on a shared machine")
     print(f"{'runs':>7} {'bare s':>8} {'kernel s':>9} {'x bare':>7} {'us/run-step':>12} "
-          f"{'runs ok':>8} {'events':>9}")
+          f"{'bare cpu':>9} {'kernel cpu':>11} {'x cpu':>6} {'runs ok':>8} {'events':>9}")
     best_kernel: dict[int, float] = {}
+    best_cpu: dict[int, float] = {}
     for n in sizes:
-        b = k = float("inf")
+        b = k = bc = kc = float("inf")
         runs = events = odd = 0
         for _ in range(repeat):
             gc.collect()
-            b = min(b, trio.run(bare, n, steps))
+            wall, cpu = trio.run(bare, n, steps)
+            b, bc = min(b, wall), min(bc, cpu)
             with tempfile.TemporaryDirectory() as tmp:
                 db = Path(tmp) / "scale.duckdb"
                 gc.collect()
-                elapsed, done = trio.run(kernel_runs, n, steps, db)
+                elapsed, cpu, done = trio.run(kernel_runs, n, steps, db)
                 assert done == n, (done, n)
                 runs, events, odd = committed(db)
                 if runs != n or odd:
                     raise SystemExit(f"lost audit data: {runs}/{n} runs, {odd} runs with a "
                                      f"different event count")
-            k = min(k, elapsed)
-        best_kernel[n] = k
+            k, kc = min(k, elapsed), min(kc, cpu)
+        best_kernel[n], best_cpu[n] = k, kc
         print(f"{n:>7} {b:>8.2f} {k:>9.2f} {k / b:>7.2f} {k / (n * steps) * 1e6:>12.2f} "
-              f"{runs:>8} {events:>9}")
+              f"{bc:>9.2f} {kc:>11.2f} {kc / bc:>6.2f} {runs:>8} {events:>9}")
     if len(sizes) > 1:
         lo, hi = min(sizes), max(sizes)
         print(f"time for {hi} runs / time for {lo} runs: {best_kernel[hi] / best_kernel[lo]:.2f} "
-              f"(x{hi / lo:g} the runs)")
+              f"(cpu: {best_cpu[hi] / best_cpu[lo]:.2f}; x{hi / lo:g} the runs)")
 
 
 async def sample_cost(pids: list[int], seconds: float) -> tuple[float, int, float]:
