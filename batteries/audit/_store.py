@@ -41,7 +41,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kernel import AuditError, ConfigError
+# The journal and the analysts' file read $KERNEL_AUDIT_LOCK_TIMEOUT the same way.
+from batteries.store._sqlite import DEFAULT_LOCK_TIMEOUT as DEFAULT_LOCK_TIMEOUT
+from batteries.store._sqlite import LOCK_TIMEOUT_ENV as LOCK_TIMEOUT_ENV
+from batteries.store._sqlite import lock_timeout_from_env as lock_timeout_from_env
+from kernel import AuditError
 
 from ._schema import SCHEMA_VERSION, current_version, migrate
 from .paths import make_private_dir, make_private_file, open_private_file
@@ -49,10 +53,6 @@ from .paths import make_private_dir, make_private_file, open_private_file
 if TYPE_CHECKING:
     import duckdb
 
-
-#: Env var: how long (seconds) to keep retrying a locked database before giving up.
-LOCK_TIMEOUT_ENV = "KERNEL_AUDIT_LOCK_TIMEOUT"
-DEFAULT_LOCK_TIMEOUT = 10.0
 
 _BACKOFF_FIRST = 0.004
 _BACKOFF_CAP = 0.05
@@ -63,25 +63,6 @@ try:
     import fcntl
 except ImportError:  # pragma: no cover - not POSIX: rely on DuckDB's own lock
     fcntl = None  # type: ignore[assignment]
-
-
-def lock_timeout_from_env() -> float:
-    """`$KERNEL_AUDIT_LOCK_TIMEOUT` in seconds (default 10).
-
-    Raises:
-        ConfigError: The variable is not a finite number >= 0.
-    """
-    raw = os.environ.get(LOCK_TIMEOUT_ENV, "").strip()
-    if not raw:
-        return DEFAULT_LOCK_TIMEOUT
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(f"{LOCK_TIMEOUT_ENV} must be a number of seconds, "
-                          f"got {raw!r}") from None
-    if not 0 <= value < float("inf"):
-        raise ConfigError(f"{LOCK_TIMEOUT_ENV} must be a finite number >= 0, got {raw!r}")
-    return value
 
 
 class AuditBusyError(AuditError):
