@@ -6,13 +6,13 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
 import pytest
+from http_fakes import send_json, serving
 
 from adapters.agentcli import AgentCLI, SessionAgentCLI
 from adapters.llm import LLMAgent
@@ -168,14 +168,9 @@ class _Echo(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         text = body["messages"][-1]["content"][::-1]
-        data = json.dumps({"choices": [{"message": {"role": "assistant", "content": text},
+        send_json(self, {"choices": [{"message": {"role": "assistant", "content": text},
                                         "finish_reason": "stop"}],
-                           "usage": {"prompt_tokens": 3, "completion_tokens": 2}}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+                           "usage": {"prompt_tokens": 3, "completion_tokens": 2}})
 
     def log_message(self, format: str, *args: Any) -> None:
         pass
@@ -184,13 +179,8 @@ class _Echo(BaseHTTPRequestHandler):
 @pytest.fixture
 def echo_server() -> Iterator[str]:
     """A chat-completions server on 127.0.0.1 that echoes the prompt reversed."""
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Echo)
-    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05},
-                              daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}/v1"
-    httpd.shutdown()
-    httpd.server_close()
+    with serving(_Echo) as port:
+        yield f"http://127.0.0.1:{port}/v1"
 
 
 @pytest.fixture

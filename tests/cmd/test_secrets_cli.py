@@ -16,14 +16,14 @@ import json
 import os
 import signal
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
 import pytest
+from http_fakes import send_json, serving
 
 pytestmark = pytest.mark.realtime
 
@@ -90,13 +90,8 @@ class _ToolCaller(BaseHTTPRequestHandler):
                 "id": "call_1", "type": "function",
                 "function": {"name": "shell", "arguments": json.dumps({
                     "command": command, "token": SHAPED["github_gho"]})}}]}
-        data = json.dumps({"choices": [{"message": message, "finish_reason": "stop"}],
-                           "usage": {"prompt_tokens": 3, "completion_tokens": 2}}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        send_json(self, {"choices": [{"message": message, "finish_reason": "stop"}],
+                           "usage": {"prompt_tokens": 3, "completion_tokens": 2}})
 
     def log_message(self, format: str, *args: Any) -> None:
         pass
@@ -105,13 +100,8 @@ class _ToolCaller(BaseHTTPRequestHandler):
 @pytest.fixture
 def chat_port() -> Iterator[int]:
     """A chat-completions server on 127.0.0.1 that calls the shell tool once."""
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _ToolCaller)
-    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05},
-                              daemon=True)
-    thread.start()
-    yield int(httpd.server_address[1])
-    httpd.shutdown()
-    httpd.server_close()
+    with serving(_ToolCaller) as port:
+        yield port
 
 
 def _leaks(text: str, secrets: list[str]) -> list[str]:
