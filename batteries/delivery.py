@@ -6,7 +6,7 @@
 - `WebhookDelivery` POSTs the result as JSON, retrying 5xx / 429 / network
   errors with capped exponential backoff and jitter, bounded in attempts and
   total time.
-- `FanOut` delivers to several places; one failing does not stop the others.
+- `FanOutDelivery` delivers to several places; one failing does not stop the others.
 
 All are observers: a failure raises `kernel.DeliveryError`, which the kernel
 puts on the result and in the audit without changing the run's status.
@@ -20,6 +20,7 @@ import random
 import shutil
 import sys
 import tempfile
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -207,7 +208,7 @@ class WebhookDelivery:
         raise DeliveryError(f"webhook {self.url} failed after {self.tries} attempt(s): {last}")
 
 
-class FanOut:
+class FanOutDelivery:
     """Deliver to each of `deliveries` in turn; report all failures together."""
 
     def __init__(self, deliveries: Sequence[Delivery]) -> None:
@@ -223,3 +224,20 @@ class FanOut:
                 errors.append(f"{type(d).__name__}: {exc}")
         if errors:
             raise DeliveryError("; ".join(errors))
+
+
+# Names renamed in 0.2 (see README, "Renamed names"): still importable for one
+# release, with a DeprecationWarning; type checkers see them as plain aliases.
+_RENAMED = {"FanOut": "FanOutDelivery"}
+
+if TYPE_CHECKING:
+    FanOut = FanOutDelivery
+
+
+def __getattr__(name: str) -> Any:
+    if name in _RENAMED:
+        new = _RENAMED[name]
+        warnings.warn(f"{__name__}.{name} is deprecated: use {new}", DeprecationWarning,
+                      stacklevel=2)
+        return globals()[new]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import trio
 
-from adapters.agentcli import AgentCLI
+from adapters.agentcli import CLIAgent
 from adapters.llm import ChatClient, LLMAgent
 from adapters.loop import LoopAgent, load_loop
 from adapters.pane import PaneAgent, TmuxMultiplexer
@@ -36,7 +36,7 @@ def pick_agent(kind: str, workdir: Path) -> Agent:
     if kind == "loop":
         return LoopAgent(load_loop(workdir / "loop.yaml"))
     if kind == "agentcli":
-        return AgentCLI(["my-agent", "--json"])
+        return CLIAgent(["my-agent", "--json"])
     if kind == "pane":
         return PaneAgent("main:0.0", "say hi", TmuxMultiplexer())
     return ShellAgent(["echo", "hello from the host"])

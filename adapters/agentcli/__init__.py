@@ -4,9 +4,9 @@ The agent's JSON-lines stream is parsed into events (`parse_line`) that drive
 a runtime `StateMachine` (state idle/thinking/running_tool/responding;
 lifecycle spawning/working/idle/killed), feed the critic, and are audited::
 
-    from adapters.agentcli import AgentCLI
+    from adapters.agentcli import CLIAgent
 
-    agent = AgentCLI(["claude", "-p", "Fix the failing test",
+    agent = CLIAgent(["claude", "-p", "Fix the failing test",
                       "--output-format", "stream-json", "--verbose"], idle_ttl=300)
     result = await Kernel(ports).run(agent, RunInfo(name="fix-test"))
 
@@ -14,9 +14,12 @@ lifecycle spawning/working/idle/killed), feed the critic, and are audited::
     agent = preset("claude", "Fix the failing test", model="claude-sonnet-4-5")
 """
 
-from ._agent import AgentCLI as AgentCLI
+import warnings
+from typing import TYPE_CHECKING, Any
+
+from ._agent import CLIAgent as CLIAgent
 from ._agent import EventHook as EventHook
-from ._agent import SessionAgentCLI as SessionAgentCLI
+from ._agent import SessionCLIAgent as SessionCLIAgent
 from ._events import AgentEvent as AgentEvent
 from ._events import EventType as EventType
 from ._events import parse_event as parse_event
@@ -30,12 +33,12 @@ from ._state import Transition as Transition
 
 __all__ = [
     "CLIENTS",
-    "AgentCLI",
     "AgentEvent",
+    "CLIAgent",
     "EventHook",
     "EventType",
     "Lifecycle",
-    "SessionAgentCLI",
+    "SessionCLIAgent",
     "State",
     "StateMachine",
     "Transition",
@@ -43,3 +46,21 @@ __all__ = [
     "parse_line",
     "preset",
 ]
+
+
+# Names renamed in 0.2 (see README, "Renamed names"): still importable for one
+# release, with a DeprecationWarning; type checkers see them as plain aliases.
+_RENAMED = {"AgentCLI": "CLIAgent", "SessionAgentCLI": "SessionCLIAgent"}
+
+if TYPE_CHECKING:
+    AgentCLI = CLIAgent
+    SessionAgentCLI = SessionCLIAgent
+
+
+def __getattr__(name: str) -> Any:
+    if name in _RENAMED:
+        new = _RENAMED[name]
+        warnings.warn(f"{__name__}.{name} is deprecated: use {new}", DeprecationWarning,
+                      stacklevel=2)
+        return globals()[new]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""`AgentCLI`: a CLI coding agent run as a subprocess streaming JSON events.
+"""`CLIAgent`: a CLI coding agent run as a subprocess streaming JSON events.
 
 One invocation of the CLI (prompt in, result out) is one kernel step.
 Inside the step, every stdout line is parsed into events that drive the
@@ -26,7 +26,7 @@ last stderr line. An idle kill ends the run `killed` (`stalled`); a wait for
 approval past `approval_ttl` ends it `killed` (`awaiting_approval`), and
 while the CLI waits for a person the critic is told it is alive.
 
-`SessionAgentCLI` adds resumption: its `snapshot()` is the CLI's session id,
+`SessionCLIAgent` adds resumption: its `snapshot()` is the CLI's session id,
 saved as soon as the CLI reports it, and a resumed run starts the CLI's own
 resume command (`claude --resume ID`, `codex exec resume ID`) instead.
 """
@@ -55,7 +55,7 @@ EventHook = Callable[[AgentEvent, Transition], None]
 
 
 @dataclass
-class AgentCLI:
+class CLIAgent:
     """Runs a CLI agent once, supervised, following its event stream.
 
     Args:
@@ -85,7 +85,7 @@ class AgentCLI:
             `killed` with reason `awaiting_approval`.
         client: The client's name ("claude", "codex", "gemini"; "" for any CLI).
         resume_argv: Builds the command line that continues session ID
-            (`SessionAgentCLI` uses it when the run is resumed).
+            (`SessionCLIAgent` uses it when the run is resumed).
         resume_prompt: What the resumed CLI is told (stdin or last argument,
             as `resume_argv` decides).
         on_event: Called after every event with the transition it caused.
@@ -116,7 +116,7 @@ class AgentCLI:
 
     def __post_init__(self) -> None:
         if not self.argv:
-            raise ValueError("AgentCLI needs a command to run")
+            raise ValueError("CLIAgent needs a command to run")
         if self.idle_ttl <= 0:
             raise ValueError(f"idle_ttl must be > 0, got {self.idle_ttl}")
         if self.start_ttl is not None and self.start_ttl <= 0:
@@ -536,8 +536,8 @@ def _dict_get(state: Any, key: str) -> str:
 
 
 @dataclass
-class SessionAgentCLI(AgentCLI):
-    """An `AgentCLI` whose session id is its checkpoint, so `kernel recover` resumes it.
+class SessionCLIAgent(CLIAgent):
+    """An `CLIAgent` whose session id is its checkpoint, so `kernel recover` resumes it.
 
     Needs `resume_argv`. The kernel saves `snapshot()` as soon as the CLI
     reports its session id (and after the step); a resumed run runs
@@ -548,7 +548,7 @@ class SessionAgentCLI(AgentCLI):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.resume_argv is None:
-            raise ValueError("SessionAgentCLI needs resume_argv")
+            raise ValueError("SessionCLIAgent needs resume_argv")
 
     def snapshot(self) -> dict[str, Any]:
         """The resumable state: which client, and its session id."""

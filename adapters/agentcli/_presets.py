@@ -1,6 +1,6 @@
 """Presets: the non-interactive command line and stream format of each known client.
 
-`preset("claude" | "codex" | "gemini", prompt, ...)` returns a `SessionAgentCLI`
+`preset("claude" | "codex" | "gemini", prompt, ...)` returns a `SessionCLIAgent`
 set up the way that client runs unattended::
 
     claude  claude -p --output-format stream-json --verbose --include-partial-messages
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-from ._agent import SessionAgentCLI
+from ._agent import SessionCLIAgent
 
 #: The clients with a preset, and their npm packages.
 CLIENTS: Mapping[str, str] = {
@@ -38,8 +38,8 @@ CLIENTS: Mapping[str, str] = {
 def preset(client: str, prompt: str, *, model: str | None = None,
            max_turns: int | None = None, cwd: str | None = None,
            env: Mapping[str, str] | None = None, executable: str | None = None,
-           permission_prompt: bool = False, **options: object) -> SessionAgentCLI:
-    """A `SessionAgentCLI` running `client` non-interactively on `prompt`.
+           permission_prompt: bool = False, **options: object) -> SessionCLIAgent:
+    """A `SessionCLIAgent` running `client` non-interactively on `prompt`.
 
     Args:
         client: "claude", "codex" or "gemini".
@@ -53,7 +53,7 @@ def preset(client: str, prompt: str, *, model: str | None = None,
             stream (`--permission-prompt-tool stdio`), so a tool needing one
             puts the run in `waiting_for_approval` (bounded by `approval_ttl`)
             instead of Claude Code denying it by itself.
-        **options: Further `AgentCLI` fields (idle_ttl, approval_ttl, on_event, ...).
+        **options: Further `CLIAgent` fields (idle_ttl, approval_ttl, on_event, ...).
 
     Raises:
         ValueError: An unknown client, or an option the client does not support.
@@ -98,7 +98,7 @@ def preset(client: str, prompt: str, *, model: str | None = None,
 
         def resume(sid: str) -> list[str]:
             return [*base, "--resume", sid, "--prompt", resume_prompt]
-    return SessionAgentCLI(argv, cwd=cwd, env=env, client=client, resume_argv=resume,
+    return SessionCLIAgent(argv, cwd=cwd, env=env, client=client, resume_argv=resume,
                            stdin_prompt=prompt if stdin else None, stdin_steer=stdin,
                            **options)  # type: ignore[arg-type]
 

@@ -12,13 +12,16 @@ The public surface is re-exported here; the modules behind it are private.
 PyYAML is imported only when a file is read.
 """
 
+import warnings
+from typing import TYPE_CHECKING, Any
+
 from ._agent import SCENARIOS as SCENARIOS
 from ._agent import Asker as Asker
 from ._agent import LoopAgent as LoopAgent
 from ._agent import ask_on_terminal as ask_on_terminal
 from ._agent import detect_signal as detect_signal
+from ._evaluators import Evaluation as Evaluation
 from ._evaluators import JudgeRequest as JudgeRequest
-from ._evaluators import Verdict as Verdict
 from ._evaluators import VerdictSource as VerdictSource
 from ._process import ActionResult as ActionResult
 from ._spec import EvaluateSpec as EvaluateSpec
@@ -41,6 +44,7 @@ __all__ = [
     "ActionResult",
     "Asker",
     "EvaluateSpec",
+    "Evaluation",
     "JudgeRequest",
     "LLMSpec",
     "LoopAgent",
@@ -53,7 +57,6 @@ __all__ = [
     "StateSpec",
     "TemplateError",
     "UnsafeValue",
-    "Verdict",
     "VerdictSource",
     "ask_on_terminal",
     "check_loop",
@@ -61,3 +64,20 @@ __all__ = [
     "load_loop",
     "parse_loop",
 ]
+
+
+# Names renamed in 0.2 (see README, "Renamed names"): still importable for one
+# release, with a DeprecationWarning; type checkers see them as plain aliases.
+_RENAMED = {"Verdict": "Evaluation"}
+
+if TYPE_CHECKING:
+    Verdict = Evaluation
+
+
+def __getattr__(name: str) -> Any:
+    if name in _RENAMED:
+        new = _RENAMED[name]
+        warnings.warn(f"{__name__}.{name} is deprecated: use {new}", DeprecationWarning,
+                      stacklevel=2)
+        return globals()[new]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

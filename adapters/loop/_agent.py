@@ -451,7 +451,7 @@ class LoopAgent:
         target, reason = self._route(st, verdict, ctx)
         return _Outcome(verdict.verdict, target, reason)
 
-    def _route(self, st: StateSpec, verdict: ev.Verdict,
+    def _route(self, st: StateSpec, verdict: ev.Evaluation,
                ctx: RunContext) -> tuple[str | None, str]:
         """next is handled by the caller; then the route table, then the shorthands."""
         v = verdict.verdict
@@ -664,15 +664,15 @@ class LoopAgent:
     # -------------------------------------------------------------- evaluate
 
     async def _evaluate(self, st: StateSpec, result: ActionResult | None, ctx: RunContext,
-                        *, sim: bool) -> ev.Verdict:
+                        *, sim: bool) -> ev.Evaluation:
         spec = st.evaluate
         kind = spec.type if spec is not None else _DEFAULT_EVALUATOR.get(st.mode, "none")
         if kind == "none":
-            verdict = ev.Verdict("yes", {"reason": "no action and no evaluator"})
+            verdict = ev.Evaluation("yes", {"reason": "no action and no evaluator"})
         elif sim:
             assert self._sim is not None
             outcome = await self._sim.outcome(st.name, self._sim_note)
-            verdict = ev.Verdict(_simulated_verdict(kind, outcome), {"simulated": outcome})
+            verdict = ev.Evaluation(_simulated_verdict(kind, outcome), {"simulated": outcome})
             if kind == "mcp_result":
                 verdict.details["as"] = {"pass": "success", "fail": "tool_error"}.get(
                     outcome, "not_found")
@@ -685,19 +685,19 @@ class LoopAgent:
         return verdict
 
     async def _judge(self, kind: str, spec: EvaluateSpec | None, st: StateSpec,
-                     result: ActionResult | None, ctx: RunContext) -> ev.Verdict:
+                     result: ActionResult | None, ctx: RunContext) -> ev.Evaluation:
         ns = self._ns(ctx, st, None)
         text = result.output if result is not None else ""
         if spec is not None and spec.source is not None:
             text = tpl.render(spec.source, ns)
         code = result.exit_code if result is not None else 0
         if kind in LEFT_OUT_EVALUATORS:
-            return ev.Verdict("error", {"error": f"the {kind} evaluator "
+            return ev.Evaluation("error", {"error": f"the {kind} evaluator "
                                                  f"({LEFT_OUT_EVALUATORS[kind]}) is not "
                                                  "supported"})
         if code != 0 and kind in _OUTPUT_EVALUATORS:
             # little-loops: an evaluator that reads output does not judge a failed action.
-            return ev.Verdict("error", {"exit_code": code,
+            return ev.Evaluation("error", {"exit_code": code,
                                         "error": f"action exited with code {code}"})
         if kind == "exit_code":
             return ev.exit_code(code)
@@ -721,10 +721,11 @@ class LoopAgent:
         # convergence
         current = ev.parse_number(text)
         if current is None:
-            return ev.Verdict("error", {"error": f"output is not a number: {text.strip()[:100]!r}"})
+            return ev.Evaluation("error",
+                                 {"error": f"output is not a number: {text.strip()[:100]!r}"})
         target = ev.parse_number(str(self._param(spec.target, ns)))
         if target is None:
-            return ev.Verdict("error", {"error": f"target is not a number: {spec.target!r}"})
+            return ev.Evaluation("error", {"error": f"target is not a number: {spec.target!r}"})
         tolerance = ev.parse_number(str(self._param(spec.tolerance, ns) or 0)) or 0.0
         previous: float | None = self.last_values.get(st.name)
         if spec.previous is not None:
@@ -736,22 +737,22 @@ class LoopAgent:
         return ev.convergence(current, previous, target, tolerance=abs(tolerance),
                               direction=spec.direction)
 
-    async def _diff_stall(self, state: str, spec: EvaluateSpec) -> ev.Verdict:
+    async def _diff_stall(self, state: str, spec: EvaluateSpec) -> ev.Evaluation:
         """little-loops' diff_stall: `no` once `git diff --stat` has not changed for
         `max_stall` evaluations in a row; `yes` otherwise (the first look included)."""
         argv = ["git", "diff", "--stat", *(["--", *spec.scope] if spec.scope else [])]
         result = await run_process(argv, cwd=self.cwd, timeout=30.0, grace=self.grace)
         if result.exit_code != 0:
-            return ev.Verdict("error", {"error": f"git diff failed: "
+            return ev.Evaluation("error", {"error": f"git diff failed: "
                                                  f"{(result.stderr or result.output)[:200]}"})
         previous = self.diff_stalls.get(state)
         if previous is None or previous[0] != result.output:
             self.diff_stalls[state] = (result.output, 0)
-            return ev.Verdict("yes", {"stall_count": 0, "max_stall": spec.max_stall,
+            return ev.Evaluation("yes", {"stall_count": 0, "max_stall": spec.max_stall,
                                       "diff_changed": True})
         count = previous[1] + 1
         self.diff_stalls[state] = (result.output, count)
-        return ev.Verdict("no" if count >= spec.max_stall else "yes",
+        return ev.Evaluation("no" if count >= spec.max_stall else "yes",
                           {"stall_count": count, "max_stall": spec.max_stall,
                            "diff_changed": False})
 
@@ -761,7 +762,7 @@ class LoopAgent:
 
     # --------------------------------------------------------------- sub-loop
 
-    async def _subloop(self, st: StateSpec, ctx: RunContext, *, sim: bool) -> ev.Verdict:
+    async def _subloop(self, st: StateSpec, ctx: RunContext, *, sim: bool) -> ev.Evaluation:
         child_spec = st.child
         if child_spec is None:
             try:
@@ -772,7 +773,7 @@ class LoopAgent:
                     # scenario decides its verdict, as for an action.
                     assert self._sim is not None
                     outcome = await self._sim.outcome(st.name, self._sim_note)
-                    verdict = ev.Verdict(_simulated_verdict("loop", outcome),
+                    verdict = ev.Evaluation(_simulated_verdict("loop", outcome),
                                          {"simulated": outcome, "why": str(exc)})
                     self._sim_note = (f" [loop {st.loop}, chosen at run time] => {outcome} "
                                       f"({verdict.verdict})")
@@ -782,7 +783,7 @@ class LoopAgent:
                     return verdict
                 if not st.has_error_route():
                     raise
-                failed = ev.Verdict("error", {"error": str(exc)})
+                failed = ev.Evaluation("error", {"error": str(exc)})
                 ctx.event("evaluate", name=st.name, payload={
                     "state": st.name, "type": "loop", "verdict": "error",
                     "details": failed.details})
@@ -819,7 +820,7 @@ class LoopAgent:
             child_error: str | None = None
             ended = await child._simulate_run(ctx, child_spec.max_iterations)
             terminated_by = "terminal" if ended else "max_steps" if ended is None else "error"
-            verdict = ev.Verdict("yes" if ended and child.failure_terminal is None else
+            verdict = ev.Evaluation("yes" if ended and child.failure_terminal is None else
                                  "timeout" if ended is None and _routes(st, "timeout") else "no",
                                  {"simulated": True, "terminated_by": terminated_by})
             self._sim_note = f" [loop {child_spec.name}] => {verdict.verdict}"
@@ -844,7 +845,7 @@ class LoopAgent:
                 name = "timeout"  # little-loops: cut off mid-work goes to on_timeout
             else:
                 name = "no"
-            verdict = ev.Verdict(name, {"child_run_id": res.run_id,
+            verdict = ev.Evaluation(name, {"child_run_id": res.run_id,
                                         "child_status": str(status), "child_error": res.error,
                                         "child_reason": res.reason,
                                         "failure_terminal": child.failure_terminal,

@@ -1,6 +1,6 @@
 """Evaluators: turn what a state produced into a verdict the routes key on.
 
-Every evaluator returns a `Verdict` and never raises on bad input: text
+Every evaluator returns an `Evaluation` and never raises on bad input: text
 that does not parse gives the verdict `error` with the reason in `details`.
 Verdicts are `yes`/`no`/`error` (and `partial`/`blocked` from a model);
 `convergence` answers `target`/`progress`/`stall`.
@@ -22,7 +22,7 @@ from ._spec import EvaluateSpec, LLMSpec
 
 
 @dataclass(frozen=True, slots=True)
-class Verdict:
+class Evaluation:
     """An evaluator's answer: the routing key and what it was based on."""
 
     verdict: str
@@ -34,14 +34,14 @@ _COMPARE: dict[str, Callable[[Any, Any], bool]] = {
 }
 
 
-def exit_code(code: int) -> Verdict:
+def exit_code(code: int) -> Evaluation:
     """0 -> yes, 1 -> no, anything else (2+, killed, timed out) -> error."""
     verdict = "yes" if code == 0 else "no" if code == 1 else "error"
-    return Verdict(verdict, {"exit_code": code})
+    return Evaluation(verdict, {"exit_code": code})
 
 
 def output_contains(text: str, pattern: str, *, negate: bool = False,
-                    error_patterns: tuple[str, ...] = ()) -> Verdict:
+                    error_patterns: tuple[str, ...] = ()) -> Evaluation:
     """yes when `pattern` (a regex, or plain text if it is not one) occurs; `negate` flips it.
 
     `error_patterns` (plain text): when the pattern is not found (and not
@@ -57,8 +57,8 @@ def output_contains(text: str, pattern: str, *, negate: bool = False,
     if not matched and not negate:
         hit = next((p for p in error_patterns if p in text), None)
         if hit is not None:
-            return Verdict("error", {**details, "error_pattern": hit})
-    return Verdict("yes" if matched != negate else "no", details)
+            return Evaluation("error", {**details, "error_pattern": hit})
+    return Evaluation("yes" if matched != negate else "no", details)
 
 
 def parse_number(text: str) -> float | None:
@@ -77,16 +77,16 @@ def parse_number(text: str) -> float | None:
     return None
 
 
-def output_numeric(text: str, operator: str, target: Any) -> Verdict:
+def output_numeric(text: str, operator: str, target: Any) -> Evaluation:
     """yes when the output, read as a number, compares true against `target`."""
     value = parse_number(text)
     if value is None:
-        return Verdict("error", {"error": f"output is not a number: {_clip(text)!r}"})
+        return Evaluation("error", {"error": f"output is not a number: {_clip(text)!r}"})
     goal = _as_float(target)
     if goal is None:
-        return Verdict("error", {"error": f"target is not a number: {target!r}"})
+        return Evaluation("error", {"error": f"target is not a number: {target!r}"})
     met = _COMPARE[operator](value, goal)
-    return Verdict("yes" if met else "no",
+    return Evaluation("yes" if met else "no",
                    {"value": value, "operator": operator, "target": goal})
 
 
@@ -105,7 +105,7 @@ def json_path(data: Any, path: str) -> Any:
     return current
 
 
-def output_json(text: str, path: str, operator: str, target: Any) -> Verdict:
+def output_json(text: str, path: str, operator: str, target: Any) -> Evaluation:
     """yes when the JSON value at `path` compares true against `target`.
 
     Numbers compare numerically (a numeric string on either side counts);
@@ -114,23 +114,23 @@ def output_json(text: str, path: str, operator: str, target: Any) -> Verdict:
     try:
         data = json.loads(text)
     except ValueError as exc:
-        return Verdict("error", {"error": f"output is not JSON: {exc}"})
+        return Evaluation("error", {"error": f"output is not JSON: {exc}"})
     try:
         value = json_path(data, path)
     except KeyError:
-        return Verdict("error", {"error": f"no value at path {path!r}", "path": path})
+        return Evaluation("error", {"error": f"no value at path {path!r}", "path": path})
     details = {"value": value, "path": path, "operator": operator, "target": target}
     left, right = _as_float(value), _as_float(target)
     if left is not None and right is not None and not isinstance(value, bool) \
             and not isinstance(target, bool):
-        return Verdict("yes" if _COMPARE[operator](left, right) else "no", details)
+        return Evaluation("yes" if _COMPARE[operator](left, right) else "no", details)
     if operator not in ("eq", "ne"):
-        return Verdict("error", {**details, "error": f"{operator} needs numbers"})
-    return Verdict("yes" if (value == target) == (operator == "eq") else "no", details)
+        return Evaluation("error", {**details, "error": f"{operator} needs numbers"})
+    return Evaluation("yes" if (value == target) == (operator == "eq") else "no", details)
 
 
 def convergence(current: float, previous: float | None, target: float, *,
-                tolerance: float = 0.0, direction: str = "minimize") -> Verdict:
+                tolerance: float = 0.0, direction: str = "minimize") -> Evaluation:
     """Progress of a metric toward `target`.
 
     `target` when within `tolerance` of the target; otherwise `progress` when
@@ -141,15 +141,15 @@ def convergence(current: float, previous: float | None, target: float, *,
     details: dict[str, Any] = {"current": current, "previous": previous, "target": target,
                                "tolerance": tolerance, "direction": direction}
     if abs(current - target) <= tolerance:
-        return Verdict("target", details)
+        return Evaluation("target", details)
     if previous is None:
-        return Verdict("progress", {**details, "delta": None})
+        return Evaluation("progress", {**details, "delta": None})
     delta = current - previous
     gained = -delta if direction == "minimize" else delta
-    return Verdict("progress" if gained > tolerance else "stall", {**details, "delta": delta})
+    return Evaluation("progress" if gained > tolerance else "stall", {**details, "delta": delta})
 
 
-def mcp_result(text: str, code: int) -> Verdict:
+def mcp_result(text: str, code: int) -> Evaluation:
     """An MCP tool call's result envelope: yes unless `isError`, error if the call failed.
 
     `details["as"]` names the verdict as little-loops spells it (success,
@@ -160,21 +160,21 @@ def mcp_result(text: str, code: int) -> Verdict:
     server or tool was not found.
     """
     if code == 124:
-        return Verdict("error", {"exit_code": code, "error": "the MCP call timed out",
+        return Evaluation("error", {"exit_code": code, "error": "the MCP call timed out",
                                  "as": "timeout"})
     if code == 127:
-        return Verdict("error", {"exit_code": code, "error": "MCP server or tool not found",
+        return Evaluation("error", {"exit_code": code, "error": "MCP server or tool not found",
                                  "as": "not_found"})
     if code not in (0, 1):
-        return Verdict("error", {"exit_code": code, "error": f"the MCP call failed ({code})"})
+        return Evaluation("error", {"exit_code": code, "error": f"the MCP call failed ({code})"})
     try:
         envelope = json.loads(text) if text.strip() else {}
     except ValueError:
-        return Verdict("error", {"exit_code": code, "error": "output is not an MCP result"})
+        return Evaluation("error", {"exit_code": code, "error": "output is not an MCP result"})
     if not isinstance(envelope, Mapping):
-        return Verdict("error", {"exit_code": code, "error": "output is not an MCP result"})
+        return Evaluation("error", {"exit_code": code, "error": "output is not an MCP result"})
     is_error = bool(envelope.get("isError", code == 1))
-    return Verdict("no" if is_error else "yes", {"exit_code": code, "is_error": is_error,
+    return Evaluation("no" if is_error else "yes", {"exit_code": code, "is_error": is_error,
                                                  "as": "tool_error" if is_error else "success"})
 
 
@@ -230,12 +230,12 @@ class VerdictSource(Protocol):
 
 
 async def llm_structured(text: str, spec: EvaluateSpec, llm: LLMSpec,
-                         judge: VerdictSource | None) -> Verdict:
+                         judge: VerdictSource | None) -> Evaluation:
     """Ask the configured model for a verdict; without one, `error` saying why."""
     if not llm.enabled:
-        return Verdict("error", {"error": "LLM evaluation is disabled (llm.enabled: false)"})
+        return Evaluation("error", {"error": "LLM evaluation is disabled (llm.enabled: false)"})
     if judge is None:
-        return Verdict("error", {"error": "llm_structured needs a model and none is configured "
+        return Evaluation("error", {"error": "llm_structured needs a model and none is configured "
                                           "(wire a VerdictSource into LoopAgent(judge=...))"})
     request = JudgeRequest(prompt=spec.prompt or DEFAULT_PROMPT, output=text[-MAX_JUDGED_CHARS:],
                            schema=spec.schema or DEFAULT_SCHEMA, model=llm.model,
@@ -245,11 +245,12 @@ async def llm_structured(text: str, spec: EvaluateSpec, llm: LLMSpec,
         try:
             answer = await judge(request)
         except Exception as exc:
-            return Verdict("error", {"error": f"the model failed: {type(exc).__name__}: {exc}"})
+            return Evaluation("error", {"error": f"the model failed: {type(exc).__name__}: {exc}"})
     if answer is None:
-        return Verdict("error", {"error": f"the model did not answer within {llm.timeout:g}s"})
+        return Evaluation("error", {"error": f"the model did not answer within {llm.timeout:g}s"})
     if not isinstance(answer, Mapping) or not isinstance(answer.get("verdict"), str):
-        return Verdict("error", {"error": f"the model's answer has no verdict: {answer!r}"[:300]})
+        why = f"the model's answer has no verdict: {answer!r}"[:300]
+        return Evaluation("error", {"error": why})
     verdict = answer["verdict"].strip().lower()
     verdict = _ALIASES.get(verdict, verdict)
     confidence = _as_float(answer.get("confidence", 1.0))
@@ -257,7 +258,7 @@ async def llm_structured(text: str, spec: EvaluateSpec, llm: LLMSpec,
     confident = confidence >= spec.min_confidence
     if spec.uncertain_suffix and not confident:
         verdict += "_uncertain"
-    return Verdict(verdict, {"confidence": confidence, "confident": confident,
+    return Evaluation(verdict, {"confidence": confidence, "confident": confident,
                              "reason": str(answer.get("reason", ""))[:1000]})
 
 

@@ -20,6 +20,9 @@ a pluggable `Judge`; `RulesJudge` with a `CriticPolicy` is the default::
     result = await Kernel(Ports(critic=critic)).run(agent, info, limits)
 """
 
+import warnings
+from typing import TYPE_CHECKING, Any
+
 from ._evidence import Novelty as Novelty
 from ._evidence import call_key as call_key
 from ._evidence import line_key as line_key
@@ -33,13 +36,13 @@ from ._judge import REPEATING as REPEATING
 from ._judge import STALLED as STALLED
 from ._judge import TOOL_TIMEOUT as TOOL_TIMEOUT
 from ._judge import WAITING_INPUT as WAITING_INPUT
+from ._judge import Decision as Decision
 from ._judge import Intervention as Intervention
 from ._judge import Judge as Judge
 from ._judge import Outcome as Outcome
 from ._judge import Process as Process
 from ._judge import RulesJudge as RulesJudge
 from ._judge import RunView as RunView
-from ._judge import Verdict as Verdict
 from ._judge import Window as Window
 from ._judge import find_loop as find_loop
 from ._policy import CriticPolicy as CriticPolicy
@@ -60,6 +63,7 @@ __all__ = [
     "TOOL_TIMEOUT",
     "WAITING_INPUT",
     "CriticPolicy",
+    "Decision",
     "Intervention",
     "Judge",
     "Novelty",
@@ -71,7 +75,6 @@ __all__ = [
     "RulesJudge",
     "RunView",
     "TreeSample",
-    "Verdict",
     "WatchCritic",
     "WatchHandle",
     "Window",
@@ -81,3 +84,20 @@ __all__ = [
     "mask_volatile",
     "masked_call_key",
 ]
+
+
+# Names renamed in 0.2 (see README, "Renamed names"): still importable for one
+# release, with a DeprecationWarning; type checkers see them as plain aliases.
+_RENAMED = {"Verdict": "Decision"}
+
+if TYPE_CHECKING:
+    Verdict = Decision
+
+
+def __getattr__(name: str) -> Any:
+    if name in _RENAMED:
+        new = _RENAMED[name]
+        warnings.warn(f"{__name__}.{name} is deprecated: use {new}", DeprecationWarning,
+                      stacklevel=2)
+        return globals()[new]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

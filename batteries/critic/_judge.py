@@ -1,4 +1,4 @@
-"""The judging policy: what a judge sees (`RunView`), what it answers (`Verdict`), the rules.
+"""The judging policy: what a judge sees (`RunView`), what it answers (`Decision`), the rules.
 
 The watch handle (`_watch.py`) is mechanism: it keeps the evidence, moves
 the deadline, queues nudges, remembers a kill and writes the audit. A
@@ -238,7 +238,7 @@ class RunView:
 
 
 @dataclass(slots=True, frozen=True)
-class Verdict:
+class Decision:
     """One decision of a judge; the watch handle applies it and audits it.
 
     Build them with the class methods. `reason` is a short token analysts
@@ -256,31 +256,31 @@ class Verdict:
 
     @classmethod
     def extend(cls, reason: str, *, by: float, step_bonus: int = 0, detail: str = "",
-               evidence: Mapping[str, Any] | None = None) -> Verdict:
+               evidence: Mapping[str, Any] | None = None) -> Decision:
         """Move the deadline `by` seconds (never past the backstop); raise the ceiling."""
         return cls("extend", reason, detail, None, by, step_bonus, dict(evidence or {}))
 
     @classmethod
     def expire(cls, reason: str, *, detail: str = "",
-               evidence: Mapping[str, Any] | None = None) -> Verdict:
+               evidence: Mapping[str, Any] | None = None) -> Decision:
         """Let the deadline stand: when it comes, the run ends `timeout`."""
         return cls("expire", reason, detail, evidence=dict(evidence or {}))
 
     @classmethod
     def steer(cls, reason: str, message: str, *, detail: str = "",
-              evidence: Mapping[str, Any] | None = None) -> Verdict:
+              evidence: Mapping[str, Any] | None = None) -> Decision:
         """Queue `message` for the agent and open an intervention for `reason`."""
         return cls("steer", reason, detail, message, evidence=dict(evidence or {}))
 
     @classmethod
     def resume(cls, reason: str, *, detail: str = "",
-               evidence: Mapping[str, Any] | None = None) -> Verdict:
+               evidence: Mapping[str, Any] | None = None) -> Decision:
         """Close the open intervention: the run recovered (audited as `continue`)."""
         return cls("continue", reason, detail, evidence=dict(evidence or {}))
 
     @classmethod
     def kill(cls, reason: str, *, detail: str = "",
-             evidence: Mapping[str, Any] | None = None) -> Verdict:
+             evidence: Mapping[str, Any] | None = None) -> Decision:
         """End the run `killed` with `reason`."""
         return cls("kill", reason, detail, evidence=dict(evidence or {}))
 
@@ -295,7 +295,7 @@ class Judge(Protocol):
     (An LLM judge would ask its model from a task of its own and answer None
     until it hears back.)
 
-    Return None when there is nothing new to decide. Every `Verdict`
+    Return None when there is nothing new to decide. Every `Decision`
     returned is applied and audited as a `critic` event named by its action,
     then the judge is asked again at once (a few times at most), so it can
     follow a `continue` with an `extend` in the same moment. Verdicts:
@@ -313,7 +313,7 @@ class Judge(Protocol):
     charge and the failure is reported on the result.
     """
 
-    def judge(self, view: RunView) -> Verdict | None:
+    def judge(self, view: RunView) -> Decision | None:
         """Decide, or return None."""
 
     # Optional: `quiet_until(view) -> float | None`. Right after `judge` returned
@@ -365,7 +365,7 @@ class RulesJudge:
     def __init__(self, policy: CriticPolicy | None = None) -> None:
         self.policy = policy if policy is not None else CriticPolicy()
 
-    def judge(self, view: RunView) -> Verdict | None:
+    def judge(self, view: RunView) -> Decision | None:
         """Apply the rules above to `view`."""
         iv = view.intervention
         if iv is not None:
@@ -417,12 +417,12 @@ class RulesJudge:
             return self.policy.tool_timeout
         return None
 
-    def _follow_up(self, view: RunView, iv: Intervention) -> Verdict | None:
+    def _follow_up(self, view: RunView, iv: Intervention) -> Decision | None:
         p = self.policy
         reason = iv.reason
         if reason in (STALLED, WAITING_INPUT):
             if iv.activity_since:
-                return Verdict.resume(
+                return Decision.resume(
                     "recovered", detail=f"progress resumed {view.elapsed - iv.at:.1f}s "
                                         "after the nudge",
                     evidence={"after": reason, "activity_since": iv.activity_since,
@@ -431,7 +431,7 @@ class RulesJudge:
                     and view.idle >= p.idle_timeout + p.effective_grace):
                 what = ("blocked reading its terminal or stdin" if reason == WAITING_INPUT
                         else "no progress")
-                return Verdict.kill(
+                return Decision.kill(
                     reason, detail=f"{what} for {view.idle:.1f}s, nudged at {iv.at:.1f}s",
                     evidence={"nudged_at_s": round(iv.at, 3), "delivered": iv.delivered,
                               **view.counters()})
@@ -441,56 +441,56 @@ class RulesJudge:
             first = len(calls) - iv.calls_after_delivery
             block = list(iv.evidence.get("calls") or [])
             if 0 <= first < len(calls) and calls[first] in block:
-                return Verdict.kill(
+                return Decision.kill(
                     LOOPING, detail=_loop_sentence(iv.evidence, iv.at, carried_on=True),
                     evidence={**iv.evidence, "nudged_at_s": round(iv.at, 3),
                               "nudges": view.nudges.get(LOOPING, 0), **view.counters()})
-            return Verdict.resume(
+            return Decision.resume(
                 "recovered", detail="the agent changed course after the loop nudge",
                 evidence={"after": LOOPING,
                           "call": calls[first] if 0 <= first < len(calls) else None})
         if reason == REPEATED_ERROR and iv.ends_after_delivery:
             repeats = int(iv.evidence.get("repeats", 0))
             if view.error_streak > repeats:
-                return Verdict.kill(REPEATED_ERROR, detail=(
+                return Decision.kill(REPEATED_ERROR, detail=(
                     f"the same error {view.error_streak} times in a row: "
                     f"{_short(view.last_error or '')}, nudged at {iv.at:.1f}s"),
                     evidence={**iv.evidence, "repeats": view.error_streak,
                               "nudged_at_s": round(iv.at, 3), **view.counters()})
-            return Verdict.resume("recovered", detail="the error changed after the nudge",
+            return Decision.resume("recovered", detail="the error changed after the nudge",
                                   evidence={"after": REPEATED_ERROR})
         if reason == REPEATING and iv.steps_after_delivery:
             repeats = int(iv.evidence.get("repeats", 0))
             if view.message_streak > repeats:
-                return Verdict.kill(REPEATING, detail=(
+                return Decision.kill(REPEATING, detail=(
                     f"said the same thing {view.message_streak} times in a row: "
                     f"\"{_short(view.last_message or '', 60)}\", nudged at {iv.at:.1f}s"),
                     evidence={**iv.evidence, "repeats": view.message_streak,
                               "nudged_at_s": round(iv.at, 3), **view.counters()})
-            return Verdict.resume("recovered", detail="the agent said something new",
+            return Decision.resume("recovered", detail="the agent said something new",
                                   evidence={"after": REPEATING})
         if reason == EMPTY_ANSWER and iv.steps_after_delivery:
             if view.empty_answers > int(iv.evidence.get("repeats", 1)):
-                return Verdict.kill(EMPTY_ANSWER, detail=(
+                return Decision.kill(EMPTY_ANSWER, detail=(
                     f"answered with an empty message {view.empty_answers} times, "
                     f"nudged at {iv.at:.1f}s"),
                     evidence={"repeats": view.empty_answers, "nudged_at_s": round(iv.at, 3),
                               **view.counters()})
-            return Verdict.resume("recovered", detail="the agent answered after the nudge",
+            return Decision.resume("recovered", detail="the agent answered after the nudge",
                                   evidence={"after": EMPTY_ANSWER})
         return None
 
-    def _hung(self, view: RunView) -> Verdict | None:
+    def _hung(self, view: RunView) -> Decision | None:
         bound = self._flight_bound(view)
         if bound is None or view.in_flight_s < bound:
             return None
         reason = MODEL_TIMEOUT if view.in_flight == "model" else TOOL_TIMEOUT
         what = "a model request" if view.in_flight == "model" else "a tool call"
-        return Verdict.kill(reason, detail=f"{what} in flight for {view.in_flight_s:.1f}s "
+        return Decision.kill(reason, detail=f"{what} in flight for {view.in_flight_s:.1f}s "
                                            f"without a reply (bound {bound:g}s)",
                             evidence={"bound_s": bound, **view.counters()})
 
-    def _repetition(self, view: RunView) -> Verdict | None:
+    def _repetition(self, view: RunView) -> Decision | None:
         trigger = view.trigger
         if trigger == "tool_end" or (trigger == "tool_start" and not view.reports_results):
             verdict = self._loop(view)
@@ -521,15 +521,15 @@ class RulesJudge:
         return None
 
     def _nudge_or_kill(self, view: RunView, reason: str, what: str, message: str,
-                       evidence: dict[str, Any]) -> Verdict:
+                       evidence: dict[str, Any]) -> Decision:
         nudged = view.nudges.get(reason, 0)
         if nudged >= self.policy.loop_nudges:
-            return Verdict.kill(reason, detail=f"{what}, after {nudged} nudge(s)",
+            return Decision.kill(reason, detail=f"{what}, after {nudged} nudge(s)",
                                 evidence={**evidence, "nudges": nudged, **view.counters()})
-        return Verdict.steer(reason, message, detail=what,
+        return Decision.steer(reason, message, detail=what,
                              evidence={**evidence, **view.counters()})
 
-    def _loop(self, view: RunView) -> Verdict | None:
+    def _loop(self, view: RunView) -> Decision | None:
         p = self.policy
         with_results = view.reports_results
         if with_results:
@@ -560,7 +560,7 @@ class RulesJudge:
             evidence["results"] = results
         nudged = view.nudges.get(LOOPING, 0)
         if nudged >= p.loop_nudges:
-            return Verdict.kill(LOOPING, detail=_loop_sentence(evidence, None) + (
+            return Decision.kill(LOOPING, detail=_loop_sentence(evidence, None) + (
                 f", after {nudged} nudge(s)"), evidence={**evidence, "nudges": nudged,
                                                          **view.counters()})
         if period == 1:
@@ -571,10 +571,10 @@ class RulesJudge:
             same = " with the same results" if with_results else ""
         message = (f"You have called {what}{same}; it is not moving the task forward. "
                    f"{_STEER_TAIL}")
-        return Verdict.steer(LOOPING, message, detail=_loop_sentence(evidence, None),
+        return Decision.steer(LOOPING, message, detail=_loop_sentence(evidence, None),
                              evidence={**evidence, **view.counters()})
 
-    def _stall(self, view: RunView, iv: Intervention | None) -> Verdict | None:
+    def _stall(self, view: RunView, iv: Intervention | None) -> Decision | None:
         p = self.policy
         if view.in_flight is not None or p.idle_timeout is None or view.idle < p.idle_timeout:
             return None
@@ -584,7 +584,7 @@ class RulesJudge:
         if proc is not None and proc.waiting_input:
             message = (f"No progress for {view.idle:.0f}s: the process is waiting for input "
                        "on its terminal or stdin. Answer it, or stop it and do without.")
-            return Verdict.steer(WAITING_INPUT, message, detail=(
+            return Decision.steer(WAITING_INPUT, message, detail=(
                 f"blocked reading its terminal or stdin for {view.idle:.1f}s "
                 f"({', '.join(proc.waits) or 'read'})"),
                 evidence={"idle_timeout": p.idle_timeout, "grace": p.effective_grace,
@@ -592,12 +592,12 @@ class RulesJudge:
         message = (f"No progress for {view.idle:.0f}s: no step, tool call, new output or "
                    "working process. If you are stuck, say what is blocking you and try "
                    "another way; if you are done, finish now.")
-        return Verdict.steer(
+        return Decision.steer(
             STALLED, message, detail=f"no progress for {view.idle:.1f}s",
             evidence={"idle_timeout": p.idle_timeout, "grace": p.effective_grace,
                       **view.counters()})
 
-    def _progress(self, view: RunView) -> Verdict:
+    def _progress(self, view: RunView) -> Decision:
         p, w = self.policy, view.window
         evidence = {"window_s": round(w.seconds, 3), "steps": w.steps,
                     "tool_calls": w.tool_calls, "activity": w.activity,
@@ -605,18 +605,18 @@ class RulesJudge:
         counts = (f"{w.steps} step(s), {w.tool_calls} tool call(s), {w.activity} other "
                   f"event(s) in the last {w.seconds:.1f}s")
         if not w.progressed and p.idle_timeout is None:
-            return Verdict.expire("no_progress", detail=f"nothing happened in the last "
+            return Decision.expire("no_progress", detail=f"nothing happened in the last "
                                                         f"{w.seconds:.1f}s", evidence=evidence)
         if view.extensions >= p.max_extensions:
-            return Verdict.expire("max_extensions", detail=f"{counts}, but all "
+            return Decision.expire("max_extensions", detail=f"{counts}, but all "
                                   f"{p.max_extensions} extensions are used", evidence=evidence)
         by = p.extend_by or view.soft_timeout or w.seconds
         if not w.progressed:
-            return Verdict.extend("quiet", by=by, step_bonus=0, evidence=evidence, detail=(
+            return Decision.extend("quiet", by=by, step_bonus=0, evidence=evidence, detail=(
                 f"nothing happened in the last {w.seconds:.1f}s; silence is judged by "
                 f"the stall rule ({p.idle_timeout:g}s + {p.effective_grace:g}s grace)"))
         bonus = p.step_bonus if p.step_bonus is not None else max(1, w.steps)
-        return Verdict.extend("progressing", by=by, step_bonus=bonus, detail=counts,
+        return Decision.extend("progressing", by=by, step_bonus=bonus, detail=counts,
                               evidence=evidence)
 
 

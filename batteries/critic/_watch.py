@@ -40,6 +40,7 @@ from ._evidence import (
     result_key,
 )
 from ._judge import (
+    Decision,
     Intervention,
     Judge,
     Outcome,
@@ -47,7 +48,6 @@ from ._judge import (
     RulesJudge,
     RunView,
     Trigger,
-    Verdict,
     Window,
 )
 from ._policy import CriticPolicy
@@ -507,10 +507,10 @@ class WatchHandle:
             process=merge(self._figures.values()),
         )
 
-    def _apply(self, verdict: Verdict, now: float) -> None:
+    def _apply(self, verdict: Decision, now: float) -> None:
         who = type(self._judge).__name__
-        if not isinstance(verdict, Verdict):
-            raise TypeError(f"Judge {who} returned {type(verdict).__name__}, not a Verdict")
+        if not isinstance(verdict, Decision):
+            raise TypeError(f"Judge {who} returned {type(verdict).__name__}, not a Decision")
         payload: dict[str, Any] = {"reason": verdict.reason, "detail": verdict.detail,
                                    "at_s": self._rel(now)}
         action = verdict.action

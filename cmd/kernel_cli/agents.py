@@ -156,7 +156,7 @@ def _build_llm(*, model: str | None, base_url: str | None, prompt: str | None,
 def _build_agentcli(*, model: str | None, base_url: str | None, prompt: str | None,
                     cmd: str | None, api_key_env: str | None, allow_shell: bool,
                     context: dict[str, str]) -> tuple[Agent, RunInfo]:
-    from adapters.agentcli import AgentCLI
+    from adapters.agentcli import CLIAgent
 
     for flag, value in (("--model", model), ("--base-url", base_url),
                         ("--api-key-env", api_key_env)):
@@ -181,7 +181,7 @@ def _build_agentcli(*, model: str | None, base_url: str | None, prompt: str | No
         raise ConfigError(f"--cmd: command not found or not executable: {exe}")
     env = {f"KERNEL_CTX_{k.upper().replace('-', '_').replace('.', '_')}": v
            for k, v in context.items()}
-    agent = AgentCLI(argv, env=env or None)
+    agent = CLIAgent(argv, env=env or None)
     info = RunInfo(
         name=shlex.join(argv)[:200], subject_id=f"agentcli:{os.path.basename(exe)}",
         inputs={"agent": "agentcli", "argv": argv, "prompt": prompt, "context": dict(context)})

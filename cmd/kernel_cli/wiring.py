@@ -95,12 +95,12 @@ def _delivery(opts: PortOptions, first: Delivery | None) -> Delivery | None:
     """`first` (the CLI's own capture), then --deliver-dir and each --webhook."""
     chosen: list[Delivery] = [first] if first is not None else []
     if opts.deliver_dir or opts.webhooks:
-        from batteries.delivery import DirectoryDelivery, FanOut, WebhookDelivery
+        from batteries.delivery import DirectoryDelivery, FanOutDelivery, WebhookDelivery
 
         if opts.deliver_dir:
             chosen.append(DirectoryDelivery(opts.deliver_dir))
         chosen.extend(WebhookDelivery(url) for url in opts.webhooks)
-        return FanOut(chosen)
+        return FanOutDelivery(chosen)
     return first
 
 

@@ -12,8 +12,8 @@ import pytest
 from procs import gone
 
 from adapters.agentcli import (
-    AgentCLI,
     AgentEvent,
+    CLIAgent,
     EventType,
     Lifecycle,
     State,
@@ -29,12 +29,12 @@ LIMITS = Limits(timeout=20, poll_interval=0.02)
 
 
 
-def fake(scenario: str, *extra: str, **kw: Any) -> AgentCLI:
-    """An AgentCLI running the stand-in with `scenario`."""
-    return AgentCLI([sys.executable, FAKE, scenario, *extra], **kw)
+def fake(scenario: str, *extra: str, **kw: Any) -> CLIAgent:
+    """An CLIAgent running the stand-in with `scenario`."""
+    return CLIAgent([sys.executable, FAKE, scenario, *extra], **kw)
 
 
-async def run(agent: AgentCLI, critic: Critic | None = None,
+async def run(agent: CLIAgent, critic: Critic | None = None,
               limits: Limits = LIMITS) -> tuple[Any, list[AuditEvent]]:
     audit = MemoryAudit()
     result = await Kernel(Ports(audit=audit, critic=critic)).run(agent, RunInfo(name="cli"),
@@ -331,7 +331,7 @@ class TestAgentCLIRun:
 
     async def test_start_has_its_own_bound(self) -> None:
         """Before its first event a CLI gets start_ttl, not idle_ttl; then it is killed."""
-        agent = AgentCLI([sys.executable, "-c", "import time; time.sleep(30)"],
+        agent = CLIAgent([sys.executable, "-c", "import time; time.sleep(30)"],
                          idle_ttl=0.3, start_ttl=1.5, grace=0.5)
         t0 = time.monotonic()
         result, events = await run(agent)
@@ -394,7 +394,7 @@ class TestAgentCLIRun:
 
     async def test_missing_executable(self) -> None:
         """A command that does not exist ends `error` (exit 127) without a traceback."""
-        result, _ = await run(AgentCLI(["no-such-agent-cli-xyz", "-p", "hi"]))
+        result, _ = await run(CLIAgent(["no-such-agent-cli-xyz", "-p", "hi"]))
         assert result.status is Status.ERROR and result.exit_code == 127
         assert result.error is not None
         assert result.error.startswith("cannot start 'no-such-agent-cli-xyz'")

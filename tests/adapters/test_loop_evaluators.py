@@ -22,7 +22,7 @@ class TestExitCode:
                                                    (124, "error"), (137, "error")])
     def test_codes_map_to_verdicts(self, code: int, verdict: str) -> None:
         """0 is yes, 1 is no, 2 and above (timeouts, signals) are error."""
-        assert ev.exit_code(code) == ev.Verdict(verdict, {"exit_code": code})
+        assert ev.exit_code(code) == ev.Evaluation(verdict, {"exit_code": code})
 
 
 class TestOutputContains:
@@ -162,7 +162,7 @@ class TestLlmStructured:
         judge = Judge({"verdict": "Success", "confidence": 0.9, "reason": "green"})
         verdict = await ev.llm_structured("x" * 5000 + "BUILD OK", self.SPEC,
                                           LLMSpec(model="small"), judge)
-        assert verdict == ev.Verdict("yes", {"confidence": 0.9, "confident": True,
+        assert verdict == ev.Evaluation("yes", {"confidence": 0.9, "confident": True,
                                              "reason": "green"})
         (request,) = judge.requests
         assert request.prompt == "Did the build pass?"

@@ -9,7 +9,7 @@ from typing import Any
 from clients import CLIENTS, client_env, require
 from fake_models import FakeModelServer, Reply
 
-from adapters.agentcli import SessionAgentCLI, preset
+from adapters.agentcli import SessionCLIAgent, preset
 from batteries.critic import CriticPolicy, WatchCritic
 from kernel import Critic, Kernel, Limits, Ports, Result, RunInfo
 from kernel.testing import AuditEvent, MemoryAudit
@@ -27,7 +27,7 @@ class Outcome:
     result: Result
     events: list[AuditEvent]
     server: FakeModelServer
-    agent: SessionAgentCLI
+    agent: SessionCLIAgent
 
     def kinds(self, *wanted: str) -> list[AuditEvent]:
         """The audit events of these kinds, in order."""

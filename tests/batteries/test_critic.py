@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import trio
 
-from batteries.critic import LOOPING, STALLED, CriticPolicy, RunView, Verdict, WatchCritic
+from batteries.critic import LOOPING, STALLED, CriticPolicy, Decision, RunView, WatchCritic
 from kernel import Kernel, Limits, Message, Ports, RunContext, RunInfo, Status, Step, ToolCall
 from kernel.testing import AuditEvent, Hang, MemoryAudit, ScriptedAgent
 
@@ -342,9 +342,9 @@ class TestPluggableJudge:
         """A host's own Judge replaces the rules: its kill and reason end the run."""
 
         class Strict:
-            def judge(self, view: RunView) -> Verdict | None:
+            def judge(self, view: RunView) -> Decision | None:
                 if view.steps >= 2:
-                    return Verdict.kill("over_budget", detail=f"{view.steps} steps is too many")
+                    return Decision.kill("over_budget", detail=f"{view.steps} steps is too many")
                 return None
 
         result, audit = await run(Steady(1), Limits(poll_interval=POLL), judge=Strict())
@@ -357,7 +357,7 @@ class TestPluggableJudge:
         """A judge that raises is dropped for the run; the run goes on to its real status."""
 
         class Broken:
-            def judge(self, view: RunView) -> Verdict | None:
+            def judge(self, view: RunView) -> Decision | None:
                 raise RuntimeError("judge broke")
 
         result, _ = await run(Steady(1, count=3), Limits(), judge=Broken())
@@ -370,8 +370,8 @@ class TestPluggableJudge:
         """An extension of 0 s is refused with an error naming the judge, not applied."""
 
         class Stingy:
-            def judge(self, view: RunView) -> Verdict | None:
-                return Verdict.extend("progressing", by=0) if view.due else None
+            def judge(self, view: RunView) -> Decision | None:
+                return Decision.extend("progressing", by=0) if view.due else None
 
         result, _ = await run(Steady(1), Limits(soft_timeout=10, timeout=30), judge=Stingy())
         assert result.status is Status.TIMEOUT

@@ -13,10 +13,10 @@ from batteries.critic import (
     LOOPING,
     STALLED,
     CriticPolicy,
+    Decision,
     Intervention,
     RulesJudge,
     RunView,
-    Verdict,
     WatchCritic,
     Window,
     call_key,
@@ -232,7 +232,7 @@ class TestHandle:
         holder: list[Any] = []
 
         class Nosy:
-            def judge(self, view: RunView) -> Verdict | None:
+            def judge(self, view: RunView) -> Decision | None:
                 holder[0].kill_cause()
                 return None
 
@@ -257,7 +257,7 @@ class CountingJudge(RulesJudge):
 
     calls = 0
 
-    def judge(self, view: RunView) -> Verdict | None:
+    def judge(self, view: RunView) -> Decision | None:
         self.calls += 1
         return super().judge(view)
 

@@ -23,11 +23,11 @@ from batteries.critic import (
     STALLED,
     WAITING_INPUT,
     CriticPolicy,
+    Decision,
     Novelty,
     RulesJudge,
     RunView,
     TreeSample,
-    Verdict,
     WatchCritic,
     line_key,
     mask_volatile,
@@ -467,12 +467,12 @@ class TestProcessEvidence:
 class CountingJudge(RulesJudge):
     calls = 0
 
-    def judge(self, view: RunView) -> Verdict | None:
+    def judge(self, view: RunView) -> Decision | None:
         self.calls += 1
         return super().judge(view)
 
 
-class CLIAgent:
+class LoopingCLIStandIn:
     """A CLI agent in one long step: reports the same tool call again and again (no
     results), takes nudges mid-step, then exits on its own without a checkpoint."""
 
@@ -494,7 +494,7 @@ class CLIAgent:
 class TestKillAtOnce:
     async def test_a_cli_loop_is_killed_at_the_tool_start_after_the_nudge(
             self, autojump_clock: trio.abc.Clock) -> None:
-        agent = CLIAgent()
+        agent = LoopingCLIStandIn()
         result, _, _ = await run(agent)
         assert result.status is Status.KILLED and result.reason == LOOPING
         # Nudged at the 3rd start (delivered mid-step); the 4th start is the kill,

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import trio
 
-from batteries.delivery import DirectoryDelivery, FanOut, StdoutDelivery, WebhookDelivery
+from batteries.delivery import DirectoryDelivery, FanOutDelivery, StdoutDelivery, WebhookDelivery
 from kernel import Kernel, Ports, RunInfo, Status, Step
 from kernel.testing import MemoryAudit, ScriptedAgent
 
@@ -222,7 +222,7 @@ class TestStdoutAndFanOut:
     async def test_text_and_json(self) -> None:
         """Text mode prints the output; JSON mode prints one result object."""
         text, js = io.StringIO(), io.StringIO()
-        fan = FanOut([StdoutDelivery(stream=text), StdoutDelivery(as_json=True, stream=js)])
+        fan = FanOutDelivery([StdoutDelivery(stream=text), StdoutDelivery(as_json=True, stream=js)])
         result = await Kernel(Ports(delivery=fan)).run(
             ScriptedAgent([Step(output="out", final=True)]))
         assert text.getvalue() == "out\n"
@@ -233,7 +233,7 @@ class TestStdoutAndFanOut:
         blocker = tmp_path / "file"
         blocker.write_text("")
         out = io.StringIO()
-        fan = FanOut([DirectoryDelivery(blocker / "x"), StdoutDelivery(stream=out)])
+        fan = FanOutDelivery([DirectoryDelivery(blocker / "x"), StdoutDelivery(stream=out)])
         result = await Kernel(Ports(delivery=fan)).run(
             ScriptedAgent([Step(output="still here", final=True)]))
         assert out.getvalue() == "still here\n"

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from http_fakes import send_json, serving
 
-from adapters.agentcli import AgentCLI, SessionAgentCLI
+from adapters.agentcli import CLIAgent, SessionCLIAgent
 from adapters.llm import LLMAgent
 from kernel import ConfigError
 from kernel_cli.agents import build_agent
@@ -109,7 +109,7 @@ class TestBuildAgentCLI:
         agent, info = agentcli(cmd=f"{sys.executable} -p --output-format stream-json",
                                prompt="fix ${context.what}",
             context={"what": "the tests; rm -rf /", "dir.name": "src"})
-        assert isinstance(agent, AgentCLI)
+        assert isinstance(agent, CLIAgent)
         assert agent.argv == [sys.executable, "-p", "--output-format", "stream-json",
                               "fix the tests; rm -rf /"]
         assert agent.env == {"KERNEL_CTX_WHAT": "the tests; rm -rf /",
@@ -257,7 +257,7 @@ class TestBuildPresets:
         """Claude Code: print mode, stream-json both ways, the task on stdin, resumable."""
         agent, info = build_preset("claude", model="sonnet", max_turns=7,
                                    prompt="fix ${context.x}", context={"x": "the bug"})
-        assert isinstance(agent, SessionAgentCLI)
+        assert isinstance(agent, SessionCLIAgent)
         assert agent.argv == [str(on_path / "claude"), "-p", "--output-format", "stream-json",
                               "--verbose", "--include-partial-messages", "--input-format",
                               "stream-json", "--model", "sonnet", "--max-turns", "7"]
