@@ -24,6 +24,7 @@ is re-raised unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import traceback
@@ -93,9 +94,12 @@ _NULL_RECORDER = _NullRecorder()
 
 
 class Kernel:
-    """Runs agents against a fixed set of ports.
+    """Runs agents against a set of ports.
 
-    Build one per host and reuse it: the ports are resolved once, here.
+    Build one per host and reuse it. Each run resolves the ports once, when
+    it starts, and keeps them to its end: assigning `kernel.ports` (or one of
+    its fields) takes effect for the runs started afterwards, never for a
+    run in flight.
 
     Args:
         ports: The host's wiring. None (or `Ports()`) gives a bounded,
@@ -104,12 +108,17 @@ class Kernel:
 
     def __init__(self, ports: Ports | None = None) -> None:
         self.ports = ports if ports is not None else Ports()
-        # Resolved once: the loop checks each of these for None exactly here.
-        self._audit: Audit | None = self.ports.audit
-        self._budget: Budget | None = self.ports.budget
-        self._critic: Critic | None = self.ports.critic
-        self._checkpointer: Checkpointer | None = self.ports.checkpointer
-        self._delivery: Delivery | None = self.ports.delivery
+
+    @property
+    def ports(self) -> Ports:
+        """The ports the next run starts with (see the class docstring)."""
+        return self._ports
+
+    @ports.setter
+    def ports(self, ports: Ports) -> None:
+        if not isinstance(ports, Ports):
+            raise TypeError(f"Kernel.ports must be a Ports, got {type(ports).__name__}")
+        self._ports = ports
 
     async def run(
         self,
@@ -143,6 +152,13 @@ class _Run:
     def __init__(self, kernel: Kernel, agent: Agent, info: RunInfo, limits: Limits,
                  resume: Checkpoint | None) -> None:
         self.k = kernel
+        # The ports, resolved once for the whole run: the loop checks each for None here.
+        ports = kernel.ports
+        self.audit: Audit | None = ports.audit
+        self.budget: Budget | None = ports.budget
+        self.critic: Critic | None = ports.critic
+        self.checkpointer: Checkpointer | None = ports.checkpointer
+        self.delivery: Delivery | None = ports.delivery
         self.agent = agent
         self.info = info
         self.limits = limits
@@ -160,6 +176,8 @@ class _Run:
         self.steps = resume.steps if resume else 0
         self.tool_calls = resume.tool_calls if resume else 0
         self.usage = resume.usage if resume else Usage()
+        self.child_usage = Usage()  # what child runs used: counts against this run's caps
+        self.child_tool_calls = 0
         self.in_step = False
         self.pending_steer: list[Message] = []
         self.artifacts: dict[str, str | bytes] = {}
@@ -310,7 +328,7 @@ class _Run:
     # ------------------------------------------------------------------- run
 
     async def execute(self) -> Result:
-        k, info, limits = self.k, self.info, self.limits
+        info, limits = self.info, self.limits
         self.started = trio.current_time()
         if limits.timeout is not None:
             self.backstop = self.started + limits.timeout
@@ -337,9 +355,9 @@ class _Run:
         if refused:
             return await self.finalize(commit_budget=False)
 
-        if k._critic is not None:
+        if self.critic is not None:
             try:
-                self.handle = k._critic.monitor(
+                self.handle = self.critic.monitor(
                     info, limits.soft_timeout,
                     backstop=None if math.isinf(self.backstop) else self.backstop,
                     max_steps=limits.max_steps, events=self._critic_event)
@@ -373,32 +391,68 @@ class _Run:
         return result
 
     async def run_child(self, agent: Agent, info: RunInfo, limits: Limits | None) -> Result:
-        """Run a sub-agent as a child run of this one (same ports, parent_run_id set)."""
-        info.parent_run_id = self.info.run_id
-        if not info.caller_id:
-            info.caller_id = self.info.caller_id
+        """Run a sub-agent as a child run of this one (same kernel, parent_run_id set).
+
+        The caller's `info` is not changed: the child runs with a copy that
+        carries `parent_run_id` (and this run's `caller_id` if it has none).
+        The child is held to what is left of this run's usage caps, and what
+        it uses counts against them once it ends (its own `runs` row keeps
+        its own usage).
+        """
+        info = dataclasses.replace(info, parent_run_id=self.info.run_id,
+                                   caller_id=info.caller_id or self.info.caller_id)
         if limits is None:
             remaining = self.effective_deadline() - trio.current_time()
-            limits = self.limits if math.isinf(remaining) else Limits(
-                max_steps=self.limits.max_steps, timeout=max(remaining, 1e-3),
-                tool_timeout=self.limits.tool_timeout, poll_interval=self.limits.poll_interval)
+            limits = self.limits if math.isinf(remaining) else dataclasses.replace(
+                self.limits, timeout=max(remaining, 1e-3))
+        if self.capped:
+            limits = self.child_caps(limits)
         self.log_event("child_start", name=info.name, payload={"child_run_id": info.run_id},
                        iteration=self.steps)
         result = await self.k.run(agent, info, limits)
+        self.child_usage += result.usage
+        self.child_tool_calls += result.tool_calls
         self.log_event("child_end", name=info.name,
                        payload={"child_run_id": info.run_id, "status": str(result.status)},
                        duration_ms=result.runtime_seconds * 1000, iteration=self.steps)
         return result
 
+    def child_caps(self, limits: Limits) -> Limits:
+        """`limits` tightened to what is left of this run's usage caps.
+
+        A cap already used up leaves the child none (0 tokens or tool calls,
+        a vanishing cost), so its first step that uses any ends it
+        `budget_exceeded`. Budget caps on steps and runtime are the child's
+        own budget check's business (it checks its caller like any run).
+        """
+        caps, used = self.caps, self.usage + self.child_usage
+        tool_calls = self.tool_calls + self.child_tool_calls
+
+        def left(cap: float | None, spent: float) -> float | None:
+            return None if cap is None else max(cap - spent, 0)
+
+        cost = left(caps.max_cost_usd, used.cost_usd)
+        return dataclasses.replace(
+            limits,
+            max_tool_calls=_tighter(limits.max_tool_calls, left(caps.max_tool_calls, tool_calls)),
+            max_input_tokens=_tighter(limits.max_input_tokens,
+                                      left(caps.max_input_tokens, used.input_tokens)),
+            max_output_tokens=_tighter(limits.max_output_tokens,
+                                       left(caps.max_output_tokens, used.output_tokens)),
+            max_total_tokens=_tighter(limits.max_total_tokens,
+                                      left(caps.max_total_tokens, used.total_tokens)),
+            max_cost_usd=_tighter(limits.max_cost_usd,
+                                  None if cost is None else max(cost, 1e-12)))
+
     async def open_run(self) -> bool:
         """The budget check, then the audit's start; True if the budget refused the run."""
-        k, info, limits = self.k, self.info, self.limits
+        info, limits = self.info, self.limits
         refused = False
-        if k._budget is not None:
+        if self.budget is not None:
             try:
-                caps = await k._budget.check(info.caller_id)
+                caps = await self.budget.check(info.caller_id)
                 if caps is not None and not isinstance(caps, UsageLimits):
-                    raise TypeError(f"Budget {type(k._budget).__name__}.check returned "
+                    raise TypeError(f"Budget {type(self.budget).__name__}.check returned "
                                     f"{type(caps).__name__}, not UsageLimits or None")
                 self.caps = _merge_caps(limits, caps)
                 self.capped = self.caps != _NO_CAPS
@@ -414,9 +468,9 @@ class _Run:
                           error=f"budget check failed: {type(exc).__name__}: {exc}",
                           reason="budget check failed")
 
-        if k._audit is not None:
+        if self.audit is not None:
             try:
-                rec = await k._audit.start_run(info)
+                rec = await self.audit.start_run(info)
                 if rec is not None:
                     self.recorder = rec
             except Exception as exc:
@@ -524,10 +578,11 @@ class _Run:
                 return
             if step.tool_calls:
                 cap = self.caps.max_tool_calls
-                if cap is not None and self.tool_calls + len(step.tool_calls) > cap:
+                used = self.tool_calls + self.child_tool_calls
+                if cap is not None and used + len(step.tool_calls) > cap:
                     self._end(Status.BUDGET_EXCEEDED,
                               error=f"usage limit max_tool_calls={cap} "
-                                    f"exceeded ({self.tool_calls} used, "
+                                    f"exceeded ({used} used, "
                                     f"{len(step.tool_calls)} more asked)",
                               reason="max_tool_calls")
                     return
@@ -542,7 +597,7 @@ class _Run:
                 self._end(Status.BUDGET_EXCEEDED,
                           error=f"usage limit {name} exceeded ({detail})", reason=name)
                 return
-            if self.k._checkpointer is not None:
+            if self.checkpointer is not None:
                 await self.maybe_checkpoint()
 
     def killed_now(self) -> bool:
@@ -582,7 +637,7 @@ class _Run:
         return msgs
 
     def usage_exceeded(self) -> tuple[str, str] | None:
-        caps, u = self.caps, self.usage
+        caps, u = self.caps, self.usage + self.child_usage if self.child_usage else self.usage
         checks: tuple[tuple[str, float | None, float], ...] = (
             ("max_input_tokens", caps.max_input_tokens, u.input_tokens),
             ("max_output_tokens", caps.max_output_tokens, u.output_tokens),
@@ -632,7 +687,7 @@ class _Run:
 
     async def checkpoint_now(self) -> None:
         """`ctx.checkpoint()`: save now, mid-step, whatever the throttle says."""
-        if self.k._checkpointer is not None and not self.limits.dry_run:
+        if self.checkpointer is not None and not self.limits.dry_run:
             await self.maybe_checkpoint(force=True)
 
     async def maybe_checkpoint(self, *, force: bool = False) -> None:
@@ -651,9 +706,9 @@ class _Run:
             self.fault("agent", "snapshot", exc)
             return
         cp = Checkpoint(self.info.run_id, self.steps, state, self.usage, self.tool_calls)
-        assert self.k._checkpointer is not None
+        assert self.checkpointer is not None
         try:
-            await self.k._checkpointer.save(cp)
+            await self.checkpointer.save(cp)
         except Exception as exc:
             self.fault("checkpointer", "save", exc)
             return
@@ -791,7 +846,6 @@ class _Run:
 
     async def finalize(self, *, commit_budget: bool) -> Result:
         """The shielded, time-bounded end of every run."""
-        k = self.k
         status = self.status if self.status is not None else Status.ERROR
         result = Result(
             status=status, run_id=self.info.run_id, name=self.info.name, output=self.output,
@@ -808,7 +862,7 @@ class _Run:
                 except Exception as exc:
                     self.fault("critic", "stop", exc)
             result.runtime_seconds = trio.current_time() - self.started
-            cp = k._checkpointer
+            cp = self.checkpointer
             if cp is not None:
                 try:
                     if status in _COMPLETE:
@@ -817,15 +871,15 @@ class _Run:
                         await cp.fail(self.info.run_id, self.error or self.reason or str(status))
                 except Exception as exc:
                     self.fault("checkpointer", "complete" if status in _COMPLETE else "fail", exc)
-            if commit_budget and k._budget is not None:
+            if commit_budget and self.budget is not None:
                 try:
-                    await k._budget.commit(self.info.caller_id, result.runtime_seconds,
+                    await self.budget.commit(self.info.caller_id, result.runtime_seconds,
                                            self.usage)
                 except Exception as exc:
                     self.fault("budget", "commit", exc)
-            if k._delivery is not None:
+            if self.delivery is not None:
                 try:
-                    await k._delivery.deliver(result)
+                    await self.delivery.deliver(result)
                 except Exception as exc:
                     self.fault("delivery", "deliver", exc)
             # Port failures go in the audit too, before the recorder closes.

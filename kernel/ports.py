@@ -2,7 +2,7 @@
 
 Hosts wire only the ports they need into `Ports(...)`; a field left `None`
 means the port is absent and the kernel uses a do-nothing stand-in, chosen
-once when the `Kernel` is built. Each protocol's docstring says whether it
+once when each run starts. Each protocol's docstring says whether it
 may block, how it must behave under concurrency, and what happens when it
 raises:
 
@@ -265,9 +265,11 @@ class Checkpointer(Protocol):
 class Delivery(Protocol):
     """Where a finished run's result goes. If None, the caller reads the `Result`.
 
-    **Protocol:** awaited once per run, after the audit is closed, shielded
-    and bounded by `Limits.finalize_timeout`. Observer: a delivery failure is
-    reported on the result and never changes the run's status.
+    **Protocol:** awaited once per run, shielded and bounded by
+    `Limits.finalize_timeout`, after the checkpoint is completed (or failed)
+    and the budget committed, and *before* the run's recorder is closed, so
+    a delivery failure is in the audit (a `port_failure` event) as well as
+    on the result. Observer: it never changes the run's status.
     """
 
     async def deliver(self, result: Result) -> None:
@@ -277,6 +279,9 @@ class Delivery(Protocol):
 @dataclass(slots=True)
 class Ports:
     """The ports a host wires. Every field is optional.
+
+    A `Kernel` reads them when each run starts (see `Kernel`): changing a
+    field affects the runs started afterwards.
 
     Attributes:
         audit: If None, audit events are discarded.

@@ -1,7 +1,9 @@
 """The `kernel` typer app and its entry point.
 
-Errors become exit codes here, at the edge, and nowhere else: bad input is
-one line on stderr and exit 2; a run's status maps to the DESIGN.md table.
+Errors become exit codes in this package, at the edge, never in the library:
+each command turns the library's errors and a run's status into its exit code
+(the DESIGN.md table), and `main` turns usage errors into one line on stderr
+and exit 2.
 """
 
 from __future__ import annotations

@@ -10,19 +10,27 @@ import trio
 import kernel
 from kernel import (
     ConfigError,
+    DeliveryError,
     Kernel,
     Limits,
     Message,
     Ports,
+    Result,
     RunContext,
     RunInfo,
+    RunStats,
     Status,
     Step,
     ToolCall,
+    Usage,
+    UsageLimits,
 )
 from kernel.testing import (
     MemoryAudit,
+    MemoryRecorder,
+    RecordingBudget,
     RecordingCheckpointer,
+    RecordingDelivery,
     ScriptedAgent,
     ScriptedCritic,
 )
@@ -189,6 +197,159 @@ class TestChildRuns:
         assert child_row.status is Status.OK
         assert {"child_start", "child_end"} <= set(audit.kinds(result.run_id))
 
+
+    async def test_the_callers_info_is_left_alone(self, autojump_clock: trio.abc.Clock) -> None:
+        """run_child records the child with parent_run_id and caller_id set, on a copy."""
+        audit = MemoryAudit()
+        given = RunInfo(name="child")
+
+        async def spawn(ctx: RunContext) -> Step:
+            await ctx.run_child(ScriptedAgent(), given)
+            return Step(final=True)
+
+        result = await Kernel(Ports(audit=audit)).run(ScriptedAgent([spawn]),
+                                                      RunInfo(name="p", caller_id="alice"))
+        assert given.parent_run_id is None and given.caller_id == ""
+        row = audit.runs[given.run_id]
+        assert row.info.parent_run_id == result.run_id and row.info.caller_id == "alice"
+
+    async def test_inherited_limits_keep_the_usage_caps(
+            self, autojump_clock: trio.abc.Clock) -> None:
+        """With limits=None the child keeps the parent's caps, less what the parent used."""
+        seen: list[Limits] = []
+
+        async def child_step(ctx: RunContext) -> Step:
+            seen.append(ctx.limits)
+            return Step(final=True)
+
+        async def spawn(ctx: RunContext) -> Step:
+            await ctx.run_child(ScriptedAgent([child_step]), RunInfo(name="child"))
+            return Step(final=True)
+
+        limits = Limits(max_cost_usd=1.0, max_total_tokens=100, max_tool_calls=5, timeout=60)
+        parent = ScriptedAgent([Step(usage=Usage(input_tokens=30, cost_usd=0.25)), spawn])
+        result = await Kernel().run(parent, RunInfo(name="p"), limits)
+        assert result.status is Status.OK
+        [child] = seen
+        assert child.max_cost_usd == pytest.approx(0.75)
+        assert (child.max_total_tokens, child.max_tool_calls) == (70, 5)
+        assert child.timeout is not None and child.timeout <= 60
+
+    async def test_given_limits_are_tightened_by_the_parents_caps(
+            self, autojump_clock: trio.abc.Clock) -> None:
+        """A child with limits of its own still cannot spend past the parent's caps."""
+        audit = MemoryAudit()
+        spender = ScriptedAgent(then=Step(usage=Usage(cost_usd=0.4)))
+        info = RunInfo(name="child")
+
+        async def spawn(ctx: RunContext) -> Step:
+            await ctx.run_child(spender, info, Limits(max_steps=50, max_cost_usd=10.0))
+            return Step()
+
+        parent = ScriptedAgent([spawn])
+        result = await Kernel(Ports(audit=audit)).run(parent, RunInfo(name="p"),
+                                                      Limits(max_cost_usd=1.0))
+        child = audit.runs[info.run_id]
+        assert child.status is Status.BUDGET_EXCEEDED and spender.calls == 3
+        # The child's spend counts against the parent's cap after the step.
+        assert result.status is Status.BUDGET_EXCEEDED and result.reason == "max_cost_usd"
+        assert parent.calls == 1 and result.usage == Usage()  # each row keeps its own usage
+
+    async def test_budget_caps_reach_the_child(self, autojump_clock: trio.abc.Clock) -> None:
+        """Caps a Budget handed the parent bound the child too (the tighter one wins)."""
+        budget = RecordingBudget(caps=UsageLimits(max_output_tokens=10))
+        seen: list[Limits] = []
+
+        async def child_step(ctx: RunContext) -> Step:
+            seen.append(ctx.limits)
+            return Step(final=True)
+
+        async def spawn(ctx: RunContext) -> Step:
+            await ctx.run_child(ScriptedAgent([child_step]), RunInfo(name="child"),
+                                Limits(max_output_tokens=50))
+            return Step(final=True)
+
+        await Kernel(Ports(budget=budget)).run(ScriptedAgent([spawn]), RunInfo(name="p"))
+        assert seen[0].max_output_tokens == 10
+
+
+class TestPortsAttribute:
+    async def test_changes_take_effect_for_later_runs(
+            self, autojump_clock: trio.abc.Clock) -> None:
+        """Assigning Kernel.ports, or a field of it, is used by the next run."""
+        k = Kernel()
+        first, second = MemoryAudit(), MemoryAudit()
+        k.ports.audit = first
+        a = await k.run(ScriptedAgent(), RunInfo(name="a"))
+        k.ports = Ports(audit=second)
+        b = await k.run(ScriptedAgent(), RunInfo(name="b"))
+        assert set(first.runs) == {a.run_id} and set(second.runs) == {b.run_id}
+
+    async def test_a_run_in_flight_keeps_its_ports(self, autojump_clock: trio.abc.Clock) -> None:
+        """Ports changed while a run is in flight do not reach that run."""
+        before, after = MemoryAudit(), MemoryAudit()
+        delivery = RecordingDelivery()
+        k = Kernel(Ports(audit=before))
+
+        async def swap(ctx: RunContext) -> Step:
+            k.ports = Ports(audit=after, delivery=delivery)
+            return Step()
+
+        result = await k.run(ScriptedAgent([swap, Step(output="x", final=True)]),
+                             RunInfo(name="r"))
+        assert result.status is Status.OK
+        assert before.runs[result.run_id].status is Status.OK
+        assert after.runs == {} and delivery.delivered == []
+
+    def test_only_ports_are_accepted(self) -> None:
+        """Assigning something that is not a Ports is a TypeError at once, not at the next run."""
+        with pytest.raises(TypeError, match=r"Kernel\.ports must be a Ports, got dict"):
+            Kernel().ports = {"audit": None}  # type: ignore[assignment]
+
+
+class TestFinalizeOrder:
+    async def test_delivery_comes_after_budget_and_before_the_audit_closes(
+            self, autojump_clock: trio.abc.Clock) -> None:
+        """The end of a run: checkpoint, budget commit, delivery, then the recorder closes.
+
+        So a delivery failure is an audit event as well as a port failure on
+        the result (the order kernel/ports.py documents for Delivery).
+        """
+        order: list[str] = []
+
+        class Log(MemoryAudit):
+            async def start_run(self, info: RunInfo) -> MemoryRecorder:
+                rec = await super().start_run(info)
+                inner = rec.close
+
+                async def close(stats: RunStats) -> None:
+                    order.append("audit.close")
+                    await inner(stats)
+
+                rec.close = close  # type: ignore[method-assign]
+                return rec
+
+        class Checkpoints(RecordingCheckpointer):
+            async def complete(self, run_id: str) -> None:
+                order.append("checkpointer.complete")
+
+        class Spend(RecordingBudget):
+            async def commit(self, caller_id: str, runtime_seconds: float, usage: Usage) -> None:
+                order.append("budget.commit")
+
+        class Failing(RecordingDelivery):
+            async def deliver(self, result: Result) -> None:
+                order.append("delivery.deliver")
+                raise DeliveryError("nobody home")
+
+        audit = Log()
+        result = await Kernel(Ports(audit=audit, budget=Spend(), checkpointer=Checkpoints(),
+                                    delivery=Failing())).run(ScriptedAgent(), RunInfo(name="r"))
+        assert order == ["checkpointer.complete", "budget.commit", "delivery.deliver",
+                         "audit.close"]
+        assert result.status is Status.OK
+        assert [f.port for f in result.port_failures] == ["delivery"]
+        assert "port_failure" in audit.kinds(result.run_id)
 
 class TestLibrarySurface:
     def test_design_example(self) -> None:
