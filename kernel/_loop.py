@@ -6,10 +6,10 @@ The flow of `Kernel.run` (DESIGN.md "The kernel loop")::
     recorder = audit.start_run(info)
     handle   = critic.monitor(info, soft_timeout, backstop=..., ...)
     with CancelScope(deadline=backstop):          # one scope per run, not per step
-        nursery:
-            watch task (only with a critic): polls the handle; a kill cause
-                cancels the scope as `killed`, a passed critic deadline as `timeout`
-            step loop: ceiling, steer, agent.step, tools, record, usage, checkpoint
+        the kernel's watcher (one task for all runs, only with a critic) looks at
+            the handle when it asks; a kill cause cancels the scope as `killed`,
+            a passed critic deadline as `timeout`
+        step loop: ceiling, steer, agent.step, tools, record, usage, checkpoint
     finally, shielded and bounded: handle.stop, checkpoint complete/fail,
         budget.commit, delivery.deliver, port failures as audit events, recorder.close
 
@@ -47,6 +47,7 @@ from ._types import (
     Usage,
     UsageLimits,
 )
+from ._watch import Watcher
 from .ports import (
     Agent,
     Audit,
@@ -108,6 +109,8 @@ class Kernel:
 
     def __init__(self, ports: Ports | None = None) -> None:
         self.ports = ports if ports is not None else Ports()
+        # One task follows every watched run of this kernel (see `_watch.py`).
+        self._watcher = Watcher()
 
     @property
     def ports(self) -> Ports:
@@ -190,7 +193,15 @@ class _Run:
         self.capped = self.caps != _NO_CAPS  # skip the per-step usage check when uncapped
         self.ctx: RunContext
         self.scope: trio.CancelScope | None = None  # the run's one cancel scope, once open
-        self._wake: trio.Event | None = None  # set to wake the watch task early
+        # Kept by the kernel's watcher (`_watch.Watched`).
+        self.watched = False
+        self.watch_at = math.inf
+        self.woken = False
+        self.immediate = 0  # looks in a row the handle asked for at once
+        self.next_look: Any = None  # the handle's `next_look`, if it has one
+        self.on_steer: Any = None  # the agent's `on_steer`, when a critic may nudge mid-step
+        self.steering = False  # a mid-step nudge is being delivered
+        self.nursery: trio.Nursery | None = None  # for mid-step deliveries (agents with on_steer)
 
     # ---------------------------------------------------------------- faults
 
@@ -368,11 +379,21 @@ class _Run:
         try:
             with trio.CancelScope(deadline=self.backstop) as scope:
                 self.scope = scope
-                async with trio.open_nursery() as nursery:
-                    if self.handle is not None:
-                        nursery.start_soon(self.watch, scope)
-                    await self.loop()
-                    nursery.cancel_scope.cancel()
+                if self.handle is not None:
+                    self.start_watch()
+                try:
+                    if self.on_steer is not None:
+                        async with trio.open_nursery() as nursery:
+                            self.nursery = nursery
+                            await self.loop()
+                            nursery.cancel_scope.cancel()
+                    else:
+                        await self.loop()
+                finally:
+                    self.nursery = None
+                    if self.watched:
+                        assert self.k._watcher is not None
+                        self.k._watcher.unregister(self)
             if scope.cancelled_caught and self.status is None:
                 # Nobody recorded why: only the backstop cancels without a word.
                 self._end(Status.TIMEOUT,
@@ -731,20 +752,18 @@ class _Run:
 
     # ----------------------------------------------------------------- watch
 
-    async def watch(self, scope: trio.CancelScope) -> None:
-        """Follow the critic: kill cause -> killed, passed deadline -> timeout.
+    def start_watch(self) -> None:
+        """Hand the run to the kernel's watcher (the run's scope is open).
 
-        Order per look: `deadline()` first (a critic may judge and extend
-        there), then `kill_cause()`, then, during a step, `steer()` for
-        agents that take nudges mid-step. Then it sleeps: until the handle's
-        `next_look()` (the next moment a rule could fire) or the deadline,
-        whichever is first, or until the handle wakes it through `attach`.
-        A handle without `next_look` is polled every `Limits.poll_interval`.
+        The watcher looks at the handle at the handle's `next_look()` (the
+        next moment a rule could fire; every `Limits.poll_interval` for a
+        handle without it) or the critic's deadline, whichever is first, and
+        at once when the handle wakes it through `attach`. An agent with
+        `on_steer` gets a nursery for mid-step deliveries.
         """
-        poll = self.limits.poll_interval
-        on_steer = getattr(self.agent, "on_steer", None)
         handle = self.handle
-        next_look = getattr(handle, "next_look", None)
+        assert handle is not None and self.k._watcher is not None
+        self.next_look = getattr(handle, "next_look", None)
         attach = getattr(handle, "attach", None)
         if attach is not None:
             try:
@@ -752,59 +771,72 @@ class _Run:
             except Exception as exc:
                 self.critic_failed("attach", exc)
                 return
-        immediate = 0  # looks in a row the handle asked for at once
-        while True:
-            handle = self.handle
-            if handle is None:
-                return  # the critic failed; the backstop is in charge
-            now = trio.current_time()
+        self.on_steer = getattr(self.agent, "on_steer", None)
+        self.k._watcher.register(self)
+
+    def look(self, now: float) -> float | None:
+        """One look at the handle, by the watcher: act, then say when to look next.
+
+        Order: `deadline()` first (a critic may judge and extend there), then
+        `kill_cause()`, then, during a step, `steer()` for agents that take
+        nudges mid-step. A kill cause or a passed deadline cancels the scope
+        and ends the watching (None).
+        """
+        handle = self.handle
+        if handle is None:
+            return None  # the critic failed; the backstop is in charge
+        try:
+            dl = handle.deadline()
+            cause = handle.kill_cause()
+        except Exception as exc:
+            self.critic_failed("deadline/kill_cause", exc)
+            return None
+        scope = self.scope
+        assert scope is not None
+        if cause:
+            self._end(Status.KILLED, reason=str(cause), error=f"killed by the critic: {cause}")
+            scope.cancel()
+            return None
+        if dl is not None and now >= dl and dl < self.backstop:
+            self._end(Status.TIMEOUT, reason=(
+                f"deadline expired after {now - self.started:.1f}s "
+                "(the critic did not extend it)"))
+            scope.cancel()
+            return None
+        if self.on_steer is not None and self.in_step and not self.steering:
+            self.steer_mid_step(handle)
+            if self.handle is None:
+                return None
+        next_look = self.next_look
+        if next_look is None:
+            wake = now + self.limits.poll_interval
+        else:
             try:
-                dl = handle.deadline()
-                cause = handle.kill_cause()
+                nl = next_look()
             except Exception as exc:
-                self.critic_failed("deadline/kill_cause", exc)
-                return
-            if cause:
-                self._end(Status.KILLED, reason=str(cause),
-                          error=f"killed by the critic: {cause}")
-                scope.cancel()
-                return
-            if dl is not None and now >= dl and dl < self.backstop:
-                self._end(Status.TIMEOUT, reason=(
-                    f"deadline expired after {now - self.started:.1f}s "
-                    "(the critic did not extend it)"))
-                scope.cancel()
-                return
-            if on_steer is not None and self.in_step:
-                await self.steer_mid_step(handle, on_steer)
-            if next_look is None:
-                wake = now + poll
+                self.critic_failed("next_look", exc)
+                return None
+            wake = math.inf if nl is None else nl
+            if wake <= now:
+                # Asked to look again at once: allowed a few times in a row (a
+                # rounding hair before a clock rule), then it waits a poll.
+                self.immediate += 1
+                wake = now + (1e-6 if self.immediate <= 3 else self.limits.poll_interval)
             else:
-                try:
-                    nl = next_look()
-                except Exception as exc:
-                    self.critic_failed("next_look", exc)
-                    return
-                wake = math.inf if nl is None else nl
-                if wake <= now:
-                    # Asked to look again at once: allowed a few times in a row (a
-                    # rounding hair before a clock rule), then it waits a poll.
-                    immediate += 1
-                    wake = now + (1e-6 if immediate <= 3 else poll)
-                else:
-                    immediate = 0
-            if dl is not None:
-                wake = min(wake, max(dl, now))
-            event = self._wake = trio.Event()
-            with trio.move_on_at(wake):
-                await event.wait()
-            self._wake = None
+                self.immediate = 0
+        if dl is not None:
+            wake = min(wake, max(dl, now))
+        return wake
+
+    def watch_failed(self, exc: Exception) -> None:
+        """A look raised (a bug of ours or the critic's): drop the critic for this run."""
+        self.critic_failed("watch", exc)
 
     def wake_watch(self) -> None:
-        """Wake the watch task now (the critic has something to act on)."""
-        event = self._wake
-        if event is not None:
-            event.set()
+        """Have the watcher look at this run now (the critic has something to act on)."""
+        watcher = self.k._watcher
+        if watcher is not None and self.watched:
+            watcher.wake(self)
 
     def process_started(self, pid: int) -> None:
         """An adapter started a process for this run: the critic may sample it."""
@@ -826,7 +858,11 @@ class _Run:
         except Exception as exc:
             self.critic_failed(method, exc)
 
-    async def steer_mid_step(self, handle: CriticHandle, on_steer: Any) -> None:
+    def steer_mid_step(self, handle: CriticHandle) -> None:
+        """Drain the critic's nudges and deliver them now, from a task of the run's nursery.
+
+        One delivery at a time; the watcher looks again when it is done.
+        """
         try:
             msgs = handle.steer()
         except Exception as exc:
@@ -836,11 +872,20 @@ class _Run:
             return
         self.log_event("steer", payload={"messages": [m.content for m in msgs],
                                          "delivered": "mid_step"}, iteration=self.steps)
+        nursery = self.nursery
+        assert nursery is not None
+        self.steering = True
+        nursery.start_soon(self.deliver_steer, msgs)
+
+    async def deliver_steer(self, msgs: list[Message]) -> None:
         try:
-            await on_steer(msgs)
+            await self.on_steer(msgs)
         except Exception as exc:
             self.fault("agent", "on_steer", exc)
             self.pending_steer.extend(msgs)
+        finally:
+            self.steering = False
+        self.wake_watch()
 
     # -------------------------------------------------------------- finalize
 

@@ -100,7 +100,8 @@ class Limits:
         checkpoint_every_steps, checkpoint_every_seconds: Checkpoint throttle; a save
             happens once both that many steps and that many seconds have passed since
             the last one (the default: after every step).
-        poll_interval: How often the watch task consults the critic.
+        poll_interval: How often the kernel's watcher consults a critic handle that has no
+            `next_look()`.
         finalize_timeout: Bound on the shielded end-of-run work (audit close, delivery, ...).
         dry_run: Simulate: the agent's `simulate(ctx)` is asked instead of `step(ctx)`.
 

@@ -143,10 +143,12 @@ class EventSink(Protocol):
 class CriticHandle(Protocol):
     """The kernel's live link to the critic watching one run.
 
-    **Protocol:** the run task calls `record_*` and `steer`, while the watch
-    task polls `kill_cause`, `deadline`, `max_steps` and `steer` every
-    `Limits.poll_interval`; implementations must be safe for this interleaved
-    use (on the trio thread; add a lock if they share state with threads).
+    **Protocol:** the run task calls `record_*`, `steer` and `max_steps`,
+    while the kernel's watcher (one task for all the kernel's runs) asks
+    `deadline`, `kill_cause` and, during a step, `steer` at the handle's
+    `next_look()` (every `Limits.poll_interval` without it); implementations
+    must be safe for this interleaved use (on the trio thread; add a lock if
+    they share state with threads).
     None of the methods may block. Times are `trio.current_time()` values.
     Observer: if any method raises, the kernel stops consulting the critic
     and the hard backstop stays in charge.
@@ -169,11 +171,11 @@ class CriticHandle(Protocol):
     - `record_process(pid)` / `record_process_exit(pid)`: an adapter started
       (ended) a process for the run (`ctx.process_started`); the critic may
       sample its tree.
-    - `next_look() -> float | None`: when (trio time) the watch task should
-      next consult the handle; None: not until woken. Without it the watch
-      task polls every `Limits.poll_interval`.
+    - `next_look() -> float | None`: when (trio time) the watcher should
+      next consult the handle; None: not until woken. Without it the watcher
+      polls the handle every `Limits.poll_interval`.
     - `attach(wake: Callable[[], None])`: called once with a function that
-      wakes the watch task at once (call it after queuing a nudge for
+      has the watcher look at the run at once (call it after queuing a nudge for
       mid-step delivery or deciding a kill outside a `record_*` call).
     """
 

@@ -321,8 +321,8 @@ class Judge(Protocol):
     # judge promises to return None again as long as only plain progress arrives
     # (steps without a message, new output, working samples: evidence that only
     # pushes clock rules later). The handle skips looks until then, and the
-    # kernel's watch task sleeps until then. None, or no such method: the
-    # handle asks the judge at every look and the watch task polls.
+    # kernel's watcher looks at the run then. None, or no such method: the
+    # handle asks the judge at every look and the watcher polls.
 
 
 _STEER_TAIL = ("Do not repeat it: try a different approach, or finish with what you have.")

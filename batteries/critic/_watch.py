@@ -1,15 +1,16 @@
 """`WatchCritic` and its per-run `WatchHandle`: the mechanism around a `Judge`.
 
-There is no background task per run. The kernel's watch task sleeps until
-`next_look()` (the moment the judge said a clock rule could next fire) or
-until the handle wakes it (a nudge to deliver mid-step); the run task calls
-in after every step, tool start, tool result and activity. The handle judges
-inside those calls, with `trio.current_time()` as its clock, which keeps the
-critic deterministic under `autojump_clock` and means a stopped run leaves
-nothing behind. The one shared task is the critic's `ProcessSampler`, which
-samples the process trees adapters register (`record_process`).
+There is no background task per run. The kernel's watcher (one task for all
+its runs) looks at a run at `next_look()` (the moment the judge said a clock
+rule could next fire) or when the handle wakes it (a nudge to deliver
+mid-step); the run task calls in after every step, tool start, tool result
+and activity. The handle judges inside those calls, with
+`trio.current_time()` as its clock, which keeps the critic deterministic
+under `autojump_clock` and means a stopped run leaves nothing behind. The
+critic's one task is its `ProcessSampler`, which samples the process trees
+adapters register (`record_process`).
 
-Concurrency: the run task, the kernel's watch task and the sampler's
+Concurrency: the run task, the kernel's watcher and the sampler's
 deliveries interleave calls on the trio thread, never in parallel, and no
 method awaits, so each call sees and leaves a consistent state without a
 lock. A guard keeps a judge (or an event sink) that calls back into the
@@ -352,11 +353,11 @@ class WatchHandle:
             self._sampler.unregister(pid, sink)
 
     def attach(self, wake: Callable[[], None]) -> None:
-        """The kernel's way to wake its watch task early (a nudge to deliver mid-step)."""
+        """How the kernel has its watcher look at the run now (a nudge to deliver mid-step)."""
         self._wake = wake
 
     def next_look(self) -> float | None:
-        """When (trio time) the watch task should consult the handle next; None: only when woken."""
+        """When (trio time) the kernel's watcher should look next; None: only when woken."""
         if self._stopped or self._kill is not None:
             return None
         if self._dirty or self._quiet_until == -math.inf:
@@ -397,7 +398,7 @@ class WatchHandle:
         """The kill reason once the judge has killed the run.
 
         No judging here: the kernel asks after every record (the hot path);
-        the judge looks in the `record_*` calls and when the watch task asks
+        the judge looks in the `record_*` calls and when the watcher asks
         for the deadline.
         """
         return self._kill
