@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
 
-from . import numbers
+from . import numbers, output
 from .dbopt import DB_HELP
 from .ids import short_id
 from .wiring import PortOptions, open_ports
@@ -61,8 +61,9 @@ Exit codes: 0 success or skipped_by_policy, 1 any other outcome,
 #: The outcomes, for validating --outcome without importing the adapter.
 OUTCOMES = ("success", "precondition_fail", "send_error", "completion_timeout",
             "skipped_by_policy")
-_ATTEMPT_COLUMNS = ("run_id, agent, action, outcome, elapsed_s, started_at, "
-                    "pane_before, pane_after, extras")
+_ATTEMPT_FIELDS = ("run_id", "agent", "action", "outcome", "elapsed_s", "started_at",
+                   "pane_before", "pane_after", "extras")
+_ATTEMPT_COLUMNS = ", ".join(_ATTEMPT_FIELDS)
 
 
 def register(app: typer.Typer) -> None:
@@ -106,8 +107,8 @@ def run(
     tmux_socket: str | None = typer.Option(
         None, "--tmux-socket", metavar="NAME|PATH", envvar="KERNEL_TMUX_SOCKET",
         help="The tmux server: a socket name (tmux -L) or path (tmux -S)."),
-    json_out: bool = typer.Option(
-        False, "--json", help="Print the attempt as one JSON object on stdout."),
+    json_out: bool = output.json_option(
+        "Print the attempt as one JSON document (one line) on stdout."),
     db: str | None = typer.Option(
         None, "--db", metavar="PATH", help=DB_HELP),
     no_audit: bool = typer.Option(False, "--no-audit", help="Record nothing."),
@@ -195,9 +196,9 @@ def _report(result: Result, attempt: Attempt | None, *, json_out: bool, cap: int
         code = result.status.exit_code or 1
         why = result.reason or result.error or str(result.status)
         if json_out:
-            sys.stdout.write(json.dumps({
+            output.print_doc({
                 "run_id": result.run_id, "status": str(result.status), "outcome": None,
-                "error": why, "exit_code": code}) + "\n")
+                "error": why, "exit_code": code})
         print(f"kernel actions run: no attempt recorded: run {short_id(result.run_id)} "
               f"{result.status}: {why}", file=sys.stderr)
         return code
@@ -205,7 +206,7 @@ def _report(result: Result, attempt: Attempt | None, *, json_out: bool, cap: int
     if json_out:
         doc = {"run_id": result.run_id, "status": str(result.status), **attempt.record(cap),
                "exit_code": code}
-        sys.stdout.write(json.dumps(doc, default=str, ensure_ascii=False) + "\n")
+        output.print_doc(doc)
     else:
         sys.stdout.write(f"{attempt.summary()} [run {short_id(result.run_id)}]\n")
     return code
@@ -292,11 +293,14 @@ def query(
         help="Only attempts started within 90, 30s, 30m, 2h, 7d, 2w."),
     limit: int = typer.Option(20, "--limit", metavar="N", parser=numbers.count(minimum=1),
                               help="At most N attempts."),
-    json_out: bool = typer.Option(
-        False, "--json", help="One JSON array, with the pane snapshots and extras."),
+    json_out: bool = output.json_option(
+        "Print JSON lines (one attempt a line, with the pane snapshots and extras) instead "
+        "of a table: --format json."),
+    fmt: str | None = output.format_option(),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
 ) -> None:
     """List recent attempts, most recent first."""
+    fmt = output.pick(fmt, json_out)
     where, params = _filters("query", agent=agent, action=action, outcome=outcome, since=since)
     sql = (f"SELECT {_ATTEMPT_COLUMNS} FROM attempts"
            + (" WHERE " + " AND ".join(where) if where else "")
@@ -307,8 +311,7 @@ def query(
     for r in rows:
         if r["elapsed_s"] is not None:
             r["elapsed_s"] = float(r["elapsed_s"])
-    if json_out:
-        sys.stdout.write(json.dumps(rows, default=str, ensure_ascii=False) + "\n")
+    if output.print_records(fmt, rows, _ATTEMPT_FIELDS):
         return
     table = [["STARTED (UTC)", "AGENT", "ACTION", "OUTCOME", "ELAPSED", "RUN", "DETAIL"]]
     for r in rows:
@@ -324,10 +327,12 @@ def stats(
     since: timedelta | None = typer.Option(
         None, "--since", metavar="AGE", parser=numbers.age(),
         help="Only attempts started within 90, 30s, 30m, 2h, 7d, 2w."),
-    json_out: bool = typer.Option(False, "--json", help="One JSON array."),
+    json_out: bool = output.json_option(),
+    fmt: str | None = output.format_option(),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
 ) -> None:
     """Count, mean and p95 elapsed seconds of attempts, by action and outcome."""
+    fmt = output.pick(fmt, json_out)
     where, params = _filters("stats", agent=agent, since=since)
     sql = ("SELECT action, outcome, count(*) AS count,"
            " avg(CAST(elapsed_s AS DOUBLE)) AS mean_s,"
@@ -339,8 +344,7 @@ def stats(
         r["count"] = int(r["count"])
         for key in ("mean_s", "p95_s"):
             r[key] = None if r[key] is None else round(float(r[key]), 6)
-    if json_out:
-        sys.stdout.write(json.dumps(rows) + "\n")
+    if output.print_records(fmt, rows, ("action", "outcome", "count", "mean_s", "p95_s")):
         return
     table = [["ACTION", "OUTCOME", "COUNT", "MEAN", "P95"]]
     for r in rows:

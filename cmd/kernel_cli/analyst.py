@@ -17,21 +17,19 @@ Either way the error is one line on stderr.
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import math
 import os
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from datetime import UTC, date, datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
 
-from . import numbers
+from . import numbers, output
 from .dbopt import DB_HELP
 from .ids import short_id
 
@@ -67,15 +65,17 @@ def runs(
                               help="At most N runs."),
     ids_only: bool = typer.Option(
         False, "--quiet", "-q", help="Print only the runs' short ids, one a line."),
-    json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    json_out: bool = output.json_option(),
+    fmt: str | None = output.format_option(),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
 ) -> None:
     """List recent runs, newest first (RUN is the short id `kernel show` takes)."""
     from batteries.audit import queries
 
+    fmt = output.pick(fmt, json_out)
     if status is not None and status not in queries.STATUS_CHOICES:
         _fail(f"--status must be one of {', '.join(queries.STATUS_CHOICES)}, got {status!r}", 2)
-    if _nothing_yet(db, quiet=ids_only or json_out):
+    if _nothing_yet(db, quiet=ids_only or fmt != "table"):
         return
     with _errors(), _reader(db) as cur:
         found = queries.list_runs(cur, status=status, since=since, limit=limit)
@@ -85,8 +85,7 @@ def runs(
         for r in found:
             print(r["short_id"])
         return
-    if json_out:
-        _print_json(found)
+    if output.print_records(fmt, found):
         return
     if not found:
         print("no runs")
@@ -112,7 +111,8 @@ def show(
         200, "--limit", metavar="N", parser=numbers.count(),
         help="At most N events, the first ones (0 = all); a note says how many were left "
              "out."),
-    json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a timeline."),
+    json_out: bool = output.json_option(
+        'Print {"run": ..., "events": [...]} as one JSON document (one line) instead.'),
     html: str | None = typer.Option(
         None, "--html", metavar="FILE",
         help="Also write the run's timeline picture to FILE: one self-contained HTML page "
@@ -150,7 +150,7 @@ def show(
         events = events[:limit]
     if json_out:
         run["short_id"] = short_id(run["run_id"])
-        _print_json({"run": run, "events": events})
+        output.print_doc({"run": run, "events": events})
         return
     status = run["status"] + (f" (exit {run['exit_code']})"
                               if run.get("exit_code") is not None else "")
@@ -188,24 +188,23 @@ def stats(
     by: str = typer.Option("subject", "--by", metavar="subject|status|tool",
                            help="Group runs by subject and status, by status, or tool calls "
                                 "by tool."),
-    json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    json_out: bool = output.json_option(),
+    fmt: str | None = output.format_option(),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
 ) -> None:
     """Counts, mean and p95 runtime (or tool latency) for the usual groupings."""
     from batteries.audit import queries
 
+    fmt = output.pick(fmt, json_out)
     with _errors():
         if by not in queries.STATS_BY:
             raise _config_error(f"--by must be one of {', '.join(queries.STATS_BY)}, "
                                 f"got {by!r}")
-        if _nothing_yet(db, quiet=json_out):
-            if json_out:
-                _print_json([])
+        if _nothing_yet(db, quiet=fmt != "table"):
             return
         with _reader(db) as cur:
             found = queries.stats(cur, by=by, since=since)
-    if json_out:
-        _print_json(found)
+    if output.print_records(fmt, found):
         return
     if not found:
         print("no runs" if by != "tool" else "no tool calls")
@@ -219,8 +218,8 @@ def stats(
 
 def query(
     sql: str = typer.Argument(..., metavar="SQL", help="One SELECT statement."),
-    fmt: str = typer.Option("table", "--format", metavar="table|json|csv",
-                            help="Output format."),
+    fmt: str | None = output.format_option(),
+    json_out: bool = output.json_option(),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
 ) -> None:
     """Run one read-only SQL query against the audit database.
@@ -232,9 +231,8 @@ def query(
     """
     from batteries.audit import queries
 
+    fmt = output.pick(fmt, json_out)
     with _errors():
-        if fmt not in ("table", "json", "csv"):
-            raise _config_error(f"--format must be table, json or csv, got {fmt!r}")
         # Refuse a write before touching the database at all.
         queries.check_read_only(sql)
         if _nothing_yet(db, quiet=False, stream=sys.stderr):
@@ -244,13 +242,9 @@ def query(
         with _store(db).reader(sealed=True) as cur:
             names, data = queries.read_only_query(cur, sql)
     if fmt == "json":
-        _print_json([dict(zip(_unique(names), r, strict=True)) for r in data])
+        output.print_lines(dict(zip(_unique(names), r, strict=True)) for r in data)
     elif fmt == "csv":
-        buf = io.StringIO()
-        w = csv.writer(buf, lineterminator="\n")
-        w.writerow(names)
-        w.writerows([tuple(_csv_cell(v) for v in r) for r in data])
-        sys.stdout.write(buf.getvalue())
+        output.print_csv(names, data)
     else:
         print(_table(names, [tuple(_cell(v) for v in r) for r in data],
                      right=_numeric_columns(data)))
@@ -261,6 +255,8 @@ def purge(
         None, "--days", metavar="N", parser=numbers.days(),
         help=f"Delete runs older than N days (default: ${RETENTION_ENV}, else "
              f"{DEFAULT_RETENTION_DAYS})."),
+    json_out: bool = output.json_option(
+        'Print {"runs": N, "events": N, "days": N} as one JSON document (one line).'),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
 ) -> None:
     """Delete runs (and their events) that ended more than N days ago, from both files."""
@@ -279,6 +275,9 @@ def purge(
         journal.purge(time.time_ns() // 1000 - int(keep * 86400 * 1e6))
         with store.session(write=True) as cur:
             n_runs, n_events = queries.purge(cur, keep)
+    if json_out:
+        output.print_doc({"runs": n_runs, "events": n_events, "days": keep})
+        return
     print(f"purged {n_runs} runs ({n_events} events) older than {keep} days")
 
 
@@ -295,6 +294,9 @@ def export(
     since: timedelta | None = typer.Option(
         None, "--since", metavar="AGE", parser=numbers.age(),
         help="With --otlp: only runs started within this age (e.g. 2h, 7d)."),
+    json_out: bool = output.json_option(
+        'JSON lines: {"path": FILE} for each file written; with --otlp, one document '
+        '{"runs": N, "spans": N, "endpoint": URL}.'),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
 ) -> None:
     """Export every table to DIR/<table>.parquet, or runs as traces with --otlp URL."""
@@ -303,7 +305,7 @@ def export(
     if otlp is not None:
         if directory is not None:
             _fail("give DIR or --otlp URL, not both", 2)
-        _export_otlp(otlp, run or [], since, db)
+        _export_otlp(otlp, run or [], since, db, json_out=json_out)
         return
     if run or since is not None:
         _fail("--run and --since go with --otlp", 2)
@@ -312,16 +314,22 @@ def export(
     with _errors(), _reader(db) as cur:
         written = queries.export(cur, directory)
     for path in written:
-        print(path)
+        print(output.dumps({"path": str(path)}) if json_out else path)
 
 
 def sync(
+    json_out: bool = output.json_option(
+        'Print what was copied as one JSON document (one line): {"events": N, "runs": N, '
+        '"checkpoints": N, "spend": N, "seconds": S}.'),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
 ) -> None:
     """Bring the analysts' DuckDB file up to date from the journal (every analyst command
     does this first; run it before opening the file in another tool)."""
     with _errors():
         report = _sync(db)
+    if json_out:
+        output.print_doc(report)
+        return
     print(report)
 
 
@@ -342,7 +350,7 @@ def _write_html(path: str, run: dict[str, Any], events: list[dict[str, Any]]) ->
 
 
 def _export_otlp(endpoint: str, run_ids: list[str], since: timedelta | None,
-                 db: str | None) -> None:
+                 db: str | None, *, json_out: bool) -> None:
     from .otel_cmd import send_runs, stored_runs
 
     with _errors():
@@ -355,6 +363,9 @@ def _export_otlp(endpoint: str, run_ids: list[str], since: timedelta | None,
     if failed:
         _fail(f"{failed} export request(s) to {endpoint} failed "
               f"({spans} spans sent)", 1)
+    if json_out:
+        output.print_doc({"runs": len(runs), "spans": spans, "endpoint": endpoint})
+        return
     print(f"exported {len(runs)} runs ({spans} spans) to {endpoint}")
 
 
@@ -501,14 +512,6 @@ def _cell(value: Any) -> str:
     return _one_line(str(value))
 
 
-def _csv_cell(value: Any) -> Any:
-    if isinstance(value, datetime):
-        return value.isoformat()
-    if isinstance(value, (dict, list)):
-        return json.dumps(value, default=str, ensure_ascii=False)
-    return value
-
-
 def _numeric_columns(data: Sequence[Sequence[Any]]) -> tuple[int, ...]:
     if not data:
         return ()
@@ -525,34 +528,4 @@ def _unique(names: Sequence[str]) -> list[str]:
     return out
 
 
-def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *,
-           right: Sequence[int] = ()) -> str:
-    """Plain aligned columns (no box drawing), so the output pipes cleanly into grep/awk."""
-    cells = [[str(h) for h in headers]] + [["" if v is None else str(v) for v in r]
-                                          for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    last = len(headers) - 1
-    lines = []
-    for r in cells:
-        parts = []
-        for i, v in enumerate(r):
-            if i in right:
-                parts.append(v.rjust(widths[i]))
-            else:
-                parts.append(v if i == last else v.ljust(widths[i]))
-        lines.append("  ".join(parts).rstrip())
-    return "\n".join(lines)
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, (datetime, date)):
-        return value.isoformat()
-    if isinstance(value, Decimal):
-        return float(value)
-    if isinstance(value, bytes):
-        return value.hex()
-    return str(value)
-
-
-def _print_json(value: Any) -> None:
-    print(json.dumps(value, default=_jsonable, ensure_ascii=False, indent=2))
+_table = output.table

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import Any
 
 import typer
 
-from . import numbers
+from . import numbers, output
 from .dberrors import error_prefix
 from .dbopt import DB_HELP
 
@@ -52,6 +51,8 @@ def set_budget(
     window: float = typer.Option(
         "24h", "--window", metavar="DURATION", parser=numbers.duration(zero=False),
         help="The rolling window: 30m, 24h, 7d, 2w (or seconds)."),
+    as_json: bool = output.json_option(
+        "Print the budget as set as one JSON document (one line) on stdout."),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
 ) -> None:
     """Create or replace CALLER's budget."""
@@ -64,6 +65,11 @@ def set_budget(
                        max_runtime_seconds=runtime, max_tokens=tokens, max_cost_usd=cost)
     except AuditError as exc:
         _fail(str(exc))
+    if as_json:
+        output.print_doc({"caller_id": caller, "window_seconds": window, "max_runs": runs,
+                          "max_runtime_seconds": runtime, "max_tokens": tokens,
+                          "max_cost_usd": cost})
+        return
     print(f"budget for {caller!r} set")
 
 
@@ -72,14 +78,17 @@ def show_budget(
     caller: str | None = typer.Argument(
         None, metavar="CALLER",
         help="Show one caller (with what applies to them); default: every budget."),
-    as_json: bool = typer.Option(False, "--json", help="JSON lines instead of a table."),
+    as_json: bool = output.json_option(),
+    fmt: str | None = output.format_option(),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
 ) -> None:
     """Budgets and what each caller spent in the current window."""
-    from dataclasses import asdict
+    from dataclasses import asdict, fields
 
+    from batteries.store import CallerBudget
     from kernel import AuditError
 
+    fmt = output.pick(fmt, as_json)
     try:
         store = _store(db)
         if caller is None:
@@ -89,9 +98,8 @@ def show_budget(
             rows = [] if one is None else [one]
     except AuditError as exc:
         _fail(str(exc))
-    if as_json:
-        for row in rows:
-            print(json.dumps({"for": caller or row.caller_id, **asdict(row)}))
+    records = [{"for": caller or row.caller_id, **asdict(row)} for row in rows]
+    if output.print_records(fmt, records, ["for", *(f.name for f in fields(CallerBudget))]):
         return
     if not rows:
         print("no budget applies" if caller else "no budgets set")
@@ -113,6 +121,8 @@ def show_budget(
 @budget_app.command("rm")
 def remove_budget(
     caller: str = typer.Argument(..., metavar="CALLER", help="The caller id."),
+    as_json: bool = output.json_option(
+        'Print {"caller_id": CALLER, "removed": true} as one JSON document (one line).'),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
 ) -> None:
     """Remove CALLER's budget (their spend history stays)."""
@@ -124,4 +134,7 @@ def remove_budget(
         _fail(str(exc))
     if not found:
         _fail(f"no budget for {caller!r}")
+    if as_json:
+        output.print_doc({"caller_id": caller, "removed": True})
+        return
     print(f"budget for {caller!r} removed")

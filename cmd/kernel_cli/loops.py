@@ -6,7 +6,6 @@ behind it) loads inside the functions, so `kernel --help` stays fast.
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -136,7 +135,9 @@ def validate(
         None, "--context", "-c", metavar="KEY=VALUE",
         help="A context variable the run will get (repeatable); a ${context.x} that "
              "neither the file nor --context defines is then an error."),
-    json_out: bool = typer.Option(False, "--json", help="Print the problems as JSON."),
+    json_out: bool = typer.Option(
+        False, "--json", help='Print the report as one JSON document (one line): {"file", '
+                              '"ok", "states", "problems": [...]}.'),
 ) -> None:
     """Check a loop file: exit 2 on errors, 0 when it can run (warnings allowed)."""
     from adapters.loop import check_loop
@@ -156,7 +157,9 @@ def validate(
             "problems": [{"severity": p.severity, "line": p.line, "column": p.column,
                           "where": p.where, "message": p.message, "text": str(p)}
                          for p in report.problems]}
-        print(json.dumps(doc, indent=2))
+        from .output import print_doc
+
+        print_doc(doc)
         raise typer.Exit(code)
     for p in report.problems:
         print(f"{p.severity}: {p}")

@@ -74,7 +74,9 @@ _CONTEXT_HELP = ("A secret context value the run was started with (repeatable): 
 
 def recover(
     list_only: bool = typer.Option(False, "--list", help="Only list interrupted runs."),
-    json_out: bool = typer.Option(False, "--json", help="One JSON object per line."),
+    json_out: bool = typer.Option(
+        False, "--json", help="JSON lines: one object a line (each listed run, or each "
+                              "resumed run's result)."),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
     context: list[str] | None = typer.Option(None, "--context", "-c", metavar="KEY=VALUE",
                                              help=_CONTEXT_HELP),
@@ -136,7 +138,9 @@ def resume(
     run_id: str = typer.Argument(..., metavar="RUN_ID",
                                  help="The run's short id, a full id (or any unique prefix), "
                                       "or 'last' for the newest interrupted run."),
-    json_out: bool = typer.Option(False, "--json", help="The final result as JSON."),
+    json_out: bool = typer.Option(
+        False, "--json", help="Print the final result as one JSON document (one line) on "
+                              "stdout."),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
     context: list[str] | None = typer.Option(None, "--context", "-c", metavar="KEY=VALUE",
                                              help=_CONTEXT_HELP),

@@ -125,8 +125,8 @@ def run(
              "OTLP/HTTP collector at URL (default: $OTEL_EXPORTER_OTLP_ENDPOINT; needs the "
              "otel extra)."),
     json_out: bool = typer.Option(
-        False, "--json", help="Print the final result as one JSON object on stdout "
-                              "(the command's output is not echoed)."),
+        False, "--json", help="Print the final result as one JSON document (one line) on "
+                              "stdout (the command's output is not echoed)."),
     quiet: bool = typer.Option(
         False, "--quiet", "-q", help="Print nothing on stdout (the output is still audited; "
                                      "the summary line still goes to stderr)."),

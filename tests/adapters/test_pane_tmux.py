@@ -212,7 +212,7 @@ def attempts(*args: str) -> list[dict[str, Any]]:
     """`kernel actions query --json ARGS` as a list of rows."""
     res = cli("actions", "query", "--json", *args)
     assert res.exit_code == 0, res.output
-    rows: list[dict[str, Any]] = json.loads(res.stdout)
+    rows: list[dict[str, Any]] = [json.loads(line) for line in res.stdout.splitlines()]
     return rows
 
 
@@ -329,7 +329,7 @@ class TestActionsCli:
         assert len(attempts("--limit", "1", "--since", "1h")) == 1
         res = cli("actions", "stats", "--json")
         assert res.exit_code == 0, res.output
-        stats = {(s["action"], s["outcome"]): s for s in json.loads(res.stdout)}
+        stats = {(s["action"], s["outcome"]): s for s in map(json.loads, res.stdout.splitlines())}
         assert {k: s["count"] for k, s in stats.items()} == {
             ("compact", "skipped_by_policy"): 1, ("nonce-probe", "precondition_fail"): 1,
             ("nonce-probe", "success"): 2}

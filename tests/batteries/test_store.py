@@ -83,7 +83,7 @@ class TestOldFiles:
         _old_file(db)
         runs = _kernel("runs", "--json", db=db)
         assert runs.returncode == 0, runs.stderr
-        assert [r["run_id"] for r in json.loads(runs.stdout)] == [OLD_RUN]
+        assert [json.loads(line)["run_id"] for line in runs.stdout.splitlines()] == [OLD_RUN]
         refused = _kernel("run", "--caller", "ann", "--", "true", db=db)
         assert refused.returncode == 3 and "used 2 of 2 runs" in refused.stderr
         listed = _kernel("recover", "--list", "--json", db=db)

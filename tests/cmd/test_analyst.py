@@ -95,7 +95,7 @@ def one_line_error(code: int, out: str, err: str, want_code: int, *fragments: st
 def runs_json(*args: str) -> list[dict[str, object]]:
     code, out, err = kernel("runs", "--json", *args)
     assert code == 0, err
-    result: list[dict[str, object]] = json.loads(out)
+    result: list[dict[str, object]] = [json.loads(line) for line in out.splitlines()]
     return result
 
 
@@ -314,8 +314,7 @@ class TestEmptyState:
         fresh = str(tmp_path / "fresh.duckdb")
         assert kernel("runs", "-q", "--db", fresh)[:2] == (0, "")
         assert kernel("runs", "--json", "--db", fresh)[:2] == (0, "")
-        code, out, _ = kernel("stats", "--json", "--db", fresh)
-        assert code == 0 and json.loads(out) == []
+        assert kernel("stats", "--json", "--db", fresh)[:2] == (0, "")
 
     def test_a_fresh_home_end_to_end(self, kernel_exe: str, tmp_path: Path) -> None:
         """The installed `kernel runs` with a fresh $HOME and no $KERNEL_DB exits 0."""
@@ -334,7 +333,7 @@ class TestStats:
         """--by subject groups runs by subject and status, with count, mean and p95."""
         code, out, _ = kernel("stats", "--json")
         assert code == 0
-        rows = {(r["subject"], r["status"]): r for r in json.loads(out)}
+        rows = {(r["subject"], r["status"]): r for r in map(json.loads, out.splitlines())}
         assert rows[("lint", "ok")]["runs"] == 2  # A and the old D
         assert rows[("lint", "ok")]["mean_s"] == pytest.approx(1.5)
         assert rows[("deploy", "killed")]["p95_s"] == pytest.approx(8.0)
@@ -344,14 +343,14 @@ class TestStats:
         """--since drops runs started before the window."""
         code, out, _ = kernel("stats", "--by", "status", "--since", "7d", "--json")
         assert code == 0
-        rows = {r["status"]: r["runs"] for r in json.loads(out)}
+        rows = {r["status"]: r["runs"] for r in map(json.loads, out.splitlines())}
         assert rows == {"ok": 1, "error": 1, "killed": 1, "running": 1}
 
     def test_by_tool_gives_latency_percentiles(self, db: Path) -> None:
         """--by tool reports calls, errors and p95 latency per tool, as a table too."""
         code, out, _ = kernel("stats", "--by", "tool", "--json")
         assert code == 0
-        rows = {r["tool"]: r for r in json.loads(out)}
+        rows = {r["tool"]: r for r in map(json.loads, out.splitlines())}
         assert rows["grep"]["calls"] == 5 and rows["grep"]["errors"] == 0
         assert rows["grep"]["p95_ms"] == pytest.approx(88.0)  # 40 + 0.8 * (100 - 40)
         assert rows["kubectl"]["errors"] == 1
@@ -373,7 +372,7 @@ class TestQuery:
                                                            ["ancient", "1"],
                                                            ["lint", "ok", "1"]]
         code, out, _ = kernel("query", sql, "--format", "json")
-        assert json.loads(out) == [{"name": "ancient", "steps": 1},
+        assert [json.loads(line) for line in out.splitlines()] == [{"name": "ancient", "steps": 1},
                                    {"name": "lint ok", "steps": 1}]
         code, out, _ = kernel("query", sql, "--format", "csv")
         assert list(csv.reader(io.StringIO(out))) == [["name", "steps"], ["ancient", "1"],
@@ -383,7 +382,8 @@ class TestQuery:
         """The ready-made views answer through `kernel query`."""
         code, out, _ = kernel("query", "SELECT decision, reason FROM critic_decisions",
                               "--format", "json")
-        assert code == 0 and json.loads(out) == [{"decision": "kill", "reason": "looping"}]
+        assert code == 0 and [json.loads(line) for line in out.splitlines()] == [
+            {"decision": "kill", "reason": "looping"}]
 
     @pytest.mark.parametrize("sql", [
         "DELETE FROM runs",
@@ -487,7 +487,7 @@ class TestInstalledExecutable:
         run_id = json.loads(ran.stdout)["run_id"]
         listed = subprocess.run([kernel_exe, "runs", "--json"], env=cli_env,
                                 capture_output=True, text=True, timeout=60)
-        assert [r["run_id"] for r in json.loads(listed.stdout)] == [run_id]
+        assert [json.loads(line)["run_id"] for line in listed.stdout.splitlines()] == [run_id]
         shown = subprocess.run([kernel_exe, "show", run_id[:16]], env=cli_env,
                                capture_output=True, text=True, timeout=60)
         assert shown.returncode == 0, shown.stderr
@@ -516,7 +516,7 @@ class TestInstalledExecutable:
             f"kernel runs: error: audit database {db} is locked by another process "
             "(gave up after 0.2s)"]
         assert waiting.returncode == 0, err
-        assert len(json.loads(out)) == 5
+        assert len(out.splitlines()) == 5
 
     def test_help_does_not_import_duckdb(self) -> None:
         """Loading the CLI (with the analysts' commands) imports neither duckdb nor pyarrow."""
@@ -542,3 +542,55 @@ class TestSummaries:
         assert summarize("agent_event", {"event": "text_delta", "state": "responding",
                                          "lifecycle": "working", "text": "Hello"}) == (
             "[working/responding] Hello")
+
+
+class TestMachineOutput:
+    """One vocabulary (issue 17): --json is one document or JSON lines; tables take --format."""
+
+    @staticmethod
+    def lines(out: str) -> list[dict[str, object]]:
+        return [json.loads(line) for line in out.splitlines()]
+
+    def test_lists_are_json_lines_and_format_json_is_the_same(self, db: Path) -> None:
+        """runs, stats, query: one object a line; `--format json` prints exactly `--json`."""
+        for args in (["runs"], ["stats"], ["stats", "--by", "tool"],
+                     ["query", "SELECT name FROM runs ORDER BY name"]):
+            code, out, err = kernel(*args, "--json")
+            assert code == 0, err
+            rows = self.lines(out)
+            assert rows and all(isinstance(r, dict) for r in rows), (args, out)
+            assert kernel(*args, "--format", "json")[:2] == (0, out), args
+
+    def test_format_csv_has_a_header_then_one_row_a_line(self, db: Path) -> None:
+        code, out, _ = kernel("runs", "--format", "csv")
+        table = list(csv.reader(io.StringIO(out)))
+        assert code == 0 and table[0][:2] == ["run_id", "parent_run_id"]
+        assert {row[0] for row in table[1:]} == {A, B, C, D, E}
+        code, out, _ = kernel("stats", "--by", "status", "--format", "csv")
+        table = list(csv.reader(io.StringIO(out)))
+        assert code == 0 and table[0][0] == "status" and len(table) > 2
+        code, out, _ = kernel("runs", "--format", "table")
+        assert code == 0 and out.startswith("RUN ")
+
+    def test_single_results_are_one_document_on_one_line(self, db: Path) -> None:
+        """show, purge, sync: exactly one line of stdout, one JSON object."""
+        for args in (["show", "a1b2c3d4"], ["sync"], ["purge", "--days", "365"]):
+            code, out, err = kernel(*args, "--json")
+            assert code == 0, err
+            assert out.count("\n") == 1 and isinstance(json.loads(out), dict), (args, out)
+        assert json.loads(kernel("show", "a1b2c3d4", "--json")[1])["run"]["run_id"] == A
+        assert set(json.loads(kernel("sync", "--json")[1])) >= {"events", "runs", "seconds"}
+
+    def test_export_lists_its_files_as_json_lines(self, db: Path, tmp_path: Path) -> None:
+        code, out, err = kernel("export", str(tmp_path / "out"), "--json")
+        assert code == 0, err
+        paths = [Path(str(r["path"])) for r in self.lines(out)]
+        assert paths and all(p.suffix == ".parquet" and p.exists() for p in paths)
+
+    def test_an_empty_list_is_no_lines(self, db: Path) -> None:
+        for args in (["runs", "--status", "timeout"], ["query", "SELECT 1 WHERE false"]):
+            assert kernel(*args, "--json")[:2] == (0, ""), args
+
+    def test_json_and_another_format_is_bad_input(self, db: Path) -> None:
+        one_line_error(*kernel("runs", "--json", "--format", "csv"), 2, "two formats")
+        one_line_error(*kernel("stats", "--format", "yaml"), 2, "--format must be")

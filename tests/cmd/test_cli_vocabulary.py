@@ -94,3 +94,51 @@ class TestErrorFormat:
         assert proc.returncode == 2, proc.stderr
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(prefix), proc.stderr
+
+
+def _leaf_commands() -> dict[str, object]:
+    """Every command a person can run, by its path ("run", "actions query", ...)."""
+    import typer
+
+    from kernel_cli.app import app
+
+    found: dict[str, object] = {}
+
+    def walk(cmd: object, path: str) -> None:
+        subs = getattr(cmd, "commands", None)
+        if subs:
+            for name, sub in subs.items():
+                walk(sub, f"{path} {name}".strip())
+        else:
+            found[path] = cmd
+
+    walk(typer.main.get_command(app), "")
+    return found
+
+
+def _options(cmd: object) -> dict[str, object]:
+    return {opt: p for p in getattr(cmd, "params", ()) for opt in getattr(p, "opts", ())}
+
+
+#: Commands that print a table, so take --format table|json|csv too.
+TABLE_COMMANDS = {"runs", "stats", "query", "actions query", "actions stats", "budget show"}
+
+
+class TestMachineOutputVocabulary:
+    def test_every_command_takes_json(self) -> None:
+        """`--json` everywhere: every command, the new ones too, has the flag."""
+        leaves = _leaf_commands()
+        assert {"run", "runs", "show", "budget show", "actions run"} <= set(leaves)
+        missing = [path for path, cmd in leaves.items() if "--json" not in _options(cmd)]
+        assert missing == []
+
+    def test_every_table_takes_format(self) -> None:
+        """`--format table|json|csv` on each command that prints a table, with one help text."""
+        from kernel_cli import output
+
+        leaves = _leaf_commands()
+        for path in TABLE_COMMANDS:
+            opt = _options(leaves[path]).get("--format")
+            assert opt is not None, path
+            assert getattr(opt, "metavar", None) == output.FORMAT_METAVAR, path
+            assert getattr(opt, "help", "").startswith(output.FORMAT_HELP), path

@@ -145,6 +145,6 @@ def test_critic_decisions_view_lists_interventions_only(tmp_path: Path) -> None:
     out = subprocess.run([exe, "query", "--db", str(db), "--format", "json",
                           "SELECT decision, reason FROM critic_decisions ORDER BY seq"],
                          capture_output=True, text=True, timeout=60, check=True).stdout
-    rows = json.loads(out)
+    rows = [json.loads(line) for line in out.splitlines()]
     assert [(r["decision"], r["reason"]) for r in rows] == [("steer", "stalled"),
                                                            ("kill", "stalled")]

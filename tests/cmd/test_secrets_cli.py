@@ -201,9 +201,9 @@ class TestSecretsCorpus:
                      "secret", "slack_token", "authorization", "url_credentials",
                      "private_key", "literal", "context", "pattern"):
             assert f"[REDACTED:{kind}]" in decoded, kind
-        kinds = {r["kind"] for r in json.loads(kernel(
+        kinds = {json.loads(line)["kind"] for line in kernel(
             kernel_exe, env, "query", "SELECT DISTINCT kind FROM events", "--format",
-            "json").stdout)}
+            "json").stdout.splitlines()}
         assert {"action_start", "output", "port_failure", "tool_start", "tool_end"} <= kinds
 
         out = tmp_path / "export"

@@ -137,7 +137,7 @@ class TestSupervisorDeath:
             assert "Traceback" not in rec.stderr
             runs = subprocess.run([kernel_exe, "runs", "--json"], capture_output=True,
                                   text=True, env=env, timeout=60)
-            statuses = [r["status"] for r in json.loads(runs.stdout or "[]")] \
+            statuses = [json.loads(line)["status"] for line in runs.stdout.splitlines()] \
                 if runs.returncode == 0 else []
             assert "running" not in statuses, (when[i], statuses, rec.stderr)
             if anchored:
@@ -178,7 +178,7 @@ class TestSupervisorDeath:
             wait_gone(env["KERNEL_TEST_MARK"])
             runs = subprocess.run([kernel_exe, "runs", "--json"], capture_output=True,
                                   text=True, env=env, timeout=60)
-            statuses = [r["status"] for r in json.loads(runs.stdout or "[]")] \
+            statuses = [json.loads(line)["status"] for line in runs.stdout.splitlines()] \
                 if runs.returncode == 0 else []
             assert set(statuses) <= {"ok"}, (when[i], statuses)
             return at, lingered, ",".join(statuses) or "(not started)"
@@ -212,8 +212,7 @@ class TestSupervisorDeath:
                                 "SELECT payload FROM events WHERE kind = 'process_start'"],
                                capture_output=True, text=True, env=env, timeout=60)
             out = q.stdout.strip() if q.returncode == 0 else ""
-            rows = (json.loads(out) if out.startswith("[")
-                    else [json.loads(line) for line in out.splitlines() if line.strip()])
+            rows = [json.loads(line) for line in out.splitlines() if line.strip()]
             time.sleep(0.1)
         watcher = [p for p in carriers(env["KERNEL_TEST_MARK"])
                    if b"_lifeline.py" in Path(f"/proc/{p}/cmdline").read_bytes()]

@@ -1,0 +1,150 @@
+"""One machine-output vocabulary for every command.
+
+- `--json` prints JSON and nothing else on stdout. A single result (`kernel
+  run`, `show`, `resume`, `purge`, `sync`, `actions run`, `validate`, ...) is
+  one JSON document on one line; a list (`runs`, `stats`, `query`, `export`,
+  `recover`, `actions query|stats`, `budget show`) is JSON lines: one object a
+  line, nothing at all for an empty list. So every `--json` output is JSON
+  lines, read with `jq`, `jq -s` for a list, or a JSON-lines reader.
+- `--format table|json|csv` wherever a table is printed: `json` is the same
+  JSON lines as `--json`; `csv` is a header row, then one row a line, nested
+  values as JSON text, times in ISO 8601.
+
+Times are ISO 8601 strings, decimals are numbers; nothing else is converted.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import date, datetime
+from decimal import Decimal
+from typing import Any, NoReturn
+
+import typer
+
+FORMATS = ("table", "json", "csv")
+FORMAT_METAVAR = "table|json|csv"
+FORMAT_HELP = ("Output format: table, json (JSON lines: one object a line, as --json) or "
+               "csv (a header row first).")
+JSON_LIST_HELP = "Print JSON lines (one object a line) instead of a table: --format json."
+JSON_ONE_HELP = "Print the result as one JSON document (one line) on stdout."
+
+
+def json_option(help: str = JSON_LIST_HELP) -> Any:
+    """The `--json` flag."""
+    return typer.Option(False, "--json", help=help)
+
+
+def format_option() -> Any:
+    """The `--format table|json|csv` option (None: table, unless --json)."""
+    return typer.Option(None, "--format", metavar=FORMAT_METAVAR, show_default=False,
+                        help=FORMAT_HELP + " [default: table]")
+
+
+def pick(fmt: str | None, json_out: bool) -> str:
+    """The format asked for by `--format` and `--json` (one line and exit 2 if they clash)."""
+    if fmt is not None and fmt not in FORMATS:
+        _usage(f"--format must be table, json or csv, got {fmt!r}")
+    if json_out:
+        if fmt not in (None, "json"):
+            _usage(f"--json and --format {fmt} ask for two formats: give one")
+        return "json"
+    return fmt or "table"
+
+
+def jsonable(value: Any) -> Any:
+    """`json.dumps` default: ISO 8601 times, decimals as numbers, bytes as hex, else str."""
+    if isinstance(value, (datetime, date)):
+        return value.isoformat()
+    if isinstance(value, Decimal):
+        return float(value)
+    if isinstance(value, bytes):
+        return value.hex()
+    if hasattr(value, "__dataclass_fields__"):
+        from dataclasses import asdict
+
+        return asdict(value)
+    return str(value)
+
+
+def dumps(value: Any) -> str:
+    """One JSON document on one line."""
+    return json.dumps(value, default=jsonable, ensure_ascii=False)
+
+
+def print_doc(value: Any) -> None:
+    """A single result: one JSON document, one line."""
+    sys.stdout.write(dumps(value) + "\n")
+
+
+def print_lines(rows: Iterable[Any]) -> None:
+    """A list: JSON lines, one value a line (nothing for an empty list)."""
+    sys.stdout.write("".join(dumps(r) + "\n" for r in rows))
+
+
+def print_csv(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
+    """A header row, then one row a line; nested values as JSON, times in ISO 8601."""
+    import csv
+    import io
+
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(headers)
+    w.writerows([tuple(csv_cell(v) for v in r) for r in rows])
+    sys.stdout.write(buf.getvalue())
+
+
+def csv_cell(value: Any) -> Any:
+    if isinstance(value, (datetime, date)):
+        return value.isoformat()
+    if isinstance(value, (dict, list)):
+        return dumps(value)
+    if isinstance(value, Decimal):
+        return float(value)
+    return value
+
+
+def print_records(fmt: str, records: Sequence[Mapping[str, Any]],
+                  headers: Sequence[str] | None = None) -> bool:
+    """Print `records` as JSON lines or CSV when `fmt` asks; False for a table (caller's job).
+
+    CSV columns are `headers`, else the first record's keys (an empty list
+    with no `headers` prints nothing).
+    """
+    if fmt == "json":
+        print_lines(records)
+        return True
+    if fmt == "csv":
+        cols = list(headers) if headers is not None else (list(records[0]) if records else [])
+        if cols:
+            print_csv(cols, [[r.get(c) for c in cols] for r in records])
+        return True
+    return False
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *,
+          right: Sequence[int] = ()) -> str:
+    """Plain aligned columns (no box drawing), so the output pipes cleanly into grep/awk."""
+    cells = [[str(h) for h in headers]] + [["" if v is None else str(v) for v in r]
+                                          for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    last = len(headers) - 1
+    lines = []
+    for r in cells:
+        parts = []
+        for i, v in enumerate(r):
+            if i in right:
+                parts.append(v.rjust(widths[i]))
+            else:
+                parts.append(v if i == last else v.ljust(widths[i]))
+        lines.append("  ".join(parts).rstrip())
+    return "\n".join(lines)
+
+
+def _usage(message: str) -> NoReturn:
+    from .dberrors import error_prefix
+
+    print(f"{error_prefix()} {message}", file=sys.stderr)
+    raise typer.Exit(2)
