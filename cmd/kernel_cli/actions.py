@@ -95,7 +95,7 @@ def run(
         2.0, "--poll-interval", metavar="DURATION", parser=numbers.duration(zero=False),
         help="Time between looks at the pane."),
     skip_reason: str | None = typer.Option(
-        None, "--skip-reason", metavar="TEXT",
+        None, "--skip-reason", metavar="REASON",
         help="Do not act: record skipped_by_policy with this reason."),
     min_drop_pct: float | None = typer.Option(
         None, "--min-drop-pct", metavar="PCT", parser=numbers.percent(), show_default=False,

@@ -56,7 +56,7 @@ def register(app: typer.Typer) -> None:
 
 def runs(
     status: str | None = typer.Option(
-        None, "--status", metavar="S",
+        None, "--status", metavar="STATUS",
         help="Only runs with this status (ok, error, timeout, killed, ..., or running)."),
     since: timedelta | None = typer.Option(
         None, "--since", metavar="AGE", parser=numbers.age(),

@@ -111,11 +111,39 @@ def _tidy(command: Any) -> None:
                 param.display_type_rich = _no_type
                 param.display_type = _no_type
                 param._usage_display_name = partial(_usage_name, param)
+        if any(getattr(p, "rich_help_panel", None) for p in getattr(cmd, "params", ())):
+            cmd.format_options = partial(_format_panels, cmd)
         for sub in getattr(cmd, "commands", {}).values():
             walk(sub)
 
     walk(command)
     _plain_coercion(command)
+
+
+def _format_panels(cmd: Any, ctx: Any, formatter: Any) -> None:
+    """Options grouped under their `rich_help_panel` titles, in order of first use.
+
+    typer draws those panels only with rich help (slow to import, so off
+    here); this prints the same groups as plain sections, one per panel,
+    options without a panel (--help) under "Options" at the end.
+    """
+    args: list[tuple[str, str]] = []
+    panels: dict[str, list[tuple[str, str]]] = {}
+    for param in cmd.get_params(ctx):
+        record = param.get_help_record(ctx)
+        if record is None:
+            continue
+        if param.param_type_name == "argument":
+            args.append(record)
+        else:
+            panels.setdefault(getattr(param, "rich_help_panel", None) or "Options",
+                              []).append(record)
+    if "Options" in panels:  # the ungrouped ones last
+        panels["Options"] = panels.pop("Options")
+    for title, rows in (("Arguments", args), *panels.items()):
+        if rows:
+            with formatter.section(title):
+                formatter.write_dl(rows)
 
 
 def _no_type(*_args: Any, **_kwargs: Any) -> None:

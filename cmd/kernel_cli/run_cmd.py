@@ -50,6 +50,16 @@ REDACT_HELP = ("Also redact what this regular expression matches from everything
                "--context keys and env vars are redacted anyway.")
 
 
+#: `kernel run --help` groups its options under these titles (`app._format_panels`).
+_LIMITS = "Limits"
+_CRITIC = "Critic (supervision)"
+_CONTEXT = "Context and input"
+_AGENTS = "Agents (--agent)"
+_DRY = "Dry run"
+_OUTPUT = "Output and delivery"
+_STORAGE = "Audit and storage"
+
+
 def register(app: typer.Typer) -> None:
     """Add `kernel run` to the app."""
     app.command("run", help=RUN_HELP)(run)
@@ -62,13 +72,15 @@ def run(
     timeout: float | None = typer.Option(
         None, "--timeout", metavar="DURATION", parser=numbers.duration(), show_default=False,
         help="Hard deadline (the backstop): 90, 90s, 5m, 2h, 7d; 0 = none. Expiry exits 124. "
-             "[default: 3600, or the loop file's timeout]"),
+             "[default: 3600, or the loop file's timeout]",
+        rich_help_panel=_LIMITS),
     soft_timeout: float | None = typer.Option(
         None, "--soft-timeout", metavar="DURATION", parser=numbers.duration(),
         show_default=False,
         help="When the critic judges progress; a progressing run's deadline is extended "
              "by as much again (up to 24 times, never past --timeout). 0 = never. "
-             "[default: 600]"),
+             "[default: 600]",
+        rich_help_panel=_CRITIC),
     idle_timeout: float | None = typer.Option(
         None, "--idle-timeout", metavar="DURATION", parser=numbers.duration(),
         show_default=False,
@@ -77,97 +89,125 @@ def run(
              "a step, a tool call, an output line not seen recently (a spinner or the same "
              "line again is not), or a process tree using CPU or doing I/O (a busy but "
              "silent build is working). A flat tree blocked reading its terminal is killed "
-             "as waiting_input. 0 = off. [default: 300]"),
+             "as waiting_input. 0 = off. [default: 300]",
+        rich_help_panel=_CRITIC),
     model_timeout: float | None = typer.Option(
         None, "--model-timeout", metavar="DURATION", parser=numbers.duration(),
         show_default=False,
         help="How long a model request in flight (no reply, no streamed token) keeps a run "
              "alive instead of --idle-timeout; past it the run is killed as model_timeout. "
              "0 = no bound of its own. [default: 300, like the coding CLIs' stream idle "
-             "timeouts]"),
+             "timeouts]",
+        rich_help_panel=_CRITIC),
     tool_timeout: float | None = typer.Option(
         None, "--tool-timeout", metavar="DURATION", parser=numbers.duration(),
         show_default=False,
         help="Per tool call (an llm agent's tools): the call returns an error after it; the "
              "critic waits that long for a call in flight instead of --idle-timeout. "
-             "0 = no bound. [default: 300]"),
+             "0 = no bound. [default: 300]",
+        rich_help_panel=_CRITIC),
     no_critic: bool = typer.Option(
-        False, "--no-critic", help="Run without the critic: only --timeout ends a stuck run."),
+        False, "--no-critic", help="Run without the critic: only --timeout ends a stuck run.",
+        rich_help_panel=_CRITIC),
     max_steps: int | None = typer.Option(
         None, "--max-steps", metavar="N", parser=numbers.count(), show_default=False,
         help="Step ceiling (the critic may raise it for a progressing run). Exit 4. "
-             "[default: 100, or the loop file's max_iterations]"),
+             "[default: 100, or the loop file's max_iterations]",
+        rich_help_panel=_LIMITS),
     context: list[str] | None = typer.Option(
         None, "--context", "-c", metavar="KEY=VALUE",
-        help="A context variable (repeatable). Commands see it as $KERNEL_CTX_KEY."),
+        help="A context variable (repeatable). Commands see it as $KERNEL_CTX_KEY.",
+        rich_help_panel=_CONTEXT),
     caller: str | None = typer.Option(
         None, "--caller", metavar="ID",
-        help="Who is running this (budgets are per caller). Default: $KERNEL_CALLER or $USER."),
-    name: str | None = typer.Option(None, "--name", metavar="TEXT", help="A label for the run."),
+        help="Who is running this (budgets are per caller). Default: $KERNEL_CALLER or $USER.",
+        rich_help_panel=_CONTEXT),
+    name: str | None = typer.Option(None, "--name", metavar="LABEL", help="A label for the run.",
+        rich_help_panel=_CONTEXT),
     db: str | None = typer.Option(
-        None, "--db", metavar="PATH", help=DB_HELP),
-    no_audit: bool = typer.Option(False, "--no-audit", help="Record nothing."),
+        None, "--db", metavar="PATH", help=DB_HELP,
+        rich_help_panel=_STORAGE),
+    no_audit: bool = typer.Option(False, "--no-audit", help="Record nothing.",
+        rich_help_panel=_STORAGE),
     checkpoint_interval: float = typer.Option(
         0.0, "--checkpoint-interval", metavar="DURATION", parser=numbers.duration(),
         help="Save a loop's or agent's resumable state at most this often, for `kernel "
              "recover` (default 0: after every loop state and every LLM turn, so a crash "
-             "re-runs at most the state in flight)."),
+             "re-runs at most the state in flight).",
+        rich_help_panel=_STORAGE),
     deliver_dir: str | None = typer.Option(
         None, "--deliver-dir", metavar="DIR",
-        help="Also write the result to DIR/RUN_ID/ (result.json, output.txt, artifacts/)."),
+        help="Also write the result to DIR/RUN_ID/ (result.json, output.txt, artifacts/).",
+        rich_help_panel=_OUTPUT),
     webhook: list[str] | None = typer.Option(
         None, "--webhook", metavar="URL",
         help="Also POST the result as JSON to URL (retried; repeatable). A failed "
-             "delivery is a warning and never changes the exit code."),
+             "delivery is a warning and never changes the exit code.",
+        rich_help_panel=_OUTPUT),
     otlp: str | None = typer.Option(
         None, "--otlp", metavar="URL",
         help="Also send the run as OpenTelemetry spans (GenAI conventions) to the "
              "OTLP/HTTP collector at URL (default: $OTEL_EXPORTER_OTLP_ENDPOINT; needs the "
-             "otel extra)."),
+             "otel extra).",
+        rich_help_panel=_OUTPUT),
     json_out: bool = typer.Option(
         False, "--json", help="Print the final result as one JSON document (one line) on "
-                              "stdout (the command's output is not echoed)."),
+                              "stdout (the command's output is not echoed).",
+        rich_help_panel=_OUTPUT),
     quiet: bool = typer.Option(
         False, "--quiet", "-q", help="Print nothing on stdout (the output is still audited; "
-                                     "the summary line still goes to stderr)."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Simulate: execute nothing."),
+                                     "the summary line still goes to stderr).",
+        rich_help_panel=_OUTPUT),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Simulate: execute nothing.",
+        rich_help_panel=_DRY),
     scenario: str | None = typer.Option(
         None, "--scenario", metavar="NAME",
         help="Dry-run results for a loop: all-pass|all-fail|all-error|"
-             "first-fail|alternating. Implies --dry-run."),
+             "first-fail|alternating. Implies --dry-run.",
+        rich_help_panel=_DRY),
     agent: str | None = typer.Option(
         None, "--agent", metavar="KIND",
         help="Run an agent instead: llm | agentcli | pane, or a coding-agent CLI run "
-             "non-interactively with its stream format: claude | codex | gemini."),
+             "non-interactively with its stream format: claude | codex | gemini.",
+        rich_help_panel=_AGENTS),
     target: str | None = typer.Option(
         None, "--target", metavar="PANE",
         help="The tmux pane an --agent pane lives in (session[:window[.pane]]); "
-             "$KERNEL_TMUX_SOCKET picks the tmux server."),
+             "$KERNEL_TMUX_SOCKET picks the tmux server.",
+        rich_help_panel=_AGENTS),
     model: str | None = typer.Option(
         None, "--model", metavar="NAME",
         help="Model name (--agent llm, claude, codex, gemini; for a loop, the "
              "model its llm_structured evaluations ask unless the file sets "
-             "llm.model)."),
+             "llm.model).",
+        rich_help_panel=_AGENTS),
     max_turns: int | None = typer.Option(
         None, "--max-turns", metavar="N", parser=numbers.count(minimum=1), show_default=False,
-        help="The agent's own turn limit (--agent claude)."),
+        help="The agent's own turn limit (--agent claude).",
+        rich_help_panel=_AGENTS),
     base_url: str | None = typer.Option(
         None, "--base-url", metavar="URL",
         help="OpenAI-compatible API base URL (--agent llm and loop "
-             "llm_structured evaluations; default $OPENAI_BASE_URL)."),
+             "llm_structured evaluations; default $OPENAI_BASE_URL).",
+        rich_help_panel=_AGENTS),
     prompt: str | None = typer.Option(
-        None, "--prompt", metavar="TEXT",
+        None, "--prompt", metavar="TASK",
         help="The task (--agent llm|agentcli|pane|claude|codex|gemini; a "
-             "pane gets it typed)."),
+             "pane gets it typed).",
+        rich_help_panel=_AGENTS),
     cmd: str | None = typer.Option(
-        None, "--cmd", metavar="COMMAND", help="The agent's command line (--agent agentcli)."),
+        None, "--cmd", metavar="COMMAND", help="The agent's command line (--agent agentcli).",
+        rich_help_panel=_AGENTS),
     api_key_env: str | None = typer.Option(
         None, "--api-key-env", metavar="VAR", help="Env var holding the API key "
-                                                    "(default OPENAI_API_KEY)."),
+                                                    "(default OPENAI_API_KEY).",
+        rich_help_panel=_AGENTS),
     allow_shell: bool = typer.Option(
-        False, "--allow-shell", help="Give an llm agent the shell tool (off by default)."),
+        False, "--allow-shell", help="Give an llm agent the shell tool (off by default).",
+        rich_help_panel=_AGENTS),
     redact: list[str] | None = typer.Option(
-        None, "--redact", metavar="REGEX", help=REDACT_HELP),
+        None, "--redact", metavar="REGEX", help=REDACT_HELP,
+        rich_help_panel=_STORAGE),
 ) -> None:
     """Run one thing, supervised and audited, and exit with its status's code."""
     from kernel import ConfigError, Limits

@@ -142,3 +142,65 @@ class TestMachineOutputVocabulary:
             assert opt is not None, path
             assert getattr(opt, "metavar", None) == output.FORMAT_METAVAR, path
             assert getattr(opt, "help", "").startswith(output.FORMAT_HELP), path
+
+
+def _help(path: str) -> str:
+    """`kernel PATH --help` as printed at 100 columns, rendered in-process."""
+    import typer
+
+    from kernel_cli.app import app
+
+    cmd = typer.main.get_command(app)
+    ctx = cmd.make_context("kernel", [], resilient_parsing=True, max_content_width=100,
+                           terminal_width=100)
+    for name in path.split():
+        cmd = cmd.commands[name]  # type: ignore[attr-defined]
+        ctx = cmd.make_context(name, [], parent=ctx, resilient_parsing=True)
+    return str(cmd.get_help(ctx))
+
+
+#: Metavars click/typer invent from a parameter's type, which say nothing to a reader
+#: (PATH is one too, but --db PATH says what it means).
+TYPE_NAMES = {"TEXT", "INTEGER", "FLOAT", "BOOLEAN", "FILENAME", "DIRECTORY", "UUID",
+              "DATETIME", "CHOICE"}
+
+
+class TestHelp:
+    def test_run_groups_its_options_in_panels(self) -> None:
+        """`kernel run --help`: every option sits under a panel title (--help alone is not)."""
+        leaves = _leaf_commands()
+        ungrouped = [p.opts for p in leaves["run"].params  # type: ignore[attr-defined]
+                     if p.param_type_name == "option" and not p.rich_help_panel]
+        assert ungrouped == []
+        text = _help("run")
+        titles = ["Limits:", "Critic (supervision):", "Context and input:", "Audit and storage:",
+                  "Output and delivery:", "Dry run:", "Agents (--agent):", "Options:"]
+        where = [text.index("\n" + t + "\n") for t in titles]
+        assert where == sorted(where), text
+        limits = text.split("\nLimits:\n", 1)[1].split("\n\n", 1)[0]
+        assert "--timeout DURATION" in limits and "--max-steps N" in limits
+        options = text.split("\nOptions:\n", 1)[1]
+        assert options.split() == ["-h,", "--help", "Show", "this", "message", "and", "exit."]
+
+    def test_every_value_has_a_real_metavar(self) -> None:
+        """Each argument and valued option names what it wants: never a Python or click type."""
+        bad = []
+        for path, cmd in _leaf_commands().items():
+            for p in cmd.params:  # type: ignore[attr-defined]
+                if p.param_type_name == "option" and p.is_flag:
+                    continue
+                if not p.metavar or p.metavar.upper() in TYPE_NAMES:
+                    bad.append((path, p.name, p.metavar))
+        assert bad == []
+
+    def test_no_typer_internals_in_any_help(self) -> None:
+        """No `<str>`, `<int range>`, `<list[str]>`, `{RUN_ID}`, lowercase run_id in any help."""
+        for path in ["", *_leaf_commands()]:
+            text = _help(path) if path else _help("")
+            for leak in ("<str>", "<int", "<float", "<list", "<path>", "{RUN_ID}", "{run_id}",
+                         "[run_id]", "RUN_ID <", " TEXT", " INTEGER", " FLOAT"):
+                assert leak not in text, (path, leak)
+            usage = text.splitlines()[0]
+            assert "{" not in usage and "<" not in usage, (path, usage)
+        for path in ("show", "resume", "export"):
+            assert "RUN_ID" in _help(path), path
