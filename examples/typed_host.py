@@ -5,8 +5,10 @@
 
 Every package ships `py.typed`, so a host's type checker sees the kernel's
 own annotations: `CriticPolicy(idle_timeout="soon")` is an error in the
-host's code, not a surprise at run time. tests/test_typed.py type-checks
-this file from outside the source tree, against the installed wheel.
+host's code, not a surprise at run time, and so is an agent's optional
+capability (`snapshot`, `on_steer`, ...) written with the wrong signature.
+tests/test_typed.py type-checks this file from outside the source tree,
+against the installed wheel.
 """
 
 from __future__ import annotations
@@ -25,7 +27,20 @@ from adapters.shell import ShellAgent
 from batteries.audit import DuckDBAudit
 from batteries.critic import CriticPolicy, WatchCritic
 from batteries.delivery import DirectoryDelivery
-from kernel import Agent, Kernel, Limits, Ports, Result, RunInfo, Status
+from kernel import (
+    Agent,
+    Kernel,
+    Limits,
+    Message,
+    Ports,
+    Result,
+    RunContext,
+    RunInfo,
+    Status,
+    Step,
+    SupportsSnapshot,
+    SupportsSteer,
+)
 from kernel_cli.app import main as kernel_main
 
 
@@ -40,6 +55,41 @@ def pick_agent(kind: str, workdir: Path) -> Agent:
     if kind == "pane":
         return PaneAgent("main:0.0", "say hi", TmuxMultiplexer())
     return ShellAgent(["echo", "hello from the host"])
+
+
+class Tally(SupportsSnapshot, SupportsSteer):
+    """The host's own agent: counts to three, resumable, and takes nudges mid-step.
+
+    Inheriting the capability Protocols has mypy check each method against
+    the kernel's contract (an `on_steer` that is not async is reported).
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.nudges: list[str] = []
+
+    async def step(self, ctx: RunContext) -> Step:
+        if ctx.iteration == 0 and isinstance(ctx.resumed_from, dict):
+            self.count = int(ctx.resumed_from.get("count", 0))
+        self.count += 1
+        return Step(output=self.count, final=self.count >= 3)
+
+    def snapshot(self) -> dict[str, int]:
+        return {"count": self.count}
+
+    async def on_steer(self, messages: list[Message]) -> None:
+        self.nudges.extend(m.content for m in messages)
+
+
+def nudgeable(workdir: Path) -> list[SupportsSteer]:
+    """The agents that take critic nudges during a step (checked structurally)."""
+    return [Tally(), ShellAgent(["sleep", "1"]), CLIAgent(["my-agent", "--json"]),
+            PaneAgent("main:0.0", "say hi", TmuxMultiplexer())]
+
+
+def resumable(workdir: Path) -> list[SupportsSnapshot]:
+    """The agents a checkpoint can resume."""
+    return [Tally(), LoopAgent(load_loop(workdir / "loop.yaml"))]
 
 
 async def run(db: Path) -> Result:

@@ -44,6 +44,14 @@ from .ports import Delivery as Delivery
 from .ports import EventSink as EventSink
 from .ports import Ports as Ports
 from .ports import RunRecorder as RunRecorder
+from .ports import SupportsAttach as SupportsAttach
+from .ports import SupportsNextLook as SupportsNextLook
+from .ports import SupportsProcesses as SupportsProcesses
+from .ports import SupportsSimulate as SupportsSimulate
+from .ports import SupportsSnapshot as SupportsSnapshot
+from .ports import SupportsSteer as SupportsSteer
+from .ports import SupportsToolEnd as SupportsToolEnd
+from .ports import SupportsTools as SupportsTools
 
 _logging.getLogger("kernel").addHandler(_logging.NullHandler())
 
@@ -77,6 +85,14 @@ __all__ = [
     "RunStats",
     "Status",
     "Step",
+    "SupportsAttach",
+    "SupportsNextLook",
+    "SupportsProcesses",
+    "SupportsSimulate",
+    "SupportsSnapshot",
+    "SupportsSteer",
+    "SupportsToolEnd",
+    "SupportsTools",
     "ToolCall",
     "ToolResult",
     "Usage",

@@ -28,11 +28,12 @@ import dataclasses
 import logging
 import math
 import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import trio
 
+from ._capabilities import NO_HANDLE, agent_capabilities, handle_capabilities
 from ._context import RunContext
 from ._types import (
     Limits,
@@ -184,7 +185,9 @@ class _Run:
         self.in_step = False
         self.pending_steer: list[Message] = []
         self.artifacts: dict[str, str | bytes] = {}
-        self.tools: Mapping[str, Any] = getattr(agent, "tools", None) or {}
+        self.can = agent_capabilities(agent)  # tools, on_steer, snapshot, simulate
+        self.tools = self.can.tools
+        self.hooks = NO_HANDLE  # the critic handle's optional methods, once it has one
         self.started = 0.0
         self.backstop = math.inf
         self.last_save_steps = self.steps
@@ -290,11 +293,8 @@ class _Run:
 
     def agent_tool_ended(self, result: ToolResult) -> None:
         """An agent reports the outcome of a tool call it ran itself (`ctx.tool_end`)."""
-        handle = self.handle
-        if handle is None:
-            return
-        record = getattr(handle, "record_tool_end", None)
-        if record is None:
+        record = self.hooks.record_tool_end
+        if self.handle is None or record is None:
             return
         try:
             record(result)
@@ -307,7 +307,7 @@ class _Run:
         """A tool call finished: show its outcome to the critic, then audit it."""
         handle = self.handle
         if handle is not None:
-            record = getattr(handle, "record_tool_end", None)
+            record = self.hooks.record_tool_end
             if record is not None:
                 try:
                     record(result)
@@ -374,6 +374,10 @@ class _Run:
                     max_steps=limits.max_steps, events=self._critic_event)
             except Exception as exc:
                 self.fault("critic", "monitor", exc)
+            if self.handle is not None:
+                self.hooks = handle_capabilities(self.handle)
+                if self.hooks.problem is not None:
+                    self.critic_failed("monitor", TypeError(self.hooks.problem))
 
         pending: BaseException | None = None
         try:
@@ -512,6 +516,10 @@ class _Run:
 
     async def loop(self) -> None:
         agent, ctx, limits = self.agent, self.ctx, self.limits
+        if self.can.problem is not None:
+            self.recorder_error(self.can.problem)
+            self._end(Status.ERROR, error=self.can.problem)
+            return
         if limits.dry_run:
             await self.dry_run()
             return
@@ -718,7 +726,7 @@ class _Run:
             now - self.last_save_time >= lim.checkpoint_every_seconds)
         if not (due or force):
             return
-        snapshot = getattr(self.agent, "snapshot", None)
+        snapshot = self.can.snapshot
         if snapshot is None:
             return
         try:
@@ -737,7 +745,7 @@ class _Run:
         self.log_event("checkpoint", payload={"steps": self.steps}, iteration=self.steps - 1)
 
     async def dry_run(self) -> None:
-        simulate = getattr(self.agent, "simulate", None)
+        simulate = self.can.simulate
         try:
             if simulate is not None:
                 output = await simulate(self.ctx)
@@ -763,15 +771,15 @@ class _Run:
         """
         handle = self.handle
         assert handle is not None and self.k._watcher is not None
-        self.next_look = getattr(handle, "next_look", None)
-        attach = getattr(handle, "attach", None)
+        self.next_look = self.hooks.next_look
+        attach = self.hooks.attach
         if attach is not None:
             try:
                 attach(self.wake_watch)
             except Exception as exc:
                 self.critic_failed("attach", exc)
                 return
-        self.on_steer = getattr(self.agent, "on_steer", None)
+        self.on_steer = self.can.on_steer
         self.k._watcher.register(self)
 
     def look(self, now: float) -> float | None:
@@ -840,18 +848,14 @@ class _Run:
 
     def process_started(self, pid: int) -> None:
         """An adapter started a process for this run: the critic may sample it."""
-        self._process_hook("record_process", pid)
+        self._process_hook(self.hooks.record_process, "record_process", pid)
 
     def process_exited(self, pid: int) -> None:
         """A process an adapter started for this run has exited."""
-        self._process_hook("record_process_exit", pid)
+        self._process_hook(self.hooks.record_process_exit, "record_process_exit", pid)
 
-    def _process_hook(self, method: str, pid: int) -> None:
-        handle = self.handle
-        if handle is None:
-            return
-        fn = getattr(handle, method, None)
-        if fn is None:
+    def _process_hook(self, fn: Callable[[int], None] | None, method: str, pid: int) -> None:
+        if self.handle is None or fn is None:
             return
         try:
             fn(pid)

@@ -18,7 +18,7 @@ or database I/O inside the call: buffer and flush from a worker thread.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -47,21 +47,80 @@ class Agent(Protocol):
     `error` with the traceback on the result. It must let `trio.Cancelled`
     propagate; the kernel cancels it on timeout, kill or caller cancel.
 
-    Optional attributes the kernel uses when present:
-
-    - `tools: Mapping[str, Callable[..., Awaitable[Any]]]` — tools a step's
-      `tool_calls` may name; each is awaited with the call's args as keywords.
-    - `async def on_steer(self, messages) -> None` — deliver critic nudges
-      *during* a long step (type into a pane, write to stdin). Without it,
-      nudges wait in `ctx.steer` for the next step.
-    - `def snapshot(self) -> Any` — JSON-serialisable resumable state, asked
-      for only when a checkpoint save is due. If it is a mapping with a
-      string `"state"` (a loop's next state), a resumed run's `resumed`
-      audit event is named after it: the step that runs again.
-    - `async def simulate(self, ctx) -> Any` — what a dry run reports.
+    Optional capabilities, each a Protocol of its own so a host's type
+    checker can check an implementation (`agent: SupportsSnapshot = MyAgent()`,
+    or inherit the protocol): `SupportsTools`, `SupportsSteer`,
+    `SupportsSnapshot`, `SupportsSimulate`. The kernel looks each one up once,
+    when the run starts; a member that is None counts as absent, and one
+    that is present but malformed (not callable; `tools` not a mapping)
+    ends the run `error` before its first step, naming the agent.
     """
 
     async def step(self, ctx: RunContext) -> Step: ...
+
+
+Tool = Callable[..., Awaitable[Any]]
+"""A tool: awaited with a `ToolCall`'s args as keyword arguments; its return is the output."""
+
+
+@runtime_checkable
+class SupportsTools(Protocol):
+    """An agent whose steps may ask the kernel to run tools (`Step.tool_calls`).
+
+    **Protocol:** `tools` maps a tool name to an async callable. The kernel
+    reads the mapping once per run; each call is awaited with the call's
+    args as keywords, bounded by `Limits.tool_timeout`. A tool that raises
+    gives an error `ToolResult` (the run goes on); a name not in the mapping
+    gives one too.
+    """
+
+    @property
+    def tools(self) -> Mapping[str, Tool]:
+        """The tools a step's `tool_calls` may name."""
+
+
+@runtime_checkable
+class SupportsSteer(Protocol):
+    """An agent that takes critic nudges *during* a long step.
+
+    **Protocol:** `on_steer` is awaited while a step is in flight (type into
+    a pane, write to a process's stdin), from a task in the run's nursery,
+    one delivery at a time. It should be quick. Raising is reported on the
+    result and the messages wait in `ctx.steer` for the next step, as they
+    do for agents without it.
+    """
+
+    async def on_steer(self, messages: list[Message]) -> None:
+        """Deliver `messages` to the agent now."""
+
+
+@runtime_checkable
+class SupportsSnapshot(Protocol):
+    """An agent whose progress can be checkpointed and resumed (`Kernel.run(resume=...)`).
+
+    **Protocol:** `snapshot` returns JSON-serialisable resumable state; it
+    is asked for only when a checkpoint save is due, on the trio thread, and
+    must not block. If it is a mapping with a string `"state"` (a loop's
+    next state), a resumed run's `resumed` audit event is named after it:
+    the step that runs again. Raising skips that save (reported on the
+    result). A resumed run finds the state in `ctx.resumed_from`.
+    """
+
+    def snapshot(self) -> Any:
+        """The agent's resumable state now."""
+
+
+@runtime_checkable
+class SupportsSimulate(Protocol):
+    """An agent that can say what it would do (`Limits(dry_run=True)`).
+
+    **Protocol:** in a dry run `simulate(ctx)` is awaited instead of any
+    step; what it returns is the output of the `dry_run` result. It must
+    execute nothing. Raising ends the run `error`.
+    """
+
+    async def simulate(self, ctx: RunContext) -> Any:
+        """What a run would do, as the dry run's output."""
 
 
 class RunRecorder(Protocol):
@@ -161,22 +220,11 @@ class CriticHandle(Protocol):
     kernel asks again before deciding a final step's status). So
     `kill_cause` must be cheap; judge in `record_*`, not in it.
 
-    **Optional methods** (the kernel uses them when present; older handles
-    without them keep working):
-
-    - `record_tool_end(result: ToolResult)`: a tool call finished (kernel-run,
-      or reported by an agent through `ctx.tool_end`), with its output or
-      error: a call repeated with an unchanged result is a loop, a changing
-      one is progress.
-    - `record_process(pid)` / `record_process_exit(pid)`: an adapter started
-      (ended) a process for the run (`ctx.process_started`); the critic may
-      sample its tree.
-    - `next_look() -> float | None`: when (trio time) the watcher should
-      next consult the handle; None: not until woken. Without it the watcher
-      polls the handle every `Limits.poll_interval`.
-    - `attach(wake: Callable[[], None])`: called once with a function that
-      has the watcher look at the run at once (call it after queuing a nudge for
-      mid-step delivery or deciding a kill outside a `record_*` call).
+    **Optional capabilities** (the kernel uses them when present, looked up
+    once per run; handles without them keep working), each a Protocol:
+    `SupportsToolEnd`, `SupportsProcesses`, `SupportsNextLook`,
+    `SupportsAttach`. A member that is present but not callable is a
+    critic failure: the kernel stops consulting the critic for that run.
     """
 
     def record_step(self, iteration: int, step: Step) -> None:
@@ -207,6 +255,63 @@ class CriticHandle(Protocol):
 
     def stop(self) -> None:
         """The run is over; release anything held."""
+
+
+@runtime_checkable
+class SupportsToolEnd(Protocol):
+    """A critic handle that sees tool results, not only tool starts.
+
+    **Protocol:** `record_tool_end` is called when a tool call finished
+    (kernel-run, or reported by an agent through `ctx.tool_end`), with its
+    output or error: a call repeated with an unchanged result is a loop, a
+    changing one is progress. Like `record_*`: must not block.
+    """
+
+    def record_tool_end(self, result: ToolResult) -> None:
+        """A tool call finished with `result`."""
+
+
+@runtime_checkable
+class SupportsProcesses(Protocol):
+    """A critic handle that samples the processes a run starts.
+
+    **Protocol:** called when an adapter reports a process it started or
+    that ended (`ctx.process_started` / `ctx.process_exited`); the critic
+    may sample its tree (from a thread of its own: these must not block).
+    """
+
+    def record_process(self, pid: int) -> None:
+        """The run started process `pid`."""
+
+    def record_process_exit(self, pid: int) -> None:
+        """Process `pid` of the run has exited."""
+
+
+@runtime_checkable
+class SupportsNextLook(Protocol):
+    """A critic handle that says when the kernel's watcher should next look at it.
+
+    **Protocol:** `next_look` returns the trio time of the next moment a rule
+    could fire, or None for "not until woken" (see `SupportsAttach`). Without
+    it the watcher polls the handle every `Limits.poll_interval`.
+    """
+
+    def next_look(self) -> float | None:
+        """When (trio time) to consult the handle next; None: not until woken."""
+
+
+@runtime_checkable
+class SupportsAttach(Protocol):
+    """A critic handle that can have the watcher look at its run at once.
+
+    **Protocol:** `attach` is called once, when the run is handed to the
+    watcher, with a function that has the watcher look at the run at once:
+    call it after queuing a nudge for mid-step delivery or deciding a kill
+    outside a `record_*` call. It never blocks; call it on the trio thread.
+    """
+
+    def attach(self, wake: Callable[[], None]) -> None:
+        """Keep `wake` and call it when the watcher should look at the run now."""
 
 
 class Critic(Protocol):

@@ -35,7 +35,10 @@ def test_wheel_ships_py_typed_in_every_package(wheel: Path) -> None:
 
 @pytest.mark.realtime
 def test_host_program_type_checks_outside_the_tree(wheel: Path, tmp_path: Path) -> None:
-    """mypy --strict on a host outside the tree passes, and a wrong argument type is reported.
+    """mypy --strict passes on a host outside the tree and reports its wrong calls and capabilities.
+
+    A wrong argument type is reported, and so is an optional agent capability
+    (`on_steer`, a `kernel.SupportsSteer`) implemented with the wrong signature.
 
     The host is examples/typed_host.py (it imports every package), copied into
     a temporary directory. The packages come from the wheel installed into a
@@ -68,16 +71,24 @@ def test_host_program_type_checks_outside_the_tree(wheel: Path, tmp_path: Path) 
     wrong = good.replace("CriticPolicy(idle_timeout=30.0)", 'CriticPolicy(idle_timeout="soon")')
     assert wrong != good
     (host / "wrong_host.py").write_text(wrong)
+    # An optional agent capability implemented wrongly: a plain `def on_steer`.
+    sync_steer = good.replace("    async def on_steer(self, messages: list[Message]) -> None:",
+                              "    def on_steer(self, messages: list[Message]) -> None:")
+    assert sync_steer != good
+    (host / "wrong_capability.py").write_text(sync_steer)
 
     env = {k: v for k, v in os.environ.items() if k not in ("MYPYPATH", "PYTHONPATH")}
     proc = subprocess.run(
         [sys.executable, "-m", "mypy", "--strict", "--python-executable", str(python),
          "--cache-dir", str(tmp_path / "mypy-cache"), "--no-error-summary",
-         "typed_host.py", "wrong_host.py"],
+         "typed_host.py", "wrong_host.py", "wrong_capability.py"],
         cwd=host, env=env, capture_output=True, text=True, timeout=600)
     lines = proc.stdout.splitlines()
     assert not [line for line in lines if line.startswith("typed_host.py")], proc.stdout
     assert any(line.startswith("wrong_host.py") and '"idle_timeout"' in line
                and '"CriticPolicy"' in line and "[arg-type]" in line
                for line in lines), proc.stdout + proc.stderr
-    assert len(lines) == 1, proc.stdout  # nothing else: no "missing library stubs"
+    assert any(line.startswith("wrong_capability.py") and '"on_steer"' in line
+               and '"kernel.ports.SupportsSteer"' in line and "[override]" in line
+               for line in lines), proc.stdout + proc.stderr
+    assert len(lines) == 2, proc.stdout  # nothing else: no "missing library stubs"

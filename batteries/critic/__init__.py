@@ -43,6 +43,7 @@ from ._judge import Outcome as Outcome
 from ._judge import Process as Process
 from ._judge import RulesJudge as RulesJudge
 from ._judge import RunView as RunView
+from ._judge import SupportsQuietUntil as SupportsQuietUntil
 from ._judge import Window as Window
 from ._judge import find_loop as find_loop
 from ._policy import CriticPolicy as CriticPolicy
@@ -74,6 +75,7 @@ __all__ = [
     "PsutilProbe",
     "RulesJudge",
     "RunView",
+    "SupportsQuietUntil",
     "TreeSample",
     "WatchCritic",
     "WatchHandle",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from kernel import RunInfo
 
@@ -316,13 +316,23 @@ class Judge(Protocol):
     def judge(self, view: RunView) -> Decision | None:
         """Decide, or return None."""
 
-    # Optional: `quiet_until(view) -> float | None`. Right after `judge` returned
-    # None for `view`, the time (seconds since the run started) before which the
-    # judge promises to return None again as long as only plain progress arrives
-    # (steps without a message, new output, working samples: evidence that only
-    # pushes clock rules later). The handle skips looks until then, and the
-    # kernel's watcher looks at the run then. None, or no such method: the
-    # handle asks the judge at every look and the watcher polls.
+
+@runtime_checkable
+class SupportsQuietUntil(Protocol):
+    """A judge that can say how long the clock alone changes nothing (optional).
+
+    **Protocol:** right after `judge` returned None for `view`, `quiet_until`
+    returns the time (seconds since the run started) before which the judge
+    promises to return None again as long as only plain progress arrives
+    (steps without a message, new output, working samples: evidence that
+    only pushes clock rules later). The handle skips looks until then, and
+    the kernel's watcher looks at the run then. None, or a judge without it:
+    the handle asks the judge at every look and the watcher polls. Looked
+    up once per run, like the kernel's `Supports*` capabilities; must not block.
+    """
+
+    def quiet_until(self, view: RunView) -> float | None:
+        """Seconds since the run started until which `judge` would answer None."""
 
 
 _STEER_TAIL = ("Do not repeat it: try a different approach, or finish with what you have.")

@@ -163,6 +163,9 @@ class WatchHandle:
                  history: int = 64, sampler: ProcessSampler | None = None) -> None:
         now = trio.current_time()
         self._judge = judge
+        # SupportsQuietUntil, looked up once (a member set to None counts as absent).
+        self._judge_quiet_until: Callable[[RunView], float | None] | None = getattr(
+            judge, "quiet_until", None)
         self._info = info
         self._events = events
         self._start = now
@@ -465,7 +468,7 @@ class WatchHandle:
 
     def _note_quiet(self, view: RunView) -> None:
         """Remember until when a look with no new evidence would find nothing to do."""
-        quiet_until = getattr(self._judge, "quiet_until", None)
+        quiet_until = self._judge_quiet_until
         rel = None if quiet_until is None else quiet_until(view)
         self._quiet_until = -math.inf if rel is None else self._start + rel
 
