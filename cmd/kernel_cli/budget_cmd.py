@@ -10,7 +10,7 @@ import typer
 
 from . import numbers
 from .dberrors import error_prefix
-from .dbopt import DB_HELP
+from .dbopt import DB_HELP, STORE_OPTION
 
 budget_app = typer.Typer(
     name="budget", no_args_is_help=True, rich_markup_mode=None,
@@ -53,6 +53,7 @@ def set_budget(
         "24h", "--window", metavar="DURATION", parser=numbers.duration(zero=False),
         help="The rolling window: 30m, 24h, 7d, 2w (or seconds)."),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
+    shared_store: str | None = STORE_OPTION,
 ) -> None:
     """Create or replace CALLER's budget."""
     from kernel import AuditError
@@ -74,6 +75,7 @@ def show_budget(
         help="Show one caller (with what applies to them); default: every budget."),
     as_json: bool = typer.Option(False, "--json", help="JSON lines instead of a table."),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
+    shared_store: str | None = STORE_OPTION,
 ) -> None:
     """Budgets and what each caller spent in the current window."""
     from dataclasses import asdict
@@ -114,6 +116,7 @@ def show_budget(
 def remove_budget(
     caller: str = typer.Argument(..., metavar="CALLER", help="The caller id."),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
+    shared_store: str | None = STORE_OPTION,
 ) -> None:
     """Remove CALLER's budget (their spend history stays)."""
     from kernel import AuditError

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from .dbopt import DB_HELP
+from .dbopt import DB_HELP, STORE_OPTION
 
 if TYPE_CHECKING:
     from kernel import Checkpoint, Limits, Result, RunInfo
@@ -106,6 +106,7 @@ def run(
     name: str | None = typer.Option(None, "--name", metavar="TEXT", help="A label for the run."),
     db: str | None = typer.Option(
         None, "--db", metavar="PATH", help=DB_HELP),
+    shared_store: str | None = STORE_OPTION,
     no_audit: bool = typer.Option(False, "--no-audit", help="Record nothing."),
     checkpoint_interval: float = typer.Option(
         0.0, "--checkpoint-interval", metavar="DURATION", parser=numbers.duration(),
