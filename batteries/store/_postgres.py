@@ -625,8 +625,12 @@ class PostgresStore:
             return False
         holder = Owner(row[1] or "", int(row[2] or 0), row[3])
         me = op.owner
-        mine = (holder.host, holder.pid, holder.started) == (me.host, me.pid, me.started)
-        if not mine and not self._holder_gone(holder, row[4]):
+        held = (holder.host, holder.pid, holder.started)
+        mine = held == (me.host, me.pid, me.started)
+        # A dispatcher that proved the holder dead (e.g. Ray: its node died) names it.
+        proof: Owner | None = getattr(op, "gone", None)
+        proven = proof is not None and held == (proof.host, proof.pid, proof.started)
+        if not (mine or proven or self._holder_gone(holder, row[4])):
             return False
         con.execute(f"UPDATE checkpoints SET host = %s, pid = %s, pid_start = %s, "
                     f"heartbeat_at = {NOW}, rev = %s WHERE run_id = %s",
