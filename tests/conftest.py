@@ -1,21 +1,32 @@
-"""Shared fixtures: an isolated audit database and the installed `kernel` executable."""
+"""Shared fixtures: an isolated audit database, the installed `kernel` executable, and a
+real PostgreSQL server (`pg_server`, `pg_url`)."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
+if TYPE_CHECKING:
+    from pg_server import PgServer
+
 
 @pytest.fixture(autouse=True)
-def _isolated_db(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Every test gets its own $KERNEL_DB, so nothing touches the user's database."""
+def _isolated_db(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Every test gets its own $KERNEL_DB and no $KERNEL_STORE, so nothing touches the
+    user's database or server."""
     db = tmp_path / "kernel.duckdb"
     monkeypatch.setenv("KERNEL_DB", str(db))
-    return db
+    monkeypatch.delenv("KERNEL_STORE", raising=False)
+    yield db
+    chosen = sys.modules.get("batteries.store._select")
+    if chosen is not None:  # an in-process `--store URL` chose a store: forget it
+        chosen.choose(None)
 
 
 @pytest.fixture(scope="session")
@@ -37,3 +48,20 @@ def cli_env(tmp_path: Path) -> dict[str, str]:
     env["KERNEL_DB"] = str(tmp_path / "kernel.duckdb")
     env["NO_COLOR"] = "1"
     return env
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[PgServer]:
+    """A real PostgreSQL server for the whole session (tests/pg_server.py), stopped at the end.
+
+    Skipped where PostgreSQL is not installed; under CI=true that fails instead.
+    """
+    from pg_server import server_or_skip
+
+    yield from server_or_skip()
+
+
+@pytest.fixture
+def pg_url(pg_server: PgServer) -> str:
+    """The URL of a new, empty database on the session's PostgreSQL server."""
+    return pg_server.create_database()

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     import duckdb
 
 #: The schema version this code writes and expects.
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 #: Columns of `runs`, in insert order.
 RUN_COLUMNS: tuple[str, ...] = (
@@ -237,8 +237,12 @@ _V3 = Migration(3, "fed from the journal: sync_state, mirrors of checkpoints and
     """,
 ))
 
+_V4 = Migration(4, "sync_state.source: the store feeding the file (NULL: its journal)", (
+    "ALTER TABLE sync_state ADD COLUMN IF NOT EXISTS source VARCHAR",
+))
+
 #: Every migration, in order. Append; never edit one that has shipped.
-MIGRATIONS: tuple[Migration, ...] = (_V1, _V2, _V3)
+MIGRATIONS: tuple[Migration, ...] = (_V1, _V2, _V3, _V4)
 
 _VERSION_TABLE = """
 CREATE TABLE IF NOT EXISTS schema_version (

@@ -15,8 +15,15 @@ cursor. The journal is read inside one read snapshot, which in WAL mode
 never blocks a writer: a run never waits for a sync, and a sync only waits
 for other users of the DuckDB file.
 
-DuckDB's `sqlite_scanner` extension would read the journal directly, but it
-is downloaded on first use; reading with the standard library's sqlite3 and
+With a PostgreSQL store (`--store` / `$KERNEL_STORE`) the same copy reads
+the server instead of the journal (same tables, same cursor). A file
+remembers which store feeds it (`sync_state.source`: NULL for the journal
+beside it, else the server's URL without its password) and refuses to be
+fed by another one, whose ids would not continue its cursor.
+
+DuckDB's `sqlite_scanner` and `postgres_scanner` extensions would read the
+stores directly, but they are downloaded on first use (and this kind of
+machine often has no way to fetch them); reading with sqlite3 / psycopg and
 inserting Arrow tables needs nothing beyond what is installed.
 """
 
@@ -109,26 +116,31 @@ def _replace(cur: Any, table: str, key: str, rows: Sequence[tuple[Any, ...]],
 
 
 def sync(db: str | Path, *, lock_timeout: float | None = None) -> SyncReport:
-    """Copy what the journal beside `db` holds and `db` does not yet (blocking).
+    """Copy what the store holds and `db` does not yet (blocking).
 
-    Creates the analysts' file if only the journal exists, and the journal
-    (carrying an old file's budgets and checkpoints over) if only the file
-    exists.
+    The store is the one in effect (`batteries.store.open_store`): a
+    PostgreSQL server chosen with `--store` / `$KERNEL_STORE`, else the
+    journal beside `db`. Creates the analysts' file if only the store
+    exists, and the journal (carrying an old file's budgets and checkpoints
+    over) if only the file exists.
 
     Raises:
-        AuditError: Neither file exists, or one of them cannot be read or written
-            (`AuditBusyError` if the DuckDB file stayed locked past the lock timeout).
+        AuditError: Neither exists, one of them cannot be read or written
+            (`AuditBusyError` if the DuckDB file stayed locked past the lock
+            timeout), or the file is fed from another store.
     """
-    from batteries.store import SQLiteStore, StoreError, journal_path
+    from batteries.store import StoreError, open_store
 
     t0 = time.perf_counter()
     report = SyncReport()
     store = Store(db) if lock_timeout is None else Store(db, lock_timeout=lock_timeout)
-    journal = SQLiteStore(journal_path(store.path), legacy=store.path,
-                          lock_timeout=lock_timeout)
+    journal = open_store(store.path, lock_timeout=lock_timeout)
+    source: str | None = getattr(journal, "source", None)
     if not journal.exists():
         if not store.path.exists():
-            raise AuditError(f"no audit database at {store.path}")
+            raise AuditError(f"no audit database at {store.path}" if source is None
+                             else f"no runs yet in store {source}")
+        _check_source(store, _fed_from(store), source)
         try:  # create the journal now, carrying the old file's budgets and checkpoints over
             journal.commit(None, [])
         except StoreError:
@@ -138,20 +150,43 @@ def sync(db: str | Path, *, lock_timeout: float | None = None) -> SyncReport:
     try:
         with store.session(write=True) as cur:
             migrate(cur)
-            found = cur.execute("SELECT events_id, rev FROM sync_state").fetchall()
+            found = cur.execute("SELECT events_id, rev, source FROM sync_state").fetchall()
+            if found:
+                _check_source(store, found[0][2], source)
             events_after, rev_after = (int(found[0][0]), int(found[0][1])) if found else (0, 0)
             with journal.changes(events_after, rev_after) as ch:
                 if ch.last_event == events_after and ch.rev == rev_after:
                     report.seconds = time.perf_counter() - t0
                     return report
-                _copy(cur, ch, report, first=not found)
+                _copy(cur, ch, report, first=not found, source=source)
     finally:
         journal.close()
     report.seconds = time.perf_counter() - t0
     return report
 
 
-def _copy(cur: Any, ch: Any, report: SyncReport, *, first: bool) -> None:
+def _fed_from(store: Store) -> str | None:
+    """The store an existing analysts' file says feeds it (None: the journal, or not yet fed)."""
+    import duckdb
+
+    with store.session(write=False) as cur:
+        try:
+            found = cur.execute("SELECT source FROM sync_state").fetchall()
+        except duckdb.Error:  # an older file: no sync_state, or no source column
+            return None
+    return str(found[0][0]) if found and found[0][0] is not None else None
+
+
+def _check_source(store: Store, fed_from: str | None, source: str | None) -> None:
+    """Refuse to feed the file from a store other than the one that fed it so far."""
+    if fed_from != source:
+        raise AuditError(f"the analysts' file {store.path} is fed from "
+                         f"{fed_from or 'the journal beside it'}, not "
+                         f"{source or 'the journal beside it'}: give each store its own --db")
+
+
+def _copy(cur: Any, ch: Any, report: SyncReport, *, first: bool,
+          source: str | None = None) -> None:
     import duckdb
 
     cur.execute("BEGIN TRANSACTION")
@@ -179,7 +214,8 @@ def _copy(cur: Any, ch: Any, report: SyncReport, *, first: bool) -> None:
                 cur.unregister("_ksync_budgets")
         report.runs, report.checkpoints, report.spend = len(runs), len(checkpoints), len(spend)
         if first:
-            cur.execute("INSERT INTO sync_state VALUES (?, ?, now())", [ch.last_event, ch.rev])
+            cur.execute("INSERT INTO sync_state (events_id, rev, synced_at, source) "
+                        "VALUES (?, ?, now(), ?)", [ch.last_event, ch.rev, source])
         else:
             cur.execute("UPDATE sync_state SET events_id = ?, rev = ?, synced_at = now()",
                         [ch.last_event, ch.rev])

@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -104,10 +105,15 @@ def process_groups(cur: Any, run_id: str) -> list[dict[str, Any]]:
     cursor over an `events` table: the DuckDB file's, or the SQLite journal's
     (what `kernel recover` reads: it is current and never blocks a writer).
     """
+    return process_groups_from(payload for (payload,) in cur.execute(
+        "SELECT payload FROM events WHERE run_id = ? AND kind = 'process_start' "
+        "ORDER BY seq", [run_id]).fetchall())
+
+
+def process_groups_from(payloads: Iterable[Any]) -> list[dict[str, Any]]:
+    """`process_groups` from the `process_start` payloads a store returned (JSON text)."""
     found: list[dict[str, Any]] = []
-    for (payload,) in cur.execute(
-            "SELECT payload FROM events WHERE run_id = ? AND kind = 'process_start' "
-            "ORDER BY seq", [run_id]).fetchall():
+    for payload in payloads:
         doc = _json(payload)
         if isinstance(doc, dict) and doc.get("pgid") is not None:
             found.append(doc)

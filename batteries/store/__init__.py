@@ -5,13 +5,24 @@
                       checkpointer=JournalCheckpointer(journal))
 
 `RunStore` is the interface (blocking, thread-safe; `SQLiteStore` is the
-embedded implementation), `Journal` its trio side that buffers audit rows
-and deferred operations and writes them with the next transaction. The
-analysts' DuckDB file is fed from the journal (`batteries.audit.sync`).
+embedded implementation, `PostgresStore` the one a fleet shares, chosen with
+`--store postgresql://...` / `$KERNEL_STORE`: see `open_store`), `Journal` its
+trio side that buffers audit rows and deferred operations and writes them
+with the next transaction. The analysts' DuckDB file is fed from the store
+(`batteries.audit.sync`).
+
+`PostgresStore` is imported lazily (`from batteries.store import
+PostgresStore` works; `import batteries.store` does not import psycopg).
 """
+
+from typing import TYPE_CHECKING, Any
 
 from ._journal import Journal as Journal
 from ._protocol import RunStore as RunStore
+from ._select import STORE_ENV as STORE_ENV
+from ._select import choose as choose
+from ._select import open_store as open_store
+from ._select import store_url as store_url
 from ._sqlite import JOURNAL_VERSION as JOURNAL_VERSION
 from ._sqlite import SQLiteStore as SQLiteStore
 from ._sqlite import StoreStats as StoreStats
@@ -36,8 +47,21 @@ from ._types import StoreBusyError as StoreBusyError
 from ._types import StoreError as StoreError
 from .paths import journal_path as journal_path
 
+if TYPE_CHECKING:
+    from ._postgres import PostgresStore as PostgresStore
+
+
+def __getattr__(name: str) -> Any:
+    if name == "PostgresStore":  # psycopg only when asked for
+        from ._postgres import PostgresStore
+
+        return PostgresStore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "JOURNAL_VERSION",
+    "STORE_ENV",
     "Batch",
     "CallerBudget",
     "ClaimRun",
@@ -46,6 +70,7 @@ __all__ = [
     "LoseRun",
     "Op",
     "Owner",
+    "PostgresStore",
     "RegisterRun",
     "ReleaseRun",
     "RemoveBudget",
@@ -60,6 +85,9 @@ __all__ = [
     "StoreBusyError",
     "StoreError",
     "StoreStats",
+    "choose",
     "journal_path",
     "lock_timeout_from_env",
+    "open_store",
+    "store_url",
 ]

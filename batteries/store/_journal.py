@@ -42,9 +42,9 @@ from typing import Any
 
 import trio
 
-from ._sqlite import SQLiteStore, WouldBlock
+from ._protocol import RunStore
+from ._sqlite import WouldBlock
 from ._types import Batch, Op, StoreBusyError
-from .paths import journal_path
 
 _log = logging.getLogger("kernel.journal")
 
@@ -64,7 +64,9 @@ class Journal:
         db: The analysts' DuckDB file; the journal is the file beside it
             (`batteries.store.journal_path`). None means `$KERNEL_DB`, else
             the user data dir.
-        store: The store to write (default: `SQLiteStore` on that journal).
+        store: The store to write (default: `batteries.store.open_store(db)`: the
+            PostgreSQL store chosen with `--store` / `$KERNEL_STORE`, else
+            `SQLiteStore` on that journal).
         batch_size: Buffered events that trigger a write without waiting for the timer.
         flush_interval: Seconds after which buffered events are written anyway.
         lock_timeout: Seconds to wait for the journal's write lock
@@ -74,15 +76,13 @@ class Journal:
     """
 
     def __init__(self, db: str | os.PathLike[str] | None = None, *,
-                 store: SQLiteStore | None = None, batch_size: int = 10_000,
+                 store: RunStore | None = None, batch_size: int = 10_000,
                  flush_interval: float = 1.0, lock_timeout: float | None = None,
                  max_pending_events: int = 1_000_000) -> None:
         if store is None:
-            from batteries.audit.paths import resolve_db_path
+            from ._select import open_store
 
-            analyst = resolve_db_path(db)
-            store = SQLiteStore(journal_path(analyst), legacy=analyst,
-                                lock_timeout=lock_timeout)
+            store = open_store(db, lock_timeout=lock_timeout)
         self.store = store
         self.db: Path | None = store.legacy
         self.batch_size = max(1, batch_size)

@@ -1,7 +1,7 @@
 """`RunStore`: the storage interface the audit, budget and checkpoint batteries share.
 
-A second implementation (PostgreSQL, shared by a fleet) is a new module
-implementing this Protocol; nothing above it changes.
+Two implementations: `SQLiteStore` (embedded, one machine) and
+`PostgresStore` (a server shared by a fleet); `open_store` picks one.
 """
 
 from __future__ import annotations
@@ -24,17 +24,22 @@ class RunStore(Protocol):
     lock timeout); a failed `commit` wrote nothing.
 
     Attributes:
-        path: Where the store lives (shown in messages).
         legacy: An old analysts' file whose budgets and checkpoints were carried over.
     """
 
-    path: Path
     legacy: Path | None
 
-    def commit(self, batch: Batch | None, ops: Sequence[Op] = ()) -> list[Any]:
+    @property
+    def path(self) -> Path | str:
+        """Where the store lives, for messages (a URL without its password for a server)."""
+
+    def commit(self, batch: Batch | None, ops: Sequence[Op] = (), *,
+               wait: bool = True) -> list[Any]:
         """One transaction: the audit `batch` (events, new runs, closes), then each op in
         order; the ops' results, in order (a refused op's `StoreError` is its result and
-        undoes that op alone). Sets each new recorder's `base` after commit."""
+        undoes that op alone). Sets each new recorder's `base` after commit. With
+        `wait=False`, `WouldBlock` (nothing written) unless it can run at once without
+        waiting for a lock or the network."""
 
     def budget(self, caller_id: str) -> CallerBudget | None:
         """The budget that applies to the caller, with its spend in the window; None if none."""
@@ -45,6 +50,9 @@ class RunStore(Protocol):
     def saved_runs(self, *, run_id: str | None = None, prefix: str | None = None,
                    running: bool = False) -> list[SavedRun]:
         """Registered runs (by id, by id prefix, or all still marked running)."""
+
+    def payloads(self, run_id: str, kind: str) -> list[str]:
+        """The payloads of one run's events of one kind, in seq order (what recover reads)."""
 
     def changes(self, events_after: int, rev_after: int) -> AbstractContextManager[Any]:
         """A consistent read of what changed since a sync cursor, for the analysts' file."""

@@ -760,6 +760,15 @@ class SQLiteStore:
                                 _utc(beat)))
         return out
 
+    def payloads(self, run_id: str, kind: str) -> list[str]:
+        """The payloads of run `run_id`'s events of `kind`, in seq order."""
+        if not self.exists():
+            return []
+        with self._read() as con:
+            rows = con.execute("SELECT payload FROM events WHERE run_id = ? AND kind = ? "
+                               "ORDER BY seq", (run_id, kind)).fetchall()
+        return [r[0] for r in rows]
+
     # -------------------------------------------------------- analysts' feed
 
     @contextmanager

@@ -1,7 +1,8 @@
 """The analysts' commands: `kernel runs`, `show`, `stats`, `query`, `purge`, `export`, `sync`.
 
-Runs write the journal; analysts read the DuckDB file beside it. Each
-command first brings that file up to date from the journal (`sync`, in one
+Runs write the journal (or the PostgreSQL store given with `--store` /
+`$KERNEL_STORE`); analysts read the DuckDB file beside it. Each
+command first brings that file up to date from the store (`sync`, in one
 short session), then reads it in another short session and closes it
 before printing (both retry while another process holds the file, up to
 `$KERNEL_AUDIT_LOCK_TIMEOUT` seconds). duckdb and the audit battery are
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import typer
 
 from . import numbers, output
-from .dbopt import DB_HELP
+from .dbopt import DB_HELP, STORE_OPTION
 from .ids import short_id
 
 if TYPE_CHECKING:
@@ -68,6 +69,7 @@ def runs(
     json_out: bool = output.json_option(),
     fmt: str | None = output.format_option(),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
+    shared_store: str | None = STORE_OPTION,
 ) -> None:
     """List recent runs, newest first (RUN is the short id `kernel show` takes)."""
     from batteries.audit import queries
@@ -118,6 +120,7 @@ def show(
         help="Also write the run's timeline picture to FILE: one self-contained HTML page "
              "(states, steps, tool calls, output rate, critic nudges and kill, usage)."),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
+    shared_store: str | None = STORE_OPTION,
 ) -> None:
     """Show one run and its timeline: seq, +ms, kind, name, duration, summary.
 
@@ -191,6 +194,7 @@ def stats(
     json_out: bool = output.json_option(),
     fmt: str | None = output.format_option(),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
+    shared_store: str | None = STORE_OPTION,
 ) -> None:
     """Counts, mean and p95 runtime (or tool latency) for the usual groupings."""
     from batteries.audit import queries
@@ -221,6 +225,7 @@ def query(
     fmt: str | None = output.format_option(),
     json_out: bool = output.json_option(),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
+    shared_store: str | None = STORE_OPTION,
 ) -> None:
     """Run one read-only SQL query against the audit database.
 
@@ -258,17 +263,18 @@ def purge(
     json_out: bool = output.json_option(
         'Print {"runs": N, "events": N, "days": N} as one JSON document (one line).'),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
+    shared_store: str | None = STORE_OPTION,
 ) -> None:
     """Delete runs (and their events) that ended more than N days ago, from both files."""
     import time
 
     from batteries.audit import queries, resolve_db_path
-    from batteries.store import SQLiteStore, journal_path
+    from batteries.store import open_store
 
     with _errors():
         keep = _retention_days() if days is None else days
         store = _store(db)
-        journal = SQLiteStore(journal_path(resolve_db_path(db)))
+        journal = open_store(resolve_db_path(db))
         if not store.path.exists() and not journal.exists():
             raise _audit_error(f"no audit database at {store.path}")
         _sync(db)
@@ -298,6 +304,7 @@ def export(
         'JSON lines: {"path": FILE} for each file written; with --otlp, one document '
         '{"runs": N, "spans": N, "endpoint": URL}.'),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
+    shared_store: str | None = STORE_OPTION,
 ) -> None:
     """Export every table to DIR/<table>.parquet, or runs as traces with --otlp URL."""
     from batteries.audit import queries
@@ -322,6 +329,7 @@ def sync(
         'Print what was copied as one JSON document (one line): {"events": N, "runs": N, '
         '"checkpoints": N, "spend": N, "seconds": S}.'),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
+    shared_store: str | None = STORE_OPTION,
 ) -> None:
     """Bring the analysts' DuckDB file up to date from the journal (every analyst command
     does this first; run it before opening the file in another tool)."""
@@ -400,13 +408,20 @@ def _nothing_yet(db: str | None, *, quiet: bool, stream: Any = None) -> bool:
     A fresh install has no audit database and no journal: that is an empty
     history, not an error, so the listing commands exit 0.
     """
-    from batteries.store import journal_path
+    from batteries.store import journal_path, open_store, store_url
 
     path = _db_path(db)
-    if path.exists() or journal_path(path).exists():
+    if path.exists():
         return False
+    with _errors():
+        url = store_url()
+        if url is None and journal_path(path).exists():
+            return False
+        if url is not None and open_store(path).exists():
+            return False
+    where = f"no audit database at {path}" if url is None else f"nothing in {open_store().path}"
     if not quiet:
-        print(f"no runs yet (no audit database at {path})", file=stream or sys.stdout)
+        print(f"no runs yet ({where})", file=stream or sys.stdout)
     return True
 
 

@@ -9,7 +9,7 @@ import typer
 
 from . import numbers, output
 from .dberrors import error_prefix
-from .dbopt import DB_HELP
+from .dbopt import DB_HELP, STORE_OPTION
 
 budget_app = typer.Typer(
     name="budget", no_args_is_help=True, rich_markup_mode=None,
@@ -54,6 +54,7 @@ def set_budget(
     as_json: bool = output.json_option(
         "Print the budget as set as one JSON document (one line) on stdout."),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
+    shared_store: str | None = STORE_OPTION,
 ) -> None:
     """Create or replace CALLER's budget."""
     from kernel import AuditError
@@ -81,6 +82,7 @@ def show_budget(
     as_json: bool = output.json_option(),
     fmt: str | None = output.format_option(),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
+    shared_store: str | None = STORE_OPTION,
 ) -> None:
     """Budgets and what each caller spent in the current window."""
     from dataclasses import asdict, fields
@@ -124,6 +126,7 @@ def remove_budget(
     as_json: bool = output.json_option(
         'Print {"caller_id": CALLER, "removed": true} as one JSON document (one line).'),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
+    shared_store: str | None = STORE_OPTION,
 ) -> None:
     """Remove CALLER's budget (their spend history stays)."""
     from kernel import AuditError

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from .dbopt import DB_HELP
+from .dbopt import DB_HELP, STORE_OPTION
 
 if TYPE_CHECKING:
     pass
@@ -78,6 +78,7 @@ def recover(
         False, "--json", help="JSON lines: one object a line (each listed run, or each "
                               "resumed run's result)."),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
+    shared_store: str | None = STORE_OPTION,
     context: list[str] | None = typer.Option(None, "--context", "-c", metavar="KEY=VALUE",
                                              help=_CONTEXT_HELP),
     redact: list[str] | None = typer.Option(None, "--redact", metavar="REGEX",
@@ -142,6 +143,7 @@ def resume(
         False, "--json", help="Print the final result as one JSON document (one line) on "
                               "stdout."),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
+    shared_store: str | None = STORE_OPTION,
     context: list[str] | None = typer.Option(None, "--context", "-c", metavar="KEY=VALUE",
                                              help=_CONTEXT_HELP),
     webhook: list[str] | None = typer.Option(
@@ -321,24 +323,22 @@ def _stop_leftovers(run_id: str, *, db: str | None, wait: float = 10.0) -> None:
     leader start time), so a reused pid is never signalled. Waits until
     the groups are gone, so a resumed state never runs beside its orphan.
     """
-    import sqlite3
     import time
 
     from adapters._proc import live_group, stop_recorded
     from batteries.audit import queries, resolve_db_path
-    from batteries.store import journal_path
+    from batteries.store import open_store
+    from kernel import KernelError
 
-    # Read the journal, where runs write, read-only (WAL: never in a writer's way).
-    journal = journal_path(resolve_db_path(db))
-    if not journal.exists():
-        return
+    # Read the store, where runs write (the journal in WAL mode, or PostgreSQL):
+    # never in a writer's way.
     try:
-        con = sqlite3.connect(f"{journal.resolve().as_uri()}?mode=ro", uri=True, timeout=10)
+        store = open_store(resolve_db_path(db))
         try:
-            groups = queries.process_groups(con.cursor(), run_id)
+            groups = queries.process_groups_from(store.payloads(run_id, "process_start"))
         finally:
-            con.close()
-    except sqlite3.Error as exc:
+            store.close()
+    except KernelError as exc:
         print(f"kernel: warning: run {ids.short_id(run_id)}: cannot read its processes: {exc}",
               file=sys.stderr)
         return

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from .dbopt import DB_HELP
+from .dbopt import DB_HELP, store_option
 
 if TYPE_CHECKING:
     from kernel import Checkpoint, Limits, Result, RunInfo
@@ -127,6 +127,7 @@ def run(
     db: str | None = typer.Option(
         None, "--db", metavar="PATH", help=DB_HELP,
         rich_help_panel=_STORAGE),
+    shared_store: str | None = store_option(_STORAGE),
     no_audit: bool = typer.Option(False, "--no-audit", help="Record nothing.",
         rich_help_panel=_STORAGE),
     checkpoint_interval: float = typer.Option(

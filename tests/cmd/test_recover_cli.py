@@ -227,12 +227,22 @@ def _audit_by_run(env: dict[str, str], kernel_exe: str) -> dict[str, dict[str, o
 
 
 class TestExactlyOnce:
+    @pytest.mark.parametrize("store", ["journal", "postgres"])
     @pytest.mark.parametrize("recoverers", [2, 4])
     def test_concurrent_recoverers_resume_each_run_once(
-            self, recoverers: int, kernel_exe: str, cli_env: dict[str, str],
-            tmp_path: Path) -> None:
+            self, recoverers: int, store: str, kernel_exe: str, cli_env: dict[str, str],
+            tmp_path: Path, request: pytest.FixtureRequest) -> None:
         """Several `kernel recover` started together on interrupted runs: each run is resumed
-        by exactly one of them, every remaining state runs once, seq contiguous and unique."""
+        by exactly one of them, every remaining state runs once, seq contiguous and unique.
+        With the PostgreSQL store the runs write to the server ($KERNEL_STORE) and the
+        recoverers are given it with `--store URL`."""
+        recover_args = ""
+        recover_env = cli_env
+        if store == "postgres":
+            url = request.getfixturevalue("pg_url")
+            cli_env["KERNEL_STORE"] = url
+            recover_env = {k: v for k, v in cli_env.items() if k != "KERNEL_STORE"}
+            recover_args = f" --store '{url}'"
         loop = tmp_path / "numbered.yaml"
         # Half a second a state: the runs are killed one after another, and the last one
         # (at its 4th state) must still be running when its turn comes on a loaded machine.
@@ -244,8 +254,8 @@ class TestExactlyOnce:
         assert codes == [-signal.SIGKILL] * 4, codes  # every run was interrupted
         go = tmp_path / "go"
         script = (f'while [ ! -e "{go}" ]; do sleep 0.01; done; '
-                  f'exec "{kernel_exe}" recover --json')
-        recs = [subprocess.Popen(["sh", "-c", script], env=cli_env, cwd=tmp_path,
+                  f'exec "{kernel_exe}" recover --json{recover_args}')
+        recs = [subprocess.Popen(["sh", "-c", script], env=recover_env, cwd=tmp_path,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                 for _ in range(recoverers)]
         go.touch()

@@ -1,0 +1,872 @@
+"""`PostgresStore`: the `RunStore` on a PostgreSQL server, shared by every machine of a fleet.
+
+Chosen with `kernel ... --store postgresql://USER@HOST:PORT/DB` or
+`$KERNEL_STORE` (see `batteries.store.open_store`); needs the `postgres`
+extra (psycopg 3), imported only when such a store is asked for.
+
+The tables are the embedded journal's (`_sqlite.py`), in the schema `kernel`
+of the database the URL names, with the same columns and units (times in
+microseconds since the epoch), so the analysts' DuckDB file is fed from
+either by the same code (`batteries.audit.sync`).
+
+Transactions:
+
+- Every write transaction takes one transaction-level advisory lock first
+  (`pg_advisory_xact_lock`), so writes commit one at a time, as in the
+  embedded journal. That is what keeps the analysts' feed exact: event ids
+  and change numbers grow in commit order, so a sync cursor never skips a
+  row a slower transaction committed later. It also makes a budget's
+  check-and-reserve atomic across the fleet and a lease claim a plain
+  read-then-write. Readers (listings, budget status, syncs) take no lock.
+  A write waits at most the lock timeout (`$KERNEL_AUDIT_LOCK_TIMEOUT`,
+  default 10 s) for that lock, then fails with `StoreBusyError`.
+- Timestamps the fleet compares (budget windows, heartbeats, updated_at)
+  come from the server's clock, so machines whose clocks disagree still
+  agree on a window and on a stale lease. Event times are the writer's.
+
+Leases (recovery): a registered run is held by an `Owner` (host, pid, the
+pid's start time) and carries a heartbeat. While this process holds runs a
+thread refreshes their heartbeats every quarter of the lease
+(`$KERNEL_LEASE_SECONDS`, default 60). A claim takes a run over when its
+holder is provably gone: on this host, its pid is gone or was recycled
+(`Owner.gone`); on another host, its heartbeat is older than the lease by
+the server's clock (a dead or partitioned machine; a holder cut off from
+the server that long cannot write its audit either, so its run stops at its
+next checkpoint).
+
+An unreachable server is a `StoreError` on every call (never an empty
+answer): the budget fails closed and the run is refused (exit 3).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from kernel import Checkpoint, ConfigError, Status, Usage
+
+from ._sqlite import (
+    BUDGET_COLUMNS,
+    CHECKPOINT_COLUMNS,
+    DEFAULT_CALLER,
+    EVENT_COLUMNS,
+    RUN_COLUMNS,
+    SPEND_COLUMNS,
+    StoreStats,
+    WouldBlock,
+    lock_timeout_from_env,
+)
+from ._types import (
+    Batch,
+    CallerBudget,
+    ClaimRun,
+    FinishRun,
+    LoseRun,
+    Op,
+    Owner,
+    RegisterRun,
+    ReleaseRun,
+    RemoveBudget,
+    Reservation,
+    ReserveBudget,
+    SaveCheckpoint,
+    SavedRun,
+    SetBudget,
+    SettleBudget,
+    StoreBusyError,
+    StoreError,
+)
+
+#: Env var: seconds after which a holder on another host whose heartbeat stopped may be
+#: taken over (default 60); heartbeats are sent every quarter of it.
+LEASE_ENV = "KERNEL_LEASE_SECONDS"
+DEFAULT_LEASE = 60.0
+
+#: The schema (namespace) holding the kernel's tables in the database the URL names.
+SCHEMA = "kernel"
+#: The schema version this code writes (`kernel.meta` key `version`).
+STORE_VERSION = 1
+#: The advisory lock every write transaction takes (commit order = id order).
+_WRITE_LOCK = 0x6B65726E656C  # "kernel"
+#: The advisory lock creating/migrating the schema takes.
+_MIGRATE_LOCK = _WRITE_LOCK + 1
+
+#: The server's clock, in microseconds since the epoch.
+NOW = "(extract(epoch from clock_timestamp()) * 1000000)::bigint"
+
+_V1 = (
+    f"CREATE SCHEMA IF NOT EXISTS {SCHEMA}",
+    """CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value BIGINT NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS runs (
+        run_id TEXT PRIMARY KEY, parent_run_id TEXT, subject_id TEXT, name TEXT,
+        caller_id TEXT, channel_id TEXT, inputs TEXT, started_at BIGINT NOT NULL,
+        ended_at BIGINT, status TEXT, output TEXT, error TEXT, steps BIGINT,
+        tool_calls BIGINT, runtime_seconds DOUBLE PRECISION, input_tokens BIGINT,
+        output_tokens BIGINT, thinking_tokens BIGINT, cost_usd DOUBLE PRECISION, host TEXT,
+        pid BIGINT, reason TEXT, exit_code INTEGER, output_truncated INTEGER,
+        last_seq BIGINT NOT NULL DEFAULT 0, rev BIGINT NOT NULL)""",
+    "CREATE INDEX IF NOT EXISTS runs_rev ON runs (rev)",
+    "CREATE INDEX IF NOT EXISTS runs_ended ON runs (ended_at)",
+    """CREATE TABLE IF NOT EXISTS events (
+        id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY, run_id TEXT NOT NULL,
+        seq INTEGER NOT NULL, ts BIGINT NOT NULL, kind TEXT NOT NULL, iteration INTEGER,
+        name TEXT, duration_ms DOUBLE PRECISION, payload TEXT, UNIQUE (run_id, seq))""",
+    """CREATE TABLE IF NOT EXISTS checkpoints (
+        run_id TEXT PRIMARY KEY, spec TEXT NOT NULL, state TEXT,
+        steps BIGINT NOT NULL DEFAULT 0, tool_calls BIGINT NOT NULL DEFAULT 0,
+        input_tokens BIGINT NOT NULL DEFAULT 0, output_tokens BIGINT NOT NULL DEFAULT 0,
+        thinking_tokens BIGINT NOT NULL DEFAULT 0, cost_usd DOUBLE PRECISION NOT NULL DEFAULT 0,
+        status TEXT NOT NULL, error TEXT, host TEXT, pid BIGINT, pid_start BIGINT,
+        heartbeat_at BIGINT, created_at BIGINT NOT NULL, updated_at BIGINT NOT NULL,
+        rev BIGINT NOT NULL)""",
+    "CREATE INDEX IF NOT EXISTS checkpoints_status ON checkpoints (status)",
+    "CREATE INDEX IF NOT EXISTS checkpoints_rev ON checkpoints (rev)",
+    "CREATE INDEX IF NOT EXISTS checkpoints_holder ON checkpoints (host, pid)",
+    """CREATE TABLE IF NOT EXISTS budgets (
+        caller_id TEXT PRIMARY KEY, window_seconds DOUBLE PRECISION NOT NULL,
+        max_runs BIGINT, max_runtime_seconds DOUBLE PRECISION, max_tokens BIGINT,
+        max_cost_usd DOUBLE PRECISION, updated_at BIGINT NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS budget_spend (
+        id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY, caller_id TEXT NOT NULL,
+        ts BIGINT NOT NULL, run_id TEXT, runtime_seconds DOUBLE PRECISION NOT NULL DEFAULT 0,
+        tokens BIGINT NOT NULL DEFAULT 0, cost_usd DOUBLE PRECISION NOT NULL DEFAULT 0,
+        settled INTEGER NOT NULL DEFAULT 0, rev BIGINT NOT NULL)""",
+    "CREATE INDEX IF NOT EXISTS budget_spend_caller ON budget_spend (caller_id, ts)",
+    "CREATE INDEX IF NOT EXISTS budget_spend_rev ON budget_spend (rev)",
+    "INSERT INTO meta VALUES ('rev', 0) ON CONFLICT DO NOTHING",
+)
+
+#: Every migration, in order (index + 1 = the version it brings). Append only.
+MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1,)
+
+
+def is_postgres_url(value: str) -> bool:
+    """True for a `postgresql://` (or `postgres://`) URL."""
+    return value.startswith(("postgresql://", "postgres://"))
+
+
+def lease_from_env() -> float:
+    """`$KERNEL_LEASE_SECONDS` (default 60).
+
+    Raises:
+        ConfigError: Not a finite number > 0.
+    """
+    raw = os.environ.get(LEASE_ENV, "").strip()
+    if not raw:
+        return DEFAULT_LEASE
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{LEASE_ENV} must be a number of seconds, got {raw!r}") from None
+    if not 0 < value < float("inf"):
+        raise ConfigError(f"{LEASE_ENV} must be a finite number > 0, got {raw!r}")
+    return value
+
+
+def public_url(url: str) -> str:
+    """The URL without its password (for messages and the analysts' file)."""
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+        port = parts.port
+    except ValueError:
+        return "postgresql://?"
+    user = f"{parts.username}@" if parts.username else ""
+    where = f"[{host}]" if ":" in host else host
+    return f"postgresql://{user}{where}{f':{port}' if port else ''}{parts.path}"
+
+
+def _utc(us: int | None) -> dt.datetime | None:
+    return None if us is None else dt.datetime.fromtimestamp(us / 1e6, dt.UTC)
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, default=str, ensure_ascii=False)
+
+
+def _text(value: str | None) -> str | None:
+    """Text PostgreSQL will take: no NUL characters, no lone surrogates."""
+    if value is None:
+        return None
+    if "\x00" in value:
+        value = value.replace("\x00", "\ufffd")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return value.encode("utf-8", "replace").decode("utf-8")
+    return value
+
+
+class PostgresStore:
+    """The `RunStore` on PostgreSQL (see the module docstring).
+
+    Args:
+        url: A libpq URL, `postgresql://USER[:PASSWORD]@HOST[:PORT]/DB[?...]`.
+        lock_timeout: Seconds a write waits for the write lock, and a connection
+            attempt for the server (None: `$KERNEL_AUDIT_LOCK_TIMEOUT`, else 10).
+        lease: Seconds after which a silent holder on another host may be taken
+            over (None: `$KERNEL_LEASE_SECONDS`, else 60).
+
+    Raises:
+        ConfigError: A bad `$KERNEL_AUDIT_LOCK_TIMEOUT` or `$KERNEL_LEASE_SECONDS`, or
+            the `postgres` extra (psycopg) is not installed.
+    """
+
+    legacy: Path | None = None
+
+    def __init__(self, url: str, *, lock_timeout: float | None = None,
+                 lease: float | None = None) -> None:
+        try:
+            import psycopg  # noqa: F401
+        except ImportError:
+            raise ConfigError("a postgresql:// store needs psycopg: "
+                              "pip install 'run-kernel[postgres]'") from None
+        self.url = url
+        self.source = public_url(url)
+        #: Shown in messages (never holds the password).
+        self.path = self.source
+        self.lock_timeout = lock_timeout if lock_timeout is not None else lock_timeout_from_env()
+        self.lease = lease if lease is not None else lease_from_env()
+        self.stats = StoreStats()
+        self._con: Any = None
+        self._lock = threading.Lock()
+        self._migrated = False
+        self._holding = False
+        self._stop = threading.Event()
+        self._beat: threading.Thread | None = None
+        self._me = Owner.me()
+
+    def __repr__(self) -> str:
+        return f"PostgresStore({self.source!r})"
+
+    # -------------------------------------------------------------- opening
+
+    def _error(self, what: str, exc: BaseException) -> StoreError:
+        import psycopg
+
+        text = " ".join(str(exc).split()) or type(exc).__name__
+        if isinstance(exc, psycopg.errors.LockNotAvailable):
+            return StoreBusyError(f"store {self.source} stayed locked by other writers "
+                                  f"(gave up after {self.lock_timeout:g}s)")
+        if isinstance(exc, psycopg.OperationalError):
+            return StoreError(f"{what} store {self.source}: the server is unreachable: {text}")
+        return StoreError(f"{what} store {self.source}: {text}")
+
+    def _connect(self) -> Any:
+        """This process's connection (made, or remade after a failure, on first use)."""
+        import psycopg
+
+        con = self._con
+        if con is not None and not con.closed and not con.broken:
+            return con
+        self._drop()
+        timeout = max(1, round(self.lock_timeout)) if self.lock_timeout else 10
+        try:
+            con = psycopg.connect(self.url, autocommit=True, connect_timeout=timeout,
+                                  application_name="kernel")
+            con.execute(f"SET search_path TO {SCHEMA}")
+            con.execute(f"SET lock_timeout = {int(self.lock_timeout * 1000)}")
+        except psycopg.Error as exc:
+            raise self._error("cannot open", exc) from exc
+        self._con = con
+        return con
+
+    def _drop(self) -> None:
+        if self._con is not None:
+            with contextlib.suppress(Exception):
+                self._con.close()
+            self._con = None
+            self._migrated = False
+
+    def exists(self) -> bool:
+        """True if the kernel's tables exist in the database.
+
+        Raises:
+            StoreError: The server cannot be reached (never False for that:
+                a budget check must not mistake an unreachable store for an empty one).
+        """
+        import psycopg
+
+        with self._lock:
+            con = self._connect()
+            try:
+                row = con.execute("SELECT to_regclass(%s)", (f"{SCHEMA}.meta",)).fetchone()
+            except psycopg.Error as exc:
+                self._drop()
+                raise self._error("cannot read", exc) from exc
+            return row is not None and row[0] is not None
+
+    def _migrate(self, con: Any) -> None:
+        """Create or bring the tables up to date (once per connection, under a lock)."""
+        if self._migrated:
+            return
+        found = con.execute("SELECT to_regclass(%s)", (f"{SCHEMA}.meta",)).fetchone()
+        version = 0
+        if found and found[0] is not None:
+            row = con.execute("SELECT value FROM meta WHERE key = 'version'").fetchone()
+            version = int(row[0]) if row else 0
+        if version < STORE_VERSION:
+            with con.transaction():
+                con.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATE_LOCK,))
+                found = con.execute("SELECT to_regclass(%s)", (f"{SCHEMA}.meta",)).fetchone()
+                if found and found[0] is not None:
+                    row = con.execute("SELECT value FROM meta WHERE key = 'version'").fetchone()
+                    version = int(row[0]) if row else 0
+                for number, statements in enumerate(MIGRATIONS, start=1):
+                    if number <= version:
+                        continue
+                    for sql in statements:
+                        con.execute(sql)
+                    con.execute("INSERT INTO meta VALUES ('version', %s) ON CONFLICT (key) "
+                                "DO UPDATE SET value = excluded.value", (number,))
+        self._migrated = True
+
+    def close(self) -> None:
+        """Stop the heartbeat and close this process's connection (a later call reopens it)."""
+        self._stop.set()
+        beat = self._beat
+        if beat is not None and beat is not threading.current_thread():
+            beat.join()
+        self._beat = None
+        with self._lock:
+            self._drop()
+        self._stop = threading.Event()
+        self._holding = False
+
+    # ------------------------------------------------------------ transactions
+
+    @contextmanager
+    def _write(self) -> Iterator[Any]:
+        import psycopg
+
+        with self._lock:
+            t0 = time.perf_counter()
+            con = self._connect()
+            waited = 0.0
+            try:
+                self._migrate(con)
+                with con.transaction():
+                    t1 = time.perf_counter()
+                    con.execute("SELECT pg_advisory_xact_lock(%s)", (_WRITE_LOCK,))
+                    waited = time.perf_counter() - t1
+                    yield con
+            except psycopg.Error as exc:
+                if isinstance(exc, psycopg.OperationalError) or con.broken:
+                    self._drop()
+                raise self._error("cannot write to", exc) from exc
+            finally:
+                self._account(t0, waited)
+
+    @contextmanager
+    def _read(self) -> Iterator[Any]:
+        import psycopg
+
+        with self._lock:
+            t0 = time.perf_counter()
+            con = self._connect()
+            try:
+                if not self._exists(con):
+                    yield None
+                    return
+                with con.transaction():
+                    yield con
+            except psycopg.Error as exc:
+                if isinstance(exc, psycopg.OperationalError) or con.broken:
+                    self._drop()
+                raise self._error("cannot read", exc) from exc
+            finally:
+                self._account(t0, 0.0)
+
+    def _exists(self, con: Any) -> bool:
+        if self._migrated:
+            return True
+        row = con.execute("SELECT to_regclass(%s)", (f"{SCHEMA}.meta",)).fetchone()
+        return row is not None and row[0] is not None
+
+    def _account(self, t0: float, waited: float) -> None:
+        s = self.stats
+        s.transactions += 1
+        s.wait_s += waited
+        s.max_wait_s = max(s.max_wait_s, waited)
+        s.max_transaction_s = max(s.max_transaction_s, time.perf_counter() - t0)
+
+    def commit(self, batch: Batch | None, ops: Sequence[Op] = (), *,
+               wait: bool = True) -> list[Any]:
+        """Write `batch` and then apply `ops`, in one transaction; return each op's result.
+
+        Same contract as `SQLiteStore.commit`. With `wait=False` this store
+        always raises `WouldBlock`: a network round trip belongs in a worker
+        thread, never on the trio thread.
+
+        Raises:
+            StoreBusyError: The write lock stayed taken past the lock timeout.
+            StoreError: The server cannot be reached or refused the write (nothing was written).
+            WouldBlock: `wait=False`.
+        """
+        if not wait:
+            raise WouldBlock
+        rev: list[int] = []
+        with self._write() as con:
+            bases = self._write_batch(con, batch, rev) if batch is not None else {}
+            results = [self._apply_one(con, op, rev) for op in ops]
+        for rec, base in bases.items():
+            rec.base = base
+        if not self._holding and any(isinstance(op, RegisterRun | ClaimRun | SaveCheckpoint)
+                                     for op in ops):
+            self._start_heartbeat()
+        return results
+
+    @staticmethod
+    def _rev(con: Any, rev: list[int]) -> int:
+        """This transaction's change number (one per transaction, taken when first needed)."""
+        if not rev:
+            row = con.execute("UPDATE meta SET value = value + 1 WHERE key = 'rev' "
+                              "RETURNING value").fetchone()
+            rev.append(int(row[0]))
+        return rev[0]
+
+    # ----------------------------------------------------------------- audit
+
+    def _write_batch(self, con: Any, batch: Batch, rev: list[int]) -> dict[Any, int]:
+        if batch.empty():
+            return {}
+        bases: dict[Any, int] = {}
+        next_in_batch: dict[str, int] = {}
+        starts: list[tuple[Any, ...]] = []
+        news = dict.fromkeys(batch.new)
+        news.update(dict.fromkeys(r for r in batch.recs if r.base is None and r not in news))
+        todo = [rec for rec in news if rec.base is None]
+        known: dict[str, int] = {}
+        if todo:
+            ids = list({rec.run_id for rec in todo})
+            for rid, last in con.execute(
+                    "SELECT r.run_id, greatest(r.last_seq, coalesce((SELECT max(seq) FROM "
+                    "events e WHERE e.run_id = r.run_id), -1)) FROM runs r "
+                    "WHERE r.run_id = ANY(%s)", (ids,)).fetchall():
+                known[rid] = int(last) + 1
+        new_runs: list[tuple[Any, ...]] = []
+        for rec in todo:
+            rid = rec.run_id
+            if rid in next_in_batch:
+                base = next_in_batch[rid]
+            elif rid in known:  # a resumed run: continue after its last event
+                base = known[rid]
+            else:
+                info = rec.info
+                new_runs.append((rid, info.parent_run_id, _text(info.subject_id),
+                                 _text(info.name), _text(info.caller_id),
+                                 _text(info.channel_id), _text(_dumps(info.inputs)),
+                                 rec.started_us, rec.host, rec.pid, self._rev(con, rev)))
+                starts.append((rid, 0, rec.started_us, "run_start", None, _text(info.name),
+                               None, _text(_dumps({"inputs": info.inputs,
+                                                   "caller_id": info.caller_id}))))
+                base = 1
+            bases[rec] = base
+            next_in_batch[rid] = base + rec.count
+        with con.cursor() as cur:
+            if new_runs:
+                cur.executemany(
+                    "INSERT INTO runs (run_id, parent_run_id, subject_id, name, caller_id, "
+                    "channel_id, inputs, started_at, host, pid, last_seq, rev) "
+                    "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, 0, %s)", new_runs)
+            if starts or batch.recs:
+                with cur.copy("COPY events (run_id, seq, ts, kind, iteration, name, "
+                              "duration_ms, payload) FROM STDIN") as copy:
+                    for row in starts:
+                        copy.write_row(row)
+                    for r, s, ts, kind, it, name, dur, payload in zip(
+                            batch.recs, batch.seqs, batch.ts, batch.kinds, batch.iters,
+                            batch.names, batch.durs, batch.payloads, strict=True):
+                        base = r.base if r.base is not None else bases[r]
+                        copy.write_row((r.run_id, base + s, ts, kind, it, _text(name), dur,
+                                        _text(payload)))
+            if batch.closes:
+                r = self._rev(con, rev)
+                cur.executemany(
+                    "UPDATE runs SET ended_at = %s, status = %s, output = %s, error = %s, "
+                    "steps = %s, tool_calls = %s, runtime_seconds = %s, input_tokens = %s, "
+                    "output_tokens = %s, thinking_tokens = %s, cost_usd = %s, reason = %s, "
+                    "exit_code = %s, output_truncated = %s, rev = %s WHERE run_id = %s",
+                    [(row[1], row[2], _text(row[3]), _text(row[4]), *row[5:12],
+                      _text(row[12]), row[13], int(bool(row[14])), r, row[0])
+                     for _, row in batch.closes])
+        return bases
+
+    # ------------------------------------------------------------------- ops
+
+    def _apply_one(self, con: Any, op: Op, rev: list[int]) -> Any:
+        """Apply `op` in a savepoint: a refused op is undone alone and returned as its result."""
+        taken = list(rev)
+        try:
+            with con.transaction():
+                return self._apply(con, op, rev)
+        except StoreError as exc:
+            rev[:] = taken  # a change number taken inside the undone savepoint is gone
+            return exc
+
+    def _apply(self, con: Any, op: Op, rev: list[int]) -> Any:
+        if isinstance(op, SaveCheckpoint):
+            return self._save(con, op, rev)
+        if isinstance(op, ReserveBudget):
+            return self._reserve(con, op, rev)
+        if isinstance(op, RegisterRun):
+            return self._register(con, op, rev)
+        if isinstance(op, FinishRun):
+            con.execute(f"UPDATE checkpoints SET status = %s, error = %s, state = NULL, "
+                        f"updated_at = {NOW}, rev = %s WHERE run_id = %s",
+                        (op.status, _text(op.error), self._rev(con, rev), op.run_id))
+            return None
+        if isinstance(op, SettleBudget):
+            con.execute("UPDATE budget_spend SET runtime_seconds = %s, tokens = %s, "
+                        "cost_usd = %s, settled = 1, rev = %s WHERE id = %s",
+                        (op.runtime_seconds, op.tokens, op.cost_usd, self._rev(con, rev),
+                         op.reservation_id))
+            return None
+        if isinstance(op, LoseRun):
+            return self._lose(con, op, rev)
+        if isinstance(op, ClaimRun):
+            return self._claim(con, op, rev)
+        if isinstance(op, ReleaseRun):
+            con.execute("UPDATE checkpoints SET pid = 0, pid_start = NULL, rev = %s "
+                        "WHERE run_id = %s AND host = %s AND pid = %s",
+                        (self._rev(con, rev), op.run_id, op.owner.host, op.owner.pid))
+            return None
+        if isinstance(op, SetBudget):
+            con.execute(
+                "INSERT INTO budgets VALUES (%s, %s, %s, %s, %s, %s, " + NOW + ") "
+                "ON CONFLICT (caller_id) DO UPDATE SET window_seconds = excluded.window_seconds,"
+                " max_runs = excluded.max_runs, max_runtime_seconds = "
+                "excluded.max_runtime_seconds, max_tokens = excluded.max_tokens, "
+                "max_cost_usd = excluded.max_cost_usd, updated_at = excluded.updated_at",
+                (op.caller_id, op.window_seconds, op.max_runs, op.max_runtime_seconds,
+                 op.max_tokens, op.max_cost_usd))
+            return None
+        if isinstance(op, RemoveBudget):
+            cur = con.execute("DELETE FROM budgets WHERE caller_id = %s", (op.caller_id,))
+            return cur.rowcount > 0
+        raise TypeError(f"unknown store operation {op!r}")
+
+    def _register(self, con: Any, op: RegisterRun, rev: list[int]) -> None:
+        o = op.owner
+        cur = con.execute(
+            f"UPDATE checkpoints SET status = 'running', error = NULL, host = %s, pid = %s, "
+            f"pid_start = %s, heartbeat_at = {NOW}, updated_at = {NOW}, rev = %s "
+            f"WHERE run_id = %s",
+            (o.host, o.pid, o.started, self._rev(con, rev), op.run_id))
+        if cur.rowcount == 0:
+            con.execute(
+                f"INSERT INTO checkpoints (run_id, spec, status, host, pid, pid_start, "
+                f"heartbeat_at, created_at, updated_at, rev) "
+                f"VALUES (%s, %s, 'running', %s, %s, %s, {NOW}, {NOW}, {NOW}, %s)",
+                (op.run_id, _text(_dumps(op.spec)), o.host, o.pid, o.started,
+                 self._rev(con, rev)))
+
+    def _save(self, con: Any, op: SaveCheckpoint, rev: list[int]) -> bool:
+        cp, o, u = op.checkpoint, op.owner, op.checkpoint.usage
+        state = _text(_dumps(cp.state))
+        cur = con.execute(
+            f"UPDATE checkpoints SET state = %s, steps = %s, tool_calls = %s, "
+            f"input_tokens = %s, output_tokens = %s, thinking_tokens = %s, cost_usd = %s, "
+            f"heartbeat_at = {NOW}, updated_at = {NOW} WHERE run_id = %s",
+            (state, cp.steps, cp.tool_calls, u.input_tokens, u.output_tokens,
+             u.thinking_tokens, u.cost_usd, cp.run_id))
+        if cur.rowcount:
+            return True
+        if op.spec is None:
+            raise StoreError(f"checkpoint of run {cp.run_id} not saved: the run was never "
+                             "registered (register it with its spec first)")
+        con.execute(
+            f"INSERT INTO checkpoints (run_id, spec, state, steps, tool_calls, input_tokens, "
+            f"output_tokens, thinking_tokens, cost_usd, status, host, pid, pid_start, "
+            f"heartbeat_at, created_at, updated_at, rev) VALUES (%s, %s, %s, %s, %s, %s, %s, "
+            f"%s, %s, 'running', %s, %s, %s, {NOW}, {NOW}, {NOW}, %s)",
+            (cp.run_id, _text(_dumps(op.spec)), state, cp.steps, cp.tool_calls,
+             u.input_tokens, u.output_tokens, u.thinking_tokens, u.cost_usd, o.host, o.pid,
+             o.started, self._rev(con, rev)))
+        return True
+
+    def _lose(self, con: Any, op: LoseRun, rev: list[int]) -> bool:
+        lost = Status.LOST
+        values = (str(lost), lost.exit_code, str(lost), _text(op.why))
+        cur = con.execute(f"UPDATE runs SET status = %s, exit_code = %s, reason = %s, "
+                          f"error = %s, ended_at = {NOW}, rev = %s "
+                          f"WHERE run_id = %s AND status IS NULL",
+                          (*values, self._rev(con, rev), op.run_id))
+        if cur.rowcount:
+            return True
+        info = op.info
+        if info is None or con.execute("SELECT 1 FROM runs WHERE run_id = %s",
+                                       (op.run_id,)).fetchone():
+            return False
+        con.execute(
+            f"INSERT INTO runs (run_id, parent_run_id, subject_id, name, caller_id, channel_id, "
+            f"inputs, started_at, ended_at, status, exit_code, reason, error, rev) "
+            f"VALUES (%s, %s, %s, %s, %s, %s, %s, coalesce(%s, {NOW}), {NOW}, %s, %s, %s, %s, "
+            f"%s)",
+            (op.run_id, info.get("parent_run_id"), _text(info.get("subject_id")),
+             _text(info.get("name")), _text(info.get("caller_id")),
+             _text(info.get("channel_id")), _text(_dumps(info.get("inputs") or {})),
+             op.started_us, *values, self._rev(con, rev)))
+        return True
+
+    def _claim(self, con: Any, op: ClaimRun, rev: list[int]) -> bool:
+        row = con.execute(f"SELECT status, host, pid, pid_start, {NOW} - heartbeat_at "
+                          f"FROM checkpoints WHERE run_id = %s", (op.run_id,)).fetchone()
+        if row is None or row[0] != "running":
+            return False
+        holder = Owner(row[1] or "", int(row[2] or 0), row[3])
+        me = op.owner
+        held = (holder.host, holder.pid, holder.started)
+        mine = held == (me.host, me.pid, me.started)
+        # A dispatcher that proved the holder dead (e.g. Ray: its node died) names it.
+        proof: Owner | None = getattr(op, "gone", None)
+        proven = proof is not None and held == (proof.host, proof.pid, proof.started)
+        if not (mine or proven or self._holder_gone(holder, row[4])):
+            return False
+        con.execute(f"UPDATE checkpoints SET host = %s, pid = %s, pid_start = %s, "
+                    f"heartbeat_at = {NOW}, rev = %s WHERE run_id = %s",
+                    (me.host, me.pid, me.started, self._rev(con, rev), op.run_id))
+        return True
+
+    def _holder_gone(self, holder: Owner, silent_us: int | None) -> bool:
+        """Provably gone: released (pid 0); on this host, `Owner.gone`; on another host,
+        no heartbeat for longer than the lease (by the server's clock)."""
+        if holder.pid <= 0:
+            return True
+        if holder.host == self._me.host:
+            return holder.gone()
+        return silent_us is None or silent_us > self.lease * 1e6
+
+    # -------------------------------------------------------------- heartbeat
+
+    def _start_heartbeat(self) -> None:
+        with self._lock:
+            if self._holding:
+                return
+            self._holding = True
+            stop = self._stop
+            self._beat = threading.Thread(target=self._heartbeat_loop, args=(stop,),
+                                          daemon=True, name="kernel-store-heartbeat")
+            self._beat.start()
+
+    def _heartbeat_loop(self, stop: threading.Event) -> None:
+        interval = self.lease / 4
+        while not stop.wait(interval):
+            with contextlib.suppress(StoreError):
+                self.heartbeat()
+
+    def heartbeat(self) -> int:
+        """Refresh the heartbeat of every running run this process holds; how many.
+
+        Raises:
+            StoreError: The server cannot be reached.
+        """
+        me = self._me
+        with self._write() as con:
+            cur = con.execute(f"UPDATE checkpoints SET heartbeat_at = {NOW} "
+                              f"WHERE host = %s AND pid = %s AND status = 'running'",
+                              (me.host, me.pid))
+            return int(cur.rowcount)
+
+    # ---------------------------------------------------------------- budgets
+
+    @staticmethod
+    def _budget_row(con: Any, caller_id: str) -> Any:
+        return con.execute(
+            "SELECT caller_id, window_seconds, max_runs, max_runtime_seconds, max_tokens, "
+            "max_cost_usd FROM budgets WHERE caller_id IN (%s, %s) "
+            "ORDER BY caller_id = %s DESC LIMIT 1",
+            (caller_id, DEFAULT_CALLER, caller_id)).fetchone()
+
+    @staticmethod
+    def _with_spend(con: Any, caller_id: str, row: Any) -> CallerBudget:
+        spent = con.execute(
+            f"SELECT count(*), coalesce(sum(runtime_seconds), 0), coalesce(sum(tokens), 0), "
+            f"coalesce(sum(cost_usd), 0) FROM budget_spend WHERE caller_id = %s "
+            f"AND ts > {NOW} - %s",
+            (caller_id, int(row[1] * 1e6))).fetchone()
+        runs, runtime, tokens, cost = spent if spent else (0, 0.0, 0, 0.0)
+        return CallerBudget(caller_id, float(row[1]), row[2], row[3], row[4], row[5],
+                            int(runs), float(runtime), int(tokens), float(cost))
+
+    def _reserve(self, con: Any, op: ReserveBudget, rev: list[int]) -> Reservation | None:
+        # Atomic across the fleet: every write transaction holds the write lock.
+        row = self._budget_row(con, op.caller_id)
+        if row is None:
+            return None
+        budget = self._with_spend(con, op.caller_id, row)
+        if budget.refusal() is not None:
+            return Reservation(budget, None)
+        found = con.execute(f"INSERT INTO budget_spend (caller_id, ts, run_id, rev) "
+                            f"VALUES (%s, {NOW}, %s, %s) RETURNING id",
+                            (op.caller_id, op.run_id or None, self._rev(con, rev))).fetchone()
+        return Reservation(budget, int(found[0]))
+
+    def budget(self, caller_id: str) -> CallerBudget | None:
+        """The budget that applies to `caller_id` (own row, else `*`), spend included."""
+        with self._read() as con:
+            if con is None:
+                return None
+            row = self._budget_row(con, caller_id)
+            return None if row is None else self._with_spend(con, caller_id, row)
+
+    def budgets(self) -> list[CallerBudget]:
+        """Every budget row with its own caller's current spend."""
+        with self._read() as con:
+            if con is None:
+                return []
+            rows = con.execute("SELECT caller_id, window_seconds, max_runs, max_runtime_seconds, "
+                               "max_tokens, max_cost_usd FROM budgets ORDER BY caller_id"
+                               ).fetchall()
+            return [self._with_spend(con, r[0], r) for r in rows]
+
+    # ------------------------------------------------------------ checkpoints
+
+    def saved_runs(self, *, run_id: str | None = None, prefix: str | None = None,
+                   running: bool = False) -> list[SavedRun]:
+        """Registered runs: one id, an id prefix, or every run still marked `running`."""
+        where, params = [], []
+        if run_id is not None:
+            where.append("run_id = %s")
+            params.append(run_id)
+        if prefix is not None:
+            where.append("run_id LIKE %s ESCAPE '\\'")
+            params.append(prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+                          + "%")
+        if running:
+            where.append("status = 'running'")
+        sql = ("SELECT run_id, spec, state, steps, tool_calls, input_tokens, output_tokens, "
+               "thinking_tokens, cost_usd, status, host, pid, pid_start, updated_at, "
+               "heartbeat_at FROM checkpoints")
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        with self._read() as con:
+            if con is None:
+                return []
+            rows = con.execute(sql + " ORDER BY created_at, run_id", params).fetchall()
+        out = []
+        for (rid, spec, state, steps, tools, tin, tout, tthink, cost, status, host, pid, start,
+             updated, beat) in rows:
+            cp = Checkpoint(rid, int(steps), None if state is None else json.loads(state),
+                            Usage(int(tin), int(tout), int(tthink), float(cost)), int(tools))
+            updated_at = _utc(updated)
+            assert updated_at is not None
+            out.append(SavedRun(rid, json.loads(spec), cp, status,
+                                Owner(host or "", int(pid or 0), start), updated_at,
+                                _utc(beat)))
+        return out
+
+    def payloads(self, run_id: str, kind: str) -> list[str]:
+        """The payloads of run `run_id`'s events of `kind`, in seq order."""
+        with self._read() as con:
+            if con is None:
+                return []
+            rows = con.execute("SELECT payload FROM events WHERE run_id = %s AND kind = %s "
+                               "ORDER BY seq", (run_id, kind)).fetchall()
+        return [r[0] for r in rows]
+
+    # -------------------------------------------------------- analysts' feed
+
+    @contextmanager
+    def changes(self, events_after: int, rev_after: int) -> Iterator[PgChanges]:
+        """A consistent snapshot of what changed since a sync cursor (writers are not blocked).
+
+        Reads on a connection of their own, in one REPEATABLE READ transaction.
+        """
+        import psycopg
+
+        try:
+            con = psycopg.connect(self.url, connect_timeout=max(1, round(self.lock_timeout)),
+                                  application_name="kernel-sync")
+        except psycopg.Error as exc:
+            raise self._error("cannot read", exc) from exc
+        try:
+            con.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
+            con.execute(f"SET LOCAL search_path TO {SCHEMA}")
+            if not self._exists(con):
+                raise StoreError(f"no kernel tables in store {self.source} yet")
+            yield PgChanges(con, events_after, rev_after)
+        except psycopg.Error as exc:
+            raise self._error("cannot read", exc) from exc
+        finally:
+            with contextlib.suppress(psycopg.Error):
+                con.rollback()
+            con.close()
+
+    def purge(self, before_us: int) -> tuple[int, int]:
+        """Delete closed runs that ended before `before_us`, their events and finished checkpoints.
+
+        Returns:
+            (runs deleted, events deleted).
+        """
+        if not self.exists():
+            return 0, 0
+        with self._write() as con:
+            old = "SELECT run_id FROM runs WHERE ended_at IS NOT NULL AND ended_at < %s"
+            ev = con.execute(f"DELETE FROM events WHERE run_id IN ({old})", (before_us,))
+            n_events = ev.rowcount
+            con.execute("DELETE FROM checkpoints WHERE status != 'running' AND updated_at < %s",
+                        (before_us,))
+            rn = con.execute("DELETE FROM runs WHERE ended_at IS NOT NULL AND ended_at < %s",
+                             (before_us,))
+            return int(rn.rowcount), int(n_events)
+
+
+class PgChanges:
+    """What a sync reads from the store, inside one read snapshot (see `_sqlite.Changes`)."""
+
+    def __init__(self, con: Any, events_after: int, rev_after: int) -> None:
+        self._con = con
+        self.events_after = events_after
+        self.rev_after = rev_after
+        row = con.execute("SELECT value FROM meta WHERE key = 'rev'").fetchone()
+        #: The change number this snapshot is complete up to (the next cursor).
+        self.rev = int(row[0]) if row else 0
+        last = con.execute("SELECT coalesce(max(id), 0) FROM events").fetchone()
+        #: The last event id in this snapshot (the next cursor).
+        self.last_event = int(last[0]) if last else 0
+
+    def events(self, chunk: int = 100_000) -> Iterator[list[tuple[Any, ...]]]:
+        """New events in id order, in lists of at most `chunk` rows (`EVENT_COLUMNS`)."""
+        with self._con.cursor(name="kernel_sync_events") as cur:
+            cur.itersize = chunk
+            cur.execute(f"SELECT {', '.join(EVENT_COLUMNS)} FROM events WHERE id > %s AND "
+                        "id <= %s ORDER BY id", (self.events_after, self.last_event))
+            while True:
+                rows = cur.fetchmany(chunk)
+                if not rows:
+                    return
+                yield rows
+
+    def _changed(self, table: str, columns: Sequence[str]) -> list[tuple[Any, ...]]:
+        rows: list[tuple[Any, ...]] = self._con.execute(
+            f"SELECT {', '.join(columns)} FROM {table} WHERE rev > %s AND rev <= %s",
+            (self.rev_after, self.rev)).fetchall()
+        return rows
+
+    def runs(self) -> list[tuple[Any, ...]]:
+        """Runs added or changed since the cursor (`RUN_COLUMNS`)."""
+        return self._changed("runs", RUN_COLUMNS)
+
+    def checkpoints(self) -> list[tuple[Any, ...]]:
+        """Checkpoints added or changed since the cursor (`CHECKPOINT_COLUMNS`)."""
+        return self._changed("checkpoints", CHECKPOINT_COLUMNS)
+
+    def spend(self) -> list[tuple[Any, ...]]:
+        """Budget spend rows added or settled since the cursor (`SPEND_COLUMNS`)."""
+        return self._changed("budget_spend", SPEND_COLUMNS)
+
+    def budgets(self) -> list[tuple[Any, ...]]:
+        """Every budget row (a small table: copied whole) (`BUDGET_COLUMNS`)."""
+        rows: list[tuple[Any, ...]] = self._con.execute(
+            f"SELECT {', '.join(BUDGET_COLUMNS)} FROM budgets ORDER BY caller_id").fetchall()
+        return rows
