@@ -196,10 +196,19 @@ class ClaimRun:
 
     Refused (False) while the current owner may still be alive, or when the
     run is no longer `running`.
+
+    `gone` is a holder the caller has proof of death for that this machine
+    cannot check itself: a process on another host, reported dead by a
+    cluster manager that ran it (Ray reports the worker or node that ran a
+    task as dead). The claim then also succeeds when the run's holder is
+    exactly `gone` (host, pid and start time), re-checked in the same
+    transaction, so a holder that changed since the proof was taken (another
+    recoverer claimed it) is never taken over.
     """
 
     run_id: str
     owner: Owner
+    gone: Owner | None = None
 
 
 @dataclass(slots=True, frozen=True)

@@ -1,0 +1,102 @@
+"""Runs on a real local Ray cluster (a head and two worker nodes, separate processes).
+
+The store is the embedded journal on this machine's disk, which every node
+of a one-machine cluster shares; the fleet test with PostgreSQL is in
+tests/cmd/test_batch_ray.py.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from ray_cluster import RayCluster, build_command, ray_env
+
+from batteries.ray_dispatch import RayDispatch, RayOptions, WorkerCall
+from batteries.store import Journal
+from kernel import Status, new_run_id
+
+pytestmark = pytest.mark.realtime
+
+#: Wide: the cluster shares 2 cores with other suites.
+WAIT = 300.0
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayCluster]:
+    """A head and two worker nodes of two run slots each, connected to from this process."""
+    import ray
+
+    with RayCluster(tmp_path_factory.mktemp("ray"), workers=2, cpus=2) as c:
+        os.environ.update({k: v for k, v in ray_env().items() if k.startswith("RAY_")})
+        yield c
+        ray.shutdown()
+
+
+class Task:
+    """What the dispatcher reads of a batch task."""
+
+    def __init__(self, i: int, argv: list[str], caller: str = "") -> None:
+        self.task_id = f"t{i}"
+        self.run_id = new_run_id()
+        self.spec: dict[str, Any] = {"agent": {"argv": argv},
+                                     "info": {"name": f"t{i}", "caller_id": caller}}
+
+
+def _gated(i: int, d: Path) -> list[str]:
+    """A command that says it started, waits for the gate file, then appends its index."""
+    return ["sh", "-c", f"echo {i} $$ >> {d}/started; "
+            f"while [ ! -e {d}/gate ]; do sleep 0.05; done; echo {i} >> {d}/side"]
+
+
+async def _wait_for(check: Any) -> None:
+    """Poll `check` (a file another process writes) until true, within `WAIT`."""
+    with trio.fail_after(WAIT):
+        while True:
+            if check():
+                return
+            await trio.sleep(0.1)
+
+
+class TestRayDispatch:
+    async def test_runs_finish_once_when_a_node_dies_mid_batch(
+            self, cluster: RayCluster, tmp_path: Path) -> None:
+        """Runs in flight on a node that is SIGKILLed are taken back through their leases and
+        resumed on the other node: every run ends ok, each side effect happens once."""
+        db = tmp_path / "k.duckdb"
+        tasks = [Task(i, _gated(i, tmp_path)) for i in range(12)]
+        # Two nodes of 4 slots (half a CPU each): the first 8 runs fill both nodes.
+        half = RayOptions(num_cpus=0.5)
+        results: dict[str, Any] = {}
+        async with Journal.open(db) as journal:
+            dispatch = RayDispatch(journal, WorkerCall(str(db), build_command),
+                                   address=cluster.address, options_for=lambda t: half)
+
+            async def one(t: Task) -> None:
+                results[t.task_id] = await dispatch(t, None)
+
+            def started() -> list[str]:
+                p = tmp_path / "started"
+                return p.read_text().splitlines() if p.exists() else []
+
+            async with trio.open_nursery() as n:
+                for t in tasks:
+                    n.start_soon(one, t)
+                # Every run in flight is held at the gate: none can be between its side
+                # effect and its close when the node dies.
+                await _wait_for(lambda: len(started()) >= 8)
+                assert cluster.kill_worker(0)
+                (tmp_path / "gate").touch()
+        assert {k: r.status for k, r in results.items()} == {t.task_id: Status.OK
+                                                              for t in tasks}
+        side = (tmp_path / "side").read_text().split()
+        assert sorted(side, key=int) == [str(i) for i in range(12)]  # each exactly once
+        assert dispatch.retries, "no run was on the killed node"
+        store = journal.store
+        for t in tasks:
+            [saved] = store.saved_runs(run_id=t.run_id)
+            assert saved.status == "completed"
