@@ -53,6 +53,15 @@ def _gated(i: int, d: Path) -> list[str]:
             f"while [ ! -e {d}/gate ]; do sleep 0.05; done; echo {i} >> {d}/side"]
 
 
+def pid_under(root: int, pid: int, psutil: Any) -> bool:
+    """True if `pid` is `root` or a process under it."""
+    try:
+        return pid == root or any(c.pid == pid for c in
+                                  psutil.Process(root).children(recursive=True))
+    except psutil.NoSuchProcess:
+        return False
+
+
 async def _wait_for(check: Any) -> None:
     """Poll `check` (a file another process writes) until true, within `WAIT`."""
     with trio.fail_after(WAIT):
@@ -63,6 +72,63 @@ async def _wait_for(check: Any) -> None:
 
 
 class TestRayDispatch:
+    async def test_a_task_runs_where_its_resources_are(self, cluster: RayCluster,
+                                                       tmp_path: Path) -> None:
+        """A task asking for a node's custom resource runs on that node (per-task options)."""
+        import psutil
+
+        db = tmp_path / "k.duckdb"
+        tasks = [Task(i, _gated(i, tmp_path)) for i in range(4)]
+        on = {t.run_id: i % 2 for i, t in enumerate(tasks)}
+        results: dict[str, Any] = {}
+        async with Journal.open(db) as journal:
+            dispatch = RayDispatch(
+                journal, WorkerCall(str(db), build_command), address=cluster.address,
+                options_for=lambda t: RayOptions(num_cpus=0, resources={f"node{on[t.run_id]}": 1}))
+
+            async def one(t: Task) -> None:
+                results[t.task_id] = await dispatch(t, None)
+
+            async with trio.open_nursery() as n:
+                for t in tasks:
+                    n.start_soon(one, t)
+                started = tmp_path / "started"
+                await _wait_for(lambda: started.exists()
+                                and len(started.read_text().splitlines()) == 4)
+                where = {}
+                for line in started.read_text().splitlines():
+                    i, pid = line.split()
+                    where[int(i)] = [k for k in range(2)
+                                     if pid_under(cluster.procs[1 + k].pid, int(pid), psutil)]
+                (tmp_path / "gate").touch()
+        assert where == {0: [0], 1: [1], 2: [0], 3: [1]}
+        assert all(r.status is Status.OK for r in results.values())
+
+    async def test_one_budget_holds_across_workers(self, cluster: RayCluster,
+                                                   tmp_path: Path) -> None:
+        """A caller's budget of 10 runs, 30 runs spread over both nodes: exactly 10 run."""
+        from batteries.budget import JournalBudget
+
+        db = tmp_path / "k.duckdb"
+        tasks = [Task(i, ["sh", "-c", f"echo {i} >> {tmp_path}/side"], caller="capped")
+                 for i in range(30)]
+        results: dict[str, Any] = {}
+        async with Journal.open(db) as journal:
+            JournalBudget(journal).set("capped", max_runs=10)
+            dispatch = RayDispatch(journal, WorkerCall(str(db), build_command),
+                                   address=cluster.address,
+                                   options_for=lambda t: RayOptions(num_cpus=0.5))
+
+            async def one(t: Task) -> None:
+                results[t.task_id] = await dispatch(t, None)
+
+            async with trio.open_nursery() as n:
+                for t in tasks:
+                    n.start_soon(one, t)
+        statuses = sorted(str(r.status) for r in results.values())
+        assert statuses == ["budget_exceeded"] * 20 + ["ok"] * 10
+        assert len((tmp_path / "side").read_text().split()) == 10
+
     async def test_runs_finish_once_when_a_node_dies_mid_batch(
             self, cluster: RayCluster, tmp_path: Path) -> None:
         """Runs in flight on a node that is SIGKILLed are taken back through their leases and
@@ -100,3 +166,39 @@ class TestRayDispatch:
         for t in tasks:
             [saved] = store.saved_runs(run_id=t.run_id)
             assert saved.status == "completed"
+
+
+class TestRayOptions:
+    def test_reads_a_task_lines_ray_object(self) -> None:
+        """CPUs (fractional), custom resources and memory become Ray's task options."""
+        o = RayOptions.parse({"num_cpus": 0.5, "resources": {"gpu_box": 1}, "memory": 1e9})
+        assert o.ray_kwargs() == {"num_cpus": 0.5, "resources": {"gpu_box": 1.0},
+                                  "memory": 1_000_000_000}
+        assert RayOptions.parse(o.to_dict()) == o
+        assert RayOptions.parse(None).ray_kwargs() == {"num_cpus": 1.0}
+
+    @pytest.mark.parametrize(("raw", "says"), [
+        ([1], "must be an object"),
+        ({"cpus": 1}, "unknown key 'cpus'"),
+        ({"num_cpus": -1}, "finite number >= 0"),
+        ({"num_cpus": float("nan")}, "finite number >= 0"),
+        ({"num_cpus": "2"}, "must be a number"),
+        ({"num_cpus": True}, "must be a number"),
+        ({"resources": ["a"]}, "name: amount"),
+        ({"resources": {"a": float("inf")}}, "ray.resources.a"),
+    ])
+    def test_refuses_bad_options_in_one_line(self, raw: Any, says: str) -> None:
+        """Anything but finite amounts >= 0 under the three known keys is refused clearly."""
+        with pytest.raises(ValueError, match=says.replace("(", r"\(")):
+            RayOptions.parse(raw)
+
+    def test_importing_the_dispatcher_does_not_import_ray(self) -> None:
+        """Ray loads when a dispatcher connects, not when the module is imported."""
+        import subprocess
+        import sys
+
+        code = ("import sys, batteries.ray_dispatch; "
+                "print('ray' in sys.modules)")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             check=True)
+        assert out.stdout.strip() == "False"
