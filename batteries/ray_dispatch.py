@@ -395,20 +395,35 @@ class RayDispatch:
         run = saved[0]
         if run.status != "running":
             return _ended(run_id, run.status)
-        holder = run.owner
-        vouch = None
-        if holder != self.owner:
-            if not await self._provably_gone(holder):
-                raise RunHeldElsewhereError(
-                    f"run {run_id}: its worker died, but its lease is held by pid "
-                    f"{holder.pid} on {holder.host}, which cannot be proved gone")
-            vouch = holder
-        [ok] = await self.journal.transact([ClaimRun(run_id, self.owner, gone=vouch)])
-        if not ok:
-            raise RunHeldElsewhereError(f"run {run_id}: another process took it over first")
+        if not await self.claim(run_id):
+            raise RunHeldElsewhereError(
+                f"run {run_id}: its worker died, but its lease is held by pid "
+                f"{run.owner.pid} on {run.owner.host}, which cannot be proved gone")
         saved = await self.journal.read(lambda: store.saved_runs(run_id=run_id))
         checkpoint: Checkpoint = saved[0].checkpoint
         return checkpoint
+
+    async def claim(self, run_id: str) -> bool:
+        """Take an interrupted run's lease for this driver: True if it is now ours.
+
+        Like the store's own claim (a holder on this host is checked by pid),
+        plus Ray's proof for a holder on another host (module docstring). The
+        batch runner calls this, when a dispatcher has it, before resuming a run
+        of an interrupted batch.
+        """
+        store = self.journal.store
+        await self.connect()
+        saved = await self.journal.read(lambda: store.saved_runs(run_id=run_id))
+        if not saved or saved[0].status != "running":
+            return False
+        holder = saved[0].owner
+        vouch = None
+        if holder != self.owner:
+            if not await self._provably_gone(holder):
+                return False
+            vouch = holder
+        [ok] = await self.journal.transact([ClaimRun(run_id, self.owner, gone=vouch)])
+        return bool(ok)
 
     async def _provably_gone(self, holder: Owner) -> bool:
         import ray

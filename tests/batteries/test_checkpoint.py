@@ -6,6 +6,7 @@ import os
 import sqlite3
 import subprocess
 import sys
+import time
 from contextlib import closing
 from pathlib import Path
 
@@ -174,6 +175,28 @@ class TestLeases:
         assert first.claim("a1" * 16) is True  # same process and start time: its own lease
         assert second.claim("a1" * 16) is False
         assert first.interrupted() == []
+
+    def test_a_zombie_holder_is_gone(self) -> None:
+        """A holder that died and was never reaped (a zombie) is gone: it holds nothing."""
+        from batteries.store._types import _proc_stat
+
+        child = subprocess.Popen(["true"])  # not waited for: a zombie once it exits
+        try:
+            start = None
+            deadline = time.monotonic() + 120  # wide: the machine may be loaded
+            while time.monotonic() < deadline:  # until the kernel reports it dead
+                stat = _proc_stat(child.pid)
+                if stat is None:
+                    pytest.skip("no /proc here")
+                start = stat[1]
+                if stat[0] == "Z":
+                    break
+                os.sched_yield()
+            else:
+                pytest.fail("the child never became a zombie")
+            assert Owner(Owner.me().host, child.pid, start).gone()
+        finally:
+            child.wait()
 
     def test_a_holder_on_another_host_is_taken_over_only_with_proof(
             self, tmp_path: Path) -> None:

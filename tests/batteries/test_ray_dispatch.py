@@ -129,6 +129,35 @@ class TestRayDispatch:
         assert statuses == ["budget_exceeded"] * 20 + ["ok"] * 10
         assert len((tmp_path / "side").read_text().split()) == 10
 
+    async def test_a_lease_is_taken_only_from_a_holder_proved_gone(
+            self, cluster: RayCluster, tmp_path: Path) -> None:
+        """The driver claims a run whose holder is provably gone (a dead pid on a Ray host,
+        asked on that host by a probe task), never a live holder's, nor one on a host Ray
+        does not know."""
+        import subprocess
+        import sys
+
+        from batteries.checkpoint import JournalCheckpointer
+        from batteries.store import Owner, RegisterRun
+
+        db = tmp_path / "k.duckdb"
+        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                              capture_output=True, text=True, check=True)
+        me = Owner.me()
+        holders = {"dead": Owner(me.host, int(dead.stdout), None),
+                   "alive": Owner(me.host, os.getppid(), None),
+                   "unknown": Owner("not-in-this-cluster", 1, 1)}
+        async with Journal.open(db) as journal:
+            await journal.transact([RegisterRun(k * 8, {"agent": {}}, o)
+                                    for k, o in holders.items()])
+            # The driver is another process than the holders (this test's own pid would
+            # be "mine"): a driver identity of its own.
+            dispatch = RayDispatch(journal, WorkerCall(str(db), build_command),
+                                   address=cluster.address, owner=Owner(me.host, 0, None))
+            got = {k: await dispatch.claim(k * 8) for k in holders}
+        assert got == {"dead": True, "alive": False, "unknown": False}
+        assert JournalCheckpointer(db).store.saved_runs(run_id="dead" * 8)[0].owner.pid == 0
+
     async def test_runs_finish_once_when_a_node_dies_mid_batch(
             self, cluster: RayCluster, tmp_path: Path) -> None:
         """Runs in flight on a node that is SIGKILLed are taken back through their leases and
