@@ -661,7 +661,8 @@ class SQLiteStore:
         holder = Owner(row[1] or "", int(row[2] or 0), row[3])
         me = op.owner
         mine = (holder.host, holder.pid, holder.started) == (me.host, me.pid, me.started)
-        if not mine and not holder.gone():
+        vouched = op.gone is not None and holder == op.gone
+        if not mine and not vouched and not holder.gone():
             return False
         now = now_us()
         con.execute("UPDATE checkpoints SET host = ?, pid = ?, pid_start = ?, heartbeat_at = ?, "

@@ -28,8 +28,8 @@ class StoreBusyError(StoreError):
 # ------------------------------------------------------------------ owners
 
 
-def _proc_start(pid: int) -> int | None:
-    """The start time of process `pid` in clock ticks since boot (Linux), or None."""
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """The state letter and start time (clock ticks since boot) of process `pid` (Linux)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             raw = f.read()
@@ -38,9 +38,15 @@ def _proc_start(pid: int) -> int | None:
     # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
     fields = raw[raw.rfind(b")") + 2:].split()
     try:
-        return int(fields[19])  # field 22 of the whole line
-    except (IndexError, ValueError):
+        return fields[0].decode(), int(fields[19])  # fields 3 and 22 of the whole line
+    except (IndexError, ValueError, UnicodeDecodeError):
         return None
+
+
+def _proc_start(pid: int) -> int | None:
+    """The start time of process `pid` in clock ticks since boot (Linux), or None."""
+    stat = _proc_stat(pid)
+    return None if stat is None else stat[1]
 
 
 @dataclass(slots=True, frozen=True)
@@ -60,9 +66,11 @@ class Owner:
     def gone(self) -> bool:
         """True only when this owner is provably not running any more.
 
-        On this host: the pid does not exist, or it exists but started at a
-        different time (a recycled pid). On another host nothing can be
-        proved from here, so the answer is False.
+        On this host: the pid does not exist, it is a zombie (dead, not yet
+        reaped: a process whose parent died with it, under a pid 1 that does
+        not reap), or it exists but started at a different time (a recycled
+        pid). On another host nothing can be proved from here, so the answer
+        is False.
         """
         if self.host != socket.gethostname():
             return False
@@ -74,10 +82,12 @@ class Owner:
             return True
         except PermissionError:
             pass
+        stat = _proc_stat(self.pid)
+        if stat is not None and stat[0] in ("Z", "X"):
+            return True
         if self.started is None:
             return False
-        now = _proc_start(self.pid)
-        return now is not None and now != self.started
+        return stat is not None and stat[1] != self.started
 
 
 # ----------------------------------------------------------------- batches
@@ -196,10 +206,19 @@ class ClaimRun:
 
     Refused (False) while the current owner may still be alive, or when the
     run is no longer `running`.
+
+    `gone` is a holder the caller has proof of death for that this machine
+    cannot check itself: a process on another host, reported dead by a
+    cluster manager that ran it (Ray reports the worker or node that ran a
+    task as dead). The claim then also succeeds when the run's holder is
+    exactly `gone` (host, pid and start time), re-checked in the same
+    transaction, so a holder that changed since the proof was taken (another
+    recoverer claimed it) is never taken over.
     """
 
     run_id: str
     owner: Owner
+    gone: Owner | None = None
 
 
 @dataclass(slots=True, frozen=True)

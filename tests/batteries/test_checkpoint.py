@@ -6,6 +6,7 @@ import os
 import sqlite3
 import subprocess
 import sys
+import time
 from contextlib import closing
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import trio
 
 from batteries.audit import JournalAudit
 from batteries.checkpoint import DuckDBCheckpointer, JournalCheckpointer
-from batteries.store import Journal, Owner, StoreError, journal_path
+from batteries.store import ClaimRun, Journal, Owner, StoreError, journal_path
 from kernel import Checkpoint, Kernel, Limits, Ports, RunContext, RunInfo, Status, Step
 from kernel.testing import Hang, ScriptedAgent
 
@@ -174,6 +175,48 @@ class TestLeases:
         assert first.claim("a1" * 16) is True  # same process and start time: its own lease
         assert second.claim("a1" * 16) is False
         assert first.interrupted() == []
+
+    def test_a_zombie_holder_is_gone(self) -> None:
+        """A holder that died and was never reaped (a zombie) is gone: it holds nothing."""
+        from batteries.store._types import _proc_stat
+
+        child = subprocess.Popen(["true"])  # not waited for: a zombie once it exits
+        try:
+            start = None
+            deadline = time.monotonic() + 120  # wide: the machine may be loaded
+            while time.monotonic() < deadline:  # until the kernel reports it dead
+                stat = _proc_stat(child.pid)
+                if stat is None:
+                    pytest.skip("no /proc here")
+                start = stat[1]
+                if stat[0] == "Z":
+                    break
+                os.sched_yield()
+            else:
+                pytest.fail("the child never became a zombie")
+            assert Owner(Owner.me().host, child.pid, start).gone()
+        finally:
+            child.wait()
+
+    def test_a_holder_on_another_host_is_taken_over_only_with_proof(
+            self, tmp_path: Path) -> None:
+        """A holder on another host is never presumed dead; a claim that names it as gone
+        (a cluster manager saw it die) takes it over, and one naming anyone else does not."""
+        db = tmp_path / "k.duckdb"
+        away = JournalCheckpointer(db)
+        away.owner = Owner("another-host", 4242, 99)
+        trio.run(away.register, "r" * 32, SPEC)
+        store = JournalCheckpointer(db).store
+        me = Owner.me()
+        assert store.commit(None, [ClaimRun("r" * 32, me)]) == [False]
+        stale = Owner("another-host", 4242, 98)  # the pid, but another start time
+        assert store.commit(None, [ClaimRun("r" * 32, me, gone=stale)]) == [False]
+        assert store.commit(None, [ClaimRun("r" * 32, me, gone=away.owner)]) == [True]
+        [saved] = store.saved_runs(run_id="r" * 32)
+        assert saved.owner == me
+        # The proof was about the old holder: it takes nothing from the new one.
+        other = Owner("third-host", 1, 1)
+        assert store.commit(None, [ClaimRun("r" * 32, other, gone=away.owner)]) == [False]
 
     def test_a_recycled_pid_is_not_the_holder(self, tmp_path: Path) -> None:
         """A holder whose pid now belongs to a process that started later is gone."""

@@ -1,0 +1,457 @@
+"""Runs on a Ray cluster: each run goes to a Ray worker, and comes back when one dies.
+
+    async with Journal.open(db) as journal:
+        dispatch = RayDispatch(journal, WorkerCall(store=str(db), build=build),
+                               address="auto")
+        result = await dispatch(task, resume=None)   # task: run_id, task_id, spec
+
+`RayDispatch` has the shape of the batch runner's `Dispatch` (one task in,
+one `Result` out), so a batch runs on a cluster by swapping the dispatcher
+and nothing else. Every worker writes to the same store the driver reads
+(`WorkerCall.store`: a path on a machine the whole cluster shares, or a
+PostgreSQL URL), and opens its own journal there: runs, events,
+checkpoints, leases and budgets live in the store, never in Ray. Ray only
+carries the task in (the run spec, a checkpoint to resume from) and the
+`Result` out.
+
+**Where a run's lease goes.** The worker registers the run under its own
+process (`Owner.me()` on the worker) in the run's opening transaction, with
+the budget reservation and the first audit rows: a worker that dies before
+that transaction left nothing, and the run is simply sent again. Ray runs
+each task at most once (`max_retries=0`): only this dispatcher retries,
+through the store.
+
+**When a worker or its node dies** Ray fails the task with a system error
+(`WorkerCrashedError`, `NodeDiedError`, ...; never `RayTaskError`, which is
+the task's own exception). The dispatcher then reads the run's checkpoint:
+
+- not registered: it never started; sent again from the start;
+- ended (`completed`/`failed`): it finished before the worker died; its
+  result is rebuilt from the store rather than run twice;
+- `running`, held by a process the dispatcher can prove gone: the lease is
+  claimed (`ClaimRun`, compare-and-swap on the exact holder) and the run
+  resumed from its last checkpoint on whichever node Ray picks.
+
+"Provably gone" is the store's rule, and Ray supplies the proof the driver
+cannot get from its own machine: if a live Ray node runs on the holder's
+host, a probe task pinned to that node asks the host itself (no such pid,
+or the pid started at another time); if every Ray node on that host is dead
+by the GCS's verdict, the holder (a Ray worker there) died with its raylet
+and the claim vouches for it (`ClaimRun(gone=holder)`). A holder on a host
+Ray does not know is never taken over (it is not one of ours). The one thing
+this cannot tell apart is a network partition that the GCS mistook for a
+dead node while the worker still reaches the store; Ray then fences the
+node (a node marked dead never rejoins and its raylet exits when told), and
+the run may have run twice in that window. Nothing else moves a lease.
+
+**Budgets.** A run is counted against its caller's budget once, when it
+first opens. A resumed run is not reserved again (its caller's budget may be
+used up by then; it was admitted): it gets the caps that remain and no new
+reservation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import socket
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from kernel import (
+    AgentError,
+    Checkpoint,
+    Kernel,
+    Limits,
+    Ports,
+    Result,
+    RunContext,
+    RunInfo,
+    Status,
+    Step,
+    Usage,
+    UsageLimits,
+)
+
+from .store import ClaimRun, Journal, Owner, StoreError
+
+__all__ = [
+    "RayDispatch",
+    "RayOptions",
+    "RunHeldElsewhereError",
+    "WorkerCall",
+    "run_on_worker",
+]
+
+#: Builds what a run spec describes: (agent, info, limits). Raises for a spec it cannot build.
+AgentBuilder = Callable[[Mapping[str, Any]], tuple[Any, RunInfo, Limits]]
+#: Makes a worker's ports from its journal (audit, budget, checkpointer, critic).
+PortsFactory = Callable[[Journal], Ports]
+
+
+class RunHeldElsewhereError(StoreError):
+    """A dead worker's run is held by a process this dispatcher cannot prove gone."""
+
+
+# ----------------------------------------------------------------- options
+
+
+@dataclass(frozen=True, slots=True)
+class RayOptions:
+    """What one run asks of the cluster (a task line's `"ray"` object).
+
+    Attributes:
+        num_cpus: Ray CPUs the run holds while it runs (may be fractional; 0 is allowed).
+        resources: Custom resources, e.g. `{"gpu_box": 1}` (nodes started with them).
+        memory: Bytes of Ray's `memory` resource to reserve (None: none).
+    """
+
+    num_cpus: float = 1.0
+    resources: Mapping[str, float] = field(default_factory=dict)
+    memory: int | None = None
+
+    @classmethod
+    def parse(cls, raw: Any) -> RayOptions:
+        """Read a task line's `"ray"` value (None: the defaults).
+
+        Raises:
+            ValueError: An unknown key or a value that is not a finite number >= 0.
+        """
+        if raw is None:
+            return cls()
+        if not isinstance(raw, Mapping):
+            raise ValueError(f'"ray" must be an object, got {type(raw).__name__}')
+        unknown = set(raw) - {"num_cpus", "resources", "memory"}
+        if unknown:
+            raise ValueError(f'"ray": unknown key {sorted(unknown)[0]!r} '
+                             "(known: num_cpus, resources, memory)")
+        cpus = _amount("ray.num_cpus", raw.get("num_cpus", 1.0))
+        resources = raw.get("resources") or {}
+        if not isinstance(resources, Mapping):
+            raise ValueError('"ray.resources" must be an object of name: amount')
+        res = {str(k): _amount(f"ray.resources.{k}", v) for k, v in resources.items()}
+        memory = raw.get("memory")
+        mem = None if memory is None else int(_amount("ray.memory", memory))
+        return cls(num_cpus=cpus, resources=res, memory=mem)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready, the shape `parse` reads."""
+        doc: dict[str, Any] = {"num_cpus": self.num_cpus, "resources": dict(self.resources)}
+        if self.memory is not None:
+            doc["memory"] = self.memory
+        return doc
+
+    def ray_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for Ray's `.options(...)`."""
+        kw: dict[str, Any] = {"num_cpus": self.num_cpus}
+        if self.resources:
+            kw["resources"] = dict(self.resources)
+        if self.memory is not None:
+            kw["memory"] = self.memory
+        return kw
+
+
+def _amount(what: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f'"{what}" must be a number, got {value!r}')
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f'"{what}" must be a finite number >= 0, got {value!r}')
+    return float(value)
+
+
+# ------------------------------------------------------------- worker side
+
+
+def default_ports(journal: Journal) -> Ports:
+    """A worker's ports: audit, budget and checkpointer on the journal, the watch critic."""
+    from .audit import JournalAudit
+    from .budget import JournalBudget
+    from .checkpoint import JournalCheckpointer
+    from .critic import WatchCritic
+
+    return Ports(audit=JournalAudit(journal), budget=JournalBudget(journal),
+                 checkpointer=JournalCheckpointer(journal), critic=WatchCritic())
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerCall:
+    """What every worker needs to run a task: the shared store and how to build agents.
+
+    Sent to the workers with each task (Ray pickles it), so `build` and
+    `ports` must be importable on the workers (module-level functions of an
+    installed package, which is what Ray's pickling sends by reference).
+
+    Attributes:
+        store: The shared store: the analysts' file path on a shared machine,
+            or a PostgreSQL URL.
+        build: Turns a run spec into (agent, info, limits).
+        ports: Makes the worker's ports from its journal (None: `default_ports`).
+    """
+
+    store: str
+    build: AgentBuilder
+    ports: PortsFactory | None = None
+
+
+class _Unbuildable:
+    """An agent whose only step fails, so a spec that cannot be built still ends audited."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+    async def step(self, ctx: RunContext) -> Step:
+        raise AgentError(self.why)
+
+
+class _AdmittedBudget:
+    """The budget of a resumed run: it was reserved when the run first opened.
+
+    Gives the caps the caller has left (so a resumed run stays inside them)
+    and never refuses or reserves again; a caller with no budget gets None.
+    """
+
+    def __init__(self, journal: Journal) -> None:
+        self.journal = journal
+
+    async def check(self, caller_id: str) -> UsageLimits | None:
+        found = await self.journal.read(self.journal.store.budget, caller_id)
+        return None if found is None else found.remaining()
+
+    async def commit(self, caller_id: str, runtime_seconds: float, usage: Usage) -> None:
+        return None
+
+
+async def _run_task(call: WorkerCall, run_id: str, task_id: str, spec: dict[str, Any],
+                    resume: Checkpoint | None) -> Result:
+    try:
+        agent, info, limits = call.build(spec)
+    except Exception as exc:
+        agent, limits = _Unbuildable(f"cannot build the run: {exc}"), Limits()
+        got = spec.get("info")
+        raw: dict[str, Any] = got if isinstance(got, dict) else {}
+        info = RunInfo(name=str(raw.get("name") or task_id),
+                       caller_id=str(raw.get("caller_id") or ""))
+    info.run_id = run_id
+    async with Journal.open(call.store) as journal:
+        ports = (call.ports or default_ports)(journal)
+        if resume is not None and ports.budget is not None:
+            ports = dataclasses.replace(ports, budget=_AdmittedBudget(journal))
+        register = getattr(ports.checkpointer, "register", None)
+        if register is not None:
+            # Deferred: written by the run's opening transaction, so the lease, the
+            # budget reservation and the first audit rows land together or not at all.
+            await register(run_id, dict(spec))
+        return await Kernel(ports).run(agent, info, limits, resume=resume)
+
+
+def run_on_worker(call: WorkerCall, run_id: str, task_id: str, spec: dict[str, Any],
+                  resume: Checkpoint | None) -> Result:
+    """Run one task to its end in this process (the body of the Ray task).
+
+    Opens the shared store, builds the agent from the spec, registers the
+    run under this process and runs it (resuming from `resume` if given).
+    """
+    return trio.run(_run_task, call, run_id, task_id, spec, resume)
+
+
+def _holder_gone(owner: Owner) -> bool:
+    """Asked on the holder's host (a probe task pinned to a node there)."""
+    return owner.gone()
+
+
+# ------------------------------------------------------------- driver side
+
+
+class RayDispatch:
+    """Sends each task to a Ray worker; takes a dead worker's run back (module docstring).
+
+    Args:
+        journal: The driver's journal on the shared store (reads checkpoints, claims leases).
+        call: What workers need (the store and the agent builder).
+        address: The cluster: "auto" (a local or `$RAY_ADDRESS` cluster), or
+            "host:port" of its head.
+        options_for: Ray options for a task (None: one CPU each).
+        max_attempts: Sends of one task before it is given up (ends `error`).
+        owner: The lease holder this driver claims as (default: this process).
+
+    Connecting (`connect`) is done on first use, in a worker thread.
+    """
+
+    def __init__(self, journal: Journal, call: WorkerCall, *, address: str = "auto",
+                 options_for: Callable[[Any], RayOptions] | None = None,
+                 max_attempts: int = 3, owner: Owner | None = None) -> None:
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
+        self.journal = journal
+        self.call = call
+        self.address = address
+        self.options_for = options_for
+        self.max_attempts = max_attempts
+        self.owner = owner if owner is not None else Owner.me()
+        #: Tasks sent again after their worker died: run id -> how many times.
+        self.retries: dict[str, int] = {}
+        self._remote: Any = None
+        self._probe: Any = None
+        self._connect_lock = trio.Lock()
+
+    def __repr__(self) -> str:
+        return f"RayDispatch({self.address!r}, store={self.call.store!r})"
+
+    def _connect(self) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(address=None if self.address == "auto" else self.address,
+                     logging_level=logging.ERROR, log_to_driver=False,
+                     configure_logging=False)
+        self._remote = ray.remote(max_retries=0)(run_on_worker)
+        self._probe = ray.remote(max_retries=0, num_cpus=0)(_holder_gone)
+
+    async def connect(self) -> None:
+        """Connect to the cluster (once; later calls return at once).
+
+        Raises:
+            ConnectionError: The cluster cannot be reached.
+        """
+        async with self._connect_lock:
+            if self._remote is not None:
+                return
+            try:
+                await trio.to_thread.run_sync(self._connect)
+            except Exception as exc:
+                raise ConnectionError(f"cannot reach the Ray cluster at {self.address}: "
+                                      f"{exc}") from exc
+
+    async def __call__(self, task: Any, resume: Checkpoint | None) -> Result:
+        """Run `task` (run_id, task_id, spec) on the cluster to its end; its result.
+
+        Raises:
+            RunHeldElsewhereError: Its worker died and the run's lease is held by a
+                process not provably gone.
+            StoreError: The store cannot be read or written.
+            RuntimeError: The worker's own code raised (not the run: a bug or a
+                broken install on the worker).
+        """
+        import ray.exceptions as rex
+
+        await self.connect()
+        opts = (self.options_for(task) if self.options_for else RayOptions()).ray_kwargs()
+        opts.setdefault("scheduling_strategy", "SPREAD")
+        spec = dict(task.spec)
+        attempt = 0
+        while True:
+            attempt += 1
+            ref = self._remote.options(**opts).remote(self.call, task.run_id, task.task_id,
+                                                      spec, resume)
+            try:
+                return await self._get(ref)
+            except rex.RayTaskError as exc:
+                raise RuntimeError(f"the Ray worker failed running {task.run_id}: "
+                                   f"{exc.cause!r}") from None
+            except rex.RayError as exc:
+                # The worker or its node died (or the result was lost with it).
+                if attempt >= self.max_attempts:
+                    return Result(status=Status.ERROR, run_id=task.run_id,
+                                  error=f"its Ray worker died {attempt} times; last: "
+                                        f"{type(exc).__name__}",
+                                  reason="ray worker lost")
+                back = await self.take_back(task.run_id)
+                if isinstance(back, Result):
+                    return back
+                resume = back
+                self.retries[task.run_id] = self.retries.get(task.run_id, 0) + 1
+
+    async def _get(self, ref: Any) -> Result:
+        import ray
+
+        try:
+            result = await trio.to_thread.run_sync(ray.get, ref, abandon_on_cancel=True)
+        except trio.Cancelled:
+            # The batch is being cancelled: the remote run is cancelled too (it stays
+            # resumable, like any run stopped by a shutdown).
+            ray.cancel(ref)
+            raise
+        if not isinstance(result, Result):
+            raise TypeError(f"the Ray worker returned {type(result).__name__}, not Result")
+        return result
+
+    async def take_back(self, run_id: str) -> Checkpoint | Result | None:
+        """After a worker running `run_id` died: where the run stands, and its lease.
+
+        Returns None if it never started (send it again), its `Result` if it
+        ended, else its checkpoint, with the lease now this driver's.
+
+        Raises:
+            RunHeldElsewhereError: The holder cannot be proved gone.
+        """
+        store = self.journal.store
+        saved = await self.journal.read(lambda: store.saved_runs(run_id=run_id))
+        if not saved:
+            return None
+        run = saved[0]
+        if run.status != "running":
+            return _ended(run_id, run.status)
+        if not await self.claim(run_id):
+            raise RunHeldElsewhereError(
+                f"run {run_id}: its worker died, but its lease is held by pid "
+                f"{run.owner.pid} on {run.owner.host}, which cannot be proved gone")
+        saved = await self.journal.read(lambda: store.saved_runs(run_id=run_id))
+        checkpoint: Checkpoint = saved[0].checkpoint
+        return checkpoint
+
+    async def claim(self, run_id: str) -> bool:
+        """Take an interrupted run's lease for this driver: True if it is now ours.
+
+        Like the store's own claim (a holder on this host is checked by pid),
+        plus Ray's proof for a holder on another host (module docstring). The
+        batch runner calls this, when a dispatcher has it, before resuming a run
+        of an interrupted batch.
+        """
+        store = self.journal.store
+        await self.connect()
+        saved = await self.journal.read(lambda: store.saved_runs(run_id=run_id))
+        if not saved or saved[0].status != "running":
+            return False
+        holder = saved[0].owner
+        vouch = None
+        if holder != self.owner:
+            if not await self._provably_gone(holder):
+                return False
+            vouch = holder
+        [ok] = await self.journal.transact([ClaimRun(run_id, self.owner, gone=vouch)])
+        return bool(ok)
+
+    async def _provably_gone(self, holder: Owner) -> bool:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        if holder.host == socket.gethostname() and holder.gone():
+            return True
+        nodes = await trio.to_thread.run_sync(ray.nodes)
+        here = [n for n in nodes if n.get("NodeManagerHostname") == holder.host]
+        live = [n for n in here if n.get("Alive")]
+        if live:
+            strategy = NodeAffinitySchedulingStrategy(live[0]["NodeID"], soft=False)
+            ref = self._probe.options(scheduling_strategy=strategy).remote(holder)
+            try:
+                return bool(await trio.to_thread.run_sync(ray.get, ref,
+                                                          abandon_on_cancel=True))
+            except ray.exceptions.RayError:
+                return False  # the probe's node died too: ask again on the next death
+        # Every Ray node on that host is dead by the GCS's verdict: its workers died
+        # with their raylet. A host Ray never knew is not one of ours.
+        return bool(here)
+
+
+def _ended(run_id: str, checkpoint_status: str) -> Result:
+    """The result of a run that ended on a worker that died before answering."""
+    if checkpoint_status == "completed":
+        return Result(status=Status.OK, run_id=run_id,
+                      reason="ended on a Ray worker that died before reporting")
+    return Result(status=Status.ERROR, run_id=run_id,
+                  error="the run failed on a Ray worker that died before reporting it "
+                        "(see `kernel show`)")
