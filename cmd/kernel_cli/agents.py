@@ -87,7 +87,7 @@ def _build_pane(*, target: str | None, prompt: str | None, context: dict[str, st
     if not target or not target.strip():
         raise ConfigError("--agent pane needs --target SESSION[:WINDOW[.PANE]]")
     if prompt is None or not prompt.strip():
-        raise ConfigError("--agent pane needs --prompt TEXT (what to type into the pane)")
+        raise ConfigError("--agent pane needs --prompt TASK (what to type into the pane)")
     if shutil.which("tmux") is None:
         raise ConfigError("--agent pane needs tmux, which is not installed")
     text = interpolate(prompt, context, where="--prompt")
@@ -128,7 +128,7 @@ def _build_llm(*, model: str | None, base_url: str | None, prompt: str | None,
     if not model or not model.strip():
         raise ConfigError("--agent llm needs --model NAME")
     if prompt is None or not prompt.strip():
-        raise ConfigError("--agent llm needs --prompt TEXT")
+        raise ConfigError("--agent llm needs --prompt TASK")
     text = interpolate(prompt, context, where="--prompt")
     url = base_url or os.environ.get("OPENAI_BASE_URL") or DEFAULT_BASE_URL
     key_var = api_key_env if api_key_env is not None else "OPENAI_API_KEY"
@@ -205,7 +205,7 @@ def _build_preset(client: str, *, model: str | None, base_url: str | None,
     if allow_shell:
         raise ConfigError(f"--allow-shell is for --agent llm; {client} has its own tools")
     if prompt is None or not prompt.strip():
-        raise ConfigError(f"--agent {client} needs --prompt TEXT")
+        raise ConfigError(f"--agent {client} needs --prompt TASK")
     text = interpolate(prompt, context, where="--prompt")
     exe = shutil.which(client)
     if exe is None:

@@ -79,7 +79,7 @@ class TestBuildLLM:
     @pytest.mark.parametrize(("kw", "message"), [
         ({"model": None}, "--agent llm needs --model NAME"),
         ({"model": "  "}, "--agent llm needs --model NAME"),
-        ({"prompt": None}, "--agent llm needs --prompt TEXT"),
+        ({"prompt": None}, "--agent llm needs --prompt TASK"),
         ({"cmd": "claude -p"}, "--cmd is for --agent agentcli"),
         ({"base_url": "localhost:8000"}, "--base-url: base URL must be http(s)://HOST[/PATH]"),
         ({"api_key_env": "NOPE_NOT_SET"}, "--api-key-env NOPE_NOT_SET: the variable is not set"),
@@ -288,7 +288,7 @@ class TestBuildPresets:
         assert list(agent.resume_argv("G1"))[3:5] == ["--resume", "G1"]
 
     @pytest.mark.parametrize(("kind", "kw", "message"), [
-        ("claude", {"prompt": None}, "--agent claude needs --prompt TEXT"),
+        ("claude", {"prompt": None}, "--agent claude needs --prompt TASK"),
         ("codex", {"cmd": "codex exec"}, "--cmd does not apply to --agent codex"),
         ("gemini", {"base_url": "http://x"}, "--base-url does not apply to --agent gemini"),
         ("claude", {"api_key_env": "K"}, "--api-key-env does not apply to --agent claude"),
