@@ -111,8 +111,11 @@ def show(
              "--kind tool_end,critic)."),
     limit: int = typer.Option(
         200, "--limit", metavar="N", parser=numbers.count(),
-        help="At most N events, the first ones (0 = all); a note says how many were left "
+        help="At most N rows, the first ones (0 = all); a note says how many were left "
              "out."),
+    raw: bool = typer.Option(
+        False, "--raw", help="Every event on a row of its own (a loop state's events are "
+                             "otherwise one line: `test  exit 1 → no → fix`)."),
     json_out: bool = output.json_option(
         'Print {"run": ..., "events": [...]} as one JSON document (one line) instead.'),
     html: str | None = typer.Option(
@@ -124,7 +127,11 @@ def show(
 ) -> None:
     """Show one run and its timeline: seq, +ms, kind, name, duration, summary.
 
-    On a terminal, lines are cut to its width.
+    A loop state is one row (its action's exit code, the verdict, where it
+    went: `test  exit 1 → no → fix`) unless --raw or --kind. The header's
+    totals cover the whole timeline: a resumed run's runtime runs from its
+    first start to its end, over every session. On a terminal, lines are
+    cut to its width.
     """
     from batteries.audit import queries
 
@@ -145,18 +152,21 @@ def show(
                 and e["payload"].get("exit_code") is not None]
         if ends:
             run["exit_code"] = ends[-1]["payload"]["exit_code"]
+    run.update(_totals(run, events))
     kinds = {k.strip() for spec in kind or [] for k in spec.split(",") if k.strip()}
     if kinds:
         events = [e for e in events if e["kind"] in kinds]
-    total = len(events)
-    if limit:
-        events = events[:limit]
     if json_out:
+        if limit:
+            events = events[:limit]
         run["short_id"] = short_id(run["run_id"])
         output.print_doc({"run": run, "events": events})
         return
-    status = run["status"] + (f" (exit {run['exit_code']})"
-                              if run.get("exit_code") is not None else "")
+    rows = events if raw or kinds else _one_row_per_state(events)
+    total = len(rows)
+    if limit:
+        rows = rows[:limit]
+    status = run["status"] + _exit_note(run)
     lines = [f"run      {short_id(run['run_id'])}  {run['run_id']}  "
              f"{_cell(run.get('name'))}".rstrip(),
              f"status   {status}"]
@@ -164,8 +174,12 @@ def show(
            if run.get(k)]
     if who:
         lines.append("         " + "  ".join(who))
-    lines.append(f"started  {_when(run['started_at'])} UTC  runtime {_secs(run['runtime_seconds'])}"
-                 f"  steps {_num(run['steps'])}  tool calls {_num(run['tool_calls'])}")
+    runtime = _secs(run["timeline_seconds"])
+    if run["sessions"] > 1:
+        runtime += (f" over {run['sessions']} sessions "
+                    f"({_secs(run['runtime_seconds'])} in the last)")
+    lines.append(f"started  {_when(run['started_at'])} UTC  runtime {runtime}"
+                 f"  steps {_num(run['total_steps'])}  tool calls {_num(run['total_tool_calls'])}")
     for key in ("reason", "error"):
         if run.get(key):
             lines.append(f"{key:<8} {_one_line(run[key])}")
@@ -175,13 +189,114 @@ def show(
     table = _table(
         ("SEQ", "+MS", "KIND", "NAME", "DURATION", "SUMMARY"),
         [(e["seq"], f"{e['offset_ms']:.0f}", e["kind"], _cell(e["name"]),
-          _ms(e["duration_ms"]), e["summary"]) for e in events],
+          _ms(e["duration_ms"]), e["summary"]) for e in rows],
         right=(0, 1, 4))
     text = "\n".join(lines) + "\n\n" + table
-    if total > len(events):
-        text += (f"\n({total - len(events)} more event(s) not shown: --limit 0 shows all, "
+    if total > len(rows):
+        text += (f"\n({total - len(rows)} more row(s) not shown: --limit 0 shows all, "
                  f"--kind picks some)")
     print(_fit(text) if sys.stdout.isatty() else text)
+
+
+#: The events a loop state is made of, shown as one `state` row by `kernel show`.
+_STATE_PARTS = frozenset({"state_enter", "action_start", "process_start", "process_exit",
+                          "output", "output_not_audited", "action_end", "evaluate", "route",
+                          "step"})
+
+
+def _one_row_per_state(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A loop state's events (state_enter .. its step) as one row: `exit 1 → no → fix`.
+
+    Other events (critic, steer, checkpoint, resumed, tool calls, ...) keep a
+    row of their own; a run without states is returned as it is.
+    """
+    rows: list[dict[str, Any]] = []
+    state: dict[str, Any] | None = None
+    for e in events:
+        kind = e["kind"]
+        if kind == "state_enter":
+            state = {**e, "kind": "state", "duration_ms": None, "parts": {}, "lines": 0}
+            rows.append(state)
+            continue
+        if state is None or kind not in _STATE_PARTS:
+            rows.append(e)
+            continue
+        if kind == "output":
+            state["lines"] += 1
+        else:
+            state["parts"][kind] = e.get("payload")
+        if kind == "step":
+            state["duration_ms"] = e["duration_ms"]
+            state = None
+    for row in rows:
+        if row["kind"] == "state":
+            row["summary"] = _state_line(row.pop("parts"), row.pop("lines"))
+    return rows
+
+
+def _state_line(parts: dict[str, Any], lines: int) -> str:
+    """`exit 1 → no → fix`: the action's end, the verdict, where the loop went."""
+    def field(kind: str, key: str) -> Any:
+        payload = parts.get(kind)
+        return payload.get(key) if isinstance(payload, dict) else None
+
+    said = []
+    if field("action_end", "timed_out"):
+        said.append("timed out")
+    elif field("action_end", "signal"):
+        said.append(f"signal {field('action_end', 'signal')}")
+    elif field("action_end", "exit_code") is not None:
+        said.append(f"exit {field('action_end', 'exit_code')}")
+    verdict = field("evaluate", "verdict") or field("route", "verdict")
+    if verdict:
+        said.append(str(verdict))
+    to = field("route", "to")
+    if to:
+        said.append(str(to))
+    elif "step" not in parts:
+        said.append("(interrupted)")
+    text = " → ".join(said)
+    if lines:
+        text += f"  ({lines} output line{'s' if lines != 1 else ''})"
+    error = field("step", "error")
+    if error:
+        text += f"  error: {_one_line(error)}"
+    return text
+
+
+def _totals(run: dict[str, Any], events: list[dict[str, Any]]) -> dict[str, Any]:
+    """Totals over the whole timeline, whatever session wrote the run's row.
+
+    A resumed run's row holds its last session's runtime; its timeline runs
+    from the first start to the last event. Steps and tool calls are the
+    larger of the row's count and the events'. A command that was stopped
+    (timeout, kill, Ctrl-C) after it started still ran its one step.
+    """
+    sessions = 1 + sum(1 for e in events if e["kind"] == "resumed")
+    span = max((float(e["offset_ms"]) for e in events), default=0.0) / 1000
+    runtime = float(run.get("runtime_seconds") or 0.0)
+    steps = max(int(run.get("steps") or 0), sum(1 for e in events if e["kind"] == "step"))
+    inputs = run.get("inputs")
+    if (steps == 0 and isinstance(inputs, dict) and "argv" in inputs
+            and any(e["kind"] == "process_start" for e in events)):
+        steps = 1
+    tools = max(int(run.get("tool_calls") or 0), sum(1 for e in events
+                                                     if e["kind"] == "tool_end"))
+    return {"sessions": sessions, "timeline_seconds": max(span, runtime) if sessions > 1
+            else runtime, "total_steps": steps, "total_tool_calls": tools}
+
+
+def _exit_note(run: dict[str, Any]) -> str:
+    """` (exit N)`: the command's own code, else the code `kernel run` exited with."""
+    if run.get("exit_code") is not None:
+        return f" (exit {run['exit_code']})"
+    from kernel import Status
+
+    try:
+        code = Status(run["status"]).exit_code
+    except ValueError:  # running, lost, ...: no exit yet
+        return ""
+    return f" (exit {code})" if code else ""
 
 
 def stats(

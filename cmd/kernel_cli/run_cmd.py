@@ -273,7 +273,8 @@ def run(
     code = exit_code(result, command=plan.is_command)
     # A dry run echoes nothing as it goes: its output (the path it would take) is the answer.
     _report(result, code, json_out=json_out,
-            echo_output=not quiet and (not plan.echoes or dry_run), storage=_storage(journals))
+            echo_output=not quiet and (not plan.echoes or dry_run), storage=_storage(journals),
+            command=plan.is_command)
     raise typer.Exit(code)
 
 
@@ -572,7 +573,7 @@ def exit_code(result: Result, *, command: bool) -> int:
 
 
 def _report(result: Result, code: int, *, json_out: bool, echo_output: bool,
-            storage: dict[str, Any] | None = None) -> None:
+            storage: dict[str, Any] | None = None, command: bool = False) -> None:
     from kernel import Status
 
     for failure in result.port_failures:
@@ -593,8 +594,12 @@ def _report(result: Result, code: int, *, json_out: bool, echo_output: bool,
             sys.stdout.write(text.rstrip("\n") + "\n")
     # Always, terminal or not: the short id is how a person finds the run again.
     why = result.error or result.reason
+    steps = f"{result.steps} step(s)"
+    if command and result.steps == 0 and result.status in (
+            Status.TIMEOUT, Status.KILLED, Status.CANCELLED):
+        steps = "1 step (stopped)"  # a command is one step: it ran, and was stopped
     print(f"kernel: run {short_id(result.run_id)} {result.status} after "
-          f"{result.runtime_seconds:.1f}s, {result.steps} step(s)"
+          f"{result.runtime_seconds:.1f}s, {steps}"
           + (f": {why}" if why and why != str(result.status) else "")
           + f" (exit {code})", file=sys.stderr)
 

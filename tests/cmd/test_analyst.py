@@ -204,7 +204,7 @@ class TestShowReadable:
         code, out, _ = kernel("show", "abc1", "--limit", "3")
         body = out.split("SUMMARY", 1)[1].strip().splitlines()
         assert code == 0 and len(body) == 4
-        assert body[-1].startswith("(6 more event(s) not shown: --limit 0 shows all")
+        assert body[-1].startswith("(6 more row(s) not shown: --limit 0 shows all")
         assert "more event" not in kernel("show", "abc1", "--limit", "0")[1]
 
     def test_a_killed_commands_exit_code_is_in_the_header(self, tmp_path: Path) -> None:
@@ -594,3 +594,86 @@ class TestMachineOutput:
     def test_json_and_another_format_is_bad_input(self, db: Path) -> None:
         one_line_error(*kernel("runs", "--json", "--format", "csv"), 2, "two formats")
         one_line_error(*kernel("stats", "--format", "yaml"), 2, "--format must be")
+
+
+LOOP = """\
+name: fixer
+initial: test
+max_iterations: 6
+states:
+  test:
+    action: test -f ${context.flag}
+    evaluate:
+      type: exit_code
+    on_yes: done
+    on_no: fix
+  fix:
+    action: echo fixing; touch ${context.flag}
+    next: test
+  done:
+    terminal: true
+"""
+
+
+class TestShowReads:
+    """`kernel show` an analyst can read (issue 17)."""
+
+    def test_a_loop_state_is_one_line(self, kernel_exe: str, cli_env: dict[str, str],
+                                      tmp_path: Path) -> None:
+        """test: exit 1 → no → fix, one row per state; --raw gives every event back."""
+        loop = tmp_path / "fixer.yaml"
+        loop.write_text(LOOP)
+        ran = subprocess.run([kernel_exe, "run", "-q", str(loop), "-c",
+                              f"flag={tmp_path / 'flag'}"], capture_output=True, text=True,
+                             env=cli_env, timeout=120)
+        assert ran.returncode == 0, ran.stderr
+        shown = subprocess.run([kernel_exe, "show", "last"], capture_output=True, text=True,
+                               env=cli_env, timeout=60)
+        rows = [line.split(None, 5) for line in shown.stdout.splitlines()
+                if re.match(r"\s*\d+\s+\d+\s+state\s", line)]
+        assert [(r[3], r[5].split("  ")[0]) for r in rows] == [
+            ("test", "exit 1 → no → fix"), ("fix", "exit 0 → test"),
+            ("test", "exit 0 → yes → done")], shown.stdout
+        assert "(1 output line)" in rows[1][5]
+        assert "steps 3" in shown.stdout and " evaluate " not in shown.stdout
+        raw = subprocess.run([kernel_exe, "show", "last", "--raw"], capture_output=True,
+                             text=True, env=cli_env, timeout=60).stdout
+        assert raw.count(" evaluate ") == 2 and " state " not in raw  # fix has none
+
+    def test_a_stopped_command_shows_its_exit_code_and_its_step(
+            self, kernel_exe: str, cli_env: dict[str, str]) -> None:
+        """A timed-out command: `1 step (stopped)` on the summary, `(exit 124)` in the header."""
+        ran = subprocess.run([kernel_exe, "run", "--timeout", "1", "--", "sleep", "60"],
+                             capture_output=True, text=True, env=cli_env, timeout=120)
+        assert ran.returncode == 124
+        assert ", 1 step (stopped): hard timeout" in ran.stderr, ran.stderr
+        shown = subprocess.run([kernel_exe, "show", "last"], capture_output=True, text=True,
+                               env=cli_env, timeout=60).stdout
+        assert "status   timeout (exit 124)" in shown
+        assert "steps 1 " in shown, shown
+
+    def test_a_resumed_runs_totals_cover_its_whole_timeline(self, _isolated_db: Path) -> None:
+        """The row holds the last session (0.5 s, 2 steps); the header says 13.5 s, 2 sessions."""
+        run_id = "f00d" + "0" * 16 + "5e55105e0001"
+
+        async def record() -> None:
+            async with DuckDBAudit.open(_isolated_db) as audit:
+                rec = await audit.start_run(RunInfo(name="long", run_id=run_id))
+                rec.on_step(0, Step(output="one"), 1.0)
+                rec.log_event("resumed", name="count", payload={"steps": 1})
+                rec.on_step(1, Step(output="two", final=True), 0.5)
+                await rec.close(RunStats(Status.OK, steps=2, runtime_seconds=0.5))
+
+        trio.run(record)
+        with closing(sqlite3.connect(journal_path(_isolated_db))) as con, con:
+            seq = con.execute("SELECT seq FROM events WHERE run_id = ? AND kind = 'resumed'",
+                              (run_id,)).fetchone()[0]
+            con.execute("UPDATE events SET ts = ts + 13500000 WHERE run_id = ? AND seq >= ?",
+                        (run_id, seq))
+        code, out, err = kernel("show", "5e55105e")
+        assert code == 0, err
+        assert re.search(r"runtime 13\.\d\ds over 2 sessions \(0\.50s in the last\)  steps 2 ",
+                         out), out
+        doc = json.loads(kernel("show", "5e55105e", "--json")[1])["run"]
+        assert doc["sessions"] == 2 and doc["total_steps"] == 2
+        assert 13.4 < doc["timeline_seconds"] < 14.0
