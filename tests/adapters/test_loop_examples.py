@@ -80,14 +80,14 @@ class TestRunningTheExamples:
         assert (child.info.name, child.status) == ("fix-until-tests-pass", Status.OK)
 
     def test_kernel_run_then_kernel_show(self, kernel_exe: str, cli_env: dict[str, str]) -> None:
-        """Under the installed CLI the loop runs green and `kernel show` lists its events."""
+        """Under the installed CLI the loop runs green; `kernel show --raw` lists its events."""
         proc = subprocess.run(
             [kernel_exe, "run", "--json", str(EXAMPLES / "fix-until-tests-pass.yaml")],
             capture_output=True, text=True, env=cli_env, timeout=120)
         assert proc.returncode == 0, proc.stderr
         doc = json.loads(proc.stdout)
         assert doc["status"] == "ok"
-        show = subprocess.run([kernel_exe, "show", doc["run_id"]], capture_output=True,
+        show = subprocess.run([kernel_exe, "show", "--raw", doc["run_id"]], capture_output=True,
                               text=True, env=cli_env, timeout=60)
         assert show.returncode == 0, show.stderr
         for kind in ("state_enter", "evaluate", "route", "action_start", "action_end"):
