@@ -3,9 +3,10 @@
 Run as a script (`python -I -S _lifeline.py TOKEN`, standard library only) by
 `adapters._proc`. Its stdin is a pipe whose only writer is the supervisor.
 The supervisor writes one line per process group it starts (`+ PGID START`)
-and one when the group is gone (`- PGID`). End of file means the supervisor
-died (a SIGKILL, a crash, the OOM killer): the watcher then SIGKILLs every
-registered group whose leader is still the process that was registered (or,
+and one when the group is gone (`- PGID`, sent along with the next `+`
+line). End of file means the supervisor died (a SIGKILL, a crash, the OOM
+killer): the watcher then SIGKILLs every registered group whose leader is
+still the process that was registered (or,
 the leader gone, whatever is still in its group), and on Linux every process
 whose environment carries TOKEN, which covers a child started in the
 moment before its registration reached the pipe and descendants that left

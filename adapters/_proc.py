@@ -27,6 +27,7 @@ keeps the end of a stream.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import secrets
 import signal
@@ -65,8 +66,12 @@ def start_time(pid: int) -> int | None:
         return None
 
 
+@functools.cache
 def boot_id() -> str | None:
-    """This boot's id (Linux), so a record from before a reboot is never acted on."""
+    """This boot's id (Linux), so a record from before a reboot is never acted on.
+
+    Read once per process: a process never outlives the boot it started in.
+    """
     try:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
     except OSError:
@@ -140,6 +145,7 @@ class _Lifeline:
         self.watcher: subprocess.Popen[bytes] | None = None
         self.token = ""
         self.groups: dict[int, int | None] = {}
+        self.gone: list[int] = []
 
     def forget(self) -> None:
         """In a forked child: the pipe, the watcher and the groups are the parent's."""
@@ -151,6 +157,7 @@ class _Lifeline:
         self.watcher = None
         self.token = ""
         self.groups = {}
+        self.gone = []
 
     def env_value(self, inherited: str | None) -> str:
         self.ensure()
@@ -184,6 +191,7 @@ class _Lifeline:
         finally:
             os.close(read_end)
         self.fd = write_end
+        self.gone = []  # a new watcher hears of the live groups only
         for pgid, started in self.groups.items():
             self._write(f"+ {pgid} {'-' if started is None else started}\n")
 
@@ -196,8 +204,13 @@ class _Lifeline:
         with self.lock:
             self.groups[pgid] = started
             if self.fd is not None:
+                # Removals wait for the next registration and share its write (one
+                # wake-up of the watcher per spawn, not two): a stale entry is harmless,
+                # the watcher kills a group only if its leader is still the process
+                # registered (same start time).
+                gone, self.gone = "".join(f"- {g}\n" for g in self.gone), []
                 try:
-                    os.write(self.fd, f"+ {pgid} {'-' if started is None else started}\n"
+                    os.write(self.fd, f"{gone}+ {pgid} {'-' if started is None else started}\n"
                              .encode())
                 except BrokenPipeError:
                     # The watcher died: start another, told every live group.
@@ -208,8 +221,7 @@ class _Lifeline:
         with self.lock:
             self.groups.pop(pgid, None)
             if self.fd is not None:
-                with contextlib.suppress(BrokenPipeError):
-                    os.write(self.fd, f"- {pgid}\n".encode())
+                self.gone.append(pgid)  # told to the watcher with the next `add`
 
 
 _LIFELINE = _Lifeline()

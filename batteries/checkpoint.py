@@ -78,13 +78,17 @@ class JournalCheckpointer:
 
     # --------------------------------------------------------------- the port
 
-    async def register(self, run_id: str, spec: dict[str, Any]) -> None:
+    async def register(self, run_id: str, spec: dict[str, Any], *,
+                       redacted: bool = False) -> None:
         """Record a run's spec, redacted, before it starts (status `running`, held by us).
 
         With a shared, open journal the row is written by the run's first
-        transaction (its budget reservation, or its first save).
+        transaction (its budget reservation, or its first save). `redacted`:
+        the host already redacted the spec with this checkpointer's redactor
+        (a batch does, once per task, when it stores the batch).
         """
-        spec = self.redactor.value(spec)
+        if not redacted:
+            spec = self.redactor.value(spec)
         self._specs[run_id] = spec
         await self.journal.later(RegisterRun(run_id, spec, self.owner))
 

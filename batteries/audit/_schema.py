@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     import duckdb
 
 #: The schema version this code writes and expects.
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 #: Columns of `runs`, in insert order.
 RUN_COLUMNS: tuple[str, ...] = (
@@ -241,8 +241,40 @@ _V4 = Migration(4, "sync_state.source: the store feeding the file (NULL: its jou
     "ALTER TABLE sync_state ADD COLUMN IF NOT EXISTS source VARCHAR",
 ))
 
+_V5 = Migration(5, "batches: batches, batch_tasks (which run each task became), batch_runs", (
+    """
+    CREATE TABLE IF NOT EXISTS batches (
+        batch_id    VARCHAR NOT NULL,
+        name        VARCHAR,
+        source      VARCHAR,
+        created_at  TIMESTAMPTZ,
+        ended_at    TIMESTAMPTZ,
+        status      VARCHAR,
+        tasks       BIGINT,
+        concurrency BIGINT,
+        options     JSON,
+        host        VARCHAR,
+        pid         BIGINT
+    )
+    """,
+    """
+    CREATE TABLE IF NOT EXISTS batch_tasks (
+        batch_id VARCHAR NOT NULL,
+        idx      BIGINT NOT NULL,
+        task_id  VARCHAR NOT NULL,
+        run_id   VARCHAR NOT NULL
+    )
+    """,
+    # One row per task: its batch, and its run's row (NULLs while it has not started).
+    """
+    CREATE OR REPLACE VIEW batch_runs AS
+    SELECT t.batch_id, t.idx, t.task_id, r.*
+    FROM batch_tasks t LEFT JOIN runs r ON r.run_id = t.run_id
+    """,
+))
+
 #: Every migration, in order. Append; never edit one that has shipped.
-MIGRATIONS: tuple[Migration, ...] = (_V1, _V2, _V3, _V4)
+MIGRATIONS: tuple[Migration, ...] = (_V1, _V2, _V3, _V4, _V5)
 
 _VERSION_TABLE = """
 CREATE TABLE IF NOT EXISTS schema_version (

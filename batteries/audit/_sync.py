@@ -7,6 +7,8 @@ analysts read. `sync` copies what changed since the file's cursor
 - events: appended in id order, 100k rows per Arrow batch;
 - runs, checkpoints, budget spend: rows whose change number moved are
   replaced (a run's row changes when it closes);
+- batches and their tasks (which run each task became): rows whose change
+  number moved are replaced;
 - budgets: copied whole (a handful of rows; deletions show too).
 
 Everything, cursor included, is one DuckDB transaction, so a sync that dies
@@ -76,6 +78,10 @@ _CHECKPOINTS = (("run_id", "s"), ("spec", "j"), ("state", "j"), ("steps", "i64")
 _BUDGETS = (("caller_id", "s"), ("window_seconds", "f"), ("max_runs", "i64"),
             ("max_runtime_seconds", "f"), ("max_tokens", "i64"), ("max_cost_usd", "f"),
             ("updated_at", "t"))
+_BATCHES = (("batch_id", "s"), ("name", "s"), ("source", "s"), ("created_at", "t"),
+            ("ended_at", "t"), ("status", "s"), ("tasks", "i64"), ("concurrency", "i64"),
+            ("options", "j"), ("host", "s"), ("pid", "i64"))
+_BATCH_TASKS = (("batch_id", "s"), ("idx", "i64"), ("task_id", "s"), ("run_id", "s"))
 _SPEND = (("id", "i64"), ("caller_id", "s"), ("ts", "t"), ("run_id", "s"),
           ("runtime_seconds", "f"), ("tokens", "i64"), ("cost_usd", "f"), ("settled", "b"))
 
@@ -204,6 +210,19 @@ def _copy(cur: Any, ch: Any, report: SyncReport, *, first: bool,
         _replace(cur, "checkpoints", "run_id", checkpoints, _CHECKPOINTS)
         spend = ch.spend()
         _replace(cur, "budget_spend", "id", spend, _SPEND)
+        # A store that keeps no batches (one written before they existed) has none to copy.
+        batches = ch.batches() if hasattr(ch, "batches") else []
+        _replace(cur, "batches", "batch_id", batches, _BATCHES)
+        # Tasks never change once written: new ones are appended (keyed by batch and index).
+        tasks = ch.batch_tasks() if hasattr(ch, "batch_tasks") else []
+        if tasks:
+            cur.register("_ksync_batch_tasks", _table(tasks, _BATCH_TASKS))
+            try:
+                cur.execute("DELETE FROM batch_tasks WHERE (batch_id, idx) IN "
+                            "(SELECT batch_id, idx FROM _ksync_batch_tasks)")
+                _insert(cur, "batch_tasks", "_ksync_batch_tasks", _BATCH_TASKS)
+            finally:
+                cur.unregister("_ksync_batch_tasks")
         budgets = ch.budgets()
         cur.execute("DELETE FROM budgets")
         if budgets:

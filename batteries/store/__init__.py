@@ -18,6 +18,7 @@ PostgresStore` works; `import batteries.store` does not import psycopg).
 from typing import TYPE_CHECKING, Any
 
 from ._journal import Journal as Journal
+from ._protocol import BatchStore as BatchStore
 from ._protocol import RunStore as RunStore
 from ._select import STORE_ENV as STORE_ENV
 from ._select import choose as choose
@@ -28,8 +29,13 @@ from ._sqlite import SQLiteStore as SQLiteStore
 from ._sqlite import StoreStats as StoreStats
 from ._sqlite import lock_timeout_from_env as lock_timeout_from_env
 from ._types import Batch as Batch
+from ._types import BatchRow as BatchRow
+from ._types import BatchTask as BatchTask
 from ._types import CallerBudget as CallerBudget
+from ._types import ClaimBatch as ClaimBatch
 from ._types import ClaimRun as ClaimRun
+from ._types import CreateBatch as CreateBatch
+from ._types import FinishBatch as FinishBatch
 from ._types import FinishRun as FinishRun
 from ._types import LoseRun as LoseRun
 from ._types import Op as Op
@@ -45,6 +51,7 @@ from ._types import SetBudget as SetBudget
 from ._types import SettleBudget as SettleBudget
 from ._types import StoreBusyError as StoreBusyError
 from ._types import StoreError as StoreError
+from ._types import TaskRow as TaskRow
 from .paths import journal_path as journal_path
 
 if TYPE_CHECKING:
@@ -63,8 +70,14 @@ __all__ = [
     "JOURNAL_VERSION",
     "STORE_ENV",
     "Batch",
+    "BatchRow",
+    "BatchStore",
+    "BatchTask",
     "CallerBudget",
+    "ClaimBatch",
     "ClaimRun",
+    "CreateBatch",
+    "FinishBatch",
     "FinishRun",
     "Journal",
     "LoseRun",
@@ -85,6 +98,7 @@ __all__ = [
     "StoreBusyError",
     "StoreError",
     "StoreStats",
+    "TaskRow",
     "choose",
     "journal_path",
     "lock_timeout_from_env",

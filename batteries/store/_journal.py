@@ -54,6 +54,18 @@ _log = logging.getLogger("kernel.journal")
 INLINE_EVENTS = 256
 
 
+class _Waiter:
+    """A caller of `Journal.transact`: its ops, and what their transaction gave back."""
+
+    __slots__ = ("error", "ops", "results", "taken")
+
+    def __init__(self, ops: tuple[Op, ...]) -> None:
+        self.ops = ops
+        self.taken = False
+        self.results: list[Any] = []
+        self.error: BaseException | None = None
+
+
 class Journal:
     """The per-process writer of one journal (see the module docstring).
 
@@ -103,6 +115,7 @@ class Journal:
         self._begun = 0
         self._durable = 0
         self._lock = trio.Lock()
+        self._queue: list[_Waiter] = []
         self._dirty = trio.Event()
         self._wake = trio.Event()
         self.running = False
@@ -144,16 +157,53 @@ class Journal:
     async def transact(self, ops: Sequence[Op] = ()) -> list[Any]:
         """Write everything buffered, then `ops`, in one transaction; return the ops' results.
 
-        An op the store refuses (a save for a run never registered) raises its
-        `StoreError` here after the rest of the transaction was committed.
+        Callers that are ready at the same moment share one transaction (group
+        commit of operations): each queues its ops, yields once, and whoever
+        takes the lock first writes every queued caller's ops in order; the
+        others find their results waiting. Many runs opening at once (a batch)
+        cost a few transactions, not one each. An op the store refuses (a save
+        for a run never registered) raises its `StoreError` here after the rest
+        of the transaction was committed; it never fails another caller's op.
+        A caller cancelled after its ops were taken leaves them to commit.
 
         Raises:
             StoreBusyError: The journal stayed locked past the lock timeout
                 (the buffered rows are kept for the next transaction).
             StoreError: The journal cannot be written.
         """
-        async with self._lock:
-            return await self._transact(ops)
+        me = _Waiter(tuple(ops))
+        self._queue.append(me)
+        try:
+            await trio.lowlevel.checkpoint()  # callers ready now queue theirs too
+            async with self._lock:
+                if not me.taken:
+                    await self._transact_queued()
+        except BaseException:
+            if not me.taken:
+                self._queue.remove(me)
+            raise
+        if me.error is not None:
+            raise me.error
+        for res in me.results:
+            if isinstance(res, Exception):
+                raise res
+        return me.results
+
+    async def _transact_queued(self) -> None:
+        # Called holding `_lock`: one transaction for every queued caller's ops.
+        group, self._queue = self._queue, []
+        for w in group:
+            w.taken = True
+        try:
+            results = await self._transact([op for w in group for op in w.ops], raw=True)
+        except BaseException as exc:
+            for w in group:
+                w.error = exc
+            raise
+        at = 0
+        for w in group:
+            w.results = results[at:at + len(w.ops)]
+            at += len(w.ops)
 
     async def commit_buffered(self) -> None:
         """Make everything buffered so far durable, sharing transactions with other callers.
@@ -174,8 +224,8 @@ class Journal:
                 return
             await self._transact(())
 
-    async def _transact(self, ops: Sequence[Op]) -> list[Any]:
-        # Called holding `_lock`.
+    async def _transact(self, ops: Sequence[Op], *, raw: bool = False) -> list[Any]:
+        # Called holding `_lock`. `raw`: return refused ops' errors instead of raising.
         self._begun += 1
         number = self._begun
         batch, self.pending = self.pending, Batch()
@@ -194,8 +244,8 @@ class Journal:
             if results is None:
                 results = await trio.to_thread.run_sync(
                     self.store.commit, todo, [*deferred, *ops])
-            else:
-                await trio.lowlevel.checkpoint()
+            # No checkpoint after an inline commit: a cancel there would put rows
+            # that are already committed back in the queue (callers checkpoint anyway).
         except BaseException as exc:
             if isinstance(exc, Exception):
                 self._failed(batch, deferred, exc)
@@ -211,7 +261,7 @@ class Journal:
                 _log.error("journal operation refused: %s: %s", type(op).__name__, res)
         mine = results[len(deferred):]
         for res in mine:
-            if isinstance(res, Exception):
+            if isinstance(res, Exception) and not raw:
                 raise res
         return mine
 

@@ -11,7 +11,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Protocol
 
-from ._types import Batch, CallerBudget, Op, SavedRun
+from ._types import Batch, BatchRow, CallerBudget, Op, SavedRun, TaskRow
 
 
 class RunStore(Protocol):
@@ -39,7 +39,12 @@ class RunStore(Protocol):
         order; the ops' results, in order (a refused op's `StoreError` is its result and
         undoes that op alone). Sets each new recorder's `base` after commit. With
         `wait=False`, `WouldBlock` (nothing written) unless it can run at once without
-        waiting for a lock or the network."""
+        waiting for a lock or the network.
+
+        Batch operations (`kernel batch`): `CreateBatch` (the batch and every task with
+        the run id it becomes; `StoreError` if the id is taken), `ClaimBatch` (True if
+        the batch's lease is now the owner's: refused while its holder may be alive,
+        like `ClaimRun`), `FinishBatch` (status `finished`, by its holder only)."""
 
     def budget(self, caller_id: str) -> CallerBudget | None:
         """The budget that applies to the caller, with its spend in the window; None if none."""
@@ -65,3 +70,21 @@ class RunStore(Protocol):
 
     def close(self) -> None:
         """Release this process's connection."""
+
+
+class BatchStore(RunStore, Protocol):
+    """A `RunStore` that also keeps batches (`kernel batch`, `batteries.batch`).
+
+    **Protocol:** as `RunStore`. Its `commit` takes the batch operations
+    (`CreateBatch`, `ClaimBatch`, `FinishBatch`); these reads list what they
+    wrote. A store that is not a `BatchStore` runs no batches (the runner
+    says so in one line); every store is expected to become one.
+    """
+
+    def batches(self, *, batch_id: str | None = None, prefix: str | None = None,
+                limit: int | None = None) -> list[BatchRow]:
+        """Batches, newest first (by id, by id prefix, or all), tasks counted by run status
+        (`pending`: not started; `running`: started, not ended)."""
+
+    def batch_tasks(self, batch_id: str) -> list[TaskRow]:
+        """A batch's tasks in file order, each with its run's status and checkpoint."""

@@ -47,8 +47,12 @@ from kernel import Checkpoint, ConfigError, Status, Usage
 from ._files import private_dir, private_file
 from ._types import (
     Batch,
+    BatchRow,
     CallerBudget,
+    ClaimBatch,
     ClaimRun,
+    CreateBatch,
+    FinishBatch,
     FinishRun,
     LoseRun,
     Op,
@@ -64,6 +68,7 @@ from ._types import (
     SettleBudget,
     StoreBusyError,
     StoreError,
+    TaskRow,
 )
 
 #: Env var: `normal` (default) or `full` (fsync every commit).
@@ -74,7 +79,7 @@ DEFAULT_LOCK_TIMEOUT = 10.0
 DEFAULT_CALLER = "*"
 
 #: The journal schema version this code writes (SQLite's `PRAGMA user_version`).
-JOURNAL_VERSION = 1
+JOURNAL_VERSION = 2
 
 _V1 = (
     """CREATE TABLE IF NOT EXISTS runs (
@@ -115,8 +120,26 @@ _V1 = (
     "INSERT OR IGNORE INTO meta VALUES ('rev', 0)",
 )
 
+# Batches (`kernel batch`): a batch and its tasks, each task bound to the run id
+# it becomes when the batch is created. A task's state is its run's (no row per
+# task changes while the batch runs); the batch row is its lease, like a checkpoint.
+_V2 = (
+    """CREATE TABLE IF NOT EXISTS batches (
+        batch_id TEXT PRIMARY KEY, name TEXT, source TEXT, created_at INTEGER NOT NULL,
+        ended_at INTEGER, status TEXT NOT NULL, tasks INTEGER NOT NULL,
+        concurrency INTEGER NOT NULL, options TEXT, host TEXT, pid INTEGER,
+        pid_start INTEGER, rev INTEGER NOT NULL)""",
+    "CREATE INDEX IF NOT EXISTS batches_rev ON batches (rev)",
+    """CREATE TABLE IF NOT EXISTS batch_tasks (
+        batch_id TEXT NOT NULL, idx INTEGER NOT NULL, task_id TEXT NOT NULL,
+        run_id TEXT NOT NULL, spec TEXT NOT NULL, rev INTEGER NOT NULL,
+        PRIMARY KEY (batch_id, idx), UNIQUE (batch_id, task_id))""",
+    "CREATE INDEX IF NOT EXISTS batch_tasks_run ON batch_tasks (run_id)",
+    "CREATE INDEX IF NOT EXISTS batch_tasks_rev ON batch_tasks (rev)",
+)
+
 #: Every journal migration, in order (index + 1 = the version it brings). Append only.
-MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1,)
+MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2)
 
 #: Columns `changes()` yields for each table, in order.
 EVENT_COLUMNS = ("id", "run_id", "seq", "ts", "kind", "iteration", "name", "duration_ms",
@@ -133,6 +156,9 @@ BUDGET_COLUMNS = ("caller_id", "window_seconds", "max_runs", "max_runtime_second
                   "max_tokens", "max_cost_usd", "updated_at")
 SPEND_COLUMNS = ("id", "caller_id", "ts", "run_id", "runtime_seconds", "tokens", "cost_usd",
                  "settled")
+BATCH_COLUMNS = ("batch_id", "name", "source", "created_at", "ended_at", "status", "tasks",
+                 "concurrency", "options", "host", "pid")
+BATCH_TASK_COLUMNS = ("batch_id", "idx", "task_id", "run_id")
 
 
 def lock_timeout_from_env() -> float:
@@ -586,6 +612,17 @@ class SQLiteStore:
         if isinstance(op, RemoveBudget):
             cur = con.execute("DELETE FROM budgets WHERE caller_id = ?", (op.caller_id,))
             return cur.rowcount > 0
+        if isinstance(op, CreateBatch):
+            return self._create_batch(con, op, rev)
+        if isinstance(op, ClaimBatch):
+            return self._claim_batch(con, op, rev)
+        if isinstance(op, FinishBatch):
+            o = op.owner
+            cur = con.execute("UPDATE batches SET status = 'finished', ended_at = ?, pid = 0, "
+                              "pid_start = NULL, rev = ? WHERE batch_id = ? AND host = ? "
+                              "AND pid = ?", (now_us(), self._rev(con, rev), op.batch_id,
+                                              o.host, o.pid))
+            return cur.rowcount > 0
         raise TypeError(f"unknown journal operation {op!r}")
 
     def _register(self, con: sqlite3.Connection, op: RegisterRun, rev: list[int]) -> None:
@@ -670,6 +707,91 @@ class SQLiteStore:
                     (me.host, me.pid, me.started, now, self._rev(con, rev), op.run_id))
         return True
 
+    # ---------------------------------------------------------------- batches
+
+    def _create_batch(self, con: sqlite3.Connection, op: CreateBatch, rev: list[int]) -> bool:
+        if con.execute("SELECT 1 FROM batches WHERE batch_id = ?", (op.batch_id,)).fetchone():
+            raise StoreError(f"batch {op.batch_id} already exists")
+        r = self._rev(con, rev)
+        o = op.owner
+        con.execute("INSERT INTO batches (batch_id, name, source, created_at, status, tasks, "
+                    "concurrency, options, host, pid, pid_start, rev) "
+                    "VALUES (?, ?, ?, ?, 'running', ?, ?, ?, ?, ?, ?, ?)",
+                    (op.batch_id, _text(op.name), _text(op.source), now_us(), len(op.tasks),
+                     op.concurrency, _text(_dumps(dict(op.options))), o.host, o.pid,
+                     o.started, r))
+        con.executemany("INSERT INTO batch_tasks (batch_id, idx, task_id, run_id, spec, rev) "
+                        "VALUES (?, ?, ?, ?, ?, ?)",
+                        [(op.batch_id, i, _text(t.task_id), t.run_id, _text(_dumps(t.spec)), r)
+                         for i, t in enumerate(op.tasks)])
+        return True
+
+    def _claim_batch(self, con: sqlite3.Connection, op: ClaimBatch, rev: list[int]) -> bool:
+        row = con.execute("SELECT status, host, pid, pid_start FROM batches WHERE batch_id = ?",
+                          (op.batch_id,)).fetchone()
+        if row is None:
+            return False
+        holder = Owner(row[1] or "", int(row[2] or 0), row[3])
+        me = op.owner
+        mine = (holder.host, holder.pid, holder.started) == (me.host, me.pid, me.started)
+        if row[0] == "running" and not mine and not holder.gone():
+            return False
+        con.execute("UPDATE batches SET status = 'running', ended_at = NULL, host = ?, pid = ?, "
+                    "pid_start = ?, rev = ? WHERE batch_id = ?",
+                    (me.host, me.pid, me.started, self._rev(con, rev), op.batch_id))
+        return True
+
+    def batches(self, *, batch_id: str | None = None, prefix: str | None = None,
+                limit: int | None = None) -> list[BatchRow]:
+        """Batches newest first (one id, an id prefix, or all), their tasks counted by status."""
+        if not self.exists():
+            return []
+        where, params = self._id_filter("batch_id", batch_id, prefix)
+        sql = ("SELECT batch_id, name, source, created_at, ended_at, status, tasks, concurrency, "
+               "options, host, pid, pid_start FROM batches" + where
+               + " ORDER BY created_at DESC, batch_id DESC")
+        if limit is not None:
+            sql += f" LIMIT {int(limit)}"
+        with self._read() as con:
+            rows = con.execute(sql, params).fetchall()
+            out = []
+            for (bid, name, source, created, ended, status, tasks, conc, options, host, pid,
+                 start) in rows:
+                counts = dict(con.execute(
+                    "SELECT CASE WHEN r.run_id IS NULL AND c.run_id IS NULL THEN 'pending' "
+                    "WHEN r.status IS NULL THEN 'running' ELSE r.status END AS s, count(*) "
+                    "FROM batch_tasks t LEFT JOIN runs r ON r.run_id = t.run_id "
+                    "LEFT JOIN checkpoints c ON c.run_id = t.run_id "
+                    "WHERE t.batch_id = ? GROUP BY s", (bid,)).fetchall())
+                created_at = _utc(created)
+                assert created_at is not None
+                out.append(BatchRow(bid, name or "", source or "", created_at, _utc(ended),
+                                    status, int(tasks), int(conc),
+                                    Owner(host or "", int(pid or 0), start),
+                                    {str(k): int(v) for k, v in counts.items()},
+                                    json.loads(options) if options else {}))
+        return out
+
+    def batch_tasks(self, batch_id: str) -> list[TaskRow]:
+        """The tasks of a batch in file order, each with its run's status and checkpoint."""
+        if not self.exists():
+            return []
+        with self._read() as con:
+            rows = con.execute(
+                "SELECT t.idx, t.task_id, t.run_id, t.spec, r.status, r.run_id IS NOT NULL, "
+                "c.run_id IS NOT NULL FROM batch_tasks t "
+                "LEFT JOIN runs r ON r.run_id = t.run_id "
+                "LEFT JOIN checkpoints c ON c.run_id = t.run_id "
+                "WHERE t.batch_id = ? ORDER BY t.idx", (batch_id,)).fetchall()
+            saved: dict[str, SavedRun] = {}
+            if any(r[6] for r in rows):
+                saved = {s.run_id: s for s in self._saved(
+                    con, " WHERE run_id IN (SELECT run_id FROM batch_tasks WHERE batch_id = ?)",
+                    (batch_id,))}
+        return [TaskRow(int(idx), tid, rid, json.loads(spec), status, bool(has_run or has_cp),
+                        saved.get(rid))
+                for idx, tid, rid, spec, status, has_run, has_cp in rows]
+
     # ---------------------------------------------------------------- budgets
 
     @staticmethod
@@ -732,23 +854,33 @@ class SQLiteStore:
         """Registered runs: one id, an id prefix, or every run still marked `running`."""
         if not self.exists():
             return []
-        where, params = [], []
-        if run_id is not None:
-            where.append("run_id = ?")
-            params.append(run_id)
-        if prefix is not None:
-            where.append("run_id LIKE ? ESCAPE '\\'")
-            params.append(prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
-                          + "%")
+        where, params = self._id_filter("run_id", run_id, prefix)
         if running:
-            where.append("status = 'running'")
-        sql = ("SELECT run_id, spec, state, steps, tool_calls, input_tokens, output_tokens, "
-               "thinking_tokens, cost_usd, status, host, pid, pid_start, updated_at, "
-               "heartbeat_at FROM checkpoints")
-        if where:
-            sql += " WHERE " + " AND ".join(where)
+            where += (" AND " if where else " WHERE ") + "status = 'running'"
         with self._read() as con:
-            rows = con.execute(sql + " ORDER BY created_at, run_id", params).fetchall()
+            return self._saved(con, where + " ORDER BY created_at, run_id", params)
+
+    @staticmethod
+    def _id_filter(column: str, exact: str | None, prefix: str | None
+                   ) -> tuple[str, list[Any]]:
+        """A WHERE clause (or "") matching one id or an id prefix."""
+        where: list[str] = []
+        params: list[Any] = []
+        if exact is not None:
+            where.append(f"{column} = ?")
+            params.append(exact)
+        if prefix is not None:
+            where.append(f"{column} LIKE ? ESCAPE '\\'")
+            params.append(prefix.replace("\\", "\\\\").replace("%", "\\%")
+                          .replace("_", "\\_") + "%")
+        return (" WHERE " + " AND ".join(where)) if where else "", params
+
+    @staticmethod
+    def _saved(con: sqlite3.Connection, where: str, params: Sequence[Any]) -> list[SavedRun]:
+        rows = con.execute(
+            "SELECT run_id, spec, state, steps, tool_calls, input_tokens, output_tokens, "
+            "thinking_tokens, cost_usd, status, host, pid, pid_start, updated_at, "
+            "heartbeat_at FROM checkpoints" + where, params).fetchall()
         out = []
         for (rid, spec, state, steps, tools, tin, tout, tthink, cost, status, host, pid, start,
              updated, beat) in rows:
@@ -797,7 +929,8 @@ class SQLiteStore:
             con.close()
 
     def purge(self, before_us: int) -> tuple[int, int]:
-        """Delete closed runs that ended before `before_us`, their events and finished checkpoints.
+        """Delete closed runs that ended before `before_us`, their events, finished checkpoints
+        and finished batches.
 
         Returns:
             (runs deleted, events deleted).
@@ -812,6 +945,10 @@ class SQLiteStore:
                         (before_us,))
             rn = con.execute("DELETE FROM runs WHERE ended_at IS NOT NULL AND ended_at < ?",
                              (before_us,))
+            con.execute("DELETE FROM batch_tasks WHERE batch_id IN (SELECT batch_id FROM "
+                        "batches WHERE status = 'finished' AND ended_at < ?)", (before_us,))
+            con.execute("DELETE FROM batches WHERE status = 'finished' AND ended_at < ?",
+                        (before_us,))
             return rn.rowcount, n_events
 
 
@@ -856,6 +993,14 @@ class Changes:
     def spend(self) -> list[tuple[Any, ...]]:
         """Budget spend rows added or settled since the cursor (`SPEND_COLUMNS`)."""
         return self._changed("budget_spend", SPEND_COLUMNS)
+
+    def batches(self) -> list[tuple[Any, ...]]:
+        """Batches added or changed since the cursor (`BATCH_COLUMNS`)."""
+        return self._changed("batches", BATCH_COLUMNS)
+
+    def batch_tasks(self) -> list[tuple[Any, ...]]:
+        """Batch tasks added since the cursor (`BATCH_TASK_COLUMNS`; they never change)."""
+        return self._changed("batch_tasks", BATCH_TASK_COLUMNS)
 
     def budgets(self) -> list[tuple[Any, ...]]:
         """Every budget row (a small table: copied whole) (`BUDGET_COLUMNS`)."""

@@ -269,8 +269,55 @@ class RemoveBudget:
     caller_id: str
 
 
+@dataclass(slots=True, frozen=True)
+class BatchTask:
+    """One task of a batch: its id in the batch, the run it becomes, and its run spec."""
+
+    task_id: str
+    run_id: str
+    spec: dict[str, Any]
+
+
+@dataclass(slots=True, frozen=True)
+class CreateBatch:
+    """Record a new batch and all of its tasks, held by `owner` (status `running`).
+
+    Every task is given its run id here, so "which run each task became" is
+    known before anything runs and a resumed batch finds each task's run by
+    it. Raises `StoreError` (undone alone) if the batch id is taken.
+    """
+
+    batch_id: str
+    tasks: tuple[BatchTask, ...]
+    owner: Owner
+    name: str = ""
+    source: str = ""
+    concurrency: int = 1
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True, frozen=True)
+class ClaimBatch:
+    """Take over a batch to run (or resume) it: True if its lease is now `owner`'s.
+
+    Refused (False) while the current holder may still be alive (`Owner.gone`).
+    """
+
+    batch_id: str
+    owner: Owner
+
+
+@dataclass(slots=True, frozen=True)
+class FinishBatch:
+    """Mark a batch `finished` (every task ran) and release it; only by its holder."""
+
+    batch_id: str
+    owner: Owner
+
+
 Op = (RegisterRun | SaveCheckpoint | FinishRun | LoseRun | ClaimRun | ReleaseRun
-      | ReserveBudget | SettleBudget | SetBudget | RemoveBudget)
+      | ReserveBudget | SettleBudget | SetBudget | RemoveBudget | CreateBatch | ClaimBatch
+      | FinishBatch)
 
 
 # -------------------------------------------------------------------- rows
@@ -361,3 +408,50 @@ class SavedRun:
     def process_alive(self) -> bool:
         """False only when the holder is provably gone (see `Owner.gone`)."""
         return not self.owner.gone()
+
+
+@dataclass(slots=True, frozen=True)
+class BatchRow:
+    """A batch as `RunStore.batches` lists it, with its tasks counted by status.
+
+    Attributes:
+        status: `running` (held by a live or dead process: see `interrupted`) or `finished`.
+        counts: Tasks by their run's status; `pending` (not started) and `running`
+            (started, not ended) besides the run statuses.
+    """
+
+    batch_id: str
+    name: str
+    source: str
+    created_at: dt.datetime
+    ended_at: dt.datetime | None
+    status: str
+    tasks: int
+    concurrency: int
+    owner: Owner
+    counts: dict[str, int]
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def interrupted(self) -> bool:
+        """True when the batch is unfinished and its holder is provably gone."""
+        return self.status == "running" and self.owner.gone()
+
+
+@dataclass(slots=True, frozen=True)
+class TaskRow:
+    """One task of a stored batch and where its run stands.
+
+    Attributes:
+        run_status: The run's terminal status; None while it has not ended (or started).
+        started: True once the run exists (a run row or a registered checkpoint).
+        saved: The run's checkpoint, if it registered one (its lease and state).
+    """
+
+    index: int
+    task_id: str
+    run_id: str
+    spec: dict[str, Any]
+    run_status: str | None
+    started: bool
+    saved: SavedRun | None = None

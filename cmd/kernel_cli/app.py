@@ -69,7 +69,7 @@ def _root(
 run_cmd.register(app)
 
 # Commands contributed by other parts of the CLI; each module has `register(app)`.
-for _name in ("analyst", "loops", "actions", "budget_cmd", "recover_cmd"):
+for _name in ("analyst", "loops", "actions", "budget_cmd", "recover_cmd", "batch_cmd"):
     try:
         _mod = import_module(f"{__package__}.{_name}")
     except ModuleNotFoundError as _exc:  # pragma: no cover - only while a part is absent

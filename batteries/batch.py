@@ -1,0 +1,419 @@
+"""Many runs under one set of ports: a batch of run specs, a concurrency limit, resumable.
+
+    async with Journal.open(db) as journal:
+        ports = Ports(audit=JournalAudit(journal), budget=JournalBudget(journal),
+                      checkpointer=JournalCheckpointer(journal), critic=WatchCritic())
+        runner = BatchRunner(journal, KernelDispatch(ports, build), concurrency=32)
+        batch_id = await runner.create([BatchTask("t1", new_run_id(), spec), ...])
+        outcomes = await runner.run(batch_id)
+
+A batch is stored in the journal when it is created: the batch row (its
+lease: the holder's host, pid and the pid's start time) and one row per
+task holding the task's run spec and **the run id it becomes**, fixed
+before anything runs. A task's state is therefore its run's: no task row
+changes while the batch runs, and a run costs the batch nothing beyond the
+transactions the run makes anyway.
+
+`run(batch_id)` takes the batch's lease (`ClaimBatch`: refused while its
+holder may be alive, so two resumers never run one batch) and looks at
+every task's run:
+
+- ended, with no checkpoint left `running`: finished; skipped (reported);
+- a checkpoint still `running` (its holder died, or it was cancelled by a
+  shutdown): interrupted; its run lease is claimed (`ClaimRun`, so `kernel
+  recover` and the batch never both resume it; a dispatcher with a `claim`
+  method, such as `RayDispatch`, claims it with its own proof) and it is
+  resumed from its last checkpoint under the same run id, without a second
+  budget reservation (`AdmittedBudget`). A plain command keeps no state: its
+  one step (the command) runs again from the start, which is what a resumed
+  loop does with the state it was in;
+- started but neither ended nor checkpointed: lost (`LoseRun`);
+- not started: run.
+
+Dispatching one task is `Dispatch.__call__(task, resume) -> Result`: one
+task in, one result out, with no other state shared with the batch.
+`KernelDispatch` is the default (the batch's ports, an agent built from the
+spec by a host-given builder, since batteries never import adapters); a
+host can put the same call on another worker (Ray) as long as that worker
+writes to the same store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import trio
+
+from kernel import (
+    AgentError,
+    Checkpoint,
+    Kernel,
+    Limits,
+    Ports,
+    Result,
+    RunContext,
+    RunInfo,
+    Status,
+    Step,
+    Usage,
+    UsageLimits,
+)
+
+from .store import (
+    BatchRow,
+    BatchStore,
+    BatchTask,
+    ClaimBatch,
+    ClaimRun,
+    CreateBatch,
+    FinishBatch,
+    Journal,
+    LoseRun,
+    Owner,
+    StoreError,
+    TaskRow,
+)
+
+__all__ = [
+    "AdmittedBudget",
+    "BatchBusyError",
+    "BatchRunner",
+    "BatchTask",
+    "Dispatch",
+    "KernelDispatch",
+    "TaskOutcome",
+    "new_batch_id",
+]
+
+#: Letters of a batch id: lower case, no 0/o, 1/l/i (typeable, unambiguous).
+ALPHABET = "23456789abcdefghjkmnpqrstuvwxyz"
+#: Characters after the leading "b" of a batch id (31**7: about 2.7e10 ids).
+ID_LEN = 7
+
+
+def new_batch_id() -> str:
+    """A new batch id: `b` and 7 characters a person can read aloud and type."""
+    return "b" + "".join(secrets.choice(ALPHABET) for _ in range(ID_LEN))
+
+
+class BatchBusyError(StoreError):
+    """The batch is held by another process that may still be running it."""
+
+
+@dataclass(slots=True)
+class TaskOutcome:
+    """How one task of a batch ended (in this process, or before it for a skipped task).
+
+    Attributes:
+        status: The run's status (a `Status` value, or `lost`).
+        result: The run's result; None for a task skipped because it had finished.
+        skipped: It had finished before this `run` (a resumed batch).
+        resumed: It was interrupted and continued from its checkpoint.
+        error: Why, for anything but ok.
+    """
+
+    index: int
+    task_id: str
+    run_id: str
+    status: str
+    result: Result | None = None
+    skipped: bool = False
+    resumed: bool = False
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """True when the run ended `ok`."""
+        return self.status == Status.OK
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: the task, and its result's fields when it ran here."""
+        doc: dict[str, Any] = self.result.to_dict() if self.result is not None else {}
+        doc.update(index=self.index, task_id=self.task_id, run_id=self.run_id,
+                   status=self.status, skipped=self.skipped, resumed=self.resumed)
+        if self.error is not None or "error" not in doc:
+            doc["error"] = self.error
+        return doc
+
+
+class Dispatch(Protocol):
+    """Runs one task of a batch to its end: one task in, one result out.
+
+    **Protocol:** `resume` is None for a task that never started, else the
+    checkpoint of an interrupted run whose lease the caller already holds.
+    Must run the task under `task.run_id` and return its `Result` (never
+    raise for the run's own failures). May be called concurrently; an outer
+    cancellation propagates like `Kernel.run`'s.
+    """
+
+    async def __call__(self, task: BatchTask, resume: Checkpoint | None) -> Result: ...
+
+
+#: Builds what a spec describes: (agent, info, limits). Raises for a spec it cannot build.
+AgentBuilder = Callable[[Mapping[str, Any]], tuple[Any, RunInfo, Limits]]
+
+
+class _Unbuildable:
+    """An agent whose only step fails: a spec that cannot be built still becomes an
+    audited run that ends `error` with the reason (never a silent gap)."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+    async def step(self, ctx: RunContext) -> Step:
+        raise AgentError(self.why)
+
+
+class KernelDispatch:
+    """The default `Dispatch`: build the agent from the task's spec, run it with `ports`.
+
+    Args:
+        ports: Shared by every task (one journal behind audit, budget and
+            checkpointer; the checkpointer registers each new run's spec).
+        build: Turns a task's run spec into (agent, info, limits).
+        critic_for: Picks the critic for a spec (per-task thresholds); None
+            uses `ports.critic` for every task.
+        redacted: The specs were redacted by the checkpointer's redactor when
+            the batch was stored (`JournalCheckpointer.register(redacted=True)`).
+    """
+
+    def __init__(self, ports: Ports, build: AgentBuilder, *,
+                 critic_for: Callable[[Mapping[str, Any]], Any] | None = None,
+                 redacted: bool = False) -> None:
+        self.ports = ports
+        self.build = build
+        self.critic_for = critic_for
+        self.redacted = redacted
+
+    async def __call__(self, task: BatchTask, resume: Checkpoint | None) -> Result:
+        spec = task.spec
+        try:
+            agent, info, limits = self.build(spec)
+        except Exception as exc:  # validated before the batch started: the world changed
+            agent, limits = _Unbuildable(f"cannot build the run: {exc}"), Limits()
+            found = spec.get("info")
+            raw: Mapping[str, Any] = found if isinstance(found, Mapping) else {}
+            info = RunInfo(name=str(raw.get("name") or task.task_id),
+                           caller_id=str(raw.get("caller_id") or ""))
+        info.run_id = task.run_id
+        ports = self.ports
+        if self.critic_for is not None:
+            ports = dataclasses.replace(ports, critic=self.critic_for(spec))
+        journal = getattr(ports.budget, "journal", None)
+        if resume is not None and isinstance(journal, Journal):
+            ports = dataclasses.replace(ports, budget=AdmittedBudget(journal))
+        register = getattr(ports.checkpointer, "register", None)
+        if register is not None:
+            # A resumed run is registered again: it is held by this process now.
+            if self.redacted:
+                await register(task.run_id, dict(spec), redacted=True)
+            else:
+                await register(task.run_id, dict(spec))
+        return await Kernel(ports).run(agent, info, limits, resume=resume)
+
+
+class AdmittedBudget:
+    """The budget of a resumed run: it was reserved when the run first opened.
+
+    Gives the caps the caller has left (so the resumed run stays inside them)
+    and never refuses or reserves again (the run was admitted; counting it
+    twice would refuse others); a caller with no budget gets None.
+    """
+
+    def __init__(self, journal: Journal) -> None:
+        self.journal = journal
+
+    async def check(self, caller_id: str) -> UsageLimits | None:
+        found = await self.journal.read(self.journal.store.budget, caller_id)
+        return None if found is None else found.remaining()
+
+    async def commit(self, caller_id: str, runtime_seconds: float, usage: Usage) -> None:
+        return None
+
+
+@dataclass(slots=True)
+class _Todo:
+    row: TaskRow
+    resume: bool = False
+
+
+@dataclass
+class BatchRunner:
+    """Creates batches in the journal and runs (or resumes) them, `concurrency` at a time.
+
+    Args:
+        journal: The journal the batch and its runs are written to.
+        dispatch: Runs one task (`KernelDispatch` with the batch's ports).
+        concurrency: At most this many runs at once (>= 1).
+        before_resume: Awaited with a run id before an interrupted run is resumed
+            (the CLI stops any process the dead run left behind).
+
+    Attributes:
+        running: Tasks in flight: run id -> (task, trio time it started).
+        outcomes: Every outcome of the current `run`, in the order they ended.
+    """
+
+    journal: Journal
+    dispatch: Dispatch
+    concurrency: int = 8
+    before_resume: Callable[[str], Awaitable[None]] | None = None
+    owner: Owner = field(default_factory=Owner.me)
+    running: dict[str, tuple[BatchTask, float]] = field(default_factory=dict)
+    outcomes: list[TaskOutcome] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+
+    @property
+    def store(self) -> BatchStore:
+        """The journal's store, which must keep batches.
+
+        Raises:
+            StoreError: It is a `RunStore` that keeps no batches.
+        """
+        store = self.journal.store
+        if not (callable(getattr(store, "batches", None))
+                and callable(getattr(store, "batch_tasks", None))):
+            raise StoreError(f"the store at {store.path} keeps no batches")
+        return store  # type: ignore[return-value]
+
+    async def create(self, tasks: Sequence[BatchTask], *, batch_id: str | None = None,
+                     name: str = "", source: str = "",
+                     options: Mapping[str, Any] | None = None) -> str:
+        """Store a new batch held by this process; its id (one transaction).
+
+        Raises:
+            ValueError: Two tasks share a task id or a run id.
+            StoreError: The journal cannot be written, or the id is taken.
+        """
+        seen: set[str] = set()
+        runs: set[str] = set()
+        for t in tasks:
+            if t.task_id in seen or t.run_id in runs:
+                raise ValueError(f"task {t.task_id!r}: its id or run id is used twice")
+            seen.add(t.task_id)
+            runs.add(t.run_id)
+        bid = batch_id or new_batch_id()
+        self.store  # noqa: B018  (refuse a store without batches before writing anything)
+        await self.journal.transact([CreateBatch(bid, tuple(tasks), self.owner, name=name,
+                                                 source=source, concurrency=self.concurrency,
+                                                 options=dict(options or {}))])
+        return bid
+
+    async def batch(self, batch_id: str) -> BatchRow | None:
+        """The stored batch, with its counts; None if there is none."""
+        store = self.store
+        rows = await self.journal.read(lambda: store.batches(batch_id=batch_id))
+        return rows[0] if rows else None
+
+    async def run(self, batch_id: str,
+                  on_outcome: Callable[[TaskOutcome], None] | None = None,
+                  on_start: Callable[[BatchTask], None] | None = None) -> list[TaskOutcome]:
+        """Run every task of the batch that has not finished; every task's outcome, in order.
+
+        Finished tasks are reported as skipped, interrupted ones resumed (see
+        the module docstring). `on_outcome` is called as each task ends (skipped
+        ones first), `on_start` as each starts. The batch is marked `finished`
+        once every task has an outcome; if this is cancelled, it stays held by
+        this process and is resumable once the process is gone.
+
+        Raises:
+            BatchBusyError: Another process that may be alive holds the batch.
+            StoreError: No such batch, or the journal cannot be read or written.
+        """
+        store = self.store
+        [claimed] = await self.journal.transact([ClaimBatch(batch_id, self.owner)])
+        if not claimed:
+            row = await self.batch(batch_id)
+            if row is None:
+                raise StoreError(f"no batch {batch_id}")
+            raise BatchBusyError(f"batch {batch_id} is being run by pid {row.owner.pid} on "
+                                 f"{row.owner.host}")
+        rows = await self.journal.read(store.batch_tasks, batch_id)
+        self.outcomes = []
+        done: dict[int, TaskOutcome] = {}
+
+        def report(out: TaskOutcome) -> None:
+            done[out.index] = out
+            self.outcomes.append(out)
+            if on_outcome is not None:
+                on_outcome(out)
+
+        todo: list[_Todo] = []
+        lose: list[TaskRow] = []
+        for row in rows:
+            saved = row.saved
+            if saved is not None and saved.status == "running":
+                todo.append(_Todo(row, resume=True))
+            elif row.run_status is not None:
+                report(TaskOutcome(row.index, row.task_id, row.run_id, row.run_status,
+                                   skipped=True))
+            elif row.started:
+                lose.append(row)
+            else:
+                todo.append(_Todo(row))
+        if lose:
+            why = "the batch was interrupted and the run kept no checkpoint"
+            await self.journal.transact([LoseRun(r.run_id, why) for r in lose])
+            for r in lose:
+                report(TaskOutcome(r.index, r.task_id, r.run_id, str(Status.LOST), error=why))
+
+        queue = iter(todo)
+
+        async def worker() -> None:
+            for item in queue:
+                report(await self._one(item, on_start))
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(min(self.concurrency, len(todo))):
+                nursery.start_soon(worker)
+        await self.journal.transact([FinishBatch(batch_id, self.owner)])
+        return [done[r.index] for r in rows]
+
+    async def _one(self, item: _Todo, on_start: Callable[[BatchTask], None] | None
+                   ) -> TaskOutcome:
+        row = item.row
+        task = BatchTask(row.task_id, row.run_id, row.spec)
+        checkpoint = None
+        if item.resume:
+            # A dispatcher that can prove more than this host can (Ray: a holder on a
+            # dead node) claims the lease itself; otherwise the store's rule decides.
+            claim = getattr(self.dispatch, "claim", None)
+            if callable(claim):
+                ok = bool(await claim(row.run_id))
+            else:
+                [ok] = await self.journal.transact([ClaimRun(row.run_id, self.owner)])
+            saved = await self.journal.read(
+                lambda: self.journal.store.saved_runs(run_id=row.run_id)) if ok else []
+            if not saved or saved[0].status != "running":
+                return TaskOutcome(row.index, row.task_id, row.run_id, "running",
+                                   error="held by another process (kernel recover?)")
+            checkpoint = saved[0].checkpoint
+            task = BatchTask(row.task_id, row.run_id, saved[0].spec)
+            if self.before_resume is not None:
+                await self.before_resume(row.run_id)
+        self.running[row.run_id] = (task, trio.current_time())
+        if on_start is not None:
+            on_start(task)
+        try:
+            result = await self.dispatch(task, checkpoint)
+        except Exception as exc:  # a dispatch that broke its contract: the task still ends
+            return TaskOutcome(row.index, row.task_id, row.run_id, str(Status.ERROR),
+                               resumed=item.resume, error=f"{type(exc).__name__}: {exc}")
+        finally:
+            self.running.pop(row.run_id, None)
+        return TaskOutcome(row.index, row.task_id, row.run_id, str(result.status), result,
+                           resumed=item.resume, error=result.error or result.reason
+                           if result.status is not Status.OK else None)
+
+
+def default_concurrency() -> int:
+    """A concurrency for hosts that give none: the CPUs this process may use, at least 4."""
+    return max(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+               else (os.cpu_count() or 1))

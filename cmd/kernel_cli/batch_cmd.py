@@ -1,0 +1,657 @@
+"""`kernel batch`: a file of runs, `--concurrency N` at a time, resumable by batch id.
+
+The CLI is a thin layer over `batteries.batch`: it reads and validates the
+whole task file (every line, before anything runs), turns each line into
+the same run spec `kernel run` stores, and hands the specs to
+`BatchRunner` with the usual ports (one journal for audit, budgets and
+checkpoints; the critic). The agent of a spec is built by `run_cmd`'s
+planner, the one place the CLI builds agents.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import time
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import typer
+
+from . import numbers
+from .dberrors import guard_database
+from .dbopt import DB_HELP, STORE_OPTION
+
+if TYPE_CHECKING:
+    from batteries.batch import TaskOutcome
+    from batteries.store import BatchRow, BatchStore, BatchTask
+    from kernel import Limits
+
+
+BATCH_HELP = """Run every line of TASKS.jsonl as a supervised, audited run, N at a time.
+
+\b
+Each line is one JSON object:
+  {"command": ["sh", "-c", "make test"]}
+  {"loop": "fix.yaml", "context": {"dir": "src"}}
+  {"agent": "claude", "prompt": "..."}
+with optional "id" (unique in the file), "name", "caller", "context" and the
+limits `kernel run` takes: "timeout", "soft_timeout", "idle_timeout",
+"model_timeout", "tool_timeout" (seconds or "90s", "5m", "2h"...),
+"max_steps", "checkpoint_interval", "no_critic"; agents also take "model",
+"base_url", "cmd", "api_key_env", "allow_shell", "target", "max_turns".
+The whole file is checked first: a bad line is one error naming its line
+number and field (exit 2), and nothing runs. Blank lines are skipped.
+
+\b
+  kernel batch tasks.jsonl --concurrency 32
+  kernel batch tasks.jsonl --json | jq .status     one JSON line per finished run
+  kernel batch --list                              batches, newest first
+  kernel batch --resume b7kq2xmp                   finish an interrupted batch
+
+The batch id is printed on stderr when the batch starts. A batch whose
+process died (or was stopped by SIGTERM, SIGHUP or Ctrl-C) is resumed with
+--resume: finished runs are skipped, interrupted ones continue from their
+checkpoint (a plain command runs again), the rest run.
+
+\b
+Exit codes: 0 every run ended ok; 1 at least one did not (error, timeout,
+killed, budget_exceeded, max_steps, lost, ...); 2 bad input (a bad task
+line, an empty file, an unknown batch, a batch another process is running);
+130 interrupted by a signal (resumable).
+"""
+
+#: Keys of a task line, by where they go.
+_COMMON = frozenset({"id", "name", "caller", "context", "timeout", "soft_timeout",
+                     "idle_timeout", "model_timeout", "tool_timeout", "max_steps",
+                     "checkpoint_interval", "no_critic"})
+_KIND_KEYS = {"command": frozenset(),
+              "loop": frozenset({"model", "base_url", "api_key_env"}),
+              "agent": frozenset({"prompt", "model", "base_url", "cmd", "api_key_env",
+                                  "allow_shell", "target", "max_turns"})}
+_DURATIONS = ("timeout", "soft_timeout", "idle_timeout", "model_timeout", "tool_timeout",
+              "checkpoint_interval")
+_MAX_ID = 200
+
+
+def register(app: typer.Typer) -> None:
+    """Add `kernel batch` to the app."""
+    app.command("batch", help=BATCH_HELP)(guard_database(batch))
+
+
+def batch(
+    tasks_file: str | None = typer.Argument(
+        None, metavar="TASKS.jsonl", show_default=False,
+        help="The runs, one JSON object per line ('-' reads stdin)."),
+    concurrency: int = typer.Option(
+        8, "--concurrency", "-j", metavar="N", parser=numbers.count(minimum=1),
+        help="Runs at once."),
+    json_out: bool = typer.Option(
+        False, "--json", help="One JSON object per finished run on stdout (with --list: "
+                              "one per batch)."),
+    list_only: bool = typer.Option(False, "--list", help="List batches, newest first, with "
+                                                         "their runs counted by status."),
+    resume: str | None = typer.Option(
+        None, "--resume", metavar="BATCH_ID",
+        help="Finish an interrupted batch (its id, a unique prefix of it, or 'last')."),
+    name: str | None = typer.Option(None, "--name", metavar="LABEL",
+                                    help="A label for the batch (default: the file name)."),
+    context: list[str] | None = typer.Option(
+        None, "--context", "-c", metavar="KEY=VALUE",
+        help="With --resume: a secret context value the tasks were given (secrets are not "
+             "stored, so tasks that had one run only when it is given again)."),
+    db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
+    shared_store: str | None = STORE_OPTION,
+    redact: list[str] | None = typer.Option(
+        None, "--redact", metavar="REGEX",
+        help="Also redact what this regular expression matches from everything stored "
+             "(repeatable)."),
+) -> None:
+    """Run a file of runs; exit 0 only if every run ended ok."""
+    from kernel import AuditError, ConfigError
+
+    chosen = sum(x for x in (tasks_file is not None, list_only, resume is not None))
+    if chosen != 1:
+        _fail("give exactly one of TASKS.jsonl, --list or --resume BATCH_ID")
+    if list_only:
+        raise typer.Exit(_list(db, json_out=json_out))
+    try:
+        if resume is not None:
+            runner_args = _prepare_resume(resume, db, context or [])
+        else:
+            assert tasks_file is not None
+            runner_args = _prepare_new(tasks_file, db, concurrency, name, redact or [])
+    except (ConfigError, AuditError) as exc:
+        _fail(str(exc))
+    import trio
+
+    code = trio.run(partial(_execute, runner_args, json_out=json_out))
+    raise typer.Exit(code)
+
+
+def _fail(message: str) -> None:
+    print(f"kernel batch: error: {message}", file=sys.stderr)
+    raise typer.Exit(2)
+
+
+# ------------------------------------------------------------- the task file
+
+
+class TaskLineError(Exception):
+    """A task line that cannot run: `file:line: field: why`."""
+
+    def __init__(self, where: str, line: int, key: str | None, why: str) -> None:
+        self.where, self.line, self.key, self.why = where, line, key, why
+        super().__init__(f"{where}:{line}: {key + ': ' if key else ''}{why}")
+
+
+@dataclass
+class Parsed:
+    """A validated task: its id, its run spec (as `kernel run` stores it) and context."""
+
+    line: int
+    task_id: str
+    spec: dict[str, Any]
+    context: dict[str, str] = field(default_factory=dict)
+
+
+def read_tasks(text: str, where: str, *, caller: str, cwd: str) -> list[Parsed]:
+    """Every task of a task file, validated; the first bad line raises `TaskLineError`."""
+    from kernel import ConfigError
+
+    out: list[Parsed] = []
+    ids: dict[str, int] = {}
+    for n, raw in enumerate(text.splitlines(), start=1):
+        if not raw.strip():
+            continue
+        try:
+            obj = json.loads(raw)
+        except ValueError as exc:
+            raise TaskLineError(where, n, None, f"not JSON ({exc.args[0].split(':')[0]})") \
+                from None
+        if not isinstance(obj, dict):
+            raise TaskLineError(where, n, None, "expects a JSON object")
+        task = _task(obj, n, where, caller=caller, cwd=cwd)
+        if task.task_id in ids:
+            raise TaskLineError(where, n, "id", f"{task.task_id!r} is already the id of line "
+                                                f"{ids[task.task_id]}")
+        ids[task.task_id] = n
+        out.append(task)
+    if not out:
+        raise ConfigError(f"{where} holds no tasks")
+    return out
+
+
+def _task(obj: dict[str, Any], n: int, where: str, *, caller: str, cwd: str) -> Parsed:
+    from kernel import ConfigError, Limits
+
+    from .run_cmd import agent_spec, info_to_dict, limits_to_dict, plan_from_spec, ports_to_dict
+    from .wiring import PortOptions
+
+    def bad(key: str | None, why: str) -> TaskLineError:
+        return TaskLineError(where, n, key, why)
+
+    kinds = [k for k in _KIND_KEYS if k in obj]
+    if len(kinds) != 1:
+        raise bad(None, 'expects exactly one of "command", "loop" or "agent"'
+                  + (f", got {' and '.join(kinds)}" if kinds else ""))
+    kind = kinds[0]
+    allowed = _COMMON | _KIND_KEYS[kind] | {kind}
+    for key in obj:
+        if key not in allowed:
+            raise bad(key, f"unknown field for a {kind} task" if key in set().union(
+                *_KIND_KEYS.values()) else "unknown field")
+    task_id = obj.get("id", str(n))
+    if isinstance(task_id, bool) or not isinstance(task_id, (str, int)):
+        raise bad("id", "expects a string")
+    task_id = str(task_id)
+    if not task_id.strip() or len(task_id) > _MAX_ID or not task_id.isprintable():
+        raise bad("id", f"expects 1-{_MAX_ID} printable characters")
+    ctx = _context(obj.get("context"), bad)
+    strings = {k: _string(obj, k, bad) for k in ("name", "caller", "model", "base_url", "cmd",
+                                                  "api_key_env", "target", "prompt")}
+    durations = {k: _duration(obj, k, bad) for k in _DURATIONS}
+    max_steps = _count(obj, "max_steps", bad, minimum=0)
+    max_turns = _count(obj, "max_turns", bad, minimum=1)
+    flags = {k: _flag(obj, k, bad) for k in ("no_critic", "allow_shell")}
+    try:
+        if kind == "command":
+            argv = obj["command"]
+            if (not isinstance(argv, list) or not argv
+                    or not all(isinstance(a, str) for a in argv)):
+                raise bad("command", "expects a non-empty list of strings")
+            spec: dict[str, Any] = {"kind": "command", "argv": list(argv), "context": ctx}
+        elif kind == "loop":
+            path = obj["loop"]
+            if not isinstance(path, str) or not path:
+                raise bad("loop", "expects the path of a loop file")
+            spec = agent_spec([str(Path(cwd) / path)], ctx, agent=None,
+                              model=strings["model"], base_url=strings["base_url"],
+                              prompt=None, cmd=None, api_key_env=strings["api_key_env"],
+                              allow_shell=False, scenario=None)
+        else:
+            if not isinstance(obj["agent"], str) or not obj["agent"]:
+                raise bad("agent", "expects an agent kind (llm, agentcli, pane, claude, "
+                                   "codex, gemini)")
+            spec = agent_spec([], ctx, agent=obj["agent"], model=strings["model"],
+                              base_url=strings["base_url"], prompt=strings["prompt"],
+                              cmd=strings["cmd"], api_key_env=strings["api_key_env"],
+                              allow_shell=flags["allow_shell"], scenario=None,
+                              target=strings["target"], max_turns=max_turns)
+        plan = plan_from_spec(spec, quiet=True)
+    except ConfigError as exc:
+        raise bad(kind, str(exc)) from None
+    info = plan.info
+    if strings["name"]:
+        info.name = strings["name"]
+    info.caller_id = strings["caller"] or caller
+    base = plan.limits or Limits()
+    timeout, soft, tool = durations["timeout"], durations["soft_timeout"], \
+        durations["tool_timeout"]
+    try:
+        limits = Limits(
+            max_steps=base.max_steps if max_steps is None else max_steps,
+            timeout=base.timeout if timeout is None else (timeout or None),
+            soft_timeout=(soft or None) if soft is not None else base.soft_timeout,
+            tool_timeout=base.tool_timeout if tool is None else (tool or None),
+            checkpoint_every_seconds=max(base.checkpoint_every_seconds,
+                                         durations["checkpoint_interval"] or 0.0))
+    except ConfigError as exc:
+        raise bad(None, str(exc).replace("Limits.", "")) from None
+    opts = PortOptions(no_critic=flags["no_critic"], soft_timeout=soft,
+                       idle_timeout=durations["idle_timeout"],
+                       model_timeout=durations["model_timeout"], tool_timeout=tool)
+    run_spec = {"agent": spec, "info": info_to_dict(info), "limits": limits_to_dict(limits),
+                "ports": ports_to_dict(opts), "cwd": cwd}
+    return Parsed(n, task_id, run_spec, ctx)
+
+
+def _context(value: Any, bad: Any) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise bad("context", "expects an object of KEY: value")
+    out = {}
+    for key, v in value.items():
+        if not key or not key.replace("_", "a").replace("-", "a").replace(".", "a").isalnum():
+            raise bad("context", f"key {key!r} may hold only letters, digits, _ - .")
+        if isinstance(v, (dict, list)) or v is None:
+            raise bad("context", f"{key}: expects a string, number or boolean")
+        out[key] = json.dumps(v) if isinstance(v, bool) else str(v)
+    return out
+
+
+def _string(obj: Mapping[str, Any], key: str, bad: Any) -> str | None:
+    value = obj.get(key)
+    if value is not None and not isinstance(value, str):
+        raise bad(key, "expects a string")
+    return value
+
+
+def _flag(obj: Mapping[str, Any], key: str, bad: Any) -> bool:
+    value = obj.get(key, False)
+    if not isinstance(value, bool):
+        raise bad(key, "expects true or false")
+    return value
+
+
+def _duration(obj: Mapping[str, Any], key: str, bad: Any) -> float | None:
+    """Seconds: a JSON number, or a string in `kernel run`'s duration grammar."""
+    value = obj.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise bad(key, f"expects a duration like {numbers.DURATION_FORMS}, got {value!r}")
+    if isinstance(value, (int, float)):
+        value = repr(value) if isinstance(value, float) else str(value)
+        if "e" in value.lower() or value.startswith("-") or not math.isfinite(float(value)):
+            raise bad(key, f"expects a duration like {numbers.DURATION_FORMS}, got {value}")
+    if not isinstance(value, str):
+        raise bad(key, f"expects a duration like {numbers.DURATION_FORMS}")
+    try:
+        return numbers.parse_duration(value)
+    except ValueError as exc:
+        raise bad(key, str(exc)) from None
+
+
+def _count(obj: Mapping[str, Any], key: str, bad: Any, *, minimum: int) -> int | None:
+    value = obj.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise bad(key, "expects a whole number")
+    try:
+        return numbers.parse_count(str(value), minimum=minimum)
+    except ValueError as exc:
+        raise bad(key, str(exc)) from None
+
+
+# ------------------------------------------------------------------ running
+
+
+@dataclass
+class _Args:
+    """What `_execute` runs: a new batch (tasks given) or a stored one (resume)."""
+
+    db: str | None
+    concurrency: int
+    batch_id: str
+    tasks: list[BatchTask] | None = None
+    name: str = ""
+    source: str = ""
+    redactor: Any = None
+    given: Any = None  # recover_cmd._Given on resume
+    total: int = 0
+    redact: list[str] = field(default_factory=list)
+
+
+def _prepare_new(tasks_file: str, db: str | None, concurrency: int, name: str | None,
+                 patterns: list[str]) -> _Args:
+    from batteries.batch import new_batch_id
+    from batteries.redact import env_patterns
+    from batteries.store import BatchTask
+    from kernel import ConfigError
+
+    from .run_cmd import make_redactor, stored_spec
+
+    if tasks_file == "-":
+        text, where = sys.stdin.read(), "<stdin>"
+    else:
+        try:
+            text = Path(tasks_file).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ConfigError(f"no task file {tasks_file}") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read {tasks_file}: "
+                              f"{getattr(exc, 'strerror', None) or exc}") from None
+        where = tasks_file
+    caller = os.environ.get("KERNEL_CALLER") or os.environ.get("USER", "")
+    try:
+        parsed = read_tasks(text, where, caller=caller, cwd=os.getcwd())
+    except TaskLineError as exc:
+        raise ConfigError(str(exc)) from None
+    merged: dict[str, str] = {}
+    for p in parsed:
+        merged.update(p.context)
+    redactor = make_redactor(merged, patterns)
+    batch_id = new_batch_id()
+    tasks = []
+    quick = not patterns and not env_patterns(os.environ)
+    for p in parsed:
+        spec = _stored(p, redactor, quick) or stored_spec(p.spec, redactor)
+        spec["batch"] = {"batch_id": batch_id, "task_id": p.task_id}
+        tasks.append(BatchTask(p.task_id, p.spec["info"]["run_id"], spec))
+    source = "<stdin>" if tasks_file == "-" else str(Path(tasks_file).resolve())
+    return _Args(db, concurrency, batch_id, tasks, name or Path(where).name, source, redactor,
+                 total=len(tasks), redact=patterns)
+
+
+def _stored(task: Parsed, redactor: Any, quick: bool) -> dict[str, Any] | None:
+    """The task's spec as stored when redaction finds nothing in it, else None.
+
+    One pass of the redactor over the spec's JSON text instead of one per
+    string (a thousand-line task file: ~70,000 calls fewer), as the audit
+    redacts its payloads. Only without user patterns (`--redact`,
+    `$KERNEL_REDACT`: one anchored at a string's start would not match inside
+    the JSON text) and without secret-named context keys (replaced whole).
+    """
+    from batteries.redact import SECRET_NAME
+
+    if not quick or any(SECRET_NAME.search(k) for k in task.context):
+        return None
+    text = json.dumps(task.spec, ensure_ascii=False)
+    if redactor.text(text) != text:
+        return None
+    return {**task.spec, "redacted": []}
+
+
+def _store(db: str | None) -> BatchStore:
+    """The store in effect (`--store` / `$KERNEL_STORE`, else the journal beside --db).
+
+    Raises:
+        ConfigError: A bad store URL, or a store that keeps no batches.
+    """
+    from batteries.store import open_store
+    from kernel import ConfigError
+
+    store = open_store(db)
+    if not callable(getattr(store, "batches", None)):
+        raise ConfigError(f"the store at {store.path} keeps no batches")
+    return store  # type: ignore[return-value]
+
+
+def _find(db: str | None, wanted: str) -> BatchRow:
+    """The stored batch `wanted` names (id, unique prefix, or 'last')."""
+    from kernel import ConfigError
+
+    store = _store(db)
+    try:
+        want = wanted.strip().lower()
+        if want == "last":
+            rows = store.batches(limit=1)
+        else:
+            rows = store.batches(batch_id=want) or store.batches(prefix=want) if want else []
+    finally:
+        store.close()
+    if not rows:
+        raise ConfigError(f"no batch {wanted!r} (see kernel batch --list)")
+    if len(rows) > 1:
+        raise ConfigError(f"{wanted!r} names {len(rows)} batches: "
+                          + ", ".join(r.batch_id for r in rows[:5]))
+    return rows[0]
+
+
+def _prepare_resume(wanted: str, db: str | None, context: list[str]) -> _Args:
+    from kernel import ConfigError
+
+    from .recover_cmd import _Given, restore_secrets
+    from .run_cmd import make_redactor, parse_context
+
+    row = _find(db, wanted)
+    if row.status == "running" and not row.owner.gone():
+        raise ConfigError(f"batch {row.batch_id} is being run by pid {row.owner.pid} on "
+                          f"{row.owner.host}")
+    given = _Given(context, [], None, [])
+    store = _store(db)
+    try:
+        tasks = store.batch_tasks(row.batch_id)
+    finally:
+        store.close()
+    missing: set[str] = set()
+    for t in tasks:
+        unfinished = t.run_status is None or (t.saved is not None
+                                              and t.saved.status == "running")
+        if unfinished and t.spec.get("redacted"):
+            restored, why, _ = restore_secrets(t.spec, given, row.batch_id)
+            if restored is None:
+                missing.add(why or "")
+    if missing:
+        raise ConfigError(f"batch {row.batch_id}: " + "; ".join(sorted(missing)).replace(
+            "kernel resume", "kernel batch --resume"))
+    redactor = make_redactor(parse_context(context), list(row.options.get("redact") or []))
+
+    patterns = list(row.options.get("redact") or [])
+    return _Args(db, row.concurrency, row.batch_id, None, row.name, row.source, redactor,
+                 given, total=row.tasks, redact=patterns)
+
+
+def _build(spec: Mapping[str, Any], given: Any = None) -> tuple[Any, Any, Limits]:
+    """A task's run spec -> (agent, info, limits); secrets put back from `given`."""
+    from kernel import ConfigError, Limits, RunInfo
+
+    from .run_cmd import plan_from_spec
+
+    if given is not None and spec.get("redacted"):
+        from .recover_cmd import restore_secrets
+
+        restored, why, _ = restore_secrets(dict(spec), given, "")
+        if restored is None:
+            raise ConfigError(why or "its secrets are not stored")
+        spec = restored
+    plan = plan_from_spec(dict(spec["agent"]), quiet=True)
+    if getattr(plan.agent, "inherit_stdin", False):
+        plan.agent.inherit_stdin = False  # many commands at once: none reads our stdin
+    info = RunInfo(**spec["info"])
+    return plan.agent, info, Limits(**spec["limits"])
+
+
+def _critics() -> Any:
+    """Per-task critic thresholds -> one critic per distinct set (shared by its tasks)."""
+    from .wiring import PortOptions, _make_critic
+
+    made: dict[tuple[Any, ...], Any] = {}
+
+    def critic_for(spec: Mapping[str, Any]) -> Any:
+        p = dict(spec.get("ports") or {})
+        key = (bool(p.get("no_critic")), p.get("soft_timeout"), p.get("idle_timeout"),
+               p.get("model_timeout"), p.get("tool_timeout"))
+        if key not in made:
+            made[key] = None if key[0] else _make_critic(PortOptions(
+                soft_timeout=key[1], idle_timeout=key[2], model_timeout=key[3],
+                tool_timeout=key[4]))
+        return made[key]
+
+    return critic_for
+
+
+async def _execute(args: _Args, *, json_out: bool) -> int:
+    import trio
+
+    from batteries.batch import BatchBusyError, BatchRunner, KernelDispatch
+    from kernel import PortFailure
+
+    from . import batch_progress
+    from .recover_cmd import _stop_leftovers
+    from .wiring import PortOptions, open_ports
+
+    warnings: list[PortFailure] = []
+    counts: Counter[str] = Counter()
+    failed: list[TaskOutcome] = []
+    t0 = time.monotonic()
+
+    def on_outcome(out: TaskOutcome) -> None:
+        counts[out.status] += 1
+        if json_out:
+            doc = out.to_dict()
+            doc["batch_id"] = args.batch_id
+            sys.stdout.write(json.dumps(doc, default=str) + "\n")
+            sys.stdout.flush()
+        if not out.ok:
+            failed.append(out)
+            if live is None and not json_out:
+                _print_failure(out)
+
+    async def before_resume(run_id: str) -> None:
+        await trio.to_thread.run_sync(partial(_stop_leftovers, run_id, db=args.db))
+
+    live = None
+    got: list[int] = []
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP,
+                                   signal.SIGQUIT) as signals:
+        journals: list[Any] = []
+        async with open_ports(PortOptions(db=args.db, no_critic=True), warnings=warnings,
+                              redactor=args.redactor, journals=journals) as ports:
+            journal = journals[0]
+            given = args.given
+            dispatch = KernelDispatch(ports, lambda spec: _build(spec, given),
+                                      critic_for=_critics(), redacted=True)
+            runner = BatchRunner(journal, dispatch, concurrency=args.concurrency,
+                                 before_resume=before_resume)
+            try:
+                if args.tasks is not None:
+                    await runner.create(args.tasks, batch_id=args.batch_id, name=args.name,
+                                        source=args.source, options={"redact": args.redact})
+                    verb = "started"
+                else:
+                    verb = "resumed"
+            except Exception as exc:
+                print(f"kernel batch: error: {exc}", file=sys.stderr)
+                return 2
+            print(f"kernel: batch {args.batch_id} {verb}: {args.total} task(s), concurrency "
+                  f"{args.concurrency}", file=sys.stderr, flush=True)
+            if batch_progress.wanted():
+                live = batch_progress.BatchProgress(runner, args.total)
+            async with trio.open_nursery() as nursery:
+                if live is not None:
+                    nursery.start_soon(batch_progress.show, live)
+
+                async def on_signal() -> None:
+                    async for signum in signals:
+                        got.append(signum)
+                        print(f"kernel: {signal.Signals(signum).name}: cancelling batch "
+                              f"{args.batch_id} (resume it with kernel batch --resume "
+                              f"{args.batch_id})", file=sys.stderr)
+                        nursery.cancel_scope.cancel()
+
+                nursery.start_soon(on_signal)
+                try:
+                    await runner.run(args.batch_id, on_outcome=on_outcome,
+                                     on_start=live.on_start if live is not None else None)
+                except BatchBusyError as exc:
+                    print(f"kernel batch: error: {exc}", file=sys.stderr)
+                    return 2
+                nursery.cancel_scope.cancel()
+    for failure in warnings:
+        print(f"kernel: warning: {failure}", file=sys.stderr)
+    if live is not None and not json_out:
+        for out in failed:
+            _print_failure(out)
+    elapsed = time.monotonic() - t0
+    summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    if got:
+        summary = summary or "nothing finished"
+        print(f"kernel: batch {args.batch_id} interrupted after {elapsed:.1f}s ({summary}); "
+              f"resume: kernel batch --resume {args.batch_id}", file=sys.stderr)
+        return 130
+    code = 0 if counts and set(counts) == {"ok"} else 1
+    print(f"kernel: batch {args.batch_id}: {summary} in {elapsed:.1f}s (exit {code})",
+          file=sys.stderr)
+    return code
+
+
+def _print_failure(out: TaskOutcome) -> None:
+    from .ids import short_id
+
+    why = f": {out.error}" if out.error else ""
+    print(f"kernel: task {out.task_id} (run {short_id(out.run_id)}) {out.status}{why}",
+          file=sys.stderr)
+
+
+# ------------------------------------------------------------------ listing
+
+
+def _list(db: str | None, *, json_out: bool) -> int:
+    from kernel import ConfigError
+
+    try:
+        store = _store(db)
+    except ConfigError as exc:
+        _fail(str(exc))
+    try:
+        rows = store.batches()
+    finally:
+        store.close()
+    for row in rows:
+        state = "interrupted" if row.interrupted else row.status
+        if json_out:
+            print(json.dumps({"batch_id": row.batch_id, "name": row.name,
+                              "source": row.source, "created_at": row.created_at.isoformat(),
+                              "ended_at": row.ended_at.isoformat() if row.ended_at else None,
+                              "state": state, "tasks": row.tasks,
+                              "concurrency": row.concurrency, "counts": row.counts}))
+            continue
+        counts = " ".join(f"{k}={v}" for k, v in sorted(row.counts.items(),
+                                                         key=lambda kv: -kv[1]))
+        when = row.created_at.astimezone().strftime("%Y-%m-%d %H:%M")
+        print(f"{row.batch_id}  {when}  {state:11}  {row.tasks:>6} tasks  {counts}  "
+              f"{row.name}")
+    if not rows and not json_out:
+        print("no batches", file=sys.stderr)
+    return 0

@@ -1,0 +1,195 @@
+"""Batches in the journal, the journal's shared transactions, and the library batch runner."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from batteries.audit import JournalAudit
+from batteries.batch import BatchBusyError, BatchRunner, KernelDispatch, new_batch_id
+from batteries.budget import JournalBudget
+from batteries.checkpoint import JournalCheckpointer
+from batteries.store import (
+    BatchTask,
+    ClaimBatch,
+    CreateBatch,
+    FinishBatch,
+    Journal,
+    Owner,
+    ReserveBudget,
+    SaveCheckpoint,
+    SetBudget,
+    SQLiteStore,
+    StoreError,
+    journal_path,
+)
+from kernel import Checkpoint, Limits, Ports, RunInfo, Status, Step, new_run_id
+from kernel.testing import ScriptedAgent
+
+DEAD = Owner("elsewhere-not-this-host", 1, None)  # on another host: never presumed gone
+GONE = Owner(os.uname().nodename, 0, None)  # pid 0 on this host: provably gone
+
+
+def tasks(n: int, **spec: Any) -> list[BatchTask]:
+    return [BatchTask(f"t{i}", new_run_id(), {"n": i, **spec}) for i in range(n)]
+
+
+def store_at(tmp_path: Path) -> SQLiteStore:
+    return SQLiteStore(journal_path(tmp_path / "k.duckdb"))
+
+
+class TestStoredBatches:
+    def test_create_list_claim_finish(self, tmp_path: Path) -> None:
+        """A batch is stored with every task's run id; its lease works like a run's."""
+        store = store_at(tmp_path)
+        me = Owner.me()
+        ts = tasks(3)
+        [ok] = store.commit(None, [CreateBatch("b1", tuple(ts), me, name="one", concurrency=2)])
+        assert ok is True
+        [dup] = store.commit(None, [CreateBatch("b1", tuple(ts), me)])
+        assert isinstance(dup, StoreError) and "already exists" in str(dup)
+        [row] = store.batches()
+        assert (row.batch_id, row.name, row.tasks, row.concurrency, row.status) == (
+            "b1", "one", 3, 2, "running")
+        assert row.counts == {"pending": 3} and not row.interrupted
+        got = store.batch_tasks("b1")
+        assert [(t.index, t.task_id, t.run_id) for t in got] == [
+            (i, t.task_id, t.run_id) for i, t in enumerate(ts)]
+        assert [t.spec["n"] for t in got] == [0, 1, 2] and not any(t.started for t in got)
+        other = Owner(me.host, os.getppid(), None)  # alive: may not take it
+        assert store.commit(None, [ClaimBatch("b1", other)]) == [False]
+        assert store.commit(None, [ClaimBatch("b1", me)]) == [True]
+        assert store.commit(None, [FinishBatch("b1", other)]) == [False]
+        assert store.commit(None, [FinishBatch("b1", me)]) == [True]
+        [row] = store.batches(prefix="b")
+        assert row.status == "finished" and row.ended_at is not None
+        assert store.commit(None, [ClaimBatch("nope", me)]) == [False]
+
+    def test_gone_holder_is_interrupted(self, tmp_path: Path) -> None:
+        """A running batch whose holder is provably gone is interrupted and can be claimed."""
+        store = store_at(tmp_path)
+        store.commit(None, [CreateBatch("b2", tuple(tasks(1)), GONE),
+                            CreateBatch("b3", tuple(tasks(1)), DEAD)])
+        rows = {r.batch_id: r for r in store.batches()}
+        assert rows["b2"].interrupted and not rows["b3"].interrupted
+        assert store.commit(None, [ClaimBatch("b2", Owner.me()),
+                                   ClaimBatch("b3", Owner.me())]) == [True, False]
+
+    def test_ids_are_typeable(self) -> None:
+        """Batch ids are short, lower case and free of look-alike characters."""
+        ids = {new_batch_id() for _ in range(200)}
+        assert len(ids) == 200
+        assert all(len(i) == 8 and i[0] == "b" and not set(i) & set("01ilo") for i in ids)
+
+
+class TestSharedTransactions:
+    async def test_callers_at_once_share_transactions(self, tmp_path: Path) -> None:
+        """Callers ready at once share a transaction; a budget of 5 runs still admits 5."""
+        async with Journal.open(tmp_path / "k.duckdb") as journal:
+            await journal.transact([SetBudget("c", 3600, 5, None, None, None)])
+            before = journal.store.stats.transactions
+            got: list[Any] = []
+
+            async def reserve() -> None:
+                [r] = await journal.transact([ReserveBudget("c", "")])
+                got.append(r)
+
+            async with trio.open_nursery() as nursery:
+                for _ in range(20):
+                    nursery.start_soon(reserve)
+            used = journal.store.stats.transactions - before
+        assert sum(r.reservation_id is not None for r in got) == 5
+        assert len(got) == 20 and used < 20
+
+    async def test_a_refused_op_fails_its_caller_only(self, tmp_path: Path) -> None:
+        """An op the store refuses raises in its own caller; the others' ops commit."""
+        async with Journal.open(tmp_path / "k.duckdb") as journal:
+            outcomes: dict[str, Any] = {}
+
+            async def bad() -> None:
+                try:
+                    await journal.transact([SaveCheckpoint(Checkpoint("f" * 32, 1, None),
+                                                           Owner.me())])
+                except StoreError as exc:
+                    outcomes["bad"] = exc
+
+            async def good() -> None:
+                outcomes["good"] = await journal.transact(
+                    [SetBudget("d", 60, 1, None, None, None)])
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(bad)
+                nursery.start_soon(good)
+            assert isinstance(outcomes["bad"], StoreError)
+            assert outcomes["good"] == [None]
+            assert journal.store.budget("d") is not None
+
+
+def build(spec: Mapping[str, Any]) -> tuple[Any, RunInfo, Limits]:
+    if spec.get("broken"):
+        raise ValueError("no such agent")
+    agent = ScriptedAgent([Step(), Step(output=f"done {spec['n']}", final=True)],
+                          step_seconds=0.01)
+    return agent, RunInfo(name=f"task {spec['n']}", caller_id="lib"), Limits(timeout=60)
+
+
+class TestBatchRunner:
+    async def test_runs_every_task_within_the_limit(self, tmp_path: Path) -> None:
+        """Every task runs once under its run id, never more than `concurrency` at a time;
+        running the batch again skips them all."""
+        async with Journal.open(tmp_path / "k.duckdb") as journal:
+            ports = Ports(audit=JournalAudit(journal), budget=JournalBudget(journal),
+                          checkpointer=JournalCheckpointer(journal))
+            runner = BatchRunner(journal, KernelDispatch(ports, build), concurrency=3)
+            ts = tasks(10)
+            bid = await runner.create(ts, name="lib")
+            peak = 0
+
+            def started(_task: BatchTask) -> None:
+                nonlocal peak
+                peak = max(peak, len(runner.running))
+
+            outs = await runner.run(bid, on_start=started)
+            assert [o.task_id for o in outs] == [t.task_id for t in ts]
+            assert [o.run_id for o in outs] == [t.run_id for t in ts]
+            assert {o.status for o in outs} == {Status.OK}
+            assert outs[4].result is not None and outs[4].result.output == "done 4"
+            assert 1 <= peak <= 3
+            again = await runner.run(bid)
+            assert all(o.skipped and o.ok and o.result is None for o in again)
+            [row] = journal.store.batches(batch_id=bid)
+            assert row.status == "finished" and row.counts == {"ok": 10}
+
+    async def test_unbuildable_spec_is_an_audited_error(self, tmp_path: Path) -> None:
+        """A spec that cannot be built still becomes a run, ended `error` with the reason."""
+        async with Journal.open(tmp_path / "k.duckdb") as journal:
+            ports = Ports(audit=JournalAudit(journal), checkpointer=JournalCheckpointer(journal))
+            runner = BatchRunner(journal, KernelDispatch(ports, build), concurrency=2)
+            ts = [BatchTask("ok", new_run_id(), {"n": 0}),
+                  BatchTask("bad", new_run_id(), {"n": 1, "broken": True})]
+            outs = await runner.run(await runner.create(ts))
+            assert [o.status for o in outs] == [Status.OK, Status.ERROR]
+            assert "cannot build the run: no such agent" in (outs[1].error or "")
+        [row] = store_at(tmp_path).batches()
+        assert row.counts == {"ok": 1, "error": 1}
+
+    async def test_busy_batch_is_refused(self, tmp_path: Path) -> None:
+        """A batch held by another live process is not run here."""
+        async with Journal.open(tmp_path / "k.duckdb") as journal:
+            journal.store.commit(None, [CreateBatch("bz", tuple(tasks(1)), DEAD)])
+            runner = BatchRunner(journal, KernelDispatch(Ports(), build))
+            with pytest.raises(BatchBusyError, match="being run by pid 1"):
+                await runner.run("bz")
+            with pytest.raises(StoreError, match="no batch"):
+                await runner.run("bmissing")
+
+    def test_concurrency_must_be_positive(self, tmp_path: Path) -> None:
+        """A concurrency below 1 is refused when the runner is made."""
+        with pytest.raises(ValueError, match="concurrency"):
+            BatchRunner(Journal(tmp_path / "k.duckdb"), KernelDispatch(Ports(), build),
+                        concurrency=0)
