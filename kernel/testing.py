@@ -8,6 +8,13 @@ asked so a test can assert on it::
     assert [e.kind for e in audit.events(result.run_id)] == ["run_start", "step", "run_end"]
 
 These are fakes, not mocks: nothing here patches the kernel.
+
+It also ships the conformance suite of the Audit port (`check_audit`), so a
+host can check its own Audit the way the repository checks the memory fake,
+the journal audit and the OpenTelemetry audit (see `kernel._audit_conformance`
+for what it promises)::
+
+    await check_audit(maker)                  # maker yields (audit, reader)
 """
 
 from __future__ import annotations
@@ -36,9 +43,16 @@ from ._types import (
 from .ports import BudgetRefused, Checkpoint, EventSink
 
 __all__ = [
+    "AUDIT_CHECKS",
+    "AUDIT_PORT_CHECKS",
+    "AUDIT_STORE_CHECKS",
     "AuditEvent",
+    "AuditMaker",
+    "AuditReader",
+    "Check",
     "Hang",
     "MemoryAudit",
+    "MemoryReader",
     "MemoryRecorder",
     "RecordingBudget",
     "RecordingCheckpointer",
@@ -47,6 +61,10 @@ __all__ = [
     "ScriptedAgent",
     "ScriptedCritic",
     "ScriptedHandle",
+    "StoredEvent",
+    "StoredRun",
+    "check_audit",
+    "stored_text",
 ]
 
 
@@ -463,3 +481,17 @@ class RecordingDelivery:
         """Keep the result."""
         await trio.lowlevel.checkpoint()
         self.delivered.append(result)
+
+
+# The Audit conformance suite. Imported last: its checks use the fakes above.
+from ._audit_conformance import AUDIT_CHECKS as AUDIT_CHECKS  # noqa: E402
+from ._audit_conformance import AUDIT_PORT_CHECKS as AUDIT_PORT_CHECKS  # noqa: E402
+from ._audit_conformance import AUDIT_STORE_CHECKS as AUDIT_STORE_CHECKS  # noqa: E402
+from ._audit_conformance import AuditMaker as AuditMaker  # noqa: E402
+from ._audit_conformance import AuditReader as AuditReader  # noqa: E402
+from ._audit_conformance import Check as Check  # noqa: E402
+from ._audit_conformance import MemoryReader as MemoryReader  # noqa: E402
+from ._audit_conformance import StoredEvent as StoredEvent  # noqa: E402
+from ._audit_conformance import StoredRun as StoredRun  # noqa: E402
+from ._audit_conformance import check_audit as check_audit  # noqa: E402
+from ._audit_conformance import stored_text as stored_text  # noqa: E402

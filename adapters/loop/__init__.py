@@ -15,15 +15,14 @@ PyYAML is imported only when a file is read.
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from ._agent import SCENARIOS as SCENARIOS
-from ._agent import Asker as Asker
 from ._agent import LoopAgent as LoopAgent
-from ._agent import ask_on_terminal as ask_on_terminal
 from ._agent import detect_signal as detect_signal
 from ._evaluators import Evaluation as Evaluation
 from ._evaluators import JudgeRequest as JudgeRequest
 from ._evaluators import VerdictSource as VerdictSource
 from ._process import ActionResult as ActionResult
+from ._simulation import SCENARIOS as SCENARIOS
+from ._simulation import Asker as Asker
 from ._spec import EvaluateSpec as EvaluateSpec
 from ._spec import LLMSpec as LLMSpec
 from ._spec import LoopSpec as LoopSpec
@@ -58,7 +57,6 @@ __all__ = [
     "TemplateError",
     "UnsafeValue",
     "VerdictSource",
-    "ask_on_terminal",
     "check_loop",
     "detect_signal",
     "load_loop",

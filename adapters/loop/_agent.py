@@ -23,9 +23,8 @@ import json
 import math
 import os
 import shutil
-import sys
 import tempfile
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -37,7 +36,8 @@ from kernel import ConfigError, Limits, RunContext, RunInfo, Status, Step
 
 from . import _evaluators as ev
 from . import _template as tpl
-from ._process import ActionResult, ChunkSink, LineSink, run_process
+from ._process import ActionResult, ChunkSink, LineSink, capture, run_process
+from ._simulation import SCENARIOS, SIGNALS, Asker, Simulation, SubloopEnd
 from ._spec import (
     CURRENT,
     DEFAULT_ACTION_TIMEOUT,
@@ -48,13 +48,6 @@ from ._spec import (
     StateSpec,
     bind,
 )
-
-SCENARIOS = ("all-pass", "all-fail", "all-error", "first-fail", "alternating")
-SIGNALS = {"CONTEXT_HANDOFF:": "handoff", "FATAL_ERROR:": "error", "LOOP_STOP:": "stop"}
-
-#: Asked, in an interactive dry run, what a state's result should be:
-#: called with (state name, what it would run); returns "pass" | "fail" | "error".
-Asker = Callable[[str, str], Awaitable[str]]
 
 _DEFAULT_EVALUATOR = {"shell": "exit_code", "prompt": "llm_structured", "mcp_tool": "mcp_result"}
 _PREVIEW = 2000
@@ -67,39 +60,50 @@ class _Outcome:
     reason: str
 
 
-class _Simulator:
-    """Decides simulated results: a scenario, or the person at the terminal."""
+class _Live:
+    """The real-run strategy: actions run, outputs judged, sub-loops started as child runs.
 
-    def __init__(self, scenario: str | None, ask: Asker | None) -> None:
-        self.scenario = scenario
-        self.ask = ask
-        self.count = 0
+    The state machine asks its strategy for each state's results; a dry run
+    swaps in a `Simulation` (`_simulation.py`). Live work itself is the
+    agent's own (`_run_action`, `_judge`, `_run_subloop`); this class only
+    says "do it for real", and keeps no transcript.
+    """
 
-    async def outcome(self, state: str, action: str) -> str:
-        self.count += 1
-        n, scenario = self.count, self.scenario
-        if scenario == "all-fail":
-            return "fail"
-        if scenario == "all-error":
-            return "error"
-        if scenario == "first-fail":
-            return "fail" if n == 1 else "pass"
-        if scenario == "alternating":
-            return "fail" if n % 2 else "pass"
-        if scenario is None and self.ask is not None:
-            answer = await self.ask(state, action)
-            return answer if answer in ("pass", "fail", "error") else "pass"
-        return "pass"
+    simulated = False
+    marks: Mapping[str, Any] = {}
+
+    def begin_state(self) -> None:
+        """A real run keeps no per-state note."""
+
+    def note(self, text: str) -> None:
+        """A real run keeps no transcript: nothing to note."""
+
+    async def action(self, agent: LoopAgent, st: StateSpec,
+                     ctx: RunContext) -> tuple[ActionResult, Step | None]:
+        result = await agent._run_action(st, ctx)
+        return result, agent._signal(st, result, ctx)
+
+    async def verdict(self, agent: LoopAgent, kind: str, spec: EvaluateSpec | None,
+                      st: StateSpec, result: ActionResult | None,
+                      ctx: RunContext) -> ev.Evaluation:
+        return await agent._judge(kind, spec, st, result, ctx)
+
+    async def unresolved_subloop(self, st: StateSpec, why: str) -> ev.Evaluation | None:
+        """A sub-loop file that cannot be found is the state machine's error to route."""
+        return None
+
+    async def subloop(self, agent: LoopAgent, st: StateSpec, child: LoopAgent,
+                      ctx: RunContext) -> SubloopEnd:
+        return await agent._run_subloop(st, child, ctx)
+
+    def moved(self, iteration: int, state: str, target: str) -> None:
+        """The route event is the record of a real move."""
+
+    def ended(self, iteration: int, state: str, step: Step) -> Step:
+        return step
 
 
-async def ask_on_terminal(state: str, action: str) -> str:
-    """Ask on stderr/stdin what the simulated result of `state` is (default: pass)."""
-    prompt = (f"[dry run] state '{state}' would run: {action or '(nothing)'}\n"
-              "  result? [p]ass / [f]ail / [e]rror (enter = pass): ")
-    print(prompt, end="", file=sys.stderr, flush=True)
-    line = await trio.to_thread.run_sync(sys.stdin.readline)
-    choice = line.strip().lower()[:1]
-    return {"f": "fail", "e": "error", "2": "fail", "3": "error"}.get(choice, "pass")
+_LIVE = _Live()
 
 
 class _Fatal(Exception):
@@ -114,9 +118,10 @@ class LoopAgent:
         context: Variables on top of the file's `context` (the CLI's `--context`).
         judge: Where `llm_structured` verdicts come from; None gives `error` verdicts.
         scenario: For dry runs: all-pass | all-fail | all-error | first-fail |
-            alternating. None asks on a terminal (see `ask`), else all-pass.
-        ask: How a dry run without a scenario asks for each result; default: on
-            the terminal when stdin is one.
+            alternating. None asks `ask`, else all-pass.
+        ask: How a dry run without a scenario asks for each result. None: every
+            result passes (the library never reads the terminal; the `kernel`
+            CLI passes one that asks there when stdin is a terminal).
         cwd: Working directory of actions (default: the current one).
         env: Extra environment for actions.
         prompt_command: The command prompt/slash_command actions run, the prompt
@@ -192,11 +197,8 @@ class LoopAgent:
         self._lines_dropped = 0
         self._steer: list[str] = []
         self._ctx: RunContext | None = None
-        self._sim: _Simulator | None = None
-        self._sim_lines: list[str] = []
-        self._sim_indent = ""
-        self._sim_note = ""
-        self._sim_shown = ""
+        # Who provides each state's results: live by default, a Simulation in a dry run.
+        self._mode: _Live | Simulation = _LIVE
         self._step_output: str | None = None
 
     # ---------------------------------------------------------------- kernel
@@ -212,7 +214,7 @@ class LoopAgent:
         if self._backoff_due and self.spec.backoff > 0:
             await self._backoff(ctx)
         self._backoff_due = False
-        return await self._advance(ctx, sim=False)
+        return await self._advance(ctx)
 
     def snapshot(self) -> dict[str, Any]:
         """The resumable state: where the loop is and what it has captured."""
@@ -255,30 +257,21 @@ class LoopAgent:
         events are audited as usual, marked `simulated`.
         """
         self._ctx = ctx
-        ask = self.ask
-        note = ""
-        if self.scenario is None and ask is None:
-            if sys.stdin is not None and sys.stdin.isatty():
-                ask = ask_on_terminal
-            else:
-                note = " (no --scenario and no terminal to ask: assuming all-pass)"
-        self._sim = _Simulator(self.scenario, ask)
-        how = f"scenario {self.scenario}" if self.scenario else "asking" if ask else "all-pass"
-        self._sim_lines = [f"dry run of loop '{self.spec.name}' ({how}){note}"]
+        sim = Simulation.start(self.spec, self.scenario, self.ask)
         limit = ctx.limits.max_steps if ctx.limits.max_steps is not None \
             else self.spec.max_iterations
-        await self._simulate_run(ctx, min(limit, self.spec.max_iterations))
-        return "\n".join(self._sim_lines)
+        await self._walk(ctx, min(limit, self.spec.max_iterations), sim)
+        return sim.output
 
     # ----------------------------------------------------------- the machine
 
-    def _runner_context(self, *, sim: bool) -> None:
+    def _runner_context(self) -> None:
         """What little-loops' runner provides: `run_dir` (created unless simulated), `max_steps`."""
         if "run_dir" not in self.context:
             stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
             base = Path(self.cwd or ".").resolve() / ".loops" / "runs"
             run_dir = base / f"{self.spec.name}-{stamp}"
-            if not sim and self._uses_run_dir():
+            if not self._mode.simulated and self._uses_run_dir():
                 run_dir.mkdir(parents=True, exist_ok=True)
             self.context["run_dir"] = str(run_dir)
         self.context.setdefault("max_steps", self.spec.max_iterations)
@@ -288,7 +281,7 @@ class LoopAgent:
                    for text in (st.action or "", *map(str, st.with_.values())))
 
     def _begin(self, ctx: RunContext) -> Step | None:
-        self._runner_context(sim=False)
+        self._runner_context()
         self._begun = True
         self._t0 = trio.current_time()
         self._started_iso = datetime.now(UTC).isoformat(timespec="seconds")
@@ -352,41 +345,38 @@ class LoopAgent:
             self.prev_state = name
             self.current = target
 
-    async def _advance(self, ctx: RunContext, *, sim: bool) -> Step:
+    async def _advance(self, ctx: RunContext) -> Step:
         st = self.spec.states[self.current]
         name = st.name
+        mode = self._mode
         self.iteration += 1
-        self._sim_note = ""
+        mode.begin_state()
         self._step_output = None
-        payload: dict[str, Any] = {"state": name, "iteration": self.iteration, "mode": st.mode}
-        if sim:
-            payload["simulated"] = True
-        ctx.event("state_enter", name=name, payload=payload)
+        ctx.event("state_enter", name=name, payload={
+            "state": name, "iteration": self.iteration, "mode": st.mode, **mode.marks})
         try:
-            outcome = await self._execute(st, ctx, sim=sim)
+            outcome = await self._execute(st, ctx)
         except tpl.MissingVariable as exc:
-            return self._sim_end(Step(output=self.output, final=True, name=name,
-                                      error=_missing_message(exc, name)))
+            return self._end(Step(output=self.output, final=True, name=name,
+                                  error=_missing_message(exc, name)))
         except (tpl.TemplateError, _Fatal) as exc:
-            return self._sim_end(Step(output=self.output, final=True, name=name,
-                                      error=f"state '{name}': {exc}"))
+            return self._end(Step(output=self.output, final=True, name=name,
+                                  error=f"state '{name}': {exc}"))
         if isinstance(outcome, Step):
-            return self._sim_end(outcome)
+            return self._end(outcome)
         target, reason = outcome.target, outcome.reason
         if target is None:
             if not self.spec.maintain:
-                return self._sim_end(Step(
+                return self._end(Step(
                     output=self.output, final=True, name=name,
                     error=f"no valid transition from state '{name}' for verdict "
                           f"'{outcome.verdict}'"))
             target, reason = st.on_maintain or self.spec.initial, f"maintain ({reason})"
         if target not in self.spec.states:
-            return self._sim_end(Step(output=self.output, final=True, name=name, error=(
+            return self._end(Step(output=self.output, final=True, name=name, error=(
                 f"state '{name}' routes to '{target}', which is not a state")))
         self._route_event(ctx, name, target, reason, outcome.verdict)
-        if sim:
-            self._sim_lines.append(f"{self._sim_indent}{self.iteration:>3}. {name}"
-                                   f"{self._sim_note} -> {target}")
+        mode.moved(self.iteration, name, target)
         self.prev_state, self.current = name, target
         self._backoff_due = True
         info = {"state": name, "iteration": self.iteration, "verdict": outcome.verdict,
@@ -397,43 +387,30 @@ class LoopAgent:
         shown = self._step_output[-_PREVIEW:] if self._step_output is not None else None
         return Step(output=shown, name=name, payload=info)
 
-    def _sim_end(self, step: Step) -> Step:
-        if self._sim is not None:
-            st = self.current
-            what = (f"error: {step.error}" if step.error is not None
-                    else f"handoff: {step.handoff}" if step.handoff is not None
-                    else f"stop: {step.stop}" if step.stop is not None else "end")
-            self._sim_lines.append(f"{self._sim_indent}{self.iteration:>3}. {st}"
-                                   f"{self._sim_note} -> {what}")
-        return step
+    def _end(self, step: Step) -> Step:
+        """The run ends in the state being executed (the strategy notes it)."""
+        return self._mode.ended(self.iteration, self.current, step)
 
-    async def _execute(self, st: StateSpec, ctx: RunContext, *, sim: bool) -> _Outcome | Step:
+    async def _execute(self, st: StateSpec, ctx: RunContext) -> _Outcome | Step:
         result: ActionResult | None = None
         if st.mode == "loop":
-            verdict = await self._subloop(st, ctx, sim=sim)
+            verdict = await self._subloop(st, ctx)
         else:
             if st.action is not None:
-                if sim:
-                    result = self._simulated_action(st, ctx)
-                    stop = self._simulated_signal(st)
-                    if stop is not None:
-                        return stop
-                else:
-                    result = await self._run_action(st, ctx)
-                    stop = self._signal(st, result, ctx)
-                    if stop is not None:
-                        return stop
-                    if result.signal is not None:
-                        table = st.route
-                        target = (table and (table.table.get("error") or table.error)) \
-                            or st.on.get("error")
-                        if target is None:
-                            return Step(output=self.output, final=True, name=st.name, stop=(
-                                f"the action of state '{st.name}' was killed by signal "
-                                f"{result.signal}"))
-                        self._record_prev(st, result)
-                        return _Outcome("error", self._resolve(target, st, ctx, None),
-                                        f"killed by signal {result.signal}")
+                result, stop = await self._mode.action(self, st, ctx)
+                if stop is not None:
+                    return stop
+                if result.signal is not None:
+                    table = st.route
+                    target = (table and (table.table.get("error") or table.error)) \
+                        or st.on.get("error")
+                    if target is None:
+                        return Step(output=self.output, final=True, name=st.name, stop=(
+                            f"the action of state '{st.name}' was killed by signal "
+                            f"{result.signal}"))
+                    self._record_prev(st, result)
+                    return _Outcome("error", self._resolve(target, st, ctx, None),
+                                    f"killed by signal {result.signal}")
             if st.next is not None:
                 self._record_prev(st, result)
                 if result is not None and result.exit_code != 0 and "error" in st.on:
@@ -442,11 +419,11 @@ class LoopAgent:
                         "state": st.name, "type": "exit_code", "verdict": "error",
                         "details": {"exit_code": result.exit_code,
                                     "why": "a failing action with next and on_error"}})
-                    self._sim_note += " => error"
+                    self._mode.note(" => error")
                     return _Outcome("error", self._resolve(st.on["error"], st, ctx, None),
                                     f"on_error (exit {result.exit_code})")
                 return _Outcome(None, self._resolve(st.next, st, ctx, None), "next")
-            verdict = await self._evaluate(st, result, ctx, sim=sim)
+            verdict = await self._evaluate(st, result, ctx)
         self._record_prev(st, result)
         target, reason = self._route(st, verdict, ctx)
         return _Outcome(verdict.verdict, target, reason)
@@ -491,13 +468,12 @@ class LoopAgent:
         payload: dict[str, Any] = {"from": src, "to": dst, "reason": reason}
         if verdict is not None:
             payload["verdict"] = verdict
-        if self._sim is not None:
-            payload["simulated"] = True
+        payload.update(self._mode.marks)
         ctx.event("route", name=src, payload=payload)
 
     def _record_prev(self, st: StateSpec, result: ActionResult | None) -> None:
         if result is not None:
-            self.prev = {**_capture(result), "state": st.name}
+            self.prev = {**capture(result), "state": st.name}
 
     # ---------------------------------------------------------------- actions
 
@@ -558,36 +534,9 @@ class LoopAgent:
             "stderr_tail": result.stderr[-_PREVIEW:],
             **({"output_truncated": True} if result.truncated else {})})
         if st.capture:
-            self.captured[st.capture] = _capture(result)
+            self.captured[st.capture] = capture(result)
         self.output = self._step_output = result.output
         return result
-
-    def _simulated_action(self, st: StateSpec, ctx: RunContext) -> ActionResult:
-        assert st.action is not None
-        ns = self._ns(ctx, st, None)
-        if st.mode == "shell":
-            shown = tpl.render_shell(st.action, ns, checked=False).display
-        elif st.mode == "mcp_tool":
-            shown = f"{tpl.render(st.action, ns)} {json.dumps(tpl.render_obj(st.params, ns))}"
-        else:
-            shown = tpl.render(st.action, ns)
-        self._sim_shown = shown
-        self._sim_note = f" [{st.mode}] would run: {_clip(' '.join(shown.split()), 120)}"
-        result = ActionResult(f"[simulated output of state {st.name}]", "", 0, 0.0)
-        if st.capture:
-            self.captured[st.capture] = _capture(result)
-        self.output = result.output
-        return result
-
-    def _simulated_signal(self, st: StateSpec) -> Step | None:
-        """In a dry run, an action that visibly prints a signal is taken to send it."""
-        for marker, kind in SIGNALS.items():
-            at = self._sim_shown.find(marker)
-            if at >= 0:
-                text = self._sim_shown[at + len(marker):].split("\n")[0].strip(" '\"")
-                self._sim_note += f" => signals {marker}"
-                return self._signal_step(st, kind, text)
-        return None
 
     def _signal(self, st: StateSpec, result: ActionResult, ctx: RunContext) -> Step | None:
         found = detect_signal(result.output)
@@ -663,25 +612,17 @@ class LoopAgent:
 
     # -------------------------------------------------------------- evaluate
 
-    async def _evaluate(self, st: StateSpec, result: ActionResult | None, ctx: RunContext,
-                        *, sim: bool) -> ev.Evaluation:
+    async def _evaluate(self, st: StateSpec, result: ActionResult | None,
+                        ctx: RunContext) -> ev.Evaluation:
         spec = st.evaluate
         kind = spec.type if spec is not None else _DEFAULT_EVALUATOR.get(st.mode, "none")
         if kind == "none":
             verdict = ev.Evaluation("yes", {"reason": "no action and no evaluator"})
-        elif sim:
-            assert self._sim is not None
-            outcome = await self._sim.outcome(st.name, self._sim_note)
-            verdict = ev.Evaluation(_simulated_verdict(kind, outcome), {"simulated": outcome})
-            if kind == "mcp_result":
-                verdict.details["as"] = {"pass": "success", "fail": "tool_error"}.get(
-                    outcome, "not_found")
-            self._sim_note += f" => {outcome} ({verdict.verdict})"
         else:
-            verdict = await self._judge(kind, spec, st, result, ctx)
+            verdict = await self._mode.verdict(self, kind, spec, st, result, ctx)
         ctx.event("evaluate", name=st.name, payload={
             "state": st.name, "type": kind, "verdict": verdict.verdict,
-            "details": verdict.details, **({"simulated": True} if sim else {})})
+            "details": verdict.details, **self._mode.marks})
         return verdict
 
     async def _judge(self, kind: str, spec: EvaluateSpec | None, st: StateSpec,
@@ -762,25 +703,20 @@ class LoopAgent:
 
     # --------------------------------------------------------------- sub-loop
 
-    async def _subloop(self, st: StateSpec, ctx: RunContext, *, sim: bool) -> ev.Evaluation:
+    async def _subloop(self, st: StateSpec, ctx: RunContext) -> ev.Evaluation:
         child_spec = st.child
         if child_spec is None:
             try:
                 child_spec = self._load_child(st, ctx)
             except _Fatal as exc:
-                if sim and st.loop is not None and "${" in st.loop:
-                    # Chosen at run time from values a dry run does not have: the
-                    # scenario decides its verdict, as for an action.
-                    assert self._sim is not None
-                    outcome = await self._sim.outcome(st.name, self._sim_note)
-                    verdict = ev.Evaluation(_simulated_verdict("loop", outcome),
-                                         {"simulated": outcome, "why": str(exc)})
-                    self._sim_note = (f" [loop {st.loop}, chosen at run time] => {outcome} "
-                                      f"({verdict.verdict})")
+                # Chosen at run time from values a dry run does not have: the
+                # simulation decides its verdict, as for an action.
+                chosen = await self._mode.unresolved_subloop(st, str(exc))
+                if chosen is not None:
                     ctx.event("evaluate", name=st.name, payload={
-                        "state": st.name, "type": "loop", "verdict": verdict.verdict,
-                        "details": verdict.details, "simulated": True})
-                    return verdict
+                        "state": st.name, "type": "loop", "verdict": chosen.verdict,
+                        "details": chosen.details, **self._mode.marks})
+                    return chosen
                 if not st.has_error_route():
                     raise
                 failed = ev.Evaluation("error", {"error": str(exc)})
@@ -812,50 +748,14 @@ class LoopAgent:
             mcp_command=self.mcp_command, on_line=self.on_line,
             max_output_bytes=self.max_output_bytes, max_line_events=self.max_line_events,
             grace=self.grace, on_output=self.on_output)
-        if sim:
-            assert self._sim is not None
-            child._sim, child._sim_lines = self._sim, self._sim_lines
-            child._sim_indent = self._sim_indent + "      "
-            self._sim_lines.append(f"{self._sim_indent}     sub-loop '{child_spec.name}':")
-            child_error: str | None = None
-            ended = await child._simulate_run(ctx, child_spec.max_iterations)
-            terminated_by = "terminal" if ended else "max_steps" if ended is None else "error"
-            verdict = ev.Evaluation("yes" if ended and child.failure_terminal is None else
-                                 "timeout" if ended is None and _routes(st, "timeout") else "no",
-                                 {"simulated": True, "terminated_by": terminated_by})
-            self._sim_note = f" [loop {child_spec.name}] => {verdict.verdict}"
-        else:
-            info = RunInfo(name=child_spec.name, subject_id=f"loop:{child_spec.name}", inputs={
-                "loop": child_spec.path, "parent_state": st.name,
-                "context": {k: tpl.to_text(v) for k, v in child.context.items()}})
-            limits = self._child_limits(child_spec, ctx, st.timeout)
-            res = await ctx.run_child(child, info, limits)
-            self.output = res.output if isinstance(res.output, str) else tpl.to_text(res.output)
-            self._step_output = self.output
-            status, child_error = res.status, res.error
-            terminated_by = ("terminal" if child.failure_terminal is not None else
-                             _TERMINATED_BY.get(status, str(status)))
-            if child.failure_terminal is not None:
-                name = "no"  # little-loops: a child ending in a failure terminal is a `no`
-            elif status is Status.OK:
-                name = "yes"
-            elif status is Status.ERROR and st.has_error_route():
-                name = "error"
-            elif terminated_by in _CUT_OFF and _routes(st, "timeout"):
-                name = "timeout"  # little-loops: cut off mid-work goes to on_timeout
-            else:
-                name = "no"
-            verdict = ev.Evaluation(name, {"child_run_id": res.run_id,
-                                        "child_status": str(status), "child_error": res.error,
-                                        "child_reason": res.reason,
-                                        "failure_terminal": child.failure_terminal,
-                                        "terminated_by": terminated_by})
+        end = await self._mode.subloop(self, st, child, ctx)
+        verdict, terminated_by, child_error = end.verdict, end.terminated_by, end.error
         if (st.context_passthrough or st.with_) and child.captured:
             self.captured[st.name] = dict(child.captured)
         if st.capture:
             # little-loops: a sub-loop state's capture holds the child's outcome.
             self.captured[st.capture] = {
-                "output": self.output if not sim else f"[simulated output of {st.name}]",
+                "output": end.output,
                 "stderr": "", "exit_code": 0 if verdict.verdict == "yes" else 1,
                 "duration_ms": 0, "verdict": verdict.verdict}
         # little-loops: how the child ended, under the state's name (after the
@@ -869,8 +769,39 @@ class LoopAgent:
                 outcome["error"] = child_error
         ctx.event("evaluate", name=st.name, payload={
             "state": st.name, "type": "loop", "verdict": verdict.verdict,
-            "details": verdict.details, **({"simulated": True} if sim else {})})
+            "details": verdict.details, **self._mode.marks})
         return verdict
+
+    async def _run_subloop(self, st: StateSpec, child: LoopAgent,
+                           ctx: RunContext) -> SubloopEnd:
+        """Run the child loop as a child run of this one; how it ended, as routes see it."""
+        child_spec = child.spec
+        info = RunInfo(name=child_spec.name, subject_id=f"loop:{child_spec.name}", inputs={
+            "loop": child_spec.path, "parent_state": st.name,
+            "context": {k: tpl.to_text(v) for k, v in child.context.items()}})
+        limits = self._child_limits(child_spec, ctx, st.timeout)
+        res = await ctx.run_child(child, info, limits)
+        self.output = res.output if isinstance(res.output, str) else tpl.to_text(res.output)
+        self._step_output = self.output
+        status = res.status
+        terminated_by = ("terminal" if child.failure_terminal is not None else
+                         _TERMINATED_BY.get(status, str(status)))
+        if child.failure_terminal is not None:
+            name = "no"  # little-loops: a child ending in a failure terminal is a `no`
+        elif status is Status.OK:
+            name = "yes"
+        elif status is Status.ERROR and st.has_error_route():
+            name = "error"
+        elif terminated_by in _CUT_OFF and _routes(st, "timeout"):
+            name = "timeout"  # little-loops: cut off mid-work goes to on_timeout
+        else:
+            name = "no"
+        verdict = ev.Evaluation(name, {"child_run_id": res.run_id,
+                                       "child_status": str(status), "child_error": res.error,
+                                       "child_reason": res.reason,
+                                       "failure_terminal": child.failure_terminal,
+                                       "terminated_by": terminated_by})
+        return SubloopEnd(verdict, terminated_by, res.error, self.output)
 
     @staticmethod
     def _child_limits(child: LoopSpec, ctx: RunContext, state_timeout: float | None) -> Limits:
@@ -915,34 +846,24 @@ class LoopAgent:
         except ConfigError as exc:
             raise _Fatal(f"sub-loop {st.loop}: {exc}") from None
 
-    async def _simulate_run(self, ctx: RunContext, limit: int) -> bool | None:
-        """Walk the machine in simulation: True when it reached a terminal state,
+    async def _walk(self, ctx: RunContext, limit: int, sim: Simulation) -> bool | None:
+        """Walk the machine under `sim`: True when it reached a terminal state,
         None when it ran out of steps first, False when it ended otherwise."""
-        self._runner_context(sim=True)
+        self._mode = sim
+        self._runner_context()
         self._t0 = trio.current_time()
         self._begun = True
         final = self._settle(ctx)
         steps = 0
         while final is None:
             if steps >= limit:
-                self._sim_lines.append(f"{self._sim_indent}stopped: max_iterations={limit} "
-                                       "reached (the run would end max_steps)")
+                sim.out_of_steps(limit)
                 return None
-            step = await self._advance(ctx, sim=True)
+            step = await self._advance(ctx)
             steps += 1
             if step.final:
                 final = step
-        if self.failure_terminal is not None:
-            self._sim_lines.append(f"{self._sim_indent}reached failure terminal "
-                                   f"'{self.failure_terminal}' after {self.iteration} "
-                                   "iteration(s) (the run would end error)")
-            return True
-        ended_ok = final.error is None and final.handoff is None and final.stop is None
-        if ended_ok:
-            terminal = self.current
-            self._sim_lines.append(f"{self._sim_indent}reached terminal state '{terminal}' "
-                                   f"after {self.iteration} iteration(s)")
-        return ended_ok
+        return sim.finished(self, final)
 
     # ------------------------------------------------------------- variables
 
@@ -953,7 +874,7 @@ class LoopAgent:
         context: Mapping[str, Any] = self.context
         captured: Mapping[str, Any] = self.captured
         prev = self.prev
-        if self._sim is not None:
+        if self._mode.simulated:
             # A dry run has no real values: what is missing reads as a stand-in.
             context = tpl.StandIn("context", self.context)
             captured = tpl.StandIn("captured", self.captured)
@@ -965,7 +886,7 @@ class LoopAgent:
                   "elapsed": _duration(elapsed), "started_at": self._started_iso,
                   "dir": str(path.parent) if path else os.getcwd(),
                   "file": str(path) if path else "", "run_id": ctx.run_id},
-            env={**os.environ, **self.env}, dry=self._sim is not None)
+            env={**os.environ, **self.env}, dry=self._mode.simulated)
         if st.fragment is not None and (st.with_ or st.fragment_params):
             given = {k: self._param(v, ns) for k, v in st.with_.items()}
             try:
@@ -993,23 +914,8 @@ def detect_signal(output: str) -> tuple[str, str] | None:
     return None
 
 
-def _simulated_verdict(kind: str, outcome: str) -> str:
-    if outcome == "error":
-        return "error"
-    if kind == "convergence":
-        return "target" if outcome == "pass" else "progress"
-    return "yes" if outcome == "pass" else "no"
-
-
 #: Evaluators that judge output, not exit status: a non-zero exit is `error` for them.
 _OUTPUT_EVALUATORS = ("output_contains", "output_numeric", "output_json", "convergence")
-
-
-def _capture(result: ActionResult) -> dict[str, Any]:
-    # Trailing newlines go, as with the shell's $(...): captured paths and
-    # values read back cleanly.
-    return {"output": result.output.rstrip("\n"), "stderr": result.stderr.rstrip("\n"),
-            "exit_code": result.exit_code, "duration_ms": round(result.duration_ms, 3)}
 
 
 def _mkdtemp(made: list[str]) -> str:

@@ -53,6 +53,14 @@ class ActionResult:
     truncated: bool = False
 
 
+def capture(result: ActionResult) -> dict[str, Any]:
+    """What a state's `capture:` keeps of an action's result (`${captured.NAME.output}`, ...)."""
+    # Trailing newlines go, as with the shell's $(...): captured paths and
+    # values read back cleanly.
+    return {"output": result.output.rstrip("\n"), "stderr": result.stderr.rstrip("\n"),
+            "exit_code": result.exit_code, "duration_ms": round(result.duration_ms, 3)}
+
+
 async def run_process(argv: Sequence[str], *, env: Mapping[str, str] | None = None,
                       cwd: str | None = None, timeout: float | None = None,
                       on_line: CutLineSink | None = None, max_bytes: int = 256 << 10,

@@ -10,6 +10,7 @@ duckdb and pyarrow are imported only when the analysts' file is touched.
 from ._audit import DuckDBAudit as DuckDBAudit
 from ._audit import JournalAudit as JournalAudit
 from ._recorder import DuckDBRecorder as DuckDBRecorder
+from ._recorder import RecorderHost as RecorderHost
 from ._schema import SCHEMA_VERSION as SCHEMA_VERSION
 from ._store import AuditBusyError as AuditBusyError
 from ._store import Store as Store
@@ -25,6 +26,7 @@ __all__ = [
     "DuckDBAudit",
     "DuckDBRecorder",
     "JournalAudit",
+    "RecorderHost",
     "Store",
     "SyncReport",
     "default_db_path",

@@ -165,7 +165,13 @@ class JournalAudit:
         except Exception as exc:
             raise AuditWriteError(f"audit write failed: {type(exc).__name__}: {exc}") from exc
 
-    async def _close_run(self, rec: DuckDBRecorder, row: tuple[Any, ...]) -> None:
+    async def close_run(self, rec: DuckDBRecorder, row: tuple[Any, ...]) -> None:
+        """For its recorders (`RecorderHost`): write the run's roll-up `row`, return when durable.
+
+        Raises:
+            AuditError: The journal was closed before the run ended.
+            AuditWriteError: The write failed (the rows stay buffered for a retry).
+        """
         if not self.journal.running:
             raise AuditError(f"the audit's journal was closed before run {rec.run_id} ended")
         self.journal.pending.closes.append((rec, row))

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from batteries.redact import KEY_START
+from batteries.redact import KEY_START, Redactor
 from kernel import AuditWriteError, RunInfo, RunStats, Step, ToolResult
 
 from ._encode import EMPTY, encode_payload, tail, to_text
@@ -25,11 +25,51 @@ from ._encode import EMPTY, encode_payload, tail, to_text
 _KEY_LINES = 200
 
 if TYPE_CHECKING:
-    from ._audit import JournalAudit
+    from batteries.store import Journal
+
+
+class RecorderHost(Protocol):
+    """What a `DuckDBRecorder` uses of the audit that made it (`JournalAudit` is one).
+
+    **Protocol:** the recorder only reads these attributes and calls these
+    methods; it writes nothing of the audit's. Events go to `journal`'s
+    pending batch (its documented column buffers), so nothing here is called
+    per event except `step_text`, which must not block.
+    """
+
+    @property
+    def journal(self) -> Journal:
+        """The journal whose pending batch the recorder appends its events to."""
+
+    @property
+    def host(self) -> str:
+        """The host name recorded on each run row."""
+
+    @property
+    def pid(self) -> int:
+        """The process id recorded on each run row."""
+
+    @property
+    def redactor(self) -> Redactor:
+        """What replaces secrets before anything is buffered."""
+
+    @property
+    def max_output_bytes(self) -> int:
+        """Cap on one stored string value (its tail is kept)."""
+
+    @property
+    def max_payload_bytes(self) -> int:
+        """Cap on one whole encoded payload."""
+
+    def step_text(self, final: bool, tool_calls: int) -> str | None:
+        """The stored payload of a step carrying only `final` and a tool-call count, if cached."""
+
+    async def close_run(self, rec: DuckDBRecorder, row: tuple[Any, ...]) -> None:
+        """Queue the run's roll-up `row` and return once the run's rows are durable."""
 
 
 class DuckDBRecorder:
-    """Records one run into a `JournalAudit` (see `kernel.RunRecorder` for the contract).
+    """Records one run for a `RecorderHost` (see `kernel.RunRecorder` for the contract).
 
     Attributes:
         run_id: The run being recorded.
@@ -40,7 +80,7 @@ class DuckDBRecorder:
     __slots__ = ("audit", "base", "closed", "count", "dropped", "host", "info", "journal",
                  "key_lines", "pid", "run_id", "started_us")
 
-    def __init__(self, audit: JournalAudit, info: RunInfo) -> None:
+    def __init__(self, audit: RecorderHost, info: RunInfo) -> None:
         self.audit = audit
         self.journal = audit.journal
         self.host = audit.host
@@ -157,7 +197,7 @@ class DuckDBRecorder:
                stats.tool_calls, stats.runtime_seconds, usage.input_tokens,
                usage.output_tokens, usage.thinking_tokens, usage.cost_usd, reason,
                stats.exit_code, truncated)
-        await self.audit._close_run(self, row)
+        await self.audit.close_run(self, row)
         if self.dropped:
             raise AuditWriteError(
                 f"{self.dropped} events of run {self.run_id} were dropped: the audit buffer "

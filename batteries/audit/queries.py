@@ -92,6 +92,25 @@ def list_runs(cur: duckdb.DuckDBPyConnection, *, status: str | None = None,
     return dicts(cur, sql, [*params, limit])
 
 
+def runs_between(cur: duckdb.DuckDBPyConnection, start: datetime, end: datetime, *,
+                 limit: int = 50) -> tuple[list[dict[str, Any]], int]:
+    """The runs started in [start, end), oldest first, at most `limit`; and how many there were.
+
+    Raises:
+        ConfigError: `end` is not after `start`, or a limit below 1.
+    """
+    if end <= start:
+        raise ConfigError(f"the range is empty: {end:%Y-%m-%d %H:%M:%S} is not after "
+                          f"{start:%Y-%m-%d %H:%M:%S}")
+    if limit < 1:
+        raise ConfigError(f"--limit must be at least 1, got {limit}")
+    where = "started_at >= ? AND started_at < ?"
+    found = dicts(cur, f"SELECT {_RUN_FIELDS} FROM runs WHERE {where} "
+                       "ORDER BY started_at, run_id LIMIT ?", [start, end, limit])
+    total = rows(cur, f"SELECT count(*) FROM runs WHERE {where}", [start, end])[1][0][0]
+    return found, int(total)
+
+
 # -------------------------------------------------------------- recovery
 
 

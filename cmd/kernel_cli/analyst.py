@@ -45,6 +45,7 @@ def register(app: typer.Typer) -> None:
     """Add the analysts' commands to `app`."""
     app.command("runs")(runs)
     app.command("show")(show)
+    app.command("report")(report)
     app.command("stats")(stats)
     app.command("query")(query)
     app.command("purge")(purge)
@@ -456,20 +457,70 @@ def sync(
     print(report)
 
 
+def report(
+    file: str = typer.Argument(..., metavar="FILE", help="The HTML file to write."),
+    since: timedelta = typer.Option(
+        "24h", "--since", metavar="AGE", parser=numbers.age(),
+        help="Runs started within AGE: 90, 30s, 30m, 24h, 7d, 2w."),
+    until: timedelta | None = typer.Option(
+        None, "--until", metavar="AGE", parser=numbers.age(),
+        help="Only runs started at least AGE ago (default: up to now)."),
+    limit: int = typer.Option(50, "--limit", metavar="N", parser=numbers.count(minimum=1),
+                              help="At most N runs, the oldest in the range first."),
+    json_out: bool = output.json_option(
+        'Print {"file": F, "since": T, "until": T, "runs": [RUN_ID, ...], "total": N} '
+        "on stdout instead of the line on stderr."),
+    db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
+    shared_store: str | None = STORE_OPTION,
+) -> None:
+    """Write the runs of a time range as one self-contained HTML page.
+
+    An overview with one bar per run (coloured by status, critic kills
+    marked) and each run's timeline as `kernel show --html` draws it.
+    Nothing is fetched when the page is opened: no server, no CDN.
+    """
+    from datetime import UTC, datetime
+
+    from batteries.audit import queries
+
+    now = datetime.now(UTC)
+    start, end = now - since, now - (until or timedelta(0))
+    if end <= start:
+        _fail("--until must be more recent than --since (a smaller AGE)", 2)
+    if _nothing_yet(db, quiet=True):
+        _fail(f"no runs yet (no audit database at {_db_path(db)})", 2)
+    with _errors(), _reader(db) as cur:
+        found, total = queries.runs_between(cur, start, end, limit=limit)
+        runs = [queries.timeline(cur, r["run_id"]) for r in found]
+    from .timeline_html import render_report
+
+    _write_page(file, render_report(runs, start, end, left_out=total - len(runs)))
+    if json_out:
+        output.print_doc({"file": file, "since": start.isoformat(), "until": end.isoformat(),
+                          "runs": [r["run_id"] for r in found], "total": total})
+        return
+    print(f"wrote {file} ({len(runs)} of {total} run(s))", file=sys.stderr)
+
+
 def _write_html(path: str, run: dict[str, Any], events: list[dict[str, Any]]) -> None:
     """Write `kernel show --html FILE` (the page is built by timeline_html.render)."""
-    from batteries.audit.paths import open_private_file
 
     from .timeline_html import render
 
-    page = render(run, events).encode()
+    _write_page(path, render(run, events), what="--html: ")
+    print(f"wrote {path}", file=sys.stderr)
+
+
+def _write_page(path: str, page: str, *, what: str = "") -> None:
+    """Write an HTML page to a private file (0600); a failure is one line and exit 1."""
+    from batteries.audit.paths import open_private_file
+
     try:
         fd = open_private_file(path, os.O_WRONLY | os.O_TRUNC)
         with os.fdopen(fd, "wb") as fh:
-            fh.write(page)
+            fh.write(page.encode())
     except OSError as exc:
-        _fail(f"--html: cannot write {path}: {exc.strerror or exc}", 1)
-    print(f"wrote {path}", file=sys.stderr)
+        _fail(f"{what}cannot write {path}: {exc.strerror or exc}", 1)
 
 
 def _export_otlp(endpoint: str, run_ids: list[str], since: timedelta | None,

@@ -38,6 +38,22 @@ def _stderr(line: str) -> None:
     print(line, file=sys.stderr)
 
 
+async def ask_on_terminal(state: str, action: str) -> str:
+    """Ask on stderr/stdin what the simulated result of `state` is (default: pass).
+
+    The loop adapter never touches the terminal; `build_loop` hands this to
+    `LoopAgent(ask=...)` for a dry run without `--scenario` when stdin is one.
+    """
+    import trio
+
+    prompt = (f"[dry run] state '{state}' would run: {action or '(nothing)'}\n"
+              "  result? [p]ass / [f]ail / [e]rror (enter = pass): ")
+    print(prompt, end="", file=sys.stderr, flush=True)
+    line = await trio.to_thread.run_sync(sys.stdin.readline)
+    choice = line.strip().lower()[:1]
+    return {"f": "fail", "e": "error", "2": "fail", "3": "error"}.get(choice, "pass")
+
+
 def build_loop(path: str, context: Mapping[str, str], *, scenario: str | None = None,
                judge: VerdictSource | None = None,
                on_line: Callable[[str, str], None] | None = None,
@@ -52,8 +68,9 @@ def build_loop(path: str, context: Mapping[str, str], *, scenario: str | None = 
         path: The loop file.
         context: `--context KEY=VALUE` pairs; they override the file's `context`.
         scenario: Dry-run results (all-pass | all-fail | all-error | first-fail |
-            alternating); None asks on a terminal. A dry run fills context the loop
-            lacks (and empty `required_inputs`) with `<name>` placeholders.
+            alternating); None asks on the terminal (`ask_on_terminal`) when stdin
+            is one, else all-pass. A dry run fills context the loop lacks (and
+            empty `required_inputs`) with `<name>` placeholders.
         judge: Where `llm_structured` verdicts come from (the LLM adapter);
             None makes those evaluations `error` verdicts saying so.
         on_line: Called with ("stdout" | "stderr", line) for every action output line.
@@ -103,7 +120,9 @@ def build_loop(path: str, context: Mapping[str, str], *, scenario: str | None = 
         commands["prompt_command"] = tuple(prompt_command)
     if mcp_command is not None:
         commands["mcp_command"] = tuple(mcp_command)
-    agent = LoopAgent(spec, context=dict(context), judge=judge, scenario=scenario,
+    ask = ask_on_terminal if scenario is None and sys.stdin is not None and \
+        sys.stdin.isatty() else None
+    agent = LoopAgent(spec, context=dict(context), judge=judge, scenario=scenario, ask=ask,
                       on_line=on_line, on_output=on_output, warnings=warnings, **commands)
     info = RunInfo(name=spec.name, subject_id=f"loop:{spec.name}",
                    inputs={"loop": str(path), "context": dict(context)})

@@ -1,4 +1,4 @@
-"""`kernel show RUN_ID --html FILE`: one run's timeline as one self-contained HTML file.
+"""`kernel show RUN_ID --html FILE` and `kernel report FILE`: timelines as self-contained HTML.
 
 `render(run, events)` takes the run's row and its events as plain data (the
 shapes `kernel show --json` prints) and returns the page: inline CSS, inline
@@ -9,6 +9,11 @@ SVG and a few lines of inline JavaScript; no network, no server. It draws
   extensions, the kill) as vertical markers and the run's end;
 - the output rate (lines per second, from `output` events);
 - usage over time (cumulative steps, tool calls and tokens).
+
+`render_report(runs, since, until)` makes the page of a time range: an
+overview with one bar per run from its start to its end (coloured by
+status, critic kills marked), the counts by status, then each run's own
+Gantt chart as `render` draws it.
 """
 
 from __future__ import annotations
@@ -115,6 +120,13 @@ def _bars(events: Sequence[Mapping[str, Any]], t0: float, end_ms: float) -> list
 
 def render(run: Mapping[str, Any], events: Sequence[Mapping[str, Any]]) -> str:
     """The whole HTML page for one run (its row and its events in seq order)."""
+    gantt, t0, end_ms = _gantt(run, events, "timeline")
+    return _page(run, gantt, _rate_chart(events, t0, end_ms), _usage_chart(events, t0, end_ms))
+
+
+def _gantt(run: Mapping[str, Any], events: Sequence[Mapping[str, Any]],
+           svg_id: str) -> tuple[str, float, float]:
+    """The run's Gantt chart as an SVG element, its time origin (ms) and its length (ms)."""
     started = run.get("started_at")
     t0 = started.timestamp() * 1000 if isinstance(started, datetime) else 0.0
     if not isinstance(started, datetime) and events:
@@ -176,9 +188,108 @@ def render(run: Mapping[str, Any], events: Sequence[Mapping[str, Any]]) -> str:
     parts.append(f'<g class="marker run-end status-{escape(status)}">'
                  f'<line x1="{end_x:.1f}" x2="{end_x:.1f}" y1="22" y2="{height - 24}"/></g>')
     parts.extend(_axis(end_ms, scale, height - 20))
-    gantt = (f'<svg id="timeline" xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" '
-             f'height="{height}" viewBox="0 0 {WIDTH} {height}">' + "".join(parts) + "</svg>")
-    return _page(run, gantt, _rate_chart(events, t0, end_ms), _usage_chart(events, t0, end_ms))
+    gantt = (f'<svg id="{escape(svg_id)}" class="gantt" xmlns="http://www.w3.org/2000/svg" '
+             f'width="{WIDTH}" height="{height}" viewBox="0 0 {WIDTH} {height}">'
+             + "".join(parts) + "</svg>")
+    return gantt, t0, end_ms
+
+
+STATUS_COLOURS = {"ok": "#59a14f", "error": "#e15759", "killed": "#e15759",
+                  "timeout": "#f28e2b", "cancelled": "#f28e2b", "budget_exceeded": "#b07aa1",
+                  "max_steps": "#edc948", "handoff": "#76b7b2", "dry_run": "#bab0ac",
+                  "lost": "#9c755f", "running": "#4e79a7"}
+
+
+def render_report(runs: Sequence[tuple[Mapping[str, Any], Sequence[Mapping[str, Any]]]],
+                  since: datetime, until: datetime, *, left_out: int = 0) -> str:
+    """The HTML page of the runs started between `since` and `until`, oldest first.
+
+    `runs` holds each run's row and its events (as `render` takes them);
+    `left_out` is how many more runs the range held (said on the page).
+    """
+    t0 = since.timestamp() * 1000
+    span = max((until - since).total_seconds() * 1000, 1.0)
+    scale = PLOT / span
+
+    def x(ms: float) -> float:
+        return LABEL + max(0.0, min(ms - t0, span)) * scale
+
+    height = 30 + LANE * max(len(runs), 1) + 30
+    parts: list[str] = []
+    counts: dict[str, int] = {}
+    for i, (run, events) in enumerate(runs):
+        status = str(run.get("status") or "running")
+        counts[status] = counts.get(status, 0) + 1
+        stamps = [at for at in map(_epoch_ms, (e.get("ts") for e in events)) if at is not None]
+        start = _epoch_ms(run.get("started_at")) or min(stamps, default=t0)
+        end = _epoch_ms(run.get("ended_at"))
+        if end is None:  # still running, or lost: its last event
+            end = max([start, *stamps])
+        y = 30 + i * LANE
+        run_id = str(run.get("run_id") or "")
+        label = str(run.get("name") or run_id[:8])
+        w = max(2.0, x(end) - x(start))
+        why = run.get("reason") or run.get("error") or ""
+        detail = (f"{label} [{run_id[:8]}] {status}, {float(run.get('runtime_seconds') or 0):.1f}"
+                  f" s, {run.get('steps') or 0} steps" + (f": {_short(why, 160)}" if why else ""))
+        parts.append(f'<text class="lane-label" x="{LABEL - 8}" y="{y + 17}" '
+                     f'text-anchor="end">{escape(_short(label, 16))}</text>')
+        parts.append(
+            f'<a href="#run-{escape(run_id)}"><g class="bar run-bar status-{escape(status)}" '
+            f'data-run="{escape(run_id)}" data-detail="{escape(detail)}">'
+            f'<rect x="{x(start):.1f}" y="{y + 3}" width="{w:.1f}" height="{LANE - 6}" rx="3" '
+            f'fill="{STATUS_COLOURS.get(status, "#777")}"/><title>{escape(detail)}</title></g></a>')
+        for e in events:
+            kill_at = _epoch_ms(e.get("ts"))
+            if e.get("kind") == "critic" and e.get("name") == "kill" and kill_at is not None:
+                at = x(kill_at)
+                parts.append(f'<g class="marker critic-kill" data-detail="{escape(detail)}">'
+                             f'<line x1="{at:.1f}" x2="{at:.1f}" y1="{y + 1}" '
+                             f'y2="{y + LANE - 1}"/></g>')
+    parts.extend(_axis(span, scale, height - 20))
+    overview = (f'<svg id="overview" class="gantt" xmlns="http://www.w3.org/2000/svg" '
+                f'width="{WIDTH}" height="{height}" viewBox="0 0 {WIDTH} {height}">'
+                + "".join(parts) + "</svg>")
+    sections = []
+    for run, events in runs:
+        run_id = str(run.get("run_id") or "")
+        status = str(run.get("status") or "running")
+        gantt, _, _ = _gantt(run, events, f"timeline-{run_id}")
+        sections.append(
+            f'<section class="run" id="run-{escape(run_id)}">'
+            f'<h2>{escape(str(run.get("name") or run_id))} '
+            f'<span class="status status-{escape(status)}">{escape(status)}</span></h2>'
+            f'<div class="meta">{escape(_facts(run))}</div>{gantt}</section>')
+    total = ", ".join(f"{n} {s}" for s, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    more = f" ({left_out} more not shown: narrow the range or raise --limit)" if left_out else ""
+    title = f"runs {since:%Y-%m-%d %H:%M} to {until:%Y-%m-%d %H:%M} UTC"
+    return (
+        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+        f"<title>{escape(title)}</title><style>{_CSS}</style></head><body>"
+        f"<h1>{escape(title)}</h1>"
+        f'<div class="meta" id="counts">{len(runs)} run(s){": " + escape(total) if total else ""}'
+        f"{escape(more)}</div>"
+        f"<h2>Runs</h2>{overview}<div id=\"detail\">hover a run; click it for its timeline</div>"
+        + "".join(sections) + f"<script>{_JS}</script></body></html>\n")
+
+
+def _epoch_ms(value: Any) -> float | None:
+    """A timestamp as epoch milliseconds; None when there is none."""
+    return value.timestamp() * 1000 if isinstance(value, datetime) else None
+
+
+def _facts(run: Mapping[str, Any]) -> str:
+    facts = [f"run {run.get('run_id')}"]
+    started = run.get("started_at")
+    if isinstance(started, datetime):
+        facts.append(f"started {started:%Y-%m-%d %H:%M:%S} UTC")
+    if run.get("runtime_seconds") is not None:
+        facts.append(f"{float(run['runtime_seconds']):.2f} s")
+    facts.append(f"{run.get('steps') or 0} steps, {run.get('tool_calls') or 0} tool calls")
+    why = run.get("reason") or run.get("error")
+    if why:
+        facts.append(_short(why, 160))
+    return " · ".join(facts)
 
 
 def _axis(end_ms: float, scale: float, y: float) -> list[str]:

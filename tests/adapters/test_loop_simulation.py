@@ -119,15 +119,17 @@ class TestAsking:
         assert "touch RAN && make test" in asked[0][1]
         assert "(asking)" in result.output.splitlines()[0]
 
-    async def test_a_terminal_is_asked_on_stdin(self, tmp_path: Path,
-                                                monkeypatch: pytest.MonkeyPatch,
-                                                capsys: pytest.CaptureFixture[str]) -> None:
-        """With stdin a TTY and no scenario, each result is read from it (empty = pass)."""
-        monkeypatch.setattr(sys, "stdin", FakeStdin("f\n\n", tty=True))
+    async def test_the_library_never_reads_the_terminal(self, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch,
+                                                        autojump_clock: trio.abc.Clock) -> None:
+        """Without `ask` a dry run assumes all-pass, even with a terminal on stdin."""
+        stdin = FakeStdin("f\n\n", tty=True)
+        monkeypatch.setattr(sys, "stdin", stdin)
         spec = spec_of(tmp_path, LOOP)
         result, audit, _ = await run(spec, limits=dry(spec))
-        assert path_taken(audit, result.run_id) == ["test", "fix", "test"]
-        assert "[p]ass / [f]ail / [e]rror" in capsys.readouterr().err
+        assert path_taken(audit, result.run_id) == ["test"]
+        assert stdin.tell() == 0  # nothing was read
+        assert "no way to ask: assuming all-pass" in result.output.splitlines()[0]
 
     async def test_without_a_terminal_it_assumes_all_pass(self, tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch,

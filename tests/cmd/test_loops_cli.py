@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -12,7 +14,8 @@ import pytest
 from typer.testing import CliRunner
 
 from adapters.loop import LoopAgent
-from kernel import ConfigError, Limits
+from kernel import ConfigError, Kernel, Limits, Ports
+from kernel.testing import MemoryAudit
 from kernel_cli.app import app
 from kernel_cli.loops import build_loop
 
@@ -201,3 +204,37 @@ class TestBuildLoop:
         agent, _, _ = build_loop(str(path), {}, warn=seen.append)
         assert seen == [f"warning: {path}:2: flavour: unknown loop key 'flavour' (ignored)"]
         assert isinstance(agent, LoopAgent) and agent.warnings == seen
+
+
+class FakeStdin(io.StringIO):
+    """A stdin that says it is a terminal."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+class TestAskingOnTheTerminal:
+    async def test_a_dry_run_asks_each_result_on_a_terminal(
+            self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+            capsys: pytest.CaptureFixture[str]) -> None:
+        """Without --scenario and with stdin a TTY, each result is read from it (empty = pass).
+
+        The loop adapter never reads the terminal: the CLI's `build_loop`
+        injects `ask_on_terminal` as the agent's `ask`.
+        """
+        monkeypatch.setattr(sys, "stdin", FakeStdin("f\n\n"))
+        path = write(tmp_path, """
+            initial: test
+            max_iterations: 6
+            states:
+              test: {action: "make test", on_yes: done, on_no: fix}
+              fix: {action: "make fix", on_yes: test, on_no: done}
+              done: {terminal: true}
+        """)
+        agent, info, limits = build_loop(str(path), {})
+        audit = MemoryAudit()
+        result = await Kernel(Ports(audit=audit)).run(
+            agent, info, Limits(max_steps=limits.max_steps, dry_run=True))
+        entered = [e.name for e in audit.events(result.run_id) if e.kind == "state_enter"]
+        assert entered == ["test", "fix", "test"]
+        assert "[p]ass / [f]ail / [e]rror" in capsys.readouterr().err

@@ -153,3 +153,70 @@ class TestTimelineHTML:
         kill_red = sum(1 for p in pixels if abs(p[0] - 0xD6) < 12 and abs(p[1] - 0x27) < 12
                        and abs(p[2] - 0x28) < 12)
         assert kill_red > 50  # the kill marker's line and label
+
+
+@pytest.mark.realtime
+class TestReport:
+    def test_chromium_renders_a_time_range(self, killed_loop: tuple[str, Path],
+                                           kernel_exe: str, tmp_path: Path) -> None:
+        """`kernel report`: one page for the runs of a range, an overview bar per run
+        (coloured by status, the kill marked) and each run's timeline, rendered in Chromium."""
+        exe = chromium()
+        run_id, db = killed_loop
+        env = {**os.environ, "KERNEL_DB": str(db), "NO_COLOR": "1"}
+        ids = [run_id]
+        for cmd in (["true"], ["false"]):
+            proc = subprocess.run([kernel_exe, "run", "--json", "--", *cmd], env=env,
+                                  capture_output=True, text=True, timeout=120, cwd=tmp_path)
+            ids.append(json.loads(proc.stdout)["run_id"])
+        page = tmp_path / "report.html"
+        proc = subprocess.run([kernel_exe, "report", str(page), "--since", "1h", "--db", str(db)],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stderr.strip() == f"wrote {page} (3 of 3 run(s))"
+        assert stat.S_IMODE(page.stat().st_mode) == 0o600
+        html = page.read_text()
+        assert not re.search(r"<(link|img|iframe)\b|\bsrc=|@import|url\(", html)
+
+        dom = browse(exe, page, tmp_path, "--dump-dom")
+        assert dom.returncode == 0, dom.stderr
+        html = dom.stdout
+        assert 'id="overview"' in html
+        bars = re.findall(r'class="bar run-bar status-(\w+)" data-run="(\w+)"', html)
+        assert bars == [("killed", ids[0]), ("ok", ids[1]), ("error", ids[2])]  # oldest first
+        for rid in ids:
+            assert f'id="run-{rid}"' in html and f'id="timeline-{rid}"' in html
+        assert html.count('class="marker critic-kill"') == 2  # overview + the loop's timeline
+        assert "3 run(s): " in html
+
+        shot = tmp_path / "report.png"
+        proc = browse(exe, page, tmp_path, "--window-size=1140,620", f"--screenshot={shot}")
+        assert proc.returncode == 0 and shot.exists(), proc.stderr
+        width, height, rows = png_pixels(shot)
+        assert (width, height) == (1140, 620)
+        pixels = [row[i:i + 3] for row in rows for i in range(0, len(row), 3)]
+        assert sum(1 for p in pixels if p == b"\xff\xff\xff") < 0.95 * len(pixels)
+        ok_green = sum(1 for p in pixels if abs(p[0] - 0x59) < 12 and abs(p[1] - 0xA1) < 12
+                       and abs(p[2] - 0x4F) < 12)
+        assert ok_green > 20  # the ok run's bar
+
+    def test_bad_ranges_are_one_line(self, killed_loop: tuple[str, Path], kernel_exe: str,
+                                     tmp_path: Path) -> None:
+        """An empty range or an unwritable file: one line, exit 2 / exit 1; an old range: 0 runs."""
+        _, db = killed_loop
+        page = tmp_path / "r.html"
+        proc = subprocess.run([kernel_exe, "report", str(page), "--since", "1h", "--until", "2h",
+                               "--db", str(db)], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert "--until must be more recent than --since" in proc.stderr
+        proc = subprocess.run([kernel_exe, "report", str(tmp_path / "no" / "r.html"),
+                               "--db", str(db)], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+        assert "cannot write" in proc.stderr
+        proc = subprocess.run([kernel_exe, "report", str(page), "--since", "2w", "--until", "1w",
+                               "--db", str(db), "--json"],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        doc = json.loads(proc.stdout)
+        assert (doc["file"], doc["runs"], doc["total"]) == (str(page), [], 0)
+        assert "0 run(s)" in page.read_text()

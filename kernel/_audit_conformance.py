@@ -1,11 +1,28 @@
-"""The conformance suite of the Audit port, run against every implementation.
+"""The conformance suite of the Audit port, shipped for hosts (`kernel.testing`).
 
 Modelled on trio's `check_one_way_stream`: an implementation passes a
 *maker*, an async context manager factory yielding `(audit, reader)`, and
-`check_audit(maker)` runs every check, each on a fresh audit. The reader is
-the per-implementation part: it reads back what an analyst would see
-(`runs` rows and `events` rows, normalised to `RunView` / `EventView`), so
-the checks themselves know nothing about DuckDB or memory.
+`check_audit(maker)` runs every check, each on a fresh audit::
+
+    @asynccontextmanager
+    async def maker():
+        async with MyAudit.open(tmp) as audit:
+            yield audit, MyReader(audit)
+
+    await check_audit(maker)
+
+Two kinds of check:
+
+- **port checks** (`AUDIT_PORT_CHECKS`) need no reader: they hold for any
+  `Audit`, whatever it keeps (a store, spans, nothing): the hot-path recorder
+  methods are plain calls that never raise on odd payloads, recorders of
+  concurrent runs close independently, a resumed run_id is accepted, a
+  kernel run through the audit reports no port failure;
+- **store checks** (`AUDIT_STORE_CHECKS`) read back what an analyst would
+  see through the reader (`runs` rows and `events` rows, normalised to
+  `StoredRun` / `StoredEvent`), so the checks know nothing about the
+  storage. An audit that keeps no rows (an exporter) yields `None` as its
+  reader and runs `check_audit(maker, stored=False)`.
 
 What the port promises (kernel/ports.py, DESIGN.md "Analysts' schema"):
 - `start_run` registers an open run (status NULL) and a `run_start` event, seq 0;
@@ -29,28 +46,20 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import PurePosixPath
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
-from kernel import (
-    Audit,
-    Kernel,
-    Limits,
-    Ports,
-    RunInfo,
-    RunStats,
-    Status,
-    Step,
-    ToolCall,
-    ToolResult,
-    Usage,
-)
-from kernel.testing import MemoryAudit, ScriptedAgent, ScriptedCritic
+from ._loop import Kernel
+from ._types import Limits, RunInfo, RunStats, Status, Step, ToolCall, ToolResult, Usage
+from .ports import Audit, Ports, RunRecorder
+
+if TYPE_CHECKING:
+    from .testing import MemoryAudit
 
 
 @dataclass
-class EventView:
+class StoredEvent:
     """One `events` row as the checks compare it."""
 
     seq: int
@@ -63,7 +72,7 @@ class EventView:
 
 
 @dataclass
-class RunView:
+class StoredRun:
     """One `runs` row as the checks compare it (output as stored text)."""
 
     run_id: str
@@ -91,13 +100,13 @@ class RunView:
 class AuditReader(Protocol):
     """Reads back what an implementation stored (after making it durable, if it buffers)."""
 
-    async def runs(self) -> dict[str, RunView]: ...
+    async def runs(self) -> dict[str, StoredRun]: ...
 
-    async def events(self, run_id: str) -> list[EventView]: ...
+    async def events(self, run_id: str) -> list[StoredEvent]: ...
 
 
-AuditMaker = Callable[[], AbstractAsyncContextManager[tuple[Audit, AuditReader]]]
-
+AuditMaker = Callable[[], AbstractAsyncContextManager[tuple[Audit, AuditReader | None]]]
+"""Makes a fresh audit and the reader of what it stores (None: it stores nothing to read)."""
 
 def stored_text(value: Any) -> str | None:
     """How a run's output is stored: strings as-is, JSON values as JSON, else str(value)."""
@@ -114,13 +123,13 @@ class MemoryReader:
     def __init__(self, audit: MemoryAudit) -> None:
         self.audit = audit
 
-    async def runs(self) -> dict[str, RunView]:
+    async def runs(self) -> dict[str, StoredRun]:
         """Every run, keyed by run_id."""
         await trio.lowlevel.checkpoint()
         out = {}
         for run_id, row in self.audit.runs.items():
             info, st = row.info, row.stats
-            view = RunView(run_id, info.name, info.subject_id, info.caller_id, info.channel_id,
+            view = StoredRun(run_id, info.name, info.subject_id, info.caller_id, info.channel_id,
                            info.parent_run_id, json.loads(json.dumps(info.inputs, default=str)),
                            None if st is None else str(st.status))
             if st is not None:
@@ -135,23 +144,53 @@ class MemoryReader:
             out[run_id] = view
         return out
 
-    async def events(self, run_id: str) -> list[EventView]:
+    async def events(self, run_id: str) -> list[StoredEvent]:
         """The run's events in seq order."""
         await trio.lowlevel.checkpoint()
-        return [EventView(e.seq, e.kind, e.name, e.iteration, e.duration_ms, e.payload, e.ts)
+        return [StoredEvent(e.seq, e.kind, e.name, e.iteration, e.duration_ms, e.payload, e.ts)
                 for e in self.audit.events(run_id)]
 
 
 # ------------------------------------------------------------------ checks
 
 Check = Callable[[AuditMaker], Awaitable[None]]
-CHECKS: list[Check] = []
+AUDIT_PORT_CHECKS: list[Check] = []
+AUDIT_STORE_CHECKS: list[Check] = []
 
 
-def check(fn: Check) -> Check:
-    """Register a check in `CHECKS`."""
-    CHECKS.append(fn)
+def _port_check(fn: Check) -> Check:
+    AUDIT_PORT_CHECKS.append(fn)
     return fn
+
+
+def _store_check(fn: Check) -> Check:
+    AUDIT_STORE_CHECKS.append(fn)
+    return fn
+
+
+class _Made:
+    """What a maker made, with the reader a store check needs."""
+
+    def __init__(self, maker: AuditMaker) -> None:
+        self.cm = maker()
+
+    async def __aenter__(self) -> tuple[Audit, AuditReader]:
+        audit, reader = await self.cm.__aenter__()
+        if reader is None:
+            await self.cm.__aexit__(None, None, None)
+            raise TypeError("a store check needs a reader: the maker yielded None "
+                            "(use check_audit(maker, stored=False) for an audit that "
+                            "keeps nothing to read)")
+        return audit, reader
+
+    async def __aexit__(self, *exc: Any) -> bool | None:
+        return await self.cm.__aexit__(*exc)
+
+
+async def _started(audit: Audit, info: RunInfo) -> RunRecorder:
+    rec = await audit.start_run(info)
+    assert rec is not None, f"{type(audit).__name__}.start_run returned None"
+    return rec
 
 
 def _info(**kw: Any) -> RunInfo:
@@ -161,14 +200,14 @@ def _info(**kw: Any) -> RunInfo:
     return RunInfo(**base)
 
 
-def _assert_contiguous(events: list[EventView]) -> None:
+def _assert_contiguous(events: list[StoredEvent]) -> None:
     assert [e.seq for e in events] == list(range(len(events))), [e.seq for e in events]
 
 
-@check
+@_store_check
 async def check_start_run_opens_a_run(maker: AuditMaker) -> None:
     """start_run registers an open run (no status) and a run_start event at seq 0."""
-    async with maker() as (audit, reader):
+    async with _Made(maker) as (audit, reader):
         info = _info(parent_run_id="f" * 32)
         rec = await audit.start_run(info)
         assert rec is not None
@@ -183,10 +222,10 @@ async def check_start_run_opens_a_run(maker: AuditMaker) -> None:
         await rec.close(RunStats(Status.OK))
 
 
-@check
+@_store_check
 async def check_recorder_calls_become_events_in_order(maker: AuditMaker) -> None:
     """Each recorder call is one event, seq contiguous in call order, fields preserved."""
-    async with maker() as (audit, reader):
+    async with _Made(maker) as (audit, reader):
         info = _info()
         rec = await audit.start_run(info)
         assert rec is not None
@@ -229,7 +268,7 @@ async def check_recorder_calls_become_events_in_order(maker: AuditMaker) -> None
         assert err.payload == {"message": "it broke", "where": "step"}
 
 
-@check
+@_port_check
 async def check_hot_path_methods_are_plain_calls(maker: AuditMaker) -> None:
     """on_step, on_tool, log_event and log_error are synchronous and return None."""
     async with maker() as (audit, _):
@@ -246,10 +285,10 @@ async def check_hot_path_methods_are_plain_calls(maker: AuditMaker) -> None:
         await rec.close(RunStats(Status.OK))
 
 
-@check
+@_store_check
 async def check_close_writes_the_rollup(maker: AuditMaker) -> None:
     """close appends run_end (name = status) and fills the run's row."""
-    async with maker() as (audit, reader):
+    async with _Made(maker) as (audit, reader):
         info = _info()
         rec = await audit.start_run(info)
         assert rec is not None
@@ -279,10 +318,10 @@ class _Opaque:
         return "<opaque thing>"
 
 
-@check
+@_store_check
 async def check_payloads_that_are_not_json_are_stored_as_text(maker: AuditMaker) -> None:
     """Values JSON cannot hold are stored as str(value); tuples become lists."""
-    async with maker() as (audit, reader):
+    async with _Made(maker) as (audit, reader):
         info = _info()
         rec = await audit.start_run(info)
         assert rec is not None
@@ -298,10 +337,10 @@ async def check_payloads_that_are_not_json_are_stored_as_text(maker: AuditMaker)
         assert run.output == "<opaque thing>"
 
 
-@check
+@_store_check
 async def check_a_resumed_run_continues_its_seq(maker: AuditMaker) -> None:
     """Starting a run_id that exists writes no second run_start; seq continues; close updates."""
-    async with maker() as (audit, reader):
+    async with _Made(maker) as (audit, reader):
         info = _info()
         first = await audit.start_run(info)
         assert first is not None
@@ -321,10 +360,10 @@ async def check_a_resumed_run_continues_its_seq(maker: AuditMaker) -> None:
         assert (runs[info.run_id].status, runs[info.run_id].steps) == ("ok", 2)
 
 
-@check
+@_store_check
 async def check_concurrent_runs_keep_their_events_apart(maker: AuditMaker) -> None:
     """Interleaved recorders of several runs each get their own contiguous seq."""
-    async with maker() as (audit, reader):
+    async with _Made(maker) as (audit, reader):
         infos = [_info(name=f"run{i}") for i in range(5)]
         recs = [await audit.start_run(i) for i in infos]
         for round_ in range(20):
@@ -347,10 +386,12 @@ async def check_concurrent_runs_keep_their_events_apart(maker: AuditMaker) -> No
             assert runs[info.run_id].steps == i
 
 
-@check
+@_store_check
 async def check_a_kernel_run_is_recorded_end_to_end(maker: AuditMaker) -> None:
     """A kernel run with a tool call and a critic kill leaves the expected trail."""
-    async with maker() as (audit, reader):
+    from .testing import ScriptedAgent, ScriptedCritic
+
+    async with _Made(maker) as (audit, reader):
         async def lookup(key: str) -> str:
             await trio.lowlevel.checkpoint()
             return key.upper()
@@ -381,10 +422,12 @@ async def check_a_kernel_run_is_recorded_end_to_end(maker: AuditMaker) -> None:
             "killed", result.steps, 1, "looping on lookup")
 
 
-@check
+@_store_check
 async def check_an_agent_that_raises_is_recorded(maker: AuditMaker) -> None:
     """An agent exception becomes an error event and an `error` run with the message."""
-    async with maker() as (audit, reader):
+    from .testing import ScriptedAgent
+
+    async with _Made(maker) as (audit, reader):
         info = _info()
         result = await Kernel(Ports(audit=audit)).run(
             ScriptedAgent([Step(), ValueError("bad input")]), info, Limits(timeout=60))
@@ -398,7 +441,85 @@ async def check_an_agent_that_raises_is_recorded(maker: AuditMaker) -> None:
         assert run.error == "ValueError: bad input"
 
 
-async def check_audit(maker: AuditMaker) -> None:
-    """Run every check in `CHECKS` against the implementation `maker` makes."""
-    for fn in CHECKS:
+@_port_check
+async def check_odd_payloads_never_raise(maker: AuditMaker) -> None:
+    """Recorder calls take any payload (none, empty, not JSON, huge) without raising."""
+    async with maker() as (audit, _):
+        rec = await _started(audit, _info())
+        huge = "x" * (4 << 20)
+        rec.log_event("log")
+        rec.log_event("log", payload={})
+        rec.log_event("log", payload={"big": huge, "obj": _Opaque(), "set": {1, 2},
+                                      "bytes": b"\x00\xff", "nan": math.nan})
+        rec.on_step(0, Step(output=huge, payload={"obj": _Opaque()}), -1.0)
+        rec.on_tool(ToolResult(ToolCall("t", {"obj": _Opaque()}), output=_Opaque()), 0)
+        rec.log_error(huge, payload={"obj": _Opaque()})
+        await rec.close(RunStats(Status.OK, output=huge))
+
+
+@_port_check
+async def check_concurrent_recorders_close_independently(maker: AuditMaker) -> None:
+    """Recorders of interleaved runs each take their calls and close concurrently."""
+    async with maker() as (audit, _):
+        recs = [await _started(audit, _info(name=f"run{i}")) for i in range(5)]
+        for round_ in range(10):
+            for i, rec in enumerate(recs):
+                rec.log_event("tick", payload={"run": i, "round": round_})
+                rec.on_step(round_, Step(), 0.001)
+        async with trio.open_nursery() as nursery:
+            for i, rec in enumerate(recs):
+                nursery.start_soon(rec.close, RunStats(Status.OK, steps=i))
+
+
+@_port_check
+async def check_a_resumed_run_id_is_accepted(maker: AuditMaker) -> None:
+    """start_run with the run_id of a closed run (a resumption) records it again."""
+    async with maker() as (audit, _):
+        info = _info()
+        first = await _started(audit, info)
+        first.on_step(0, Step(), 0.1)
+        await first.close(RunStats(Status.CANCELLED, steps=1, reason="shutdown"))
+        again = await _started(audit, info)
+        again.log_event("resumed", payload={"steps": 1})
+        await again.close(RunStats(Status.OK, steps=2))
+
+
+@_port_check
+async def check_a_kernel_run_reports_no_port_failure(maker: AuditMaker) -> None:
+    """A kernel run with tool calls, a steer and a critic kill ends killed, the audit silent."""
+    from .testing import ScriptedAgent, ScriptedCritic
+
+    async with maker() as (audit, _):
+        async def lookup(key: str) -> str:
+            await trio.lowlevel.checkpoint()
+            return key.upper()
+
+        agent = ScriptedAgent([Step(tool_calls=[ToolCall("lookup", {"key": "k"}, "c1")]),
+                               Step(tool_calls=[ToolCall("lookup", {"key": "j"}, "c2")])],
+                              then=Step(), tools={"lookup": lookup}, step_seconds=0.02)
+        critic = ScriptedCritic(steer_at_step={1: "keep going"}, kill_at_step=3,
+                                reason="enough")
+        result = await Kernel(Ports(audit=audit, critic=critic)).run(
+            agent, _info(), Limits(max_steps=200, timeout=60, poll_interval=0.01))
+        assert result.status is Status.KILLED, result
+        assert result.port_failures == [], result.port_failures
+
+
+async def check_audit(maker: AuditMaker, *, stored: bool = True) -> None:
+    """Run the conformance suite against the implementation `maker` makes.
+
+    Args:
+        maker: Makes a fresh audit and its reader, one pair per check.
+        stored: Also run the store checks (`AUDIT_STORE_CHECKS`), which read
+            back through the reader; False for an audit that keeps nothing to
+            read (its maker yields None as the reader).
+
+    Raises:
+        AssertionError: A check failed; the message says what was expected.
+    """
+    for fn in AUDIT_CHECKS if stored else AUDIT_PORT_CHECKS:
         await fn(maker)
+
+
+#: Every check: the port checks, then the store checks.
+AUDIT_CHECKS: list[Check] = [*AUDIT_PORT_CHECKS, *AUDIT_STORE_CHECKS]
