@@ -189,6 +189,7 @@ class _Run:
         self.tools = self.can.tools
         self.hooks = NO_HANDLE  # the critic handle's optional methods, once it has one
         self.started = 0.0
+        self.now: Callable[[], float] = trio.current_time  # the run's clock (see `execute`)
         self.backstop = math.inf
         self.last_save_steps = self.steps
         self.last_save_time = 0.0
@@ -197,9 +198,7 @@ class _Run:
         self.ctx: RunContext
         self.scope: trio.CancelScope | None = None  # the run's one cancel scope, once open
         # Kept by the kernel's watcher (`_watch.Watched`).
-        self.watched = False
-        self.watch_at = math.inf
-        self.woken = False
+        self.watch_entry: list[Any] | None = None
         self.immediate = 0  # looks in a row the handle asked for at once
         self.next_look: Any = None  # the handle's `next_look`, if it has one
         self.on_steer: Any = None  # the agent's `on_steer`, when a critic may nudge mid-step
@@ -340,7 +339,10 @@ class _Run:
 
     async def execute(self) -> Result:
         info, limits = self.info, self.limits
-        self.started = trio.current_time()
+        # The run's clock, read directly: what `trio.current_time()` returns, without
+        # its lookups (the step loop reads it twice a step).
+        self.now = now = trio.lowlevel.current_clock().current_time
+        self.started = now()
         if limits.timeout is not None:
             self.backstop = self.started + limits.timeout
         self.last_save_time = self.started
@@ -395,7 +397,7 @@ class _Run:
                         await self.loop()
                 finally:
                     self.nursery = None
-                    if self.watched:
+                    if self.watch_entry is not None:
                         assert self.k._watcher is not None
                         self.k._watcher.unregister(self)
             if scope.cancelled_caught and self.status is None:
@@ -515,7 +517,7 @@ class _Run:
         self.log_event(kind, name=name, payload=payload, iteration=self.steps)
 
     async def loop(self) -> None:
-        agent, ctx, limits = self.agent, self.ctx, self.limits
+        agent, ctx, limits, now = self.agent, self.ctx, self.limits, self.now
         if self.can.problem is not None:
             self.recorder_error(self.can.problem)
             self._end(Status.ERROR, error=self.can.problem)
@@ -547,7 +549,7 @@ class _Run:
                                                  "delivered": "next_step"},
                                iteration=self.steps)
             iteration = ctx.iteration = self.steps
-            t0 = trio.current_time()
+            t0 = now()
             self.in_step = True
             try:
                 step = await agent.step(ctx)
@@ -579,7 +581,7 @@ class _Run:
                 except Exception as exc:
                     self.critic_failed("record_step", exc)
             try:
-                self.recorder.on_step(iteration, step, trio.current_time() - t0)
+                self.recorder.on_step(iteration, step, now() - t0)
             except Exception as exc:
                 self.fault("audit", "on_step", exc)
 
@@ -694,7 +696,7 @@ class _Run:
             if self.status is not None:
                 return results  # e.g. a looping call: do not run it again
             fn = self.tools.get(call.name)
-            t0 = trio.current_time()
+            t0 = self.now()
             if fn is None:
                 known = ", ".join(sorted(self.tools)) or "none"
                 result = ToolResult(call, error=f"unknown tool {call.name!r} (available: {known})")
@@ -709,7 +711,7 @@ class _Run:
                 if cs.cancelled_caught:
                     error = f"tool {call.name!r} timed out after {timeout:g}s"
                 result = ToolResult(call, output=output, error=error,
-                                    duration_s=trio.current_time() - t0)
+                                    duration_s=self.now() - t0)
             results.append(result)
             self.tool_ended(result, iteration)
         return results
@@ -721,7 +723,7 @@ class _Run:
 
     async def maybe_checkpoint(self, *, force: bool = False) -> None:
         lim = self.limits
-        now = trio.current_time()
+        now = self.now()
         due = self.steps - self.last_save_steps >= lim.checkpoint_every_steps and (
             now - self.last_save_time >= lim.checkpoint_every_seconds)
         if not (due or force):
@@ -780,7 +782,11 @@ class _Run:
                 self.critic_failed("attach", exc)
                 return
         self.on_steer = self.can.on_steer
-        self.k._watcher.register(self)
+        # The first look is made here, so the watcher's task wakes only when a
+        # rule can next fire (most runs end before that, and never wake it).
+        at = self.look(trio.current_time())
+        if at is not None:
+            self.k._watcher.register(self, at)
 
     def look(self, now: float) -> float | None:
         """One look at the handle, by the watcher: act, then say when to look next.
@@ -843,7 +849,7 @@ class _Run:
     def wake_watch(self) -> None:
         """Have the watcher look at this run now (the critic has something to act on)."""
         watcher = self.k._watcher
-        if watcher is not None and self.watched:
+        if watcher is not None and self.watch_entry is not None:
             watcher.wake(self)
 
     def process_started(self, pid: int) -> None:

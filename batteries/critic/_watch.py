@@ -161,7 +161,10 @@ class WatchHandle:
     def __init__(self, judge: Judge, info: RunInfo, *, soft_timeout: float | None,
                  backstop: float | None, max_steps: int | None, events: EventSink,
                  history: int = 64, sampler: ProcessSampler | None = None) -> None:
-        now = trio.current_time()
+        # The run's clock, read directly: what `trio.current_time()` returns, without
+        # its lookups (`record_step` reads it once a step).
+        self._now: Callable[[], float] = trio.lowlevel.current_clock().current_time
+        now = self._now()
         self._judge = judge
         # SupportsQuietUntil, looked up once (a member set to None counts as absent).
         self._judge_quiet_until: Callable[[RunView], float | None] | None = getattr(
@@ -226,7 +229,7 @@ class WatchHandle:
             self._pending.clear()
             self._tool_since = None
         # Progress, inlined: this is the per-step hot path.
-        now = trio.current_time()
+        now = self._now()
         if now > self._last_progress:
             self._last_progress = now
         op = self._open
@@ -418,7 +421,7 @@ class WatchHandle:
 
     def _progress(self, at: float | None = None) -> float:
         """Fresh progress (now, or at `at`): the idle clock restarts. Returns the time."""
-        now = trio.current_time() if at is None else at
+        now = self._now() if at is None else at
         if now > self._last_progress:
             self._last_progress = now
         op = self._open

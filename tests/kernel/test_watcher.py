@@ -66,17 +66,21 @@ class TestOneWatcher:
         extra = [name for name in counter.spawned if not name.endswith(".one")]
         assert extra == ["kernel watcher"], extra
 
-    async def test_the_watcher_is_gone_when_no_run_is_left(
+    async def test_runs_one_after_another_share_the_task(
             self, autojump_clock: trio.abc.Clock) -> None:
-        """After the last run ends, the watcher's task ends too; the next run starts another."""
+        """Runs one after another reuse the watcher's task; runs that end before their critic's
+        next look never wake it, and nothing stays registered."""
         counter = TaskCounter()
+        trio.lowlevel.add_instrument(counter)
         kernel = Kernel(Ports(critic=WatchCritic()))
-        await run_many(kernel, [Steps(3) for _ in range(5)], Limits(), counter)
-        assert not counter.alive
-        assert kernel._watcher is not None and kernel._watcher.watching == 0
-        counter = TaskCounter()
-        await run_many(kernel, [Steps(3)], Limits(), counter)
-        assert counter.spawned.count("kernel watcher") == 1 and not counter.alive
+        for i in range(5):
+            result = await kernel.run(Steps(3), RunInfo(name=f"r{i}"), Limits())
+            assert result.status is Status.OK
+        trio.lowlevel.remove_instrument(counter)
+        assert counter.spawned == ["kernel watcher"]
+        watcher = kernel._watcher
+        assert watcher is not None and watcher.watching == 0
+        assert watcher.looks == 0 and watcher.wakeups == 1
 
     async def test_each_run_is_killed_at_its_own_time(
             self, autojump_clock: trio.abc.Clock) -> None:
