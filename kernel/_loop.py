@@ -112,6 +112,7 @@ class Kernel:
         self.ports = ports if ports is not None else Ports()
         # One task follows every watched run of this kernel (see `_watch.py`).
         self._watcher = Watcher()
+        self._last_caps: tuple[Limits, UsageLimits, bool] | None = None
 
     @property
     def ports(self) -> Ports:
@@ -123,6 +124,19 @@ class Kernel:
         if not isinstance(ports, Ports):
             raise TypeError(f"Kernel.ports must be a Ports, got {type(ports).__name__}")
         self._ports = ports
+
+    def _caps(self, limits: Limits) -> tuple[UsageLimits, bool]:
+        """A run's usage caps from its (frozen) `Limits`, and whether any is set.
+
+        Remembered for the last `Limits` seen: runs of a host mostly share one.
+        """
+        last = self._last_caps
+        if last is not None and last[0] is limits:
+            return last[1], last[2]
+        caps = _merge_caps(limits, None)
+        capped = caps != _NO_CAPS
+        self._last_caps = (limits, caps, capped)
+        return caps, capped
 
     async def run(
         self,
@@ -172,6 +186,7 @@ class _Run:
         self.failures: list[PortFailure] = []
         self._failed_methods: set[tuple[str, str]] = set()
         self.status: Status | None = None
+        self.finalizing = False  # the end-of-run work has begun
         self.output: Any = None
         self.error: str | None = None
         self.reason: str | None = None
@@ -193,8 +208,7 @@ class _Run:
         self.backstop = math.inf
         self.last_save_steps = self.steps
         self.last_save_time = 0.0
-        self.caps = _merge_caps(limits, None)
-        self.capped = self.caps != _NO_CAPS  # skip the per-step usage check when uncapped
+        self.caps, self.capped = kernel._caps(limits)  # capped: False skips the per-step check
         self.ctx: RunContext
         self.scope: trio.CancelScope | None = None  # the run's one cancel scope, once open
         # Kept by the kernel's watcher (`_watch.Watched`).
@@ -382,6 +396,7 @@ class _Run:
                     self.critic_failed("monitor", TypeError(self.hooks.problem))
 
         pending: BaseException | None = None
+        result: Result | None = None
         try:
             with trio.CancelScope(deadline=self.backstop) as scope:
                 self.scope = scope
@@ -400,6 +415,18 @@ class _Run:
                     if self.watch_entry is not None:
                         assert self.k._watcher is not None
                         self.k._watcher.unregister(self)
+                if not scope.cancel_called:
+                    # The run ended by itself: its scope, shielded and given the
+                    # finalization's bound, serves as the finalization's (a second
+                    # scope per run costs about as much as ten bare steps).
+                    scope.shield = True
+                    scope.deadline = self.now() + limits.finalize_timeout
+                    result = self.result()
+                    await self.close_books(result, commit_budget=True)
+            if result is not None:
+                if scope.cancelled_caught:
+                    self.finalize_timed_out()
+                return result
             if scope.cancelled_caught and self.status is None:
                 # Nobody recorded why: only the backstop cancels without a word.
                 self._end(Status.TIMEOUT,
@@ -408,7 +435,8 @@ class _Run:
             if not _only_cancelled(exc):
                 # KeyboardInterrupt, or a bug of ours: still close the books.
                 self._end(Status.ERROR, error=f"{type(exc).__name__}: {exc}")
-                await self.finalize(commit_budget=True)
+                if not self.finalizing:
+                    await self.finalize(commit_budget=True)
                 raise
             pending = exc
             self._end(Status.CANCELLED, reason="cancelled by the caller")
@@ -899,58 +927,71 @@ class _Run:
 
     # -------------------------------------------------------------- finalize
 
-    async def finalize(self, *, commit_budget: bool) -> Result:
-        """The shielded, time-bounded end of every run."""
+    def result(self) -> Result:
+        """The run's `Result` as it stands (finalization adds the runtime)."""
         status = self.status if self.status is not None else Status.ERROR
-        result = Result(
+        return Result(
             status=status, run_id=self.info.run_id, name=self.info.name, output=self.output,
             error=self.error, reason=self.reason, traceback=self.tb, steps=self.steps,
             tool_calls=self.tool_calls, usage=self.usage, exit_code=self.exit_code,
             port_failures=self.failures, artifacts=self.artifacts,
         )
-        with trio.CancelScope(shield=True) as cs:
-            cs.deadline = trio.current_time() + self.limits.finalize_timeout
-            handle, self.handle = self.handle, None
-            if handle is not None:
-                try:
-                    handle.stop()
-                except Exception as exc:
-                    self.fault("critic", "stop", exc)
-            result.runtime_seconds = trio.current_time() - self.started
-            cp = self.checkpointer
-            if cp is not None:
-                try:
-                    if status in _COMPLETE:
-                        await cp.complete(self.info.run_id)
-                    elif status not in _RESUMABLE:
-                        await cp.fail(self.info.run_id, self.error or self.reason or str(status))
-                except Exception as exc:
-                    self.fault("checkpointer", "complete" if status in _COMPLETE else "fail", exc)
-            if commit_budget and self.budget is not None:
-                try:
-                    await self.budget.commit(self.info.caller_id, result.runtime_seconds,
-                                           self.usage)
-                except Exception as exc:
-                    self.fault("budget", "commit", exc)
-            if self.delivery is not None:
-                try:
-                    await self.delivery.deliver(result)
-                except Exception as exc:
-                    self.fault("delivery", "deliver", exc)
-            # Port failures go in the audit too, before the recorder closes.
-            for failure in self.failures:
-                if failure.port != "audit":
-                    self.log_event("port_failure", name=f"{failure.port}.{failure.method}",
-                                   payload={"port": failure.port, "method": failure.method,
-                                            "error": failure.error})
-            try:
-                await self.recorder.close(result.stats())
-            except Exception as exc:
-                self.fault("audit", "close", exc)
+
+    async def finalize(self, *, commit_budget: bool) -> Result:
+        """The shielded, time-bounded end of a run that did not end by itself."""
+        result = self.result()
+        with trio.CancelScope(shield=True,
+                              deadline=self.now() + self.limits.finalize_timeout) as cs:
+            await self.close_books(result, commit_budget=commit_budget)
         if cs.cancelled_caught:
-            self.fault("kernel", "finalize", TimeoutError(
-                f"end-of-run work exceeded finalize_timeout={self.limits.finalize_timeout:g}s"))
+            self.finalize_timed_out()
         return result
+
+    def finalize_timed_out(self) -> None:
+        self.fault("kernel", "finalize", TimeoutError(
+            f"end-of-run work exceeded finalize_timeout={self.limits.finalize_timeout:g}s"))
+
+    async def close_books(self, result: Result, *, commit_budget: bool) -> None:
+        """The end of every run, under a shielded, bounded scope: the ports, in order."""
+        self.finalizing = True
+        status = result.status
+        handle, self.handle = self.handle, None
+        if handle is not None:
+            try:
+                handle.stop()
+            except Exception as exc:
+                self.fault("critic", "stop", exc)
+        result.runtime_seconds = self.now() - self.started
+        cp = self.checkpointer
+        if cp is not None:
+            try:
+                if status in _COMPLETE:
+                    await cp.complete(self.info.run_id)
+                elif status not in _RESUMABLE:
+                    await cp.fail(self.info.run_id, self.error or self.reason or str(status))
+            except Exception as exc:
+                self.fault("checkpointer", "complete" if status in _COMPLETE else "fail", exc)
+        if commit_budget and self.budget is not None:
+            try:
+                await self.budget.commit(self.info.caller_id, result.runtime_seconds,
+                                       self.usage)
+            except Exception as exc:
+                self.fault("budget", "commit", exc)
+        if self.delivery is not None:
+            try:
+                await self.delivery.deliver(result)
+            except Exception as exc:
+                self.fault("delivery", "deliver", exc)
+        # Port failures go in the audit too, before the recorder closes.
+        for failure in self.failures:
+            if failure.port != "audit":
+                self.log_event("port_failure", name=f"{failure.port}.{failure.method}",
+                               payload={"port": failure.port, "method": failure.method,
+                                        "error": failure.error})
+        try:
+            await self.recorder.close(result.stats())
+        except Exception as exc:
+            self.fault("audit", "close", exc)
 
 
 _NO_CAPS = UsageLimits()

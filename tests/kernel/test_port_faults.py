@@ -172,6 +172,40 @@ class TestPortFaultMatrix:
         assert trio.current_time() - start == pytest.approx(7)
         assert [(f.port, f.method) for f in result.port_failures] == [("kernel", "finalize")]
 
+    async def test_slow_finalization_of_a_killed_run_is_bounded(
+            self, autojump_clock: trio.abc.Clock) -> None:
+        """The same bound when the run's own scope was cancelled (a kill) before the end."""
+
+        class Stuck(RecordingDelivery):
+            async def deliver(self, result: Any) -> None:
+                await trio.sleep_forever()
+
+        ports = Ports(delivery=Stuck(), critic=ScriptedCritic(kill_at_step=1))
+        start = trio.current_time()
+        result = await Kernel(ports).run(ScriptedAgent([Step()] * 3), RunInfo(),
+                                         Limits(finalize_timeout=7))
+        assert result.status is Status.KILLED
+        assert trio.current_time() - start == pytest.approx(7)
+        assert [(f.port, f.method) for f in result.port_failures] == [("kernel", "finalize")]
+
+    async def test_finalization_is_shielded_from_an_outer_cancel(
+            self, autojump_clock: trio.abc.Clock) -> None:
+        """A caller's cancel arriving while a finished run closes its books does not cut
+        them short: the delivery completes and the run's result stands."""
+
+        class Slow(RecordingDelivery):
+            async def deliver(self, result: Any) -> None:
+                await trio.sleep(5)
+                await super().deliver(result)
+
+        delivery = Slow()
+        result = None
+        with trio.move_on_after(1):
+            result = await Kernel(Ports(delivery=delivery)).run(ScriptedAgent(), RunInfo(),
+                                                                Limits(finalize_timeout=60))
+        assert result is not None and result.status is Status.OK and not result.port_failures
+        assert delivery.delivered == [result]
+
 
 class TestFailuresAreAudited:
     async def test_delivery_failure_in_the_audit(self, autojump_clock: trio.abc.Clock) -> None:
