@@ -186,8 +186,10 @@ class WatchHandle:
         self._last_progress = now
         self._window_start = now
         self._window = [0, 0, 0]  # steps, tool calls, other progress
-        self._calls: deque[str] = deque(maxlen=history)
-        self._outcomes: deque[Outcome] = deque(maxlen=history)
+        # Made at the first tool call, result and line of text: many runs have none.
+        self._history = history
+        self._calls: deque[str] | None = None
+        self._outcomes: deque[Outcome] | None = None
         self._pending: list[tuple[ToolCall, str, str]] = []  # started, no result yet
         self._reports_results = False
         self._model_since: float | None = None
@@ -199,7 +201,7 @@ class WatchHandle:
         self._msg_key: str | None = None
         self._msg_text: str | None = None
         self._empty = 0
-        self._novelty = Novelty()
+        self._novelty: Novelty | None = None
         self._sampler = sampler
         self._roots: dict[int, Callable[[Process], None]] = {}
         self._figures: dict[int, Process] = {}
@@ -263,7 +265,10 @@ class WatchHandle:
         self._tool_calls += 1
         self._window[1] += 1
         masked = masked_call_key(call)
-        self._calls.append(masked)
+        calls = self._calls
+        if calls is None:
+            calls = self._calls = deque(maxlen=self._history)
+        calls.append(masked)
         if not self._reports_results:
             self._pending.clear()
         self._pending.append((call, masked, call_label(call)))
@@ -306,7 +311,10 @@ class WatchHandle:
             self._error_text = preview(failed, 200)
         else:
             self._error_key, self._error_streak = None, 0
-        self._outcomes.append(Outcome(masked, label, rkey, preview(text), err))
+        outcomes = self._outcomes
+        if outcomes is None:
+            outcomes = self._outcomes = deque(maxlen=self._history)
+        outcomes.append(Outcome(masked, label, rkey, preview(text), err))
         now = self._progress()
         self._tool_since = now if self._pending else None
         op = self._open
@@ -334,8 +342,12 @@ class WatchHandle:
             return
         if kind == MODEL_REPLY:
             self._model_since = None
-        if text is not None and not self._novelty.see(text):
-            return
+        if text is not None:
+            novelty = self._novelty
+            if novelty is None:
+                novelty = self._novelty = Novelty()
+            if not novelty.see(text):
+                return
         self._activity += 1
         self._window[2] += 1
         self._progress()
@@ -476,6 +488,7 @@ class WatchHandle:
         self._quiet_until = -math.inf if rel is None else self._start + rel
 
     def _view(self, trigger: Trigger, now: float) -> RunView:
+        novelty = self._novelty
         dl, bs = self._deadline, self._backstop
         due = (dl is not None and not self._expired and now >= dl
                and (bs is None or dl < bs))
@@ -498,19 +511,20 @@ class WatchHandle:
                        else self._base_max_steps + self._bonus),
             window=Window(self._window_start - self._start, now - self._window_start,
                           *self._window),
-            calls=tuple(self._calls),
+            calls=() if self._calls is None else tuple(self._calls),
             intervention=None if op is None else Intervention(
                 op.reason, op.at - self._start, op.delivered, op.activity_since,
                 op.calls_after_delivery, dict(op.evidence), op.steps_after_delivery,
                 op.ends_after_delivery),
             nudges=dict(self._nudges),
-            outcomes=tuple(self._outcomes),
+            outcomes=() if self._outcomes is None else tuple(self._outcomes),
             reports_results=self._reports_results,
             in_flight=in_flight, in_flight_s=now - since,
             error_streak=self._error_streak, last_error=self._error_text,
             message_streak=self._msg_streak, last_message=self._msg_text,
             empty_answers=self._empty,
-            lines=self._novelty.lines, novel_lines=self._novelty.novel,
+            lines=0 if novelty is None else novelty.lines,
+            novel_lines=0 if novelty is None else novelty.novel,
             process=merge(self._figures.values()),
         )
 
