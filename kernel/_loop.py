@@ -167,6 +167,14 @@ class Kernel:
 class _Run:
     """The state of one run while `Kernel.run` executes it."""
 
+    __slots__ = ("_failed_methods", "agent", "artifacts", "audit", "backstop", "budget", "can",
+                 "capped", "caps", "checkpointer", "child_tool_calls", "child_usage", "critic",
+                 "ctx", "delivery", "error", "exit_code", "failures", "finalizing", "handle",
+                 "hooks", "immediate", "in_step", "info", "k", "last_save_steps",
+                 "last_save_time", "limits", "next_look", "now", "nursery", "on_steer", "output",
+                 "pending_steer", "reason", "recorder", "resume", "scope", "started", "status",
+                 "steering", "steps", "tb", "tool_calls", "tools", "usage", "watch_entry")
+
     def __init__(self, kernel: Kernel, agent: Agent, info: RunInfo, limits: Limits,
                  resume: Checkpoint | None) -> None:
         self.k = kernel

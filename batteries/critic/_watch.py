@@ -158,6 +158,15 @@ class WatchHandle:
     Built by `WatchCritic.monitor`.
     """
 
+    __slots__ = ("_activity", "_backstop", "_base_max_steps", "_bonus", "_calls", "_deadline",
+                 "_dirty", "_empty", "_error_key", "_error_streak", "_error_text", "_events",
+                 "_expired", "_extensions", "_figures", "_history", "_info", "_judge",
+                 "_judge_quiet_until", "_judging", "_kill", "_last_progress", "_model_since",
+                 "_msg_key", "_msg_streak", "_msg_text", "_novelty", "_now", "_nudges", "_open",
+                 "_outcomes", "_pending", "_queue", "_quiet_until", "_reports_results", "_roots",
+                 "_sampler", "_soft", "_start", "_steps", "_stopped", "_tool_calls",
+                 "_tool_since", "_wake", "_window", "_window_start")
+
     def __init__(self, judge: Judge, info: RunInfo, *, soft_timeout: float | None,
                  backstop: float | None, max_steps: int | None, events: EventSink,
                  history: int = 64, sampler: ProcessSampler | None = None) -> None:
