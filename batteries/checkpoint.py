@@ -32,10 +32,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from batteries.redact import Redactor
-from kernel import Checkpoint
+from kernel import Checkpoint, RunSpec
 
 from .store import (
     ClaimRun,
@@ -49,7 +50,7 @@ from .store import (
     SavedRun,
 )
 
-__all__ = ["DuckDBCheckpointer", "JournalCheckpointer", "SavedRun"]
+__all__ = ["DuckDBCheckpointer", "JournalCheckpointer", "SavedRun", "stored_spec"]
 
 
 class JournalCheckpointer:
@@ -78,19 +79,23 @@ class JournalCheckpointer:
 
     # --------------------------------------------------------------- the port
 
-    async def register(self, run_id: str, spec: dict[str, Any], *,
+    async def register(self, run_id: str, spec: RunSpec | Mapping[str, Any], *,
                        redacted: bool = False) -> None:
         """Record a run's spec, redacted, before it starts (status `running`, held by us).
 
-        With a shared, open journal the row is written by the run's first
-        transaction (its budget reservation, or its first save). `redacted`:
-        the host already redacted the spec with this checkpointer's redactor
-        (a batch does, once per task, when it stores the batch).
+        A `RunSpec` is stored as `stored_spec` makes it (versioned, secrets
+        out and listed); a plain mapping is stored redacted as it is, or as
+        given when `redacted` says the host already redacted it with this
+        checkpointer's redactor (a batch does, once per task, when it stores
+        the batch). With a shared, open journal the row is written by the
+        run's first transaction (its budget reservation, or its first save).
         """
-        if not redacted:
-            spec = self.redactor.value(spec)
-        self._specs[run_id] = spec
-        await self.journal.later(RegisterRun(run_id, spec, self.owner))
+        if isinstance(spec, RunSpec):
+            stored = stored_spec(spec, self.redactor)
+        else:
+            stored = dict(spec) if redacted else self.redactor.value(dict(spec))
+        self._specs[run_id] = stored
+        await self.journal.later(RegisterRun(run_id, stored, self.owner))
 
     async def save(self, checkpoint: Checkpoint) -> None:
         """Persist the run's resumable state, redacted; durable when this returns.
@@ -157,6 +162,36 @@ class JournalCheckpointer:
             LoseRun(saved.run_id, f"supervisor gone, not resumable: {why}",
                     info if isinstance(info, dict) else None,
                     None if started is None else int(started.timestamp() * 1e6))])
+
+
+def stored_spec(spec: RunSpec, redactor: Redactor) -> dict[str, Any]:
+    """A run spec as the checkpoint stores it: secrets replaced, and listed under `redacted`.
+
+    Secret-named context keys lose their values whole (whatever their
+    length); everything else is redacted like the audit. `redacted` holds the
+    key path of every value that changed outside `info` (a recorded
+    description, never used to rebuild the agent): what a resume must be
+    given again (`batteries.runner.Secrets`).
+    """
+    plain = spec.to_dict()
+    plain["redacted"] = []
+    out: dict[str, Any] = redactor.value(plain)
+    agent_ctx = plain["agent"].get("context")
+    if isinstance(agent_ctx, dict):
+        out["agent"]["context"] = redactor.context(agent_ctx)
+    out["info"]["inputs"] = redactor.inputs(plain["info"].get("inputs") or {})
+    out["redacted"] = [p for p in _changed(plain, out, []) if p[0] != "info"]
+    return out
+
+
+def _changed(before: Any, after: Any, path: list[Any]) -> list[list[Any]]:
+    """Key paths where `after` differs from `before` (same shape, strings replaced)."""
+    if isinstance(before, dict) and isinstance(after, dict):
+        return [p for k, v in before.items() for p in _changed(v, after.get(k), [*path, k])]
+    if isinstance(before, (list, tuple)) and isinstance(after, (list, tuple)):
+        return [p for i, (a, b) in enumerate(zip(before, after, strict=False))
+                for p in _changed(a, b, [*path, i])]
+    return [] if before == after else [path]
 
 
 #: The checkpointer's former name (it lived in the DuckDB file); kept for hosts.

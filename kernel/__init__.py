@@ -12,6 +12,11 @@ import logging as _logging
 
 from ._context import RunContext as RunContext
 from ._loop import Kernel as Kernel
+from ._spec import AgentSpec as AgentSpec
+from ._spec import CommandSpec as CommandSpec
+from ._spec import LoopSpec as LoopSpec
+from ._spec import PortSpec as PortSpec
+from ._spec import RunSpec as RunSpec
 from ._types import Limits as Limits
 from ._types import Message as Message
 from ._types import PortFailure as PortFailure
@@ -58,6 +63,7 @@ _logging.getLogger("kernel").addHandler(_logging.NullHandler())
 __all__ = [
     "Agent",
     "AgentError",
+    "AgentSpec",
     "Audit",
     "AuditError",
     "AuditWriteError",
@@ -65,6 +71,7 @@ __all__ = [
     "BudgetRefused",
     "Checkpoint",
     "Checkpointer",
+    "CommandSpec",
     "ConfigError",
     "Critic",
     "CriticHandle",
@@ -74,14 +81,17 @@ __all__ = [
     "Kernel",
     "KernelError",
     "Limits",
+    "LoopSpec",
     "Message",
     "PortError",
     "PortFailure",
+    "PortSpec",
     "Ports",
     "Result",
     "RunContext",
     "RunInfo",
     "RunRecorder",
+    "RunSpec",
     "RunStats",
     "Status",
     "Step",

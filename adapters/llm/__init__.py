@@ -25,6 +25,8 @@ from ._client import redact_url as redact_url
 from ._errors import APIError as APIError
 from ._errors import LLMError as LLMError
 from ._errors import MalformedResponse as MalformedResponse
+from ._judge import llm_judge as llm_judge
+from ._judge import parse_answer as parse_answer
 from ._protocol import Completion as Completion
 from ._protocol import ModelToolCall as ModelToolCall
 from ._protocol import parse_completion as parse_completion
@@ -45,6 +47,8 @@ __all__ = [
     "Price",
     "Retry",
     "Tool",
+    "llm_judge",
+    "parse_answer",
     "parse_completion",
     "parse_retry_after",
     "read_file_tool",

@@ -20,11 +20,10 @@ import typer
 from . import numbers, output
 from .dbopt import DB_HELP
 from .ids import short_id
-from .wiring import PortOptions, open_ports
 
 if TYPE_CHECKING:
     from adapters.pane import Attempt, Multiplexer, PaneAction
-    from kernel import Result
+    from kernel import PortSpec, Result
 
 ACTIONS_HELP = """Probe and act on agents living in tmux panes, and read the attempt log.
 
@@ -129,7 +128,9 @@ def run(
         _fail("run", str(exc).replace("min_drop_pct", "--min-drop-pct"))
     import trio
 
-    opts = PortOptions(db=db, no_audit=no_audit, no_critic=True)
+    from kernel import PortSpec
+
+    opts = PortSpec(db=db, no_audit=no_audit, no_critic=True)
     try:
         result, attempt = trio.run(_execute, pane_action, mux, target, agent, timeout,
                                    poll_interval, skip_reason, opts)
@@ -151,7 +152,7 @@ class _Capture:
 
 async def _execute(action: PaneAction, mux: Multiplexer, target: str, agent: str | None,
                    timeout: float, poll_interval: float, skip_reason: str | None,
-                   opts: PortOptions) -> tuple[Result, Attempt | None]:
+                   opts: PortSpec) -> tuple[Result, Attempt | None]:
     import trio
 
     from adapters.pane import ActionAgent
@@ -172,6 +173,8 @@ async def _execute(action: PaneAction, mux: Multiplexer, target: str, agent: str
             print(f"kernel: {signal.Signals(signum).name}: cancelling the attempt",
                   file=sys.stderr)
             run_scope.cancel()
+
+    from batteries.runner import open_ports
 
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with (open_ports(opts, delivery=capture, warnings=warnings) as ports,

@@ -32,7 +32,7 @@ from .dbopt import DB_HELP, STORE_OPTION
 if TYPE_CHECKING:
     from batteries.batch import TaskOutcome
     from batteries.store import BatchRow, BatchStore, BatchTask
-    from kernel import Limits
+    from kernel import AgentSpec, Limits, LoopSpec
 
 
 BATCH_HELP = """Run every line of TASKS.jsonl as a supervised, audited run, N at a time.
@@ -190,10 +190,9 @@ def read_tasks(text: str, where: str, *, caller: str, cwd: str) -> list[Parsed]:
 
 
 def _task(obj: dict[str, Any], n: int, where: str, *, caller: str, cwd: str) -> Parsed:
-    from kernel import ConfigError, Limits
+    from kernel import CommandSpec, ConfigError, Limits, PortSpec, RunSpec
 
-    from .run_cmd import agent_spec, info_to_dict, limits_to_dict, plan_from_spec, ports_to_dict
-    from .wiring import PortOptions
+    from .run_cmd import agent_spec, plan_from_spec
 
     def bad(key: str | None, why: str) -> TaskLineError:
         return TaskLineError(where, n, key, why)
@@ -227,7 +226,7 @@ def _task(obj: dict[str, Any], n: int, where: str, *, caller: str, cwd: str) -> 
             if (not isinstance(argv, list) or not argv
                     or not all(isinstance(a, str) for a in argv)):
                 raise bad("command", "expects a non-empty list of strings")
-            spec: dict[str, Any] = {"kind": "command", "argv": list(argv), "context": ctx}
+            spec: CommandSpec | LoopSpec | AgentSpec = CommandSpec(tuple(argv), ctx)
         elif kind == "loop":
             path = obj["loop"]
             if not isinstance(path, str) or not path:
@@ -265,11 +264,10 @@ def _task(obj: dict[str, Any], n: int, where: str, *, caller: str, cwd: str) -> 
                                          durations["checkpoint_interval"] or 0.0))
     except ConfigError as exc:
         raise bad(None, str(exc).replace("Limits.", "")) from None
-    opts = PortOptions(no_critic=flags["no_critic"], soft_timeout=soft,
-                       idle_timeout=durations["idle_timeout"],
-                       model_timeout=durations["model_timeout"], tool_timeout=tool)
-    run_spec = {"agent": spec, "info": info_to_dict(info), "limits": limits_to_dict(limits),
-                "ports": ports_to_dict(opts), "cwd": cwd}
+    opts = PortSpec(no_critic=flags["no_critic"], soft_timeout=soft,
+                    idle_timeout=durations["idle_timeout"],
+                    model_timeout=durations["model_timeout"], tool_timeout=tool)
+    run_spec = RunSpec(spec, info, limits, opts, cwd=cwd).to_dict()
     return Parsed(n, task_id, run_spec, ctx)
 
 
@@ -355,11 +353,12 @@ class _Args:
 def _prepare_new(tasks_file: str, db: str | None, concurrency: int, name: str | None,
                  patterns: list[str]) -> _Args:
     from batteries.batch import new_batch_id
+    from batteries.checkpoint import stored_spec
     from batteries.redact import env_patterns
     from batteries.store import BatchTask
-    from kernel import ConfigError
+    from kernel import ConfigError, RunSpec
 
-    from .run_cmd import make_redactor, stored_spec
+    from .run_cmd import make_redactor
 
     if tasks_file == "-":
         text, where = sys.stdin.read(), "<stdin>"
@@ -385,7 +384,7 @@ def _prepare_new(tasks_file: str, db: str | None, concurrency: int, name: str | 
     tasks = []
     quick = not patterns and not env_patterns(os.environ)
     for p in parsed:
-        spec = _stored(p, redactor, quick) or stored_spec(p.spec, redactor)
+        spec = _stored(p, redactor, quick) or stored_spec(RunSpec.from_dict(p.spec), redactor)
         spec["batch"] = {"batch_id": batch_id, "task_id": p.task_id}
         tasks.append(BatchTask(p.task_id, p.spec["info"]["run_id"], spec))
     source = "<stdin>" if tasks_file == "-" else str(Path(tasks_file).resolve())
@@ -484,7 +483,7 @@ def _prepare_resume(wanted: str, db: str | None, context: list[str]) -> _Args:
 
 def _build(spec: Mapping[str, Any], given: Any = None) -> tuple[Any, Any, Limits]:
     """A task's run spec -> (agent, info, limits); secrets put back from `given`."""
-    from kernel import ConfigError, Limits, RunInfo
+    from kernel import ConfigError, RunSpec
 
     from .run_cmd import plan_from_spec
 
@@ -495,16 +494,17 @@ def _build(spec: Mapping[str, Any], given: Any = None) -> tuple[Any, Any, Limits
         if restored is None:
             raise ConfigError(why or "its secrets are not stored")
         spec = restored
-    plan = plan_from_spec(dict(spec["agent"]), quiet=True)
+    run_spec = RunSpec.from_dict(spec)
+    plan = plan_from_spec(run_spec, quiet=True)
     if getattr(plan.agent, "inherit_stdin", False):
         plan.agent.inherit_stdin = False  # many commands at once: none reads our stdin
-    info = RunInfo(**spec["info"])
-    return plan.agent, info, Limits(**spec["limits"])
+    return plan.agent, run_spec.info, run_spec.limits
 
 
 def _critics() -> Any:
     """Per-task critic thresholds -> one critic per distinct set (shared by its tasks)."""
-    from .wiring import PortOptions, _make_critic
+    from batteries.runner import make_critic
+    from kernel import PortSpec
 
     made: dict[tuple[Any, ...], Any] = {}
 
@@ -513,7 +513,7 @@ def _critics() -> Any:
         key = (bool(p.get("no_critic")), p.get("soft_timeout"), p.get("idle_timeout"),
                p.get("model_timeout"), p.get("tool_timeout"))
         if key not in made:
-            made[key] = None if key[0] else _make_critic(PortOptions(
+            made[key] = None if key[0] else make_critic(PortSpec(
                 soft_timeout=key[1], idle_timeout=key[2], model_timeout=key[3],
                 tool_timeout=key[4]))
         return made[key]
@@ -525,11 +525,11 @@ async def _execute(args: _Args, *, json_out: bool) -> int:
     import trio
 
     from batteries.batch import BatchBusyError, BatchRunner, KernelDispatch
-    from kernel import PortFailure
+    from batteries.runner import open_ports
+    from kernel import PortFailure, PortSpec
 
     from . import batch_progress
     from .recover_cmd import _stop_leftovers
-    from .wiring import PortOptions, open_ports
 
     warnings: list[PortFailure] = []
     counts: Counter[str] = Counter()
@@ -556,7 +556,7 @@ async def _execute(args: _Args, *, json_out: bool) -> int:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP,
                                    signal.SIGQUIT) as signals:
         journals: list[Any] = []
-        async with open_ports(PortOptions(db=args.db, no_critic=True), warnings=warnings,
+        async with open_ports(PortSpec(db=args.db, no_critic=True), warnings=warnings,
                               redactor=args.redactor, journals=journals) as ports:
             journal = journals[0]
             given = args.given

@@ -1,4 +1,4 @@
-"""Loop files on the command line: `build_loop` for `kernel run`, and `kernel validate`.
+"""Loop files on the command line: `kernel validate` (and `build_loop`, warning on stderr).
 
 Nothing heavy is imported at module import: the loop adapter (and PyYAML
 behind it) loads inside the functions, so `kernel --help` stays fast.
@@ -62,75 +62,16 @@ def build_loop(path: str, context: Mapping[str, str], *, scenario: str | None = 
                mcp_command: Sequence[str] | None = None,
                on_output: Callable[[str, bytes], None] | None = None,
                ) -> tuple[Agent, RunInfo, Limits]:
-    """The agent, run description and bounds for `kernel run LOOP.yaml`.
+    """`adapters.specs.build_loop` with the CLI's terminal: warnings on stderr by default,
+    and a dry run without a scenario asks on the terminal (`ask_on_terminal`) when
+    stdin is one."""
+    from adapters.specs import build_loop as build
 
-    Args:
-        path: The loop file.
-        context: `--context KEY=VALUE` pairs; they override the file's `context`.
-        scenario: Dry-run results (all-pass | all-fail | all-error | first-fail |
-            alternating); None asks on the terminal (`ask_on_terminal`) when stdin
-            is one, else all-pass. A dry run fills context the loop lacks (and
-            empty `required_inputs`) with `<name>` placeholders.
-        judge: Where `llm_structured` verdicts come from (the LLM adapter);
-            None makes those evaluations `error` verdicts saying so.
-        on_line: Called with ("stdout" | "stderr", line) for every action output line.
-        warn: Called with each one-line warning about the file (default: stderr).
-            The warnings are also written to the run's audit at its first step.
-        prompt_command: The command prompt actions run, prompt appended
-            (default: `claude -p`).
-        mcp_command: The command mcp_tool actions run, tool and JSON params
-            appended (default: `mcp-call`).
-        on_output: Called with ("stdout" | "stderr", bytes) for every chunk an
-            action prints, untouched (the CLI's byte-exact echo).
-
-    Raises:
-        ConfigError: one line naming the file, line and key of the first error
-            (a malformed file, a missing context variable, an unknown scenario).
-    """
-    from adapters.loop import SCENARIOS, LoopAgent, check_loop
-    from adapters.loop import LoopFileError as _LoopFileError
-    from kernel import ConfigError, Limits, RunInfo
-
-    if scenario is not None and scenario not in SCENARIOS:
-        raise ConfigError(f"unknown --scenario {scenario!r} (choose from {', '.join(SCENARIOS)})")
-    dry = scenario is not None
-    context = dict(context)
-    # A dry run executes nothing: context it lacks is a placeholder, not an error.
-    report = check_loop(path, context=context, context_required=not dry)
-    if not report.ok or report.spec is None:
-        raise _LoopFileError(report.problems)
-    spec = report.spec
-    if dry and report.missing_context:
-        for name in sorted(report.missing_context):
-            context[name] = f"<{name}>"
-    missing = [k for k in spec.required_inputs if not str(context.get(k, spec.context.get(
-        k, "")) or "")]
-    if missing and dry:
-        context.update({k: f"<{k}>" for k in missing})
-    elif missing:
-        raise ConfigError(f"{path}: loop '{spec.name}' requires input '{missing[0]}' "
-                          f"(required_inputs): pass --context {missing[0]}=VALUE")
-    warnings = [f"warning: {p}" for p in report.warnings if not (
-        dry and "is not defined (pass --context" in p.message)]
-    if warn is not None:
-        for line in warnings:
-            warn(line)
-    commands: dict[str, Any] = {}
-    if prompt_command is not None:
-        commands["prompt_command"] = tuple(prompt_command)
-    if mcp_command is not None:
-        commands["mcp_command"] = tuple(mcp_command)
     ask = ask_on_terminal if scenario is None and sys.stdin is not None and \
         sys.stdin.isatty() else None
-    agent = LoopAgent(spec, context=dict(context), judge=judge, scenario=scenario, ask=ask,
-                      on_line=on_line, on_output=on_output, warnings=warnings, **commands)
-    info = RunInfo(name=spec.name, subject_id=f"loop:{spec.name}",
-                   inputs={"loop": str(path), "context": dict(context)})
-    limits = spec.limits()
-    if limits.timeout is None:
-        # The file set no timeout: the kernel's default backstop applies.
-        limits = Limits(max_steps=limits.max_steps, tool_timeout=None)
-    return agent, info, limits
+    return build(path, context, scenario=scenario, judge=judge, on_line=on_line, warn=warn,
+                 prompt_command=prompt_command, mcp_command=mcp_command, on_output=on_output,
+                 ask=ask)
 
 
 def parse_pairs(pairs: list[str]) -> dict[str, str]:

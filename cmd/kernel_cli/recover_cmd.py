@@ -22,7 +22,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import os
 import sys
 from dataclasses import dataclass
 from functools import partial
@@ -47,7 +46,6 @@ from .run_cmd import (
     parse_context,
     plan_from_spec,
 )
-from .wiring import PortOptions
 
 
 def register(app: typer.Typer) -> None:
@@ -246,7 +244,7 @@ def _resume_one(saved: Any, *, db: str | None, json_out: bool, given: _Given) ->
     """Rebuild and resume one run; returns its exit code."""
     import trio
 
-    from kernel import ConfigError, Limits, RunInfo
+    from kernel import ConfigError, RunSpec
 
     short = ids.short_id(saved.run_id)
     _stop_leftovers(saved.run_id, db=db)
@@ -262,37 +260,28 @@ def _resume_one(saved: Any, *, db: str | None, json_out: bool, given: _Given) ->
             print(f"kernel: run {short} cannot resume: {why}", file=sys.stderr)
             return 2
         saved = dataclasses.replace(saved, spec=restored)
-    spec = saved.spec
-    agent_spec = spec["agent"]
-    if agent_spec.get("kind") == "command":
+    if saved.spec["agent"].get("kind") == "command":
         why = "a plain command has no resumable state; run it again with `kernel run`"
         return _lose(saved, why, db=db)
-    cwd = spec.get("cwd")
-    if cwd and os.path.isdir(cwd):
-        os.chdir(cwd)
     try:
-        plan = plan_from_spec(agent_spec, quiet=json_out)
+        spec = RunSpec.from_dict(saved.spec)
+        if db is not None:
+            spec = dataclasses.replace(spec, ports=dataclasses.replace(spec.ports, db=db))
+        plan = plan_from_spec(spec, quiet=json_out)
     except ConfigError as exc:
         print(f"kernel: run {short} cannot be rebuilt: {exc}", file=sys.stderr)
         return 2
     if not callable(getattr(plan.agent, "snapshot", None)):
         why = f"a {type(plan.agent).__name__} keeps no resumable state"
         return _lose(saved, why, db=db)
-    info = RunInfo(**spec["info"])
-    limits = Limits(**spec["limits"])
-    ports = dict(spec.get("ports") or {})
-    ports["webhooks"] = tuple(ports.get("webhooks") or ())
-    opts = PortOptions(**ports)
-    if db is not None:
-        opts.db = db
     try:
-        redactor = make_redactor(dict(agent_spec.get("context") or {}), given.redact)
+        redactor = make_redactor(dict(spec.agent.context), given.redact)
     except ConfigError as exc:
         print(f"{error_prefix()} {exc}", file=sys.stderr)
         return 2
     print(f"kernel: resuming run {short} from step {saved.checkpoint.steps}", file=sys.stderr)
-    result = trio.run(partial(_execute, plan.agent, info, limits, opts, spec=spec,
-                              resume=saved.checkpoint, redactor=redactor))
+    result = trio.run(partial(_execute, spec, plan.agent, resume=saved.checkpoint,
+                              redactor=redactor))
     code = exit_code(result, command=False)
     _report(result, code, json_out=json_out, echo_output=not plan.echoes)
     return code

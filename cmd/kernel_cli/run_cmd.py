@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import codecs
 import contextlib
-import dataclasses
 import json
 import os
-import shlex
 import signal
 import sys
 from dataclasses import dataclass, field
@@ -20,12 +18,21 @@ import typer
 from .dbopt import DB_HELP, store_option
 
 if TYPE_CHECKING:
-    from kernel import Checkpoint, Limits, Result, RunInfo
+    from kernel import (
+        Agent,
+        AgentSpec,
+        Checkpoint,
+        CommandSpec,
+        Limits,
+        LoopSpec,
+        Result,
+        RunInfo,
+        RunSpec,
+    )
 
 
 from . import numbers
 from .ids import short_id
-from .wiring import PortOptions, open_ports
 
 RUN_HELP = """Run CMD (after --), a LOOP.yaml state machine, or an --agent, under supervision.
 
@@ -211,7 +218,7 @@ def run(
         rich_help_panel=_STORAGE),
 ) -> None:
     """Run one thing, supervised and audited, and exit with its status's code."""
-    from kernel import ConfigError, Limits
+    from kernel import ConfigError, Limits, PortSpec, RunSpec
 
     # A scenario only decides simulated verdicts: it never runs a loop for real.
     dry_run = dry_run or scenario is not None
@@ -254,19 +261,16 @@ def run(
             traces_url(otlp)
         except ConfigError as exc:
             _fail(f"--otlp: {exc}")
-    opts = PortOptions(db=db, no_audit=no_audit, no_critic=no_critic,
-                       soft_timeout=soft_timeout, idle_timeout=idle_timeout,
-                       model_timeout=model_timeout, tool_timeout=tool_timeout,
-                       deliver_dir=deliver_dir, webhooks=tuple(webhook or ()), otlp=otlp)
+    opts = PortSpec(db=db, no_audit=no_audit, no_critic=no_critic,
+                    soft_timeout=soft_timeout, idle_timeout=idle_timeout,
+                    model_timeout=model_timeout, tool_timeout=tool_timeout,
+                    deliver_dir=deliver_dir, webhooks=tuple(webhook or ()), otlp=otlp)
     import trio
 
-    run_spec = stored_spec(
-        {"agent": spec, "info": info_to_dict(info), "limits": limits_to_dict(limits),
-         "ports": ports_to_dict(opts), "cwd": os.getcwd()}, redactor)
+    run_spec = RunSpec(agent=spec, info=info, limits=limits, ports=opts, cwd=os.getcwd())
     journals: list[Any] = []
     try:
-        result = trio.run(partial(_execute, plan.agent, info, limits, opts,
-                                  spec=None if dry_run else run_spec, redactor=redactor,
+        result = trio.run(partial(_execute, run_spec, plan.agent, redactor=redactor,
                                   journals=journals))
     except ConfigError as exc:
         _fail(str(exc))
@@ -290,33 +294,6 @@ def make_redactor(context: dict[str, str], patterns: list[str]) -> Any:
     from batteries.redact import Redactor
 
     return Redactor.from_env(context=context, patterns=patterns)
-
-
-def stored_spec(spec: dict[str, Any], redactor: Any) -> dict[str, Any]:
-    """The run spec as the checkpoint stores it: secrets replaced, and listed under `redacted`.
-
-    Secret-named context keys lose their values whole (whatever their
-    length); everything else is redacted like the audit. `redacted` holds the
-    key path of every value that changed, which is what `kernel resume` must
-    be given again (see recover_cmd).
-    """
-    out: dict[str, Any] = redactor.value(spec)
-    agent_ctx = spec["agent"].get("context")
-    if isinstance(agent_ctx, dict):
-        out["agent"]["context"] = redactor.context(agent_ctx)
-    out["info"]["inputs"] = redactor.inputs(spec["info"].get("inputs") or {})
-    out["redacted"] = [p for p in _changed(spec, out, []) if p[0] != "info"]
-    return out
-
-
-def _changed(before: Any, after: Any, path: list[Any]) -> list[list[Any]]:
-    """Key paths where `after` differs from `before` (same shape, strings replaced)."""
-    if isinstance(before, dict) and isinstance(after, dict):
-        return [p for k, v in before.items() for p in _changed(v, after.get(k), [*path, k])]
-    if isinstance(before, (list, tuple)) and isinstance(after, (list, tuple)):
-        return [p for i, (a, b) in enumerate(zip(before, after, strict=False))
-                for p in _changed(a, b, [*path, i])]
-    return [] if before == after else [path]
 
 
 # ----------------------------------------------------------------- planning
@@ -353,17 +330,17 @@ def parse_context(pairs: list[str]) -> dict[str, str]:
 def agent_spec(args: list[str], ctx_vars: dict[str, str], *, agent: str | None,
                model: str | None, base_url: str | None, prompt: str | None, cmd: str | None,
                api_key_env: str | None, allow_shell: bool, scenario: str | None,
-               target: str | None = None, max_turns: int | None = None) -> dict[str, Any]:
-    """What to run, as a JSON-ready spec (kept with the checkpoint, for `kernel resume`)."""
-    from kernel import ConfigError
+               target: str | None = None, max_turns: int | None = None,
+               ) -> CommandSpec | LoopSpec | AgentSpec:
+    """What to run, from the options (kept in the run spec, for `kernel resume`)."""
+    from kernel import AgentSpec, CommandSpec, ConfigError, LoopSpec
 
     if agent is not None:
         if args:
             raise ConfigError("--agent takes no command or loop file; use --prompt/--cmd")
-        return {"kind": "agent", "agent": agent, "model": model, "base_url": base_url,
-                "prompt": prompt, "cmd": cmd, "api_key_env": api_key_env,
-                "allow_shell": allow_shell, "context": ctx_vars, "target": target,
-                "max_turns": max_turns}
+        return AgentSpec(agent=agent, model=model, base_url=base_url, prompt=prompt, cmd=cmd,
+                         api_key_env=api_key_env, allow_shell=allow_shell, context=ctx_vars,
+                         target=target, max_turns=max_turns)
     if target is not None:
         raise ConfigError("--target is for --agent pane")
     if max_turns is not None:
@@ -374,80 +351,37 @@ def agent_spec(args: list[str], ctx_vars: dict[str, str], *, agent: str | None,
         path = args[0]
         if not Path(path).exists():  # the loader refuses FIFOs, devices, directories
             raise ConfigError(f"loop file not found: {path}")
-        return {"kind": "loop", "path": str(Path(path).resolve()), "context": ctx_vars,
-                "scenario": scenario, "model": model, "base_url": base_url,
-                "api_key_env": api_key_env}
+        return LoopSpec(path=str(Path(path).resolve()), context=ctx_vars, scenario=scenario,
+                        model=model, base_url=base_url, api_key_env=api_key_env)
     if scenario is not None:
         raise ConfigError("--scenario applies to loop files only")
-    return {"kind": "command", "argv": list(args), "context": ctx_vars}
+    return CommandSpec(argv=tuple(args), context=ctx_vars)
 
 
-def plan_from_spec(spec: dict[str, Any], *, quiet: bool) -> Plan:
-    """Build the agent a spec describes (ConfigError for anything wrong with it)."""
-    from kernel import ConfigError, RunInfo
+def plan_from_spec(spec: RunSpec | CommandSpec | LoopSpec | AgentSpec, *, quiet: bool) -> Plan:
+    """Build the agent a spec describes (`adapters.agent_from_spec`; ConfigError if wrong).
 
-    kind = spec.get("kind")
-    ctx_vars = dict(spec.get("context") or {})
-    if kind == "agent":
-        try:
-            from . import agents
-        except ModuleNotFoundError as exc:
-            raise ConfigError(f"--agent {spec['agent']}: agent adapters are not installed "
-                              f"({exc})") from exc
-        built_agent, info = agents.build_agent(
-            spec["agent"], model=spec.get("model"), base_url=spec.get("base_url"),
-            prompt=spec.get("prompt"), cmd=spec.get("cmd"),
-            api_key_env=spec.get("api_key_env"), allow_shell=bool(spec.get("allow_shell")),
-            context=ctx_vars, target=spec.get("target"), max_turns=spec.get("max_turns"))
-        return Plan(built_agent, info)
-    if kind == "loop":
-        path = spec["path"]
-        if not Path(path).exists():  # the loader refuses FIFOs, devices, directories
-            raise ConfigError(f"loop file not found: {path}")
-        try:
-            from . import loops
-        except ModuleNotFoundError as exc:
-            raise ConfigError(f"{path}: the loop adapter is not installed ({exc})") from exc
-        from .judges import llm_judge
+    The CLI's terminal I/O goes in here: output echoed byte-exact unless
+    `quiet`, loop-file warnings on stderr, a command reading our stdin (as
+    under `timeout(1)`), a loop's dry run asking on the terminal.
+    """
+    from adapters import agent_from_spec
+    from kernel import CommandSpec, LoopSpec, RunSpec
 
-        judge = llm_judge(model=spec.get("model"), base_url=spec.get("base_url"),
-                          api_key_env=spec.get("api_key_env"))
-        loop_agent, info, loop_limits = loops.build_loop(
-            path, ctx_vars, scenario=spec.get("scenario"), judge=judge,
-            on_output=None if quiet else _echo)
-        return Plan(loop_agent, info, limits=loop_limits, echoes=not quiet)
-    if kind == "command":
-        from adapters.shell import ShellAgent
+    what = spec.agent if isinstance(spec, RunSpec) else spec
+    from .loops import ask_on_terminal
 
-        argv = list(spec["argv"])
-        env = {f"KERNEL_CTX_{k.upper().replace('-', '_').replace('.', '_')}": v
-               for k, v in ctx_vars.items()}
-        # Like timeout(1): the command reads our stdin (a pipe, a file, the terminal).
-        shell = ShellAgent(argv, env=env or None, on_output=None if quiet else _echo,
-                           inherit_stdin=True)
-        info = RunInfo(name=shlex.join(argv)[:200], subject_id=os.path.basename(argv[0]),
-                       inputs={"argv": argv, "context": ctx_vars})
-        return Plan(shell, info, is_command=True, echoes=not quiet)
-    raise ConfigError(f"unknown run kind {kind!r} in the run spec")
+    # A dry run without --scenario asks on the terminal, when there is one.
+    ask = ask_on_terminal if sys.stdin is not None and sys.stdin.isatty() else None
+    built = agent_from_spec(spec, on_output=None if quiet else _echo, warn=_stderr,
+                            inherit_stdin=True, ask=ask)
+    return Plan(built.agent, built.info, is_command=isinstance(what, CommandSpec),
+                limits=built.limits,
+                echoes=not quiet and isinstance(what, (CommandSpec, LoopSpec)))
 
 
-def info_to_dict(info: RunInfo) -> dict[str, Any]:
-    """A RunInfo as JSON-ready fields."""
-    return {"run_id": info.run_id, "name": info.name, "subject_id": info.subject_id,
-            "caller_id": info.caller_id, "channel_id": info.channel_id,
-            "parent_run_id": info.parent_run_id, "inputs": info.inputs}
-
-
-def limits_to_dict(limits: Limits) -> dict[str, Any]:
-    """Limits as JSON-ready fields (rebuilt with `Limits(**d)`)."""
-    return dataclasses.asdict(limits)
-
-
-def ports_to_dict(opts: PortOptions) -> dict[str, Any]:
-    """The port options a run was started with, for resuming it the same way."""
-    d = dataclasses.asdict(opts)
-    d["webhooks"] = list(opts.webhooks)
-    return d
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr)
 
 
 _DECODERS: dict[str, codecs.IncrementalDecoder] = {}
@@ -485,80 +419,36 @@ def _write(stream: str, chunk: bytes) -> None:
 # ---------------------------------------------------------------- execution
 
 
-class _Capture:
-    """A Delivery that keeps the result, so a cancelled run still reports one."""
-
-    result: Result | None = None
-
-    async def deliver(self, result: Result) -> None:
-        self.result = result
-
-
 def _storage(journals: list[Any]) -> dict[str, Any] | None:
     """What the run's journal transactions cost (wait for the write lock, longest one)."""
     return journals[0].store.stats.as_dict() if journals else None
 
 
-async def _execute(agent: Any, info: RunInfo, limits: Limits, opts: PortOptions, *,
-                   spec: dict[str, Any] | None = None, resume: Checkpoint | None = None,
+def _cancelling(sig: signal.Signals) -> None:
+    with contextlib.suppress(OSError, ValueError):  # the terminal may be gone
+        print(f"kernel: {sig.name}: cancelling the run", file=sys.stderr)
+
+
+async def _execute(spec: RunSpec, agent: Agent, *, resume: Checkpoint | None = None,
                    redactor: Any = None, journals: list[Any] | None = None) -> Result:
+    """`batteries.runner.run_spec` under the CLI's signal policy, with live progress."""
     import trio
 
-    from kernel import Kernel, PortFailure
+    from batteries.runner import SignalPolicy, run_spec
 
     from . import progress
 
-    capture = _Capture()
-    warnings: list[PortFailure] = []
-    # SIGHUP (the terminal closed) and SIGQUIT are a shutdown like SIGTERM: the
-    # run is cancelled, its command stopped, and it stays resumable.
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP,
-                                   signal.SIGQUIT) as signals:
-        async with open_ports(opts, delivery=capture, warnings=warnings,
-                              redactor=redactor, journals=journals) as ports:
-            # No live line for dry runs: a loop simulation may ask questions on the terminal.
-            live = (progress.Progress(info.name, limits.timeout)
-                    if progress.wanted() and not limits.dry_run else None)
-            if live is not None:
-                ports.audit = progress.ProgressAudit(ports.audit, live)
-            register = getattr(ports.checkpointer, "register", None)
-            if spec is not None and register is not None:
-                try:
-                    await register(info.run_id, spec)
-                except Exception as exc:  # an observer: the run goes on, unrecoverable
-                    warnings.append(PortFailure("checkpointer", "register", str(exc)))
-                    ports.checkpointer = None
-            kernel = Kernel(ports)
-            async with trio.open_nursery() as nursery:
-                run_scope = trio.CancelScope()
-                if live is not None:
-                    nursery.start_soon(progress.show, live)
-
-                got: list[int] = []
-
-                async def on_signal() -> None:
-                    async for signum in signals:
-                        got.append(signum)
-                        with contextlib.suppress(OSError, ValueError):  # the terminal may be gone
-                            print(f"kernel: {signal.Signals(signum).name}: cancelling the run",
-                                  file=sys.stderr)
-                        run_scope.cancel()
-
-                nursery.start_soon(on_signal)
-                with run_scope:
-                    await kernel.run(agent, info, limits, resume=resume)
-                nursery.cancel_scope.cancel()
-            if got and got[0] == signal.SIGINT and ports.checkpointer is not None:
-                # Ctrl-C is a person deciding to stop: not a run for `kernel recover`.
-                # SIGTERM (a shutdown) leaves the checkpoint in place to resume.
-                with trio.CancelScope(shield=True):
-                    try:
-                        await ports.checkpointer.fail(info.run_id, "cancelled with Ctrl-C")
-                    except Exception as exc:
-                        warnings.append(PortFailure("checkpointer", "fail", str(exc)))
-    result = capture.result
-    assert result is not None, "the kernel delivers every result"
-    result.port_failures[:0] = warnings
+    # No live line for dry runs: a loop simulation may ask questions on the terminal.
+    live = (progress.Progress(spec.info.name, spec.limits.timeout)
+            if progress.wanted() and not spec.limits.dry_run else None)
+    async with trio.open_nursery() as nursery:
+        if live is not None:
+            nursery.start_soon(progress.show, live)
+        result = await run_spec(
+            spec, agent, resume=resume, signals=SignalPolicy(on_signal=_cancelling),
+            redactor=redactor, journals=journals,
+            wrap_audit=None if live is None else partial(progress.ProgressAudit, progress=live))
+        nursery.cancel_scope.cancel()
     return result
 
 

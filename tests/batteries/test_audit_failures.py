@@ -21,6 +21,7 @@ import pytest
 from batteries.audit import AuditBusyError, DuckDBAudit, Store, sync
 from batteries.audit.queries import dicts
 from batteries.budget import JournalBudget
+from batteries.runner import open_ports
 from batteries.store import Journal, journal_path
 from kernel import (
     AuditWriteError,
@@ -33,8 +34,8 @@ from kernel import (
     Status,
     Step,
 )
+from kernel import PortSpec as PortOptions
 from kernel.testing import ScriptedAgent
-from kernel_cli.wiring import PortOptions, open_ports
 
 PROCS = Path(__file__).with_name("audit_procs.py")
 

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 from batteries.critic import CriticPolicy, WatchCritic
+from batteries.runner import make_critic as _make_critic
 from kernel import ConfigError
-from kernel_cli.wiring import PortOptions, _make_critic
+from kernel import PortSpec as PortOptions
 
 
 def kernel(exe: str, env: dict[str, str], *args: str, timeout: float = 30

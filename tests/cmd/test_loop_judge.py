@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kernel_cli.judges import parse_answer
+from adapters.llm import parse_answer
 
 pytestmark = pytest.mark.realtime
 

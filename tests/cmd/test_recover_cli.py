@@ -103,6 +103,50 @@ class TestRecover:
                                env=cli_env, timeout=60)
         assert again.returncode == 0 and "no interrupted runs" in again.stderr
 
+    def test_spec_stored_before_versions_resumes(self, kernel_exe: str,
+                                                 cli_env: dict[str, str],
+                                                 tmp_path: Path) -> None:
+        """A run whose spec has no version field (as main stored it) still resumes, once."""
+        import sqlite3
+
+        from batteries.store import journal_path
+
+        loop = tmp_path / "count.yaml"
+        loop.write_text(COUNTER)
+        marker = tmp_path / "ticks"
+        proc = subprocess.Popen(
+            [kernel_exe, "run", "--no-critic", str(loop), "-c", f"marker={marker}"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env, cwd=tmp_path)
+        deadline = time.monotonic() + 30
+        while ticks(marker) < 2:
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the loop never reached its kill point"
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        con = sqlite3.connect(journal_path(cli_env["KERNEL_DB"]))
+        with con:
+            [(run_id, text)] = con.execute("SELECT run_id, spec FROM checkpoints").fetchall()
+            stored = json.loads(text)
+            assert stored.pop("version") == 1
+            # Main's document: these keys, in this order, and nothing else.
+            old = {"agent": stored["agent"], "info": stored["info"],
+                   "limits": stored["limits"], "ports": stored["ports"],
+                   "cwd": stored["cwd"], "redacted": stored["redacted"]}
+            assert old == stored
+            con.execute("UPDATE checkpoints SET spec = ? WHERE run_id = ?",
+                        [json.dumps(old), run_id])
+        con.close()
+        rec = subprocess.run([kernel_exe, "resume", "last", "--json"], capture_output=True,
+                             text=True, env=cli_env, timeout=120)
+        assert rec.returncode == 0, rec.stderr
+        result = json.loads(rec.stdout)
+        assert result["status"] == "ok" and str(result["output"]).strip() == "6"
+        [row] = query(cli_env, kernel_exe,
+                      "SELECT count(*) AS n, count(DISTINCT seq) AS d, max(seq) AS hi, "
+                      "count(*) FILTER (WHERE kind = 'resumed') AS resumed FROM events")
+        assert row["n"] == row["d"] == int(row["hi"]) + 1 and row["resumed"] == 1, row
+
     def test_command_cannot_resume(self, kernel_exe: str, cli_env: dict[str, str]) -> None:
         """A SIGKILLed plain command is reported as not resumable, clearly, and given up."""
         proc = subprocess.Popen([kernel_exe, "run", "--no-critic", "--", "sleep", "30.789"],

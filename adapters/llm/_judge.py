@@ -1,11 +1,11 @@
-"""Wire the LLM adapter into loops: the `llm_structured` evaluator's verdict source.
+"""The LLM verdict source for loops: `llm_structured` evaluations answered by a model.
 
 A loop's `llm_structured` evaluation asks a model whether a state's output
-met its goal. The loop adapter only knows the `VerdictSource` protocol; this
-module (in the CLI, the one place that joins adapters) answers it with a
-chat-completions call through `adapters.llm.ChatClient`, so the same
-`--model`, `--base-url` and `--api-key-env` that drive `--agent llm` also
-judge loop states.
+met its goal. The loop adapter only knows the `VerdictSource` protocol;
+`llm_judge` answers it with a chat-completions call through `ChatClient`, so
+the same model, base URL and key variable that drive an LLM agent also
+judge loop states. A host passes it to `LoopAgent(judge=...)`;
+`adapters.agent_from_spec` does so for a `LoopSpec`.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ def llm_judge(*, model: str | None, base_url: str | None,
 
     async def judge(request: JudgeRequest) -> Mapping[str, Any]:
         nonlocal client
-        from adapters.llm import DEFAULT_BASE_URL, ChatClient, parse_completion
+        from ._client import DEFAULT_BASE_URL, ChatClient
+        from ._protocol import parse_completion
 
         chosen = request.model or model
         if not chosen:
