@@ -77,7 +77,7 @@ from kernel import (
     UsageLimits,
 )
 
-from .store import ClaimRun, Journal, Owner, StoreError
+from .store import ClaimRun, Journal, Owner, StoreError, open_store
 
 __all__ = [
     "RayDispatch",
@@ -236,7 +236,7 @@ async def _run_task(call: WorkerCall, run_id: str, task_id: str, spec: dict[str,
         info = RunInfo(name=str(raw.get("name") or task_id),
                        caller_id=str(raw.get("caller_id") or ""))
     info.run_id = run_id
-    async with Journal.open(call.store) as journal:
+    async with Journal.open(store=_open(call.store)) as journal:
         ports = (call.ports or default_ports)(journal)
         if resume is not None and ports.budget is not None:
             ports = dataclasses.replace(ports, budget=_AdmittedBudget(journal))
@@ -246,6 +246,13 @@ async def _run_task(call: WorkerCall, run_id: str, task_id: str, spec: dict[str,
             # budget reservation and the first audit rows land together or not at all.
             await register(run_id, dict(spec))
         return await Kernel(ports).run(agent, info, limits, resume=resume)
+
+
+def _open(store: str) -> Any:
+    """The shared store named by `store`: a PostgreSQL URL, or the analysts' file path."""
+    if store.startswith(("postgresql://", "postgres://")):
+        return open_store(url=store)
+    return open_store(store)
 
 
 def run_on_worker(call: WorkerCall, run_id: str, task_id: str, spec: dict[str, Any],
