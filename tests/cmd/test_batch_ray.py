@@ -58,11 +58,12 @@ class Task:
                                      "info": {"name": f"t{i}", "caller_id": self.caller}}
 
 
-def kernel(kernel_exe: str, env: dict[str, str], *args: str) -> Any:
+def kernel(kernel_exe: str, env: dict[str, str], *args: str) -> list[Any]:
+    """A `kernel` command's JSON lines (lists are one object a line)."""
     out = subprocess.run([kernel_exe, *args], capture_output=True, text=True, env=env,
                          timeout=WAIT)
     assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
+    return [json.loads(line) for line in out.stdout.splitlines()]
 
 
 def _lines(p: Path) -> list[str]:
@@ -134,5 +135,5 @@ async def test_200_runs_on_two_nodes_one_killed_each_runs_once(
     answered = kernel(kernel_exe, cli_env, "query", sql, "--format", "json", *store)
     assert answered == [{"runs": RUNS, "ids": RUNS, "ok": 170,
                          "resumed": len(dispatch.retries)}]
-    budget = kernel(kernel_exe, cli_env, "budget", "show", "capped", "--json", *store)
+    [budget] = kernel(kernel_exe, cli_env, "budget", "show", "capped", "--json", *store)
     assert budget["runs"] == BUDGET
