@@ -172,3 +172,60 @@ def test_a_bad_ray_field_is_one_line_and_nothing_runs(
     [line] = out.stderr.splitlines()
     assert ":2" in line and says in line, line
     assert out.stdout == ""
+
+
+@pytest.mark.timeout(4 * WAIT)
+def test_a_killed_driver_s_batch_is_resumed_on_the_cluster(
+        cluster: RayCluster, tmp_path: Path, kernel_exe: str,
+        cli_env: dict[str, str]) -> None:
+    """`kernel batch --ray` SIGKILLed with 8 runs in flight: Ray stops their workers (and
+    the workers' lifelines their commands); `--resume last --ray` claims each run through
+    Ray and finishes the batch, every side effect once."""
+    import psutil
+
+    d = tmp_path
+    lines = []
+    for i in range(12):
+        script = (f"echo {i} $$ >> {d}/started; while [ ! -e {d}/gate ]; do sleep 0.05; "
+                  f"done; echo {i} >> {d}/side")
+        lines.append(json.dumps({"id": f"t{i}", "command": ["sh", "-c", script],
+                                 "ray": {"num_cpus": 0.5}}))
+    (d / "tasks.jsonl").write_text("\n".join(lines) + "\n")
+    env = {**cli_env, **ray_env()}
+    batch = [kernel_exe, "batch", "--ray", cluster.address, "--json"]
+    proc = subprocess.Popen([*batch, str(d / "tasks.jsonl"), "--concurrency", "8"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+
+    def started() -> list[tuple[int, int]]:
+        p = d / "started"
+        return [(int(a), int(b)) for a, b in
+                (line.split() for line in p.read_text().splitlines())] if p.exists() else []
+
+    try:
+        until(lambda: len(started()) >= SLOTS, "8 runs at the gate", proc)
+    finally:
+        proc.kill()
+        proc.communicate(timeout=WAIT)
+    pids = [pid for _, pid in started()]
+
+    def running(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + WAIT
+    while any(running(p) for p in pids):
+        assert time.monotonic() < deadline, "the dead driver's commands are still running"
+        time.sleep(0.1)
+    (d / "gate").touch()
+
+    resumed = subprocess.run([*batch, "--resume", "last"], capture_output=True, text=True,
+                             env=env, timeout=WAIT)
+    assert resumed.returncode == 0, resumed.stderr
+    outcomes = [json.loads(line) for line in resumed.stdout.splitlines()]
+    assert sorted(o["task_id"] for o in outcomes) == sorted(f"t{i}" for i in range(12))
+    assert {o["status"] for o in outcomes} == {"ok"}
+    assert sum(o["resumed"] for o in outcomes) == SLOTS
+    assert sorted(int(i) for i in (d / "side").read_text().split()) == list(range(12))
