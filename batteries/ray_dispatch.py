@@ -52,32 +52,20 @@ reservation.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import trio
 
-from kernel import (
-    AgentError,
-    Checkpoint,
-    Kernel,
-    Limits,
-    Ports,
-    Result,
-    RunContext,
-    RunInfo,
-    Status,
-    Step,
-    Usage,
-    UsageLimits,
-)
+from kernel import Checkpoint, Ports, Result, Status
 
-from .store import ClaimRun, Journal, Owner, StoreError
+from .batch import AgentBuilder, BatchTask, KernelDispatch
+from .store import ClaimRun, Journal, Owner, StoreError, open_store
 
 __all__ = [
     "RayDispatch",
@@ -86,11 +74,6 @@ __all__ = [
     "WorkerCall",
     "run_on_worker",
 ]
-
-#: Builds what a run spec describes: (agent, info, limits). Raises for a spec it cannot build.
-AgentBuilder = Callable[[Mapping[str, Any]], tuple[Any, RunInfo, Limits]]
-#: Makes a worker's ports from its journal (audit, budget, checkpointer, critic).
-PortsFactory = Callable[[Journal], Ports]
 
 
 class RunHeldElsewhereError(StoreError):
@@ -177,85 +160,58 @@ def default_ports(journal: Journal) -> Ports:
                  checkpointer=JournalCheckpointer(journal), critic=WatchCritic())
 
 
+@asynccontextmanager
+async def open_default_ports(store: str) -> AsyncIterator[Ports]:
+    """`default_ports` on a journal opened on the shared store (closed afterwards)."""
+    async with Journal.open(store=_open(store)) as journal:
+        yield default_ports(journal)
+
+
+def _open(store: str) -> Any:
+    """The shared store named by `store`: a PostgreSQL URL, or the analysts' file path."""
+    if store.startswith(("postgresql://", "postgres://")):
+        return open_store(url=store)
+    return open_store(store)
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerCall:
-    """What every worker needs to run a task: the shared store and how to build agents.
+    """What every worker needs to run a task: the shared store, how to build and wire it.
 
-    Sent to the workers with each task (Ray pickles it), so `build` and
-    `ports` must be importable on the workers (module-level functions of an
-    installed package, which is what Ray's pickling sends by reference).
+    Sent to the workers with each task (Ray pickles it), so its functions
+    must be importable on the workers (module-level functions of an
+    installed package, or partials of them, which Ray sends by reference).
 
     Attributes:
-        store: The shared store: the analysts' file path on a shared machine,
-            or a PostgreSQL URL.
+        store: The shared store: a PostgreSQL URL, or (a cluster on one
+            machine) the analysts' file path.
         build: Turns a run spec into (agent, info, limits).
-        ports: Makes the worker's ports from its journal (None: `default_ports`).
+        ports: Opens the worker's ports on the store, an async context manager
+            (None: `open_default_ports`).
+        critic_for: Picks a critic per spec (`KernelDispatch`'s).
+        redacted: The specs were redacted when the batch was stored.
     """
 
     store: str
     build: AgentBuilder
-    ports: PortsFactory | None = None
+    ports: Callable[[str], AbstractAsyncContextManager[Ports]] | None = None
+    critic_for: Callable[[Mapping[str, Any]], Any] | None = None
+    redacted: bool = False
 
 
-class _Unbuildable:
-    """An agent whose only step fails, so a spec that cannot be built still ends audited."""
-
-    def __init__(self, why: str) -> None:
-        self.why = why
-
-    async def step(self, ctx: RunContext) -> Step:
-        raise AgentError(self.why)
-
-
-class _AdmittedBudget:
-    """The budget of a resumed run: it was reserved when the run first opened.
-
-    Gives the caps the caller has left (so a resumed run stays inside them)
-    and never refuses or reserves again; a caller with no budget gets None.
-    """
-
-    def __init__(self, journal: Journal) -> None:
-        self.journal = journal
-
-    async def check(self, caller_id: str) -> UsageLimits | None:
-        found = await self.journal.read(self.journal.store.budget, caller_id)
-        return None if found is None else found.remaining()
-
-    async def commit(self, caller_id: str, runtime_seconds: float, usage: Usage) -> None:
-        return None
+async def _run_task(call: WorkerCall, task: BatchTask, resume: Checkpoint | None) -> Result:
+    async with (call.ports or open_default_ports)(call.store) as ports:
+        # The batch's own dispatcher, in this process: it registers the run under this
+        # worker (in the run's opening transaction, with the budget reservation and the
+        # first audit rows) and gives a resumed run the budget it was admitted with.
+        dispatch = KernelDispatch(ports, call.build, critic_for=call.critic_for,
+                                  redacted=call.redacted)
+        return await dispatch(task, resume)
 
 
-async def _run_task(call: WorkerCall, run_id: str, task_id: str, spec: dict[str, Any],
-                    resume: Checkpoint | None) -> Result:
-    try:
-        agent, info, limits = call.build(spec)
-    except Exception as exc:
-        agent, limits = _Unbuildable(f"cannot build the run: {exc}"), Limits()
-        got = spec.get("info")
-        raw: dict[str, Any] = got if isinstance(got, dict) else {}
-        info = RunInfo(name=str(raw.get("name") or task_id),
-                       caller_id=str(raw.get("caller_id") or ""))
-    info.run_id = run_id
-    async with Journal.open(call.store) as journal:
-        ports = (call.ports or default_ports)(journal)
-        if resume is not None and ports.budget is not None:
-            ports = dataclasses.replace(ports, budget=_AdmittedBudget(journal))
-        register = getattr(ports.checkpointer, "register", None)
-        if register is not None:
-            # Deferred: written by the run's opening transaction, so the lease, the
-            # budget reservation and the first audit rows land together or not at all.
-            await register(run_id, dict(spec))
-        return await Kernel(ports).run(agent, info, limits, resume=resume)
-
-
-def run_on_worker(call: WorkerCall, run_id: str, task_id: str, spec: dict[str, Any],
-                  resume: Checkpoint | None) -> Result:
-    """Run one task to its end in this process (the body of the Ray task).
-
-    Opens the shared store, builds the agent from the spec, registers the
-    run under this process and runs it (resuming from `resume` if given).
-    """
-    return trio.run(_run_task, call, run_id, task_id, spec, resume)
+def run_on_worker(call: WorkerCall, task: BatchTask, resume: Checkpoint | None) -> Result:
+    """Run one task to its end in this process (the body of the Ray task)."""
+    return trio.run(_run_task, call, task, resume)
 
 
 def _holder_gone(owner: Owner) -> bool:
@@ -341,12 +297,11 @@ class RayDispatch:
         await self.connect()
         opts = (self.options_for(task) if self.options_for else RayOptions()).ray_kwargs()
         opts.setdefault("scheduling_strategy", "SPREAD")
-        spec = dict(task.spec)
+        one = BatchTask(task.task_id, task.run_id, dict(task.spec))
         attempt = 0
         while True:
             attempt += 1
-            ref = self._remote.options(**opts).remote(self.call, task.run_id, task.task_id,
-                                                      spec, resume)
+            ref = self._remote.options(**opts).remote(self.call, one, resume)
             try:
                 return await self._get(ref)
             except rex.RayTaskError as exc:

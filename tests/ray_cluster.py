@@ -103,6 +103,7 @@ class RayCluster:
     def start(self) -> None:
         """Start the head, then each worker node, waiting for each to be alive."""
         self.temp.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(parents=True, exist_ok=True)
         port = _free_port()
         self._spawn("head", ["--head", f"--port={port}", "--num-cpus=0",
                              "--include-dashboard=false", f"--temp-dir={self.temp}"])

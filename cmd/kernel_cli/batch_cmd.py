@@ -17,11 +17,12 @@ import signal
 import sys
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager, redirect_stdout
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 import typer
 
@@ -32,7 +33,7 @@ from .dbopt import DB_HELP, STORE_OPTION
 if TYPE_CHECKING:
     from batteries.batch import TaskOutcome
     from batteries.store import BatchRow, BatchStore, BatchTask
-    from kernel import AgentSpec, Limits, LoopSpec
+    from kernel import AgentSpec, Limits, LoopSpec, Ports
 
 
 BATCH_HELP = """Run every line of TASKS.jsonl as a supervised, audited run, N at a time.
@@ -47,6 +48,8 @@ limits `kernel run` takes: "timeout", "soft_timeout", "idle_timeout",
 "model_timeout", "tool_timeout" (seconds or "90s", "5m", "2h"...),
 "max_steps", "checkpoint_interval", "no_critic"; agents also take "model",
 "base_url", "cmd", "api_key_env", "allow_shell", "target", "max_turns".
+With --ray, "ray": {"num_cpus": 0.5, "resources": {"NAME": 1}, "memory": BYTES}
+is what the run holds on the cluster (default: one CPU).
 The whole file is checked first: a bad line is one error naming its line
 number and field (exit 2), and nothing runs. Blank lines are skipped.
 
@@ -55,6 +58,8 @@ number and field (exit 2), and nothing runs. Blank lines are skipped.
   kernel batch tasks.jsonl --json | jq .status     one JSON line per finished run
   kernel batch --list                              batches, newest first
   kernel batch --resume b7kq2xmp                   finish an interrupted batch
+  kernel batch tasks.jsonl --ray auto --store postgresql://db/kernel
+                                                   spread the runs over a Ray cluster
 
 The batch id is printed on stderr when the batch starts. A batch whose
 process died (or was stopped by SIGTERM, SIGHUP or Ctrl-C) is resumed with
@@ -71,7 +76,7 @@ line, an empty file, an unknown batch, a batch another process is running);
 #: Keys of a task line, by where they go.
 _COMMON = frozenset({"id", "name", "caller", "context", "timeout", "soft_timeout",
                      "idle_timeout", "model_timeout", "tool_timeout", "max_steps",
-                     "checkpoint_interval", "no_critic"})
+                     "checkpoint_interval", "no_critic", "ray"})
 _KIND_KEYS = {"command": frozenset(),
               "loop": frozenset({"model", "base_url", "api_key_env"}),
               "agent": frozenset({"prompt", "model", "base_url", "cmd", "api_key_env",
@@ -113,6 +118,11 @@ def batch(
         None, "--redact", metavar="REGEX",
         help="Also redact what this regular expression matches from everything stored "
              "(repeatable)."),
+    ray_address: str | None = typer.Option(
+        None, "--ray", metavar="auto|ADDRESS",
+        help="Run on a Ray cluster ('auto': $RAY_ADDRESS or the local one; else its head's "
+             "host:port). Every node needs run-kernel[ray] and the same --store (a "
+             "postgresql:// URL; a --db path only when all nodes share this machine)."),
 ) -> None:
     """Run a file of runs; exit 0 only if every run ended ok."""
     from kernel import AuditError, ConfigError
@@ -130,9 +140,24 @@ def batch(
             runner_args = _prepare_new(tasks_file, db, concurrency, name, redact or [])
     except (ConfigError, AuditError) as exc:
         _fail(str(exc))
+    if ray_address is not None:
+        if not ray_address.strip():
+            _fail("--ray expects auto or the head's host:port")
+        try:
+            import ray  # noqa: F401  (only to say what is missing before anything runs)
+        except ModuleNotFoundError:
+            _fail("--ray needs Ray: pip install 'run-kernel[ray]'")
+        runner_args.ray = ray_address.strip()
     import trio
 
-    code = trio.run(partial(_execute, runner_args, json_out=json_out))
+    run = partial(_execute, runner_args, json_out=json_out, results=sys.stdout)
+    if runner_args.ray is None:
+        code = trio.run(run)
+    else:
+        # A Ray driver prints the cluster's messages ("node ... marked dead") on
+        # sys.stdout: they go to stderr, so stdout keeps only the results.
+        with redirect_stdout(sys.stderr):
+            code = trio.run(run)
     raise typer.Exit(code)
 
 
@@ -268,6 +293,13 @@ def _task(obj: dict[str, Any], n: int, where: str, *, caller: str, cwd: str) -> 
                     idle_timeout=durations["idle_timeout"],
                     model_timeout=durations["model_timeout"], tool_timeout=tool)
     run_spec = RunSpec(spec, info, limits, opts, cwd=cwd).to_dict()
+    if "ray" in obj:
+        from batteries.ray_dispatch import RayOptions
+
+        try:
+            run_spec["ray"] = RayOptions.parse(obj["ray"]).to_dict()
+        except ValueError as exc:
+            raise bad("ray", str(exc)) from None
     return Parsed(n, task_id, run_spec, ctx)
 
 
@@ -348,6 +380,7 @@ class _Args:
     given: Any = None  # recover_cmd._Given on resume
     total: int = 0
     redact: list[str] = field(default_factory=list)
+    ray: str | None = None  # --ray: the cluster's address
 
 
 def _prepare_new(tasks_file: str, db: str | None, concurrency: int, name: str | None,
@@ -494,11 +527,41 @@ def _build(spec: Mapping[str, Any], given: Any = None) -> tuple[Any, Any, Limits
         if restored is None:
             raise ConfigError(why or "its secrets are not stored")
         spec = restored
-    run_spec = RunSpec.from_dict(spec)
+    # A stored task is a run spec plus where to place it ("ray"); the run needs the spec.
+    run_spec = RunSpec.from_dict({k: v for k, v in spec.items() if k != "ray"})
     plan = plan_from_spec(run_spec, quiet=True)
     if getattr(plan.agent, "inherit_stdin", False):
         plan.agent.inherit_stdin = False  # many commands at once: none reads our stdin
     return plan.agent, run_spec.info, run_spec.limits
+
+
+def _ray_dispatch(args: _Args, journal: Any) -> Any:
+    """`--ray`: the runs go to Ray workers, each opening the same store with the CLI's ports."""
+    from batteries.audit.paths import resolve_db_path
+    from batteries.ray_dispatch import RayDispatch, RayOptions, WorkerCall
+    from batteries.store import store_url
+
+    store = store_url() or str(resolve_db_path(args.db))
+    call = WorkerCall(store, partial(_build, given=args.given),
+                      ports=partial(worker_ports, db=args.db, redactor=args.redactor),
+                      critic_for=_critics(), redacted=True)
+    return RayDispatch(journal, call, address=args.ray or "auto",
+                       options_for=lambda task: RayOptions.parse(task.spec.get("ray")))
+
+
+@asynccontextmanager
+async def worker_ports(store: str, *, db: str | None, redactor: Any) -> AsyncIterator[Ports]:
+    """A Ray worker's ports: the CLI's own (one journal on the shared store), on the worker."""
+    from batteries.runner import open_ports
+    from batteries.store import choose
+    from kernel import PortSpec
+
+    if store.startswith(("postgresql://", "postgres://")):
+        choose(store)
+    else:
+        db = store
+    async with open_ports(PortSpec(db=db, no_critic=True), redactor=redactor) as ports:
+        yield ports
 
 
 def _critics() -> Any:
@@ -521,7 +584,7 @@ def _critics() -> Any:
     return critic_for
 
 
-async def _execute(args: _Args, *, json_out: bool) -> int:
+async def _execute(args: _Args, *, json_out: bool, results: TextIO) -> int:
     import trio
 
     from batteries.batch import BatchBusyError, BatchRunner, KernelDispatch
@@ -541,8 +604,8 @@ async def _execute(args: _Args, *, json_out: bool) -> int:
         if json_out:
             doc = out.to_dict()
             doc["batch_id"] = args.batch_id
-            sys.stdout.write(json.dumps(doc, default=str) + "\n")
-            sys.stdout.flush()
+            results.write(json.dumps(doc, default=str) + "\n")
+            results.flush()
         if not out.ok:
             failed.append(out)
             if live is None and not json_out:
@@ -560,8 +623,17 @@ async def _execute(args: _Args, *, json_out: bool) -> int:
                               redactor=args.redactor, journals=journals) as ports:
             journal = journals[0]
             given = args.given
-            dispatch = KernelDispatch(ports, lambda spec: _build(spec, given),
-                                      critic_for=_critics(), redacted=True)
+            dispatch: Any
+            if args.ray is not None:
+                dispatch = _ray_dispatch(args, journal)
+                try:
+                    await dispatch.connect()
+                except ConnectionError as exc:
+                    print(f"kernel batch: error: {exc}", file=sys.stderr)
+                    return 2
+            else:
+                dispatch = KernelDispatch(ports, lambda spec: _build(spec, given),
+                                          critic_for=_critics(), redacted=True)
             runner = BatchRunner(journal, dispatch, concurrency=args.concurrency,
                                  before_resume=before_resume)
             try:
