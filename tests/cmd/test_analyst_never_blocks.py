@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -80,9 +81,16 @@ def test_a_held_analyst_file_blocks_no_run(kernel_exe: str, cli_env: dict[str, s
     assert all(r["port_failures"] == [] for r in runs)
     waits = sorted(r["storage"]["max_wait_ms"] for r in runs)
     assert all(r["storage"]["transactions"] == 2 for r in runs)
-    assert waits[-1] < 100, waits[-5:]
+    # The writers wait only for each other (the analyst's file is not on the write path).
+    # A writer descheduled while it holds the lock makes the others wait as long: 100 ms
+    # is the bound on a machine with a core per runnable process, scaled by the run queue
+    # beyond that, so that load alone cannot fail this test.
+    load = os.getloadavg()[0] / (os.cpu_count() or 1)
+    bound = 100 * max(1.0, load)
     print(f"{len(runs)} runs in {busy:.1f}s under a held analyst file; journal lock wait "
-          f"p50 {waits[len(waits) // 2]:.3f} ms, max {waits[-1]:.3f} ms")
+          f"p50 {waits[len(waits) // 2]:.3f} ms, max {waits[-1]:.3f} ms "
+          f"(bound {bound:.0f} ms at load {load:.1f} per core)")
+    assert waits[-1] < bound, waits[-5:]
     with Store(db).reader() as cur:  # synced now that the file is free
         audited = cur.execute("SELECT count(*) FROM runs WHERE caller_id LIKE 'w%' "
                               "AND status = 'ok'").fetchall()[0][0]

@@ -43,7 +43,7 @@ def test_a_budget_holds_across_processes_and_every_command_sees_them(
 
     listed = kernel(kernel_exe, cli_env, "runs", "--json", "--limit", "50", *store)
     assert listed.returncode == 0, listed.stderr
-    runs = json.loads(listed.stdout)
+    runs = [json.loads(line) for line in listed.stdout.splitlines()]  # JSON lines
     assert sorted(r["status"] for r in runs) == ["budget_exceeded"] * 3 + ["ok"] * 5
 
     stats = kernel(kernel_exe, cli_env, "stats", "--by", "status", "--json", *store)
