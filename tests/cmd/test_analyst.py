@@ -446,8 +446,9 @@ class TestPurgeAndExport:
         assert code == 0
         written = [Path(p) for p in out.split()]
         assert [p.name for p in written] == [
-            "runs.parquet", "events.parquet", "schema_version.parquet", "budget_spend.parquet",
-            "budgets.parquet", "checkpoints.parquet", "sync_state.parquet"]
+            "runs.parquet", "events.parquet", "schema_version.parquet", "batch_tasks.parquet",
+            "batches.parquet", "budget_spend.parquet", "budgets.parquet", "checkpoints.parquet",
+            "sync_state.parquet"]
         con = duckdb.connect()
         counts = [con.execute(f"SELECT count(*) FROM read_parquet('{p}')").fetchall()[0][0]
                   for p in written[:3]]
