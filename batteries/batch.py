@@ -189,6 +189,7 @@ class KernelDispatch:
         self.build = build
         self.critic_for = critic_for
         self.redacted = redacted
+        self._kernels: dict[int, Kernel] = {}
 
     async def __call__(self, task: BatchTask, resume: Checkpoint | None) -> Result:
         spec = task.spec
@@ -201,12 +202,17 @@ class KernelDispatch:
             info = RunInfo(name=str(raw.get("name") or task.task_id),
                            caller_id=str(raw.get("caller_id") or ""))
         info.run_id = task.run_id
-        ports = self.ports
-        if self.critic_for is not None:
-            ports = dataclasses.replace(ports, critic=self.critic_for(spec))
+        critic = self.critic_for(spec) if self.critic_for is not None else self.ports.critic
+        # One kernel per critic, reused: a kernel's watcher follows all its runs.
+        kernel = self._kernels.get(id(critic))
+        if kernel is None:
+            kernel = self._kernels[id(critic)] = Kernel(
+                dataclasses.replace(self.ports, critic=critic))
+        ports = kernel.ports
         journal = getattr(ports.budget, "journal", None)
         if resume is not None and isinstance(journal, Journal):
             ports = dataclasses.replace(ports, budget=AdmittedBudget(journal))
+            kernel = Kernel(ports)
         register = getattr(ports.checkpointer, "register", None)
         if register is not None:
             # A resumed run is registered again: it is held by this process now.
@@ -214,7 +220,7 @@ class KernelDispatch:
                 await register(task.run_id, dict(spec), redacted=True)
             else:
                 await register(task.run_id, dict(spec))
-        return await Kernel(ports).run(agent, info, limits, resume=resume)
+        return await kernel.run(agent, info, limits, resume=resume)
 
 
 class AdmittedBudget:

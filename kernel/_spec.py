@@ -18,6 +18,7 @@ with one line saying so, never guessed at.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import types
 import typing
@@ -284,12 +285,18 @@ def _known(data: Mapping[str, Any], names: typing.Iterable[str], where: str) -> 
             raise ConfigError(f"run spec: unknown field {where}{key}")
 
 
+@functools.cache
+def _shape(cls: Any) -> tuple[dict[str, Any], dict[str, dataclasses.Field[Any]]]:
+    """`cls`'s resolved annotations and fields, worked out once per class: resolving
+    string annotations is ~0.4 ms a class, which a batch of 1,000 specs paid 4,000 times."""
+    return typing.get_type_hints(cls), {f.name: f for f in dataclasses.fields(cls)}
+
+
 def _build(cls: Any, data: Any, where: str) -> Any:
     """`cls(**data)` after checking every field's type against `cls`'s annotations."""
     if not isinstance(data, Mapping):
         raise ConfigError(f"run spec: {where} must be an object, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints, fields = _shape(cls)
     _known(data, fields, f"{where}.")
     values: dict[str, Any] = {}
     for name, f in fields.items():

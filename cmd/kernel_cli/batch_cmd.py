@@ -532,6 +532,9 @@ def _build(spec: Mapping[str, Any], given: Any = None) -> tuple[Any, Any, Limits
     plan = plan_from_spec(run_spec, quiet=True)
     if getattr(plan.agent, "inherit_stdin", False):
         plan.agent.inherit_stdin = False  # many commands at once: none reads our stdin
+    cwd = spec.get("cwd")
+    if getattr(plan.agent, "cwd", "") is None and isinstance(cwd, str) and os.path.isdir(cwd):
+        plan.agent.cwd = cwd  # where the batch started, also when it is resumed elsewhere
     return plan.agent, run_spec.info, run_spec.limits
 
 

@@ -306,3 +306,15 @@ def test_help_documents_exit_codes(kernel_exe: str, cli_env: dict[str, str]) -> 
     """--help says what the exit codes are."""
     out = batch(kernel_exe, cli_env, "--help").stdout
     assert "0 every run ended ok" in out and "1 at least one did not" in out
+
+
+def test_a_resumed_command_runs_where_the_batch_started(tmp_path: Path) -> None:
+    """A command task is rebuilt in the directory its batch was started from, wherever the
+    resume runs."""
+    from kernel_cli.batch_cmd import _build
+
+    spec = {"agent": {"kind": "command", "argv": ["pwd"], "context": {}},
+            "info": {"name": "pwd", "run_id": "ab" * 16}, "limits": {}, "cwd": str(tmp_path)}
+    agent, info, _ = _build(spec)
+    assert agent.cwd == str(tmp_path) and not agent.inherit_stdin
+    assert info.run_id == "ab" * 16

@@ -1,0 +1,163 @@
+"""`kernel batch` against `xargs -P`: the same short commands, measured in the same run.
+
+    python bench/bench_batch.py                          # 1,000 commands, concurrency 32
+    python bench/bench_batch.py --tasks 1000 --concurrency 32 --repeat 3
+
+Each task is `sh -c 'echo N >> FILE'`. Per repeat, in alternating order:
+`xargs -P C -I{} sh -c 'echo {} >> FILE'` over the numbers 1..N (the
+baseline), then `kernel batch TASKS.jsonl --concurrency C --json` (the
+installed executable, as a user runs it: the time includes start-up, reading
+and validating the task file, storing the batch, every run with its audit,
+budget check, checkpoint registration and critic, and the last journal
+transaction). After each batch the analysts' file is brought up to date
+(`kernel sync`, not timed) and read back: every task's run must be there
+exactly once, `ok`, with exactly one `run_start` and one `run_end` event,
+bound to its task in `batch_runs`; and each side-effect file must hold every
+number once. Any miss fails the bench (exit 1).
+
+Prints wall seconds and CPU seconds (the process and its children, from
+`getrusage(RUSAGE_CHILDREN)`; the CPU figure moves less with other work on
+the machine), the ratio of batch to xargs for both, and the load average
+before and after (the machine is shared). The target is a wall ratio of at
+most 1.5 (issue 19); the figure is reported, not asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def _timed(argv: list[str], **kw: Any) -> tuple[float, float, subprocess.CompletedProcess[bytes]]:
+    c0, t0 = _cpu(), time.perf_counter()
+    done = subprocess.run(argv, capture_output=True, check=False, **kw)
+    return time.perf_counter() - t0, _cpu() - c0, done
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    # As on a user's machine: bytecode is cached (this machine sets the variable).
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env.setdefault("KERNEL_CALLER", "bench")
+    return env
+
+
+def _kernel() -> str:
+    exe = Path(sys.executable).with_name("kernel")
+    return str(exe) if exe.exists() else "kernel"
+
+
+def run_xargs(work: Path, n: int, concurrency: int) -> tuple[float, float]:
+    out = work / "xargs.effects"
+    numbers = "".join(f"{i}\n" for i in range(n)).encode()
+    c0, t0 = _cpu(), time.perf_counter()
+    done = subprocess.run(["xargs", "-P", str(concurrency), "-I{}", "sh", "-c",
+                           f"echo {{}} >> {out}"], input=numbers, capture_output=True,
+                          check=False)
+    wall, cpu = time.perf_counter() - t0, _cpu() - c0
+    if done.returncode != 0:
+        sys.exit(f"xargs failed: {done.stderr.decode()[-500:]}")
+    _check_effects(out, n, "xargs")
+    out.unlink()
+    return wall, cpu
+
+
+def run_batch(work: Path, n: int, concurrency: int, repeat: int) -> tuple[float, float]:
+    out = work / f"batch{repeat}.effects"
+    tasks = work / f"tasks{repeat}.jsonl"
+    tasks.write_text("".join(json.dumps({"id": f"t{i}", "command": [
+        "sh", "-c", f"echo {i} >> {out}"]}) + "\n" for i in range(n)))
+    db = work / "audit.duckdb"
+    wall, cpu, done = _timed([_kernel(), "batch", str(tasks), "--concurrency",
+                              str(concurrency), "--json", "--db", str(db)], env=_env())
+    if done.returncode != 0:
+        sys.exit(f"kernel batch exited {done.returncode}: {done.stderr.decode()[-800:]}")
+    lines = [json.loads(x) for x in done.stdout.decode().splitlines()]
+    batch_id = lines[0]["batch_id"]
+    if len(lines) != n or {x["status"] for x in lines} != {"ok"}:
+        sys.exit(f"kernel batch: {len(lines)} result lines, statuses "
+                 f"{sorted({x['status'] for x in lines})}")
+    _check_effects(out, n, "kernel batch")
+    _check_audit(db, batch_id, n)
+    out.unlink()
+    return wall, cpu
+
+
+def _check_effects(path: Path, n: int, who: str) -> None:
+    got = sorted(int(x) for x in path.read_text().split())
+    if got != list(range(n)):
+        sys.exit(f"{who}: side effects wrong: {len(got)} lines, {len(set(got))} distinct")
+
+
+def _check_audit(db: Path, batch_id: str, n: int) -> None:
+    """Every task's run read back from the analysts' file, once, ok, with its events."""
+    env = _env()
+    subprocess.run([_kernel(), "sync", "--db", str(db)], check=True, capture_output=True,
+                   env=env)
+    sql = (f"SELECT count(*) AS tasks, count(DISTINCT run_id) AS runs, "
+           f"count(*) FILTER (WHERE status = 'ok') AS ok, "
+           f"(SELECT count(*) FROM events e JOIN batch_tasks t USING (run_id) "
+           f" WHERE t.batch_id = '{batch_id}' AND e.kind = 'run_start') AS starts, "
+           f"(SELECT count(*) FROM events e JOIN batch_tasks t USING (run_id) "
+           f" WHERE t.batch_id = '{batch_id}' AND e.kind = 'run_end') AS ends, "
+           f"(SELECT count(*) FROM runs r JOIN batch_tasks t USING (run_id) "
+           f" WHERE t.batch_id = '{batch_id}') AS rows "
+           f"FROM batch_runs WHERE batch_id = '{batch_id}'")
+    done = subprocess.run([_kernel(), "query", sql, "--format", "json", "--db", str(db)],
+                          check=True, capture_output=True, env=env)
+    [row] = [json.loads(x) for x in done.stdout.decode().splitlines() if x.strip()]
+    want = {"tasks": n, "runs": n, "ok": n, "starts": n, "ends": n, "rows": n}
+    if row != want:
+        sys.exit(f"audit read back {row}, expected {want}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tasks", type=int, default=1000)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--repeat", type=int, default=3)
+    a = ap.parse_args()
+    rows = []
+    load0 = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="bench-batch-") as tmp:
+        work = Path(tmp)
+        # Warm-up (not counted): the bytecode cache and the journal exist afterwards.
+        run_batch(work, 20, a.concurrency, -1)
+        for r in range(a.repeat):
+            if r % 2 == 0:
+                xw, xc = run_xargs(work, a.tasks, a.concurrency)
+                bw, bc = run_batch(work, a.tasks, a.concurrency, r)
+            else:
+                bw, bc = run_batch(work, a.tasks, a.concurrency, r)
+                xw, xc = run_xargs(work, a.tasks, a.concurrency)
+            rows.append((xw, xc, bw, bc))
+            print(f"repeat {r + 1}: xargs {xw:.2f}s wall {xc:.2f}s cpu | kernel batch "
+                  f"{bw:.2f}s wall {bc:.2f}s cpu | ratio wall {bw / xw:.2f} cpu {bc / xc:.2f}")
+    load1 = os.getloadavg()
+    med = [statistics.median(x) for x in zip(*rows, strict=True)]
+    ratios = sorted(b / x for x, _, b, _ in rows)
+    print(f"{a.tasks} commands at concurrency {a.concurrency}, {a.repeat} repeats (median): "
+          f"xargs -P {a.concurrency} {med[0]:.2f}s wall {med[1]:.2f}s cpu; kernel batch "
+          f"{med[2]:.2f}s wall {med[3]:.2f}s cpu; wall ratio {statistics.median(ratios):.2f} "
+          f"(best {ratios[0]:.2f}, worst {ratios[-1]:.2f}), cpu ratio "
+          f"{med[3] / med[1]:.2f}")
+    print(f"every run audited once (read back after sync); load average "
+          f"{load0[0]:.1f} before, {load1[0]:.1f} after, on {os.cpu_count()} CPUs")
+
+
+if __name__ == "__main__":
+    main()
