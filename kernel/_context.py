@@ -127,8 +127,11 @@ class RunContext:
         """Run `agent` as a child run: same kernel and ports, `parent_run_id` set to this run.
 
         The child gets its own `runs` row and status; this run records
-        `child_start`/`child_end` events. With `limits=None` the child inherits
-        this run's limits, bounded by what is left of this run's deadline.
+        `child_start`/`child_end` events. `info` is not changed (the child runs
+        with a copy carrying `parent_run_id`). With `limits=None` the child
+        inherits this run's limits, bounded by what is left of this run's
+        deadline. Either way it is held to what is left of this run's usage
+        caps, and what it uses counts against them once it ends.
         """
         return await self._run_child(agent, info, limits)
 
