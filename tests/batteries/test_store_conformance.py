@@ -184,8 +184,9 @@ class TestLeases:
         [taken] = store.commit(None, [ClaimRun("r1", me)])
         assert taken is (kind == "postgres")
 
-class TestHeartbeats:
-    """The shared store's alone: on one machine liveness is proved by the pid."""
+class TestSharedStore:
+    """The shared store's alone: heartbeats (on one machine liveness is proved by the pid),
+    and a feed cursor that stays exact while transactions commit out of order."""
 
     @pytest.fixture
     def store(self, pg_url: str) -> Iterator[Any]:
@@ -229,6 +230,29 @@ class TestHeartbeats:
         assert beat is not None and beat.is_alive()
         store.close()
         assert not beat.is_alive()
+
+
+    def test_a_row_committed_late_is_synced_once(self, store: Any, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+        """A slow transaction that wrote first and commits last: the sync in between copies
+        nothing of what committed after it started, the next one copies both, once."""
+        import psycopg
+
+        monkeypatch.setenv("KERNEL_STORE", store.url)
+        db = tmp_path / "kernel.duckdb"
+        store.commit(None, [])  # create the tables
+        insert = ("INSERT INTO kernel.events (run_id, seq, ts, kind) VALUES (%s, 0, 0, 'x')")
+        with psycopg.connect(store.url) as slow, \
+                psycopg.connect(store.url, autocommit=True) as fast:
+            slow.execute(insert, ("slow",))  # its transaction stays open
+            fast.execute(insert, ("fast",))  # committed now, by a later transaction
+            early = sync(db)
+            slow.commit()
+        late = sync(db)
+        assert (early.events, late.events) == (0, 2)
+        with Store(db).reader(fresh=False) as cur:
+            assert sorted(cur.execute("SELECT run_id FROM events").fetchall()) == \
+                [("fast",), ("slow",)]
 
 
 class TestBudgets:
