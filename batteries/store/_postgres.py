@@ -638,7 +638,7 @@ class PostgresStore:
         held = (holder.host, holder.pid, holder.started)
         mine = held == (me.host, me.pid, me.started)
         # A dispatcher that proved the holder dead (e.g. Ray: its node died) names it.
-        proof: Owner | None = getattr(op, "gone", None)
+        proof = op.gone
         proven = proof is not None and held == (proof.host, proof.pid, proof.started)
         if not (mine or proven or self._holder_gone(holder, row[4])):
             return False

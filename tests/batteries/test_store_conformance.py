@@ -167,6 +167,16 @@ class TestLeases:
         store.commit(None, [RegisterRun("r1", SPEC, Owner(me.host, me.pid, me.started - 1))])
         assert store.commit(None, [ClaimRun("r1", me)]) == [True]
 
+    def test_a_holder_proved_gone_by_the_claimer(self, store: RunStore) -> None:
+        """A claimer with proof of the holder's death (a dispatcher saw its node die) takes
+        the run over from any host; proof about another owner is no proof."""
+        remote = Owner("another-host.example", 4242, 99)
+        store.commit(None, [RegisterRun("r1", SPEC, remote)])
+        me = Owner.me()
+        wrong = Owner("another-host.example", 4242, 98)
+        assert store.commit(None, [ClaimRun("r1", me, gone=wrong)]) == [False]
+        assert store.commit(None, [ClaimRun("r1", me, gone=remote)]) == [True]
+
     def test_finished_runs_cannot_be_claimed(self, store: RunStore) -> None:
         store.commit(None, [RegisterRun("r1", SPEC, _dead_owner()), FinishRun("r1", "failed")])
         assert store.commit(None, [ClaimRun("r1", Owner.me())]) == [False]
