@@ -775,6 +775,23 @@ class PostgresStore:
                                 _utc(beat)))
         return out
 
+    def interrupted(self) -> list[SavedRun]:
+        """Runs still marked `running` whose holder is provably gone: released, gone from
+        this host (`Owner.gone`), or silent on another host for longer than the lease."""
+        silent = dict(self._silences())
+        return [r for r in self.saved_runs(running=True)
+                if self._holder_gone(r.owner, silent.get(r.run_id))]
+
+    def _silences(self) -> list[tuple[str, int | None]]:
+        """(run_id, microseconds since its heartbeat by the server's clock) of running runs."""
+        with self._read() as con:
+            if con is None:
+                return []
+            rows: list[tuple[str, int | None]] = con.execute(
+                f"SELECT run_id, {NOW} - heartbeat_at FROM checkpoints "
+                f"WHERE status = 'running'").fetchall()
+        return rows
+
     def payloads(self, run_id: str, kind: str) -> list[str]:
         """The payloads of run `run_id`'s events of `kind`, in seq order."""
         with self._read() as con:

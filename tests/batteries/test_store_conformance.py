@@ -167,6 +167,20 @@ class TestLeases:
         store.commit(None, [RegisterRun("r1", SPEC, Owner(me.host, me.pid, me.started - 1))])
         assert store.commit(None, [ClaimRun("r1", me)]) == [True]
 
+    def test_interrupted_lists_what_a_recoverer_may_take(self, store: RunStore,
+                                                         kind: str) -> None:
+        """A dead local holder's run is interrupted; a live one's and a fresh remote one's
+        are not; a remote one silent past the lease is, on the shared store only."""
+        store.commit(None, [RegisterRun("dead", SPEC, _dead_owner()),
+                            RegisterRun("live", SPEC, Owner.me()),
+                            RegisterRun("remote", SPEC, Owner("elsewhere.example", 9, 1)),
+                            RegisterRun("done", SPEC, _dead_owner()),
+                            FinishRun("done", "completed")])
+        assert [r.run_id for r in store.interrupted()] == ["dead"]
+        _sql(store, "UPDATE checkpoints SET heartbeat_at = heartbeat_at - 120000000")
+        expected = ["dead", "remote"] if kind == "postgres" else ["dead"]
+        assert [r.run_id for r in store.interrupted()] == expected
+
     def test_a_holder_proved_gone_by_the_claimer(self, store: RunStore) -> None:
         """A claimer with proof of the holder's death (a dispatcher saw its node die) takes
         the run over from any host; proof about another owner is no proof."""
