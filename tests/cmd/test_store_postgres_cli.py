@@ -31,8 +31,8 @@ def rows(stdout: str) -> list[dict[str, object]]:
 def test_a_budget_holds_across_processes_and_every_command_sees_them(
         kernel_exe: str, cli_env: dict[str, str], pg_url: str, tmp_path: Path) -> None:
     """8 processes start runs of one caller at once against a budget of 5 runs: exactly 5
-    run, 3 are refused (exit 3). `kernel runs` / `show` / `stats` / `query` through the
-    store then answer for all 8 runs, made by 8 processes."""
+    run, 3 are refused (exit 3). `kernel runs` / `show` / `stats` / `query` / `budget show`
+    / `sync` / `export` through the store then answer for all 8 runs, made by 8 processes."""
     store = ["--store", pg_url]
     made = kernel(kernel_exe, cli_env, "budget", "set", "fleet", "--runs", "5", *store)
     assert made.returncode == 0, made.stderr
@@ -77,6 +77,12 @@ def test_a_budget_holds_across_processes_and_every_command_sees_them(
     assert budget.returncode == 0, budget.stderr
     [fleet] = rows(budget.stdout)
     assert fleet["runs"] == 5
+
+    synced = kernel(kernel_exe, cli_env, "sync", *store)
+    assert synced.returncode == 0 and synced.stdout.startswith("synced 0 events"), synced.stdout
+    exported = kernel(kernel_exe, cli_env, "export", str(tmp_path / "out"), *store)
+    assert exported.returncode == 0, exported.stderr
+    assert (tmp_path / "out" / "runs.parquet").exists()
 
     # The embedded journal knows nothing of them, and the analysts' file fed from the
     # server refuses to be fed from anything else.
