@@ -29,11 +29,10 @@ a lock of its own:
 
 A lock is waited for at most the lock timeout (`$KERNEL_AUDIT_LOCK_TIMEOUT`,
 default 10 s), then the write fails with `StoreBusyError`. Readers take no
-lock.
-
-- Timestamps the fleet compares (budget windows, heartbeats, updated_at)
-  come from the server's clock, so machines whose clocks disagree still
-  agree on a window and on a stale lease. Event times are the writer's.
+lock. Timestamps the fleet compares (budget windows, heartbeats,
+updated_at) come from the server's clock, so machines whose clocks
+disagree still agree on a window and on a stale lease. Event times are the
+writer's.
 
 Leases (recovery): a registered run is held by an `Owner` (host, pid, the
 pid's start time) and carries a heartbeat. While this process holds runs a
@@ -41,9 +40,11 @@ thread refreshes their heartbeats every quarter of the lease
 (`$KERNEL_LEASE_SECONDS`, default 60). A claim takes a run over when its
 holder is provably gone: on this host, its pid is gone or was recycled
 (`Owner.gone`); on another host, its heartbeat is older than the lease by
-the server's clock (a dead or partitioned machine; a holder cut off from
-the server that long cannot write its audit either, so its run stops at its
-next checkpoint).
+the server's clock (a dead or partitioned machine). A partitioned holder
+that is still alive goes on running (its writes fail and are reported as
+port failures), so after a takeover that run may execute on both sides
+until the partition ends: the lease must outlast the partitions a fleet
+expects to survive.
 
 An unreachable server is a `StoreError` on every call (never an empty
 answer): the budget fails closed and the run is refused (exit 3).
