@@ -67,6 +67,8 @@ from urllib.parse import urlsplit
 from kernel import Checkpoint, ConfigError, Status, Usage
 
 from ._sqlite import (
+    BATCH_COLUMNS,
+    BATCH_TASK_COLUMNS,
     BUDGET_COLUMNS,
     CHECKPOINT_COLUMNS,
     DEFAULT_CALLER,
@@ -79,8 +81,12 @@ from ._sqlite import (
 )
 from ._types import (
     Batch,
+    BatchRow,
     CallerBudget,
+    ClaimBatch,
     ClaimRun,
+    CreateBatch,
+    FinishBatch,
     FinishRun,
     LoseRun,
     Op,
@@ -96,6 +102,7 @@ from ._types import (
     SettleBudget,
     StoreBusyError,
     StoreError,
+    TaskRow,
 )
 
 #: Env var: seconds after which a holder on another host whose heartbeat stopped may be
@@ -106,7 +113,7 @@ DEFAULT_LEASE = 60.0
 #: The schema (namespace) holding the kernel's tables in the database the URL names.
 SCHEMA = "kernel"
 #: The schema version this code writes (`kernel.meta` key `version`).
-STORE_VERSION = 1
+STORE_VERSION = 2
 #: The namespace of the advisory locks (first key of the two-key form), "kern".
 _LOCKS = 0x6B65726E
 #: Second keys: creating/migrating the schema; a budget is locked by its caller's hash.
@@ -161,8 +168,27 @@ _V1 = (
     "CREATE INDEX IF NOT EXISTS budget_spend_rev ON budget_spend (rev)",
 )
 
+# Batches (`kernel batch`): the journal's batches and batch_tasks; the batch row is its
+# lease, with a heartbeat like a run's.
+_V2 = (
+    """CREATE TABLE IF NOT EXISTS batches (
+        batch_id TEXT PRIMARY KEY, name TEXT, source TEXT, created_at BIGINT NOT NULL,
+        ended_at BIGINT, status TEXT NOT NULL, tasks BIGINT NOT NULL,
+        concurrency BIGINT NOT NULL, options TEXT, host TEXT, pid BIGINT, pid_start BIGINT,
+        heartbeat_at BIGINT,
+        rev BIGINT NOT NULL DEFAULT pg_current_xact_id()::text::bigint)""",
+    "CREATE INDEX IF NOT EXISTS batches_rev ON batches (rev)",
+    """CREATE TABLE IF NOT EXISTS batch_tasks (
+        batch_id TEXT NOT NULL, idx INTEGER NOT NULL, task_id TEXT NOT NULL,
+        run_id TEXT NOT NULL, spec TEXT NOT NULL,
+        rev BIGINT NOT NULL DEFAULT pg_current_xact_id()::text::bigint,
+        PRIMARY KEY (batch_id, idx), UNIQUE (batch_id, task_id))""",
+    "CREATE INDEX IF NOT EXISTS batch_tasks_run ON batch_tasks (run_id)",
+    "CREATE INDEX IF NOT EXISTS batch_tasks_rev ON batch_tasks (rev)",
+)
+
 #: Every migration, in order (index + 1 = the version it brings). Append only.
-MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1,)
+MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2)
 
 
 def is_postgres_url(value: str) -> bool:
@@ -220,6 +246,38 @@ def _text(value: str | None) -> str | None:
     except UnicodeEncodeError:
         return value.encode("utf-8", "replace").decode("utf-8")
     return value
+
+
+def _id_filter(column: str, exact: str | None, prefix: str | None) -> tuple[str, list[Any]]:
+    """A WHERE clause (or "") matching one id or an id prefix."""
+    where: list[str] = []
+    params: list[Any] = []
+    if exact is not None:
+        where.append(f"{column} = %s")
+        params.append(exact)
+    if prefix is not None:
+        where.append(f"{column} LIKE %s ESCAPE '\\'")
+        params.append(prefix.replace("\\", "\\\\").replace("%", "\\%")
+                      .replace("_", "\\_") + "%")
+    return (" WHERE " + " AND ".join(where)) if where else "", params
+
+
+def _saved(con: Any, where: str, params: Sequence[Any]) -> list[SavedRun]:
+    """Checkpoint rows as `SavedRun`s (`where`: a WHERE/ORDER BY tail)."""
+    rows = con.execute(
+        "SELECT run_id, spec, state, steps, tool_calls, input_tokens, output_tokens, "
+        "thinking_tokens, cost_usd, status, host, pid, pid_start, updated_at, "
+        "heartbeat_at FROM checkpoints" + where, params).fetchall()
+    out = []
+    for (rid, spec, state, steps, tools, tin, tout, tthink, cost, status, host, pid, start,
+         updated, beat) in rows:
+        cp = Checkpoint(rid, int(steps), None if state is None else json.loads(state),
+                        Usage(int(tin), int(tout), int(tthink), float(cost)), int(tools))
+        updated_at = _utc(updated)
+        assert updated_at is not None
+        out.append(SavedRun(rid, json.loads(spec), cp, status,
+                            Owner(host or "", int(pid or 0), start), updated_at, _utc(beat)))
+    return out
 
 
 class PostgresStore:
@@ -441,8 +499,8 @@ class PostgresStore:
             results = [self._apply_one(con, op) for op in ops]
         for rec, base in bases.items():
             rec.base = base
-        if not self._holding and any(isinstance(op, RegisterRun | ClaimRun | SaveCheckpoint)
-                                     for op in ops):
+        if not self._holding and any(isinstance(op, RegisterRun | ClaimRun | SaveCheckpoint
+                                                     | CreateBatch | ClaimBatch) for op in ops):
             self._start_heartbeat()
         return results
 
@@ -564,6 +622,16 @@ class PostgresStore:
         if isinstance(op, RemoveBudget):
             cur = con.execute("DELETE FROM budgets WHERE caller_id = %s", (op.caller_id,))
             return cur.rowcount > 0
+        if isinstance(op, CreateBatch):
+            return self._create_batch(con, op)
+        if isinstance(op, ClaimBatch):
+            return self._claim_batch(con, op)
+        if isinstance(op, FinishBatch):
+            o = op.owner
+            cur = con.execute(f"UPDATE batches SET status = 'finished', ended_at = {NOW}, "
+                              f"pid = 0, pid_start = NULL, rev = DEFAULT WHERE batch_id = %s "
+                              f"AND host = %s AND pid = %s", (op.batch_id, o.host, o.pid))
+            return cur.rowcount > 0
         raise TypeError(f"unknown store operation {op!r}")
 
     def _register(self, con: Any, op: RegisterRun) -> None:
@@ -648,6 +716,106 @@ class PostgresStore:
                     (me.host, me.pid, me.started, op.run_id))
         return True
 
+    # ---------------------------------------------------------------- batches
+
+    def _create_batch(self, con: Any, op: CreateBatch) -> bool:
+        # Refused before anything is written (no savepoint to undo). A batch created at
+        # the same moment elsewhere with the same id fails the primary key instead.
+        if con.execute("SELECT 1 FROM batches WHERE batch_id = %s", (op.batch_id,)).fetchone():
+            raise StoreError(f"batch {op.batch_id} already exists")
+        o = op.owner
+        con.execute(f"INSERT INTO batches (batch_id, name, source, created_at, status, tasks, "
+                    f"concurrency, options, host, pid, pid_start, heartbeat_at) "
+                    f"VALUES (%s, %s, %s, {NOW}, 'running', %s, %s, %s, %s, %s, %s, {NOW})",
+                    (op.batch_id, _text(op.name), _text(op.source), len(op.tasks),
+                     op.concurrency, _text(_dumps(dict(op.options))), o.host, o.pid,
+                     o.started))
+        with con.cursor() as cur:
+            cur.executemany("INSERT INTO batch_tasks (batch_id, idx, task_id, run_id, spec) "
+                            "VALUES (%s, %s, %s, %s, %s)",
+                            [(op.batch_id, i, _text(t.task_id), t.run_id,
+                              _text(_dumps(t.spec))) for i, t in enumerate(op.tasks)])
+        return True
+
+    def _claim_batch(self, con: Any, op: ClaimBatch) -> bool:
+        row = con.execute(f"SELECT status, host, pid, pid_start, {NOW} - heartbeat_at "
+                          f"FROM batches WHERE batch_id = %s FOR UPDATE",
+                          (op.batch_id,)).fetchone()
+        if row is None:
+            return False
+        holder = Owner(row[1] or "", int(row[2] or 0), row[3])
+        me = op.owner
+        mine = (holder.host, holder.pid, holder.started) == (me.host, me.pid, me.started)
+        if row[0] == "running" and not mine and not self._holder_gone(holder, row[4]):
+            return False
+        con.execute(f"UPDATE batches SET status = 'running', ended_at = NULL, host = %s, "
+                    f"pid = %s, pid_start = %s, heartbeat_at = {NOW}, rev = DEFAULT "
+                    f"WHERE batch_id = %s", (me.host, me.pid, me.started, op.batch_id))
+        return True
+
+    def batches(self, *, batch_id: str | None = None, prefix: str | None = None,
+                limit: int | None = None) -> list[BatchRow]:
+        """Batches newest first (one id, an id prefix, or all), their tasks counted by status.
+
+        A batch whose holder is provably gone by this store's rule (on another host:
+        silent past the lease) is shown held by nobody (pid 0), so it reads as
+        interrupted (`BatchRow.interrupted`).
+        """
+        where, params = _id_filter("batch_id", batch_id, prefix)
+        sql = (f"SELECT batch_id, name, source, created_at, ended_at, status, tasks, "
+               f"concurrency, options, host, pid, pid_start, {NOW} - heartbeat_at "
+               f"FROM batches{where} ORDER BY created_at DESC, batch_id DESC")
+        if limit is not None:
+            sql += f" LIMIT {int(limit)}"
+        with self._read() as con:
+            if con is None:
+                return []
+            rows = con.execute(sql, params).fetchall()
+            counted: dict[str, dict[str, int]] = {}
+            if rows:
+                for bid, state, n in con.execute(
+                        "SELECT t.batch_id, CASE WHEN r.run_id IS NULL AND c.run_id IS NULL "
+                        "THEN 'pending' WHEN r.status IS NULL THEN 'running' ELSE r.status END "
+                        "AS s, count(*) FROM batch_tasks t "
+                        "LEFT JOIN runs r ON r.run_id = t.run_id "
+                        "LEFT JOIN checkpoints c ON c.run_id = t.run_id "
+                        "WHERE t.batch_id = ANY(%s) GROUP BY t.batch_id, s",
+                        ([r[0] for r in rows],)).fetchall():
+                    counted.setdefault(bid, {})[str(state)] = int(n)
+        out = []
+        for (bid, name, source, created, ended, status, tasks, conc, options, host, pid,
+             start, silent) in rows:
+            owner = Owner(host or "", int(pid or 0), start)
+            if status == "running" and owner.host != self._me.host \
+                    and self._holder_gone(owner, silent):
+                owner = Owner(owner.host, 0, None)
+            created_at = _utc(created)
+            assert created_at is not None
+            out.append(BatchRow(bid, name or "", source or "", created_at, _utc(ended), status,
+                                int(tasks), int(conc), owner, counted.get(bid, {}),
+                                json.loads(options) if options else {}))
+        return out
+
+    def batch_tasks(self, batch_id: str) -> list[TaskRow]:
+        """The tasks of a batch in file order, each with its run's status and checkpoint."""
+        with self._read() as con:
+            if con is None:
+                return []
+            rows = con.execute(
+                "SELECT t.idx, t.task_id, t.run_id, t.spec, r.status, r.run_id IS NOT NULL, "
+                "c.run_id IS NOT NULL FROM batch_tasks t "
+                "LEFT JOIN runs r ON r.run_id = t.run_id "
+                "LEFT JOIN checkpoints c ON c.run_id = t.run_id "
+                "WHERE t.batch_id = %s ORDER BY t.idx", (batch_id,)).fetchall()
+            saved: dict[str, SavedRun] = {}
+            if any(r[6] for r in rows):
+                saved = {s.run_id: s for s in _saved(
+                    con, " WHERE run_id IN (SELECT run_id FROM batch_tasks WHERE batch_id = %s)",
+                    (batch_id,))}
+        return [TaskRow(int(idx), tid, rid, json.loads(spec), status, bool(has_run or has_cp),
+                        saved.get(rid))
+                for idx, tid, rid, spec, status, has_run, has_cp in rows]
+
     def _holder_gone(self, holder: Owner, silent_us: int | None) -> bool:
         """Provably gone: released (pid 0); on this host, `Owner.gone`; on another host,
         no heartbeat for longer than the lease (by the server's clock)."""
@@ -676,7 +844,8 @@ class PostgresStore:
                 self.heartbeat()
 
     def heartbeat(self) -> int:
-        """Refresh the heartbeat of every running run this process holds; how many.
+        """Refresh the heartbeat of every running run (and batch) this process holds; how
+        many runs.
 
         Raises:
             StoreError: The server cannot be reached.
@@ -686,6 +855,9 @@ class PostgresStore:
             cur = con.execute(f"UPDATE checkpoints SET heartbeat_at = {NOW} "
                               f"WHERE host = %s AND pid = %s AND status = 'running'",
                               (me.host, me.pid))
+            con.execute(f"UPDATE batches SET heartbeat_at = {NOW} "
+                        f"WHERE host = %s AND pid = %s AND status = 'running'",
+                        (me.host, me.pid))
             return int(cur.rowcount)
 
     # ---------------------------------------------------------------- budgets
@@ -745,36 +917,13 @@ class PostgresStore:
     def saved_runs(self, *, run_id: str | None = None, prefix: str | None = None,
                    running: bool = False) -> list[SavedRun]:
         """Registered runs: one id, an id prefix, or every run still marked `running`."""
-        where, params = [], []
-        if run_id is not None:
-            where.append("run_id = %s")
-            params.append(run_id)
-        if prefix is not None:
-            where.append("run_id LIKE %s ESCAPE '\\'")
-            params.append(prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
-                          + "%")
+        where, params = _id_filter("run_id", run_id, prefix)
         if running:
-            where.append("status = 'running'")
-        sql = ("SELECT run_id, spec, state, steps, tool_calls, input_tokens, output_tokens, "
-               "thinking_tokens, cost_usd, status, host, pid, pid_start, updated_at, "
-               "heartbeat_at FROM checkpoints")
-        if where:
-            sql += " WHERE " + " AND ".join(where)
+            where += (" AND " if where else " WHERE ") + "status = 'running'"
         with self._read() as con:
             if con is None:
                 return []
-            rows = con.execute(sql + " ORDER BY created_at, run_id", params).fetchall()
-        out = []
-        for (rid, spec, state, steps, tools, tin, tout, tthink, cost, status, host, pid, start,
-             updated, beat) in rows:
-            cp = Checkpoint(rid, int(steps), None if state is None else json.loads(state),
-                            Usage(int(tin), int(tout), int(tthink), float(cost)), int(tools))
-            updated_at = _utc(updated)
-            assert updated_at is not None
-            out.append(SavedRun(rid, json.loads(spec), cp, status,
-                                Owner(host or "", int(pid or 0), start), updated_at,
-                                _utc(beat)))
-        return out
+            return _saved(con, where + " ORDER BY created_at, run_id", params)
 
     def interrupted(self) -> list[SavedRun]:
         """Runs still marked `running` whose holder is provably gone: released, gone from
@@ -831,7 +980,8 @@ class PostgresStore:
             con.close()
 
     def purge(self, before_us: int) -> tuple[int, int]:
-        """Delete closed runs that ended before `before_us`, their events and finished checkpoints.
+        """Delete closed runs that ended before `before_us`, their events, finished checkpoints
+        and finished batches.
 
         Returns:
             (runs deleted, events deleted).
@@ -846,6 +996,10 @@ class PostgresStore:
                         (before_us,))
             rn = con.execute("DELETE FROM runs WHERE ended_at IS NOT NULL AND ended_at < %s",
                              (before_us,))
+            con.execute("DELETE FROM batch_tasks WHERE batch_id IN (SELECT batch_id FROM "
+                        "batches WHERE status = 'finished' AND ended_at < %s)", (before_us,))
+            con.execute("DELETE FROM batches WHERE status = 'finished' AND ended_at < %s",
+                        (before_us,))
             return int(rn.rowcount), int(n_events)
 
 
@@ -896,6 +1050,14 @@ class PgChanges:
     def spend(self) -> list[tuple[Any, ...]]:
         """Budget spend rows added or settled since the cursor (`SPEND_COLUMNS`)."""
         return self._changed("budget_spend", SPEND_COLUMNS)
+
+    def batches(self) -> list[tuple[Any, ...]]:
+        """Batches added or changed since the cursor (`BATCH_COLUMNS`)."""
+        return self._changed("batches", BATCH_COLUMNS)
+
+    def batch_tasks(self) -> list[tuple[Any, ...]]:
+        """Batch tasks added since the cursor (`BATCH_TASK_COLUMNS`; they never change)."""
+        return self._changed("batch_tasks", BATCH_TASK_COLUMNS)
 
     def budgets(self) -> list[tuple[Any, ...]]:
         """Every budget row (a small table: copied whole) (`BUDGET_COLUMNS`)."""

@@ -207,6 +207,9 @@ class TestLeases:
         _sql(store, "UPDATE checkpoints SET heartbeat_at = heartbeat_at - 120000000")
         [taken] = store.commit(None, [ClaimRun("r1", me)])
         assert taken is (kind == "postgres")
+        # A run its remote holder released is held by nobody: anyone may take it.
+        store.commit(None, [RegisterRun("r2", SPEC, remote), ReleaseRun("r2", remote)])
+        assert store.commit(None, [ClaimRun("r2", me)]) == [True]
 
 class TestSharedStore:
     """The shared store's alone: heartbeats (on one machine liveness is proved by the pid),

@@ -147,3 +147,25 @@ def test_a_run_from_a_dead_machine_is_taken_over_only_after_the_lease(
     [row] = query(env, kernel_exe, "SELECT count(*) AS n, count(DISTINCT seq) AS d, "
                   "max(seq) AS hi FROM events")
     assert row["n"] == row["d"] == row["hi"] + 1, row
+
+
+def test_a_batch_through_the_store(kernel_exe: str, cli_env: dict[str, str], pg_url: str,
+                                   tmp_path: Path) -> None:
+    """`kernel batch --store`: the batch, its tasks and their runs are on the server;
+    `--list` and the analysts' `batch_runs` view read them back."""
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({"id": f"t{i}", "command": ["sh", "-c", f"echo {i}"]})
+                             + "\n" for i in range(6)))
+    done = kernel(kernel_exe, cli_env, "batch", str(tasks), "-j", "3", "--json",
+                  "--store", pg_url)
+    assert done.returncode == 0, done.stderr
+    assert sorted(str(r["status"]) for r in rows(done.stdout)) == ["ok"] * 6
+    [listed] = rows(kernel(kernel_exe, cli_env, "batch", "--list", "--json", "--store",
+                           pg_url).stdout)
+    assert listed["counts"] == {"ok": 6}
+    from test_recover_cli import query
+
+    answer = query({**cli_env, "KERNEL_STORE": pg_url}, kernel_exe,
+                   "SELECT count(*) AS n, count(DISTINCT run_id) AS runs FROM batch_runs "
+                   "WHERE status = 'ok'")
+    assert answer == [{"n": 6, "runs": 6}]
