@@ -132,8 +132,9 @@ class JournalCheckpointer:
         return self.store.saved_runs(prefix=prefix)
 
     def interrupted(self) -> list[SavedRun]:
-        """Runs still marked running whose holder is provably gone: the ones to resume."""
-        return [r for r in self.store.saved_runs(running=True) if r.owner.gone()]
+        """Runs still marked running whose holder is provably gone: the ones to resume
+        (the store's rule: see `RunStore.interrupted`)."""
+        return self.store.interrupted()
 
     def claim(self, run_id: str) -> bool:
         """Take the lease of an interrupted run for this process; False if someone holds it."""

@@ -9,20 +9,30 @@ of the database the URL names, with the same columns and units (times in
 microseconds since the epoch), so the analysts' DuckDB file is fed from
 either by the same code (`batteries.audit.sync`).
 
-Transactions:
+Transactions run side by side (there is no fleet-wide write lock: the
+server's group commit shares fsyncs between them). What needs order takes
+a lock of its own:
 
-- Every write transaction takes one transaction-level advisory lock first
-  (`pg_advisory_xact_lock`), so writes commit one at a time, as in the
-  embedded journal. That is what keeps the analysts' feed exact: event ids
-  and change numbers grow in commit order, so a sync cursor never skips a
-  row a slower transaction committed later. It also makes a budget's
-  check-and-reserve atomic across the fleet and a lease claim a plain
-  read-then-write. Readers (listings, budget status, syncs) take no lock.
-  A write waits at most the lock timeout (`$KERNEL_AUDIT_LOCK_TIMEOUT`,
-  default 10 s) for that lock, then fails with `StoreBusyError`.
-- Timestamps the fleet compares (budget windows, heartbeats, updated_at)
-  come from the server's clock, so machines whose clocks disagree still
-  agree on a window and on a stale lease. Event times are the writer's.
+- a budget's check-and-reserve takes a transaction-level advisory lock
+  keyed by the caller (`pg_advisory_xact_lock`), so it is atomic across the
+  fleet; several callers in one transaction are locked in sorted order;
+- a lease claim locks the run's checkpoint row (`SELECT ... FOR UPDATE`), so
+  of two claimers the second sees the first's lease;
+- the analysts' feed needs no order at all: every row carries the id of the
+  transaction that last wrote it (`xid`, `rev`: `pg_current_xact_id()`),
+  and a sync copies the rows whose id lies between its cursor and the
+  oldest transaction still running when it started
+  (`pg_snapshot_xmin`): every transaction below that one has finished, so
+  a row committed late by a slow transaction is copied by the next sync,
+  never skipped. (A transaction left open on the server holds the feed
+  back until it ends, never loses a row.)
+
+A lock is waited for at most the lock timeout (`$KERNEL_AUDIT_LOCK_TIMEOUT`,
+default 10 s), then the write fails with `StoreBusyError`. Readers take no
+lock. Timestamps the fleet compares (budget windows, heartbeats,
+updated_at) come from the server's clock, so machines whose clocks
+disagree still agree on a window and on a stale lease. Event times are the
+writer's.
 
 Leases (recovery): a registered run is held by an `Owner` (host, pid, the
 pid's start time) and carries a heartbeat. While this process holds runs a
@@ -30,9 +40,11 @@ thread refreshes their heartbeats every quarter of the lease
 (`$KERNEL_LEASE_SECONDS`, default 60). A claim takes a run over when its
 holder is provably gone: on this host, its pid is gone or was recycled
 (`Owner.gone`); on another host, its heartbeat is older than the lease by
-the server's clock (a dead or partitioned machine; a holder cut off from
-the server that long cannot write its audit either, so its run stops at its
-next checkpoint).
+the server's clock (a dead or partitioned machine). A partitioned holder
+that is still alive goes on running (its writes fail and are reported as
+port failures), so after a takeover that run may execute on both sides
+until the partition ends: the lease must outlast the partitions a fleet
+expects to survive.
 
 An unreachable server is a `StoreError` on every call (never an empty
 answer): the budget fails closed and the run is refused (exit 3).
@@ -55,6 +67,8 @@ from urllib.parse import urlsplit
 from kernel import Checkpoint, ConfigError, Status, Usage
 
 from ._sqlite import (
+    BATCH_COLUMNS,
+    BATCH_TASK_COLUMNS,
     BUDGET_COLUMNS,
     CHECKPOINT_COLUMNS,
     DEFAULT_CALLER,
@@ -67,8 +81,12 @@ from ._sqlite import (
 )
 from ._types import (
     Batch,
+    BatchRow,
     CallerBudget,
+    ClaimBatch,
     ClaimRun,
+    CreateBatch,
+    FinishBatch,
     FinishRun,
     LoseRun,
     Op,
@@ -84,6 +102,7 @@ from ._types import (
     SettleBudget,
     StoreBusyError,
     StoreError,
+    TaskRow,
 )
 
 #: Env var: seconds after which a holder on another host whose heartbeat stopped may be
@@ -94,11 +113,11 @@ DEFAULT_LEASE = 60.0
 #: The schema (namespace) holding the kernel's tables in the database the URL names.
 SCHEMA = "kernel"
 #: The schema version this code writes (`kernel.meta` key `version`).
-STORE_VERSION = 1
-#: The advisory lock every write transaction takes (commit order = id order).
-_WRITE_LOCK = 0x6B65726E656C  # "kernel"
-#: The advisory lock creating/migrating the schema takes.
-_MIGRATE_LOCK = _WRITE_LOCK + 1
+STORE_VERSION = 2
+#: The namespace of the advisory locks (first key of the two-key form), "kern".
+_LOCKS = 0x6B65726E
+#: Second keys: creating/migrating the schema; a budget is locked by its caller's hash.
+_MIGRATE_LOCK = 1
 
 #: The server's clock, in microseconds since the epoch.
 NOW = "(extract(epoch from clock_timestamp()) * 1000000)::bigint"
@@ -113,13 +132,17 @@ _V1 = (
         tool_calls BIGINT, runtime_seconds DOUBLE PRECISION, input_tokens BIGINT,
         output_tokens BIGINT, thinking_tokens BIGINT, cost_usd DOUBLE PRECISION, host TEXT,
         pid BIGINT, reason TEXT, exit_code INTEGER, output_truncated INTEGER,
-        last_seq BIGINT NOT NULL DEFAULT 0, rev BIGINT NOT NULL)""",
+        last_seq BIGINT NOT NULL DEFAULT 0,
+        rev BIGINT NOT NULL DEFAULT pg_current_xact_id()::text::bigint)""",
     "CREATE INDEX IF NOT EXISTS runs_rev ON runs (rev)",
     "CREATE INDEX IF NOT EXISTS runs_ended ON runs (ended_at)",
     """CREATE TABLE IF NOT EXISTS events (
         id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY, run_id TEXT NOT NULL,
         seq INTEGER NOT NULL, ts BIGINT NOT NULL, kind TEXT NOT NULL, iteration INTEGER,
-        name TEXT, duration_ms DOUBLE PRECISION, payload TEXT, UNIQUE (run_id, seq))""",
+        name TEXT, duration_ms DOUBLE PRECISION, payload TEXT,
+        xid BIGINT NOT NULL DEFAULT pg_current_xact_id()::text::bigint,
+        UNIQUE (run_id, seq))""",
+    "CREATE INDEX IF NOT EXISTS events_xid ON events (xid)",
     """CREATE TABLE IF NOT EXISTS checkpoints (
         run_id TEXT PRIMARY KEY, spec TEXT NOT NULL, state TEXT,
         steps BIGINT NOT NULL DEFAULT 0, tool_calls BIGINT NOT NULL DEFAULT 0,
@@ -127,7 +150,7 @@ _V1 = (
         thinking_tokens BIGINT NOT NULL DEFAULT 0, cost_usd DOUBLE PRECISION NOT NULL DEFAULT 0,
         status TEXT NOT NULL, error TEXT, host TEXT, pid BIGINT, pid_start BIGINT,
         heartbeat_at BIGINT, created_at BIGINT NOT NULL, updated_at BIGINT NOT NULL,
-        rev BIGINT NOT NULL)""",
+        rev BIGINT NOT NULL DEFAULT pg_current_xact_id()::text::bigint)""",
     "CREATE INDEX IF NOT EXISTS checkpoints_status ON checkpoints (status)",
     "CREATE INDEX IF NOT EXISTS checkpoints_rev ON checkpoints (rev)",
     "CREATE INDEX IF NOT EXISTS checkpoints_holder ON checkpoints (host, pid)",
@@ -139,14 +162,33 @@ _V1 = (
         id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY, caller_id TEXT NOT NULL,
         ts BIGINT NOT NULL, run_id TEXT, runtime_seconds DOUBLE PRECISION NOT NULL DEFAULT 0,
         tokens BIGINT NOT NULL DEFAULT 0, cost_usd DOUBLE PRECISION NOT NULL DEFAULT 0,
-        settled INTEGER NOT NULL DEFAULT 0, rev BIGINT NOT NULL)""",
+        settled INTEGER NOT NULL DEFAULT 0,
+        rev BIGINT NOT NULL DEFAULT pg_current_xact_id()::text::bigint)""",
     "CREATE INDEX IF NOT EXISTS budget_spend_caller ON budget_spend (caller_id, ts)",
     "CREATE INDEX IF NOT EXISTS budget_spend_rev ON budget_spend (rev)",
-    "INSERT INTO meta VALUES ('rev', 0) ON CONFLICT DO NOTHING",
+)
+
+# Batches (`kernel batch`): the journal's batches and batch_tasks; the batch row is its
+# lease, with a heartbeat like a run's.
+_V2 = (
+    """CREATE TABLE IF NOT EXISTS batches (
+        batch_id TEXT PRIMARY KEY, name TEXT, source TEXT, created_at BIGINT NOT NULL,
+        ended_at BIGINT, status TEXT NOT NULL, tasks BIGINT NOT NULL,
+        concurrency BIGINT NOT NULL, options TEXT, host TEXT, pid BIGINT, pid_start BIGINT,
+        heartbeat_at BIGINT,
+        rev BIGINT NOT NULL DEFAULT pg_current_xact_id()::text::bigint)""",
+    "CREATE INDEX IF NOT EXISTS batches_rev ON batches (rev)",
+    """CREATE TABLE IF NOT EXISTS batch_tasks (
+        batch_id TEXT NOT NULL, idx INTEGER NOT NULL, task_id TEXT NOT NULL,
+        run_id TEXT NOT NULL, spec TEXT NOT NULL,
+        rev BIGINT NOT NULL DEFAULT pg_current_xact_id()::text::bigint,
+        PRIMARY KEY (batch_id, idx), UNIQUE (batch_id, task_id))""",
+    "CREATE INDEX IF NOT EXISTS batch_tasks_run ON batch_tasks (run_id)",
+    "CREATE INDEX IF NOT EXISTS batch_tasks_rev ON batch_tasks (rev)",
 )
 
 #: Every migration, in order (index + 1 = the version it brings). Append only.
-MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1,)
+MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2)
 
 
 def is_postgres_url(value: str) -> bool:
@@ -204,6 +246,38 @@ def _text(value: str | None) -> str | None:
     except UnicodeEncodeError:
         return value.encode("utf-8", "replace").decode("utf-8")
     return value
+
+
+def _id_filter(column: str, exact: str | None, prefix: str | None) -> tuple[str, list[Any]]:
+    """A WHERE clause (or "") matching one id or an id prefix."""
+    where: list[str] = []
+    params: list[Any] = []
+    if exact is not None:
+        where.append(f"{column} = %s")
+        params.append(exact)
+    if prefix is not None:
+        where.append(f"{column} LIKE %s ESCAPE '\\'")
+        params.append(prefix.replace("\\", "\\\\").replace("%", "\\%")
+                      .replace("_", "\\_") + "%")
+    return (" WHERE " + " AND ".join(where)) if where else "", params
+
+
+def _saved(con: Any, where: str, params: Sequence[Any]) -> list[SavedRun]:
+    """Checkpoint rows as `SavedRun`s (`where`: a WHERE/ORDER BY tail)."""
+    rows = con.execute(
+        "SELECT run_id, spec, state, steps, tool_calls, input_tokens, output_tokens, "
+        "thinking_tokens, cost_usd, status, host, pid, pid_start, updated_at, "
+        "heartbeat_at FROM checkpoints" + where, params).fetchall()
+    out = []
+    for (rid, spec, state, steps, tools, tin, tout, tthink, cost, status, host, pid, start,
+         updated, beat) in rows:
+        cp = Checkpoint(rid, int(steps), None if state is None else json.loads(state),
+                        Usage(int(tin), int(tout), int(tthink), float(cost)), int(tools))
+        updated_at = _utc(updated)
+        assert updated_at is not None
+        out.append(SavedRun(rid, json.loads(spec), cp, status,
+                            Owner(host or "", int(pid or 0), start), updated_at, _utc(beat)))
+    return out
 
 
 class PostgresStore:
@@ -316,7 +390,7 @@ class PostgresStore:
             version = int(row[0]) if row else 0
         if version < STORE_VERSION:
             with con.transaction():
-                con.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATE_LOCK,))
+                con.execute("SELECT pg_advisory_xact_lock(%s, %s)", (_LOCKS, _MIGRATE_LOCK))
                 found = con.execute("SELECT to_regclass(%s)", (f"{SCHEMA}.meta",)).fetchone()
                 if found and found[0] is not None:
                     row = con.execute("SELECT value FROM meta WHERE key = 'version'").fetchone()
@@ -345,7 +419,9 @@ class PostgresStore:
     # ------------------------------------------------------------ transactions
 
     @contextmanager
-    def _write(self) -> Iterator[Any]:
+    def _write(self, callers: Sequence[str] = ()) -> Iterator[Any]:
+        """One write transaction, holding the budget locks of `callers` (sorted: no deadlock
+        between two transactions reserving for the same callers)."""
         import psycopg
 
         with self._lock:
@@ -355,9 +431,12 @@ class PostgresStore:
             try:
                 self._migrate(con)
                 with con.transaction():
-                    t1 = time.perf_counter()
-                    con.execute("SELECT pg_advisory_xact_lock(%s)", (_WRITE_LOCK,))
-                    waited = time.perf_counter() - t1
+                    if callers:
+                        t1 = time.perf_counter()
+                        for caller in sorted(set(callers)):
+                            con.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))",
+                                        (_LOCKS, caller))
+                        waited = time.perf_counter() - t1
                     yield con
             except psycopg.Error as exc:
                 if isinstance(exc, psycopg.OperationalError) or con.broken:
@@ -414,29 +493,23 @@ class PostgresStore:
         """
         if not wait:
             raise WouldBlock
-        rev: list[int] = []
-        with self._write() as con:
-            bases = self._write_batch(con, batch, rev) if batch is not None else {}
-            results = [self._apply_one(con, op, rev) for op in ops]
+        callers = [op.caller_id for op in ops if isinstance(op, ReserveBudget)]
+        with self._write(callers) as con:
+            bases = self._write_batch(con, batch) if batch is not None else {}
+            results = [self._apply_one(con, op) for op in ops]
         for rec, base in bases.items():
             rec.base = base
-        if not self._holding and any(isinstance(op, RegisterRun | ClaimRun | SaveCheckpoint)
-                                     for op in ops):
+        if not self._holding and any(isinstance(op, RegisterRun | ClaimRun | SaveCheckpoint
+                                                     | CreateBatch | ClaimBatch) for op in ops):
             self._start_heartbeat()
         return results
 
-    @staticmethod
-    def _rev(con: Any, rev: list[int]) -> int:
-        """This transaction's change number (one per transaction, taken when first needed)."""
-        if not rev:
-            row = con.execute("UPDATE meta SET value = value + 1 WHERE key = 'rev' "
-                              "RETURNING value").fetchone()
-            rev.append(int(row[0]))
-        return rev[0]
+    # Every `rev` (and `events.xid`) defaults to the writing transaction's id: rows are
+    # written with `rev = DEFAULT`, no round trip to ask for it.
 
     # ----------------------------------------------------------------- audit
 
-    def _write_batch(self, con: Any, batch: Batch, rev: list[int]) -> dict[Any, int]:
+    def _write_batch(self, con: Any, batch: Batch) -> dict[Any, int]:
         if batch.empty():
             return {}
         bases: dict[Any, int] = {}
@@ -465,7 +538,7 @@ class PostgresStore:
                 new_runs.append((rid, info.parent_run_id, _text(info.subject_id),
                                  _text(info.name), _text(info.caller_id),
                                  _text(info.channel_id), _text(_dumps(info.inputs)),
-                                 rec.started_us, rec.host, rec.pid, self._rev(con, rev)))
+                                 rec.started_us, rec.host, rec.pid))
                 starts.append((rid, 0, rec.started_us, "run_start", None, _text(info.name),
                                None, _text(_dumps({"inputs": info.inputs,
                                                    "caller_id": info.caller_id}))))
@@ -476,8 +549,8 @@ class PostgresStore:
             if new_runs:
                 cur.executemany(
                     "INSERT INTO runs (run_id, parent_run_id, subject_id, name, caller_id, "
-                    "channel_id, inputs, started_at, host, pid, last_seq, rev) "
-                    "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, 0, %s)", new_runs)
+                    "channel_id, inputs, started_at, host, pid, last_seq) "
+                    "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, 0)", new_runs)
             if starts or batch.recs:
                 with cur.copy("COPY events (run_id, seq, ts, kind, iteration, name, "
                               "duration_ms, payload) FROM STDIN") as copy:
@@ -490,55 +563,51 @@ class PostgresStore:
                         copy.write_row((r.run_id, base + s, ts, kind, it, _text(name), dur,
                                         _text(payload)))
             if batch.closes:
-                r = self._rev(con, rev)
                 cur.executemany(
                     "UPDATE runs SET ended_at = %s, status = %s, output = %s, error = %s, "
                     "steps = %s, tool_calls = %s, runtime_seconds = %s, input_tokens = %s, "
                     "output_tokens = %s, thinking_tokens = %s, cost_usd = %s, reason = %s, "
-                    "exit_code = %s, output_truncated = %s, rev = %s WHERE run_id = %s",
+                    "exit_code = %s, output_truncated = %s, rev = DEFAULT WHERE run_id = %s",
                     [(row[1], row[2], _text(row[3]), _text(row[4]), *row[5:12],
-                      _text(row[12]), row[13], int(bool(row[14])), r, row[0])
+                      _text(row[12]), row[13], int(bool(row[14])), row[0])
                      for _, row in batch.closes])
         return bases
 
     # ------------------------------------------------------------------- ops
 
-    def _apply_one(self, con: Any, op: Op, rev: list[int]) -> Any:
-        """Apply `op` in a savepoint: a refused op is undone alone and returned as its result."""
-        taken = list(rev)
+    def _apply_one(self, con: Any, op: Op) -> Any:
+        """Apply `op`; a refused op's `StoreError` is its result. An op refuses before it
+        writes anything, so there is nothing to undo (and no savepoint to pay for)."""
         try:
-            with con.transaction():
-                return self._apply(con, op, rev)
+            return self._apply(con, op)
         except StoreError as exc:
-            rev[:] = taken  # a change number taken inside the undone savepoint is gone
             return exc
 
-    def _apply(self, con: Any, op: Op, rev: list[int]) -> Any:
+    def _apply(self, con: Any, op: Op) -> Any:
         if isinstance(op, SaveCheckpoint):
-            return self._save(con, op, rev)
+            return self._save(con, op)
         if isinstance(op, ReserveBudget):
-            return self._reserve(con, op, rev)
+            return self._reserve(con, op)
         if isinstance(op, RegisterRun):
-            return self._register(con, op, rev)
+            return self._register(con, op)
         if isinstance(op, FinishRun):
             con.execute(f"UPDATE checkpoints SET status = %s, error = %s, state = NULL, "
-                        f"updated_at = {NOW}, rev = %s WHERE run_id = %s",
-                        (op.status, _text(op.error), self._rev(con, rev), op.run_id))
+                        f"updated_at = {NOW}, rev = DEFAULT WHERE run_id = %s",
+                        (op.status, _text(op.error), op.run_id))
             return None
         if isinstance(op, SettleBudget):
             con.execute("UPDATE budget_spend SET runtime_seconds = %s, tokens = %s, "
-                        "cost_usd = %s, settled = 1, rev = %s WHERE id = %s",
-                        (op.runtime_seconds, op.tokens, op.cost_usd, self._rev(con, rev),
-                         op.reservation_id))
+                        "cost_usd = %s, settled = 1, rev = DEFAULT WHERE id = %s",
+                        (op.runtime_seconds, op.tokens, op.cost_usd, op.reservation_id))
             return None
         if isinstance(op, LoseRun):
-            return self._lose(con, op, rev)
+            return self._lose(con, op)
         if isinstance(op, ClaimRun):
-            return self._claim(con, op, rev)
+            return self._claim(con, op)
         if isinstance(op, ReleaseRun):
-            con.execute("UPDATE checkpoints SET pid = 0, pid_start = NULL, rev = %s "
+            con.execute("UPDATE checkpoints SET pid = 0, pid_start = NULL, rev = DEFAULT "
                         "WHERE run_id = %s AND host = %s AND pid = %s",
-                        (self._rev(con, rev), op.run_id, op.owner.host, op.owner.pid))
+                        (op.run_id, op.owner.host, op.owner.pid))
             return None
         if isinstance(op, SetBudget):
             con.execute(
@@ -553,26 +622,35 @@ class PostgresStore:
         if isinstance(op, RemoveBudget):
             cur = con.execute("DELETE FROM budgets WHERE caller_id = %s", (op.caller_id,))
             return cur.rowcount > 0
+        if isinstance(op, CreateBatch):
+            return self._create_batch(con, op)
+        if isinstance(op, ClaimBatch):
+            return self._claim_batch(con, op)
+        if isinstance(op, FinishBatch):
+            o = op.owner
+            cur = con.execute(f"UPDATE batches SET status = 'finished', ended_at = {NOW}, "
+                              f"pid = 0, pid_start = NULL, rev = DEFAULT WHERE batch_id = %s "
+                              f"AND host = %s AND pid = %s", (op.batch_id, o.host, o.pid))
+            return cur.rowcount > 0
         raise TypeError(f"unknown store operation {op!r}")
 
-    def _register(self, con: Any, op: RegisterRun, rev: list[int]) -> None:
+    def _register(self, con: Any, op: RegisterRun) -> None:
         o = op.owner
-        cur = con.execute(
-            f"UPDATE checkpoints SET status = 'running', error = NULL, host = %s, pid = %s, "
-            f"pid_start = %s, heartbeat_at = {NOW}, updated_at = {NOW}, rev = %s "
-            f"WHERE run_id = %s",
-            (o.host, o.pid, o.started, self._rev(con, rev), op.run_id))
-        if cur.rowcount == 0:
-            con.execute(
-                f"INSERT INTO checkpoints (run_id, spec, status, host, pid, pid_start, "
-                f"heartbeat_at, created_at, updated_at, rev) "
-                f"VALUES (%s, %s, 'running', %s, %s, %s, {NOW}, {NOW}, {NOW}, %s)",
-                (op.run_id, _text(_dumps(op.spec)), o.host, o.pid, o.started,
-                 self._rev(con, rev)))
+        con.execute(
+            f"INSERT INTO checkpoints (run_id, spec, status, host, pid, pid_start, "
+            f"heartbeat_at, created_at, updated_at) "
+            f"VALUES (%s, %s, 'running', %s, %s, %s, {NOW}, {NOW}, {NOW}) "
+            f"ON CONFLICT (run_id) DO UPDATE SET status = 'running', error = NULL, "
+            f"host = excluded.host, pid = excluded.pid, pid_start = excluded.pid_start, "
+            f"heartbeat_at = excluded.heartbeat_at, updated_at = excluded.updated_at, "
+            f"rev = DEFAULT",
+            (op.run_id, _text(_dumps(op.spec)), o.host, o.pid, o.started))
 
-    def _save(self, con: Any, op: SaveCheckpoint, rev: list[int]) -> bool:
+    def _save(self, con: Any, op: SaveCheckpoint) -> bool:
         cp, o, u = op.checkpoint, op.owner, op.checkpoint.usage
         state = _text(_dumps(cp.state))
+        # No change number: the analysts' copy of a checkpoint follows its registration,
+        # claims and end, not every save (as in the journal).
         cur = con.execute(
             f"UPDATE checkpoints SET state = %s, steps = %s, tool_calls = %s, "
             f"input_tokens = %s, output_tokens = %s, thinking_tokens = %s, cost_usd = %s, "
@@ -587,20 +665,20 @@ class PostgresStore:
         con.execute(
             f"INSERT INTO checkpoints (run_id, spec, state, steps, tool_calls, input_tokens, "
             f"output_tokens, thinking_tokens, cost_usd, status, host, pid, pid_start, "
-            f"heartbeat_at, created_at, updated_at, rev) VALUES (%s, %s, %s, %s, %s, %s, %s, "
-            f"%s, %s, 'running', %s, %s, %s, {NOW}, {NOW}, {NOW}, %s)",
+            f"heartbeat_at, created_at, updated_at) VALUES (%s, %s, %s, %s, %s, %s, %s, "
+            f"%s, %s, 'running', %s, %s, %s, {NOW}, {NOW}, {NOW})",
             (cp.run_id, _text(_dumps(op.spec)), state, cp.steps, cp.tool_calls,
              u.input_tokens, u.output_tokens, u.thinking_tokens, u.cost_usd, o.host, o.pid,
-             o.started, self._rev(con, rev)))
+             o.started))
         return True
 
-    def _lose(self, con: Any, op: LoseRun, rev: list[int]) -> bool:
+    def _lose(self, con: Any, op: LoseRun) -> bool:
         lost = Status.LOST
         values = (str(lost), lost.exit_code, str(lost), _text(op.why))
         cur = con.execute(f"UPDATE runs SET status = %s, exit_code = %s, reason = %s, "
-                          f"error = %s, ended_at = {NOW}, rev = %s "
+                          f"error = %s, ended_at = {NOW}, rev = DEFAULT "
                           f"WHERE run_id = %s AND status IS NULL",
-                          (*values, self._rev(con, rev), op.run_id))
+                          (*values, op.run_id))
         if cur.rowcount:
             return True
         info = op.info
@@ -609,18 +687,19 @@ class PostgresStore:
             return False
         con.execute(
             f"INSERT INTO runs (run_id, parent_run_id, subject_id, name, caller_id, channel_id, "
-            f"inputs, started_at, ended_at, status, exit_code, reason, error, rev) "
-            f"VALUES (%s, %s, %s, %s, %s, %s, %s, coalesce(%s, {NOW}), {NOW}, %s, %s, %s, %s, "
-            f"%s)",
+            f"inputs, started_at, ended_at, status, exit_code, reason, error) "
+            f"VALUES (%s, %s, %s, %s, %s, %s, %s, coalesce(%s, {NOW}), {NOW}, %s, %s, %s, %s)",
             (op.run_id, info.get("parent_run_id"), _text(info.get("subject_id")),
              _text(info.get("name")), _text(info.get("caller_id")),
              _text(info.get("channel_id")), _text(_dumps(info.get("inputs") or {})),
-             op.started_us, *values, self._rev(con, rev)))
+             op.started_us, *values))
         return True
 
-    def _claim(self, con: Any, op: ClaimRun, rev: list[int]) -> bool:
+    def _claim(self, con: Any, op: ClaimRun) -> bool:
+        # The row lock makes claims take turns: the second claimer reads the first's lease.
         row = con.execute(f"SELECT status, host, pid, pid_start, {NOW} - heartbeat_at "
-                          f"FROM checkpoints WHERE run_id = %s", (op.run_id,)).fetchone()
+                          f"FROM checkpoints WHERE run_id = %s FOR UPDATE",
+                          (op.run_id,)).fetchone()
         if row is None or row[0] != "running":
             return False
         holder = Owner(row[1] or "", int(row[2] or 0), row[3])
@@ -628,14 +707,114 @@ class PostgresStore:
         held = (holder.host, holder.pid, holder.started)
         mine = held == (me.host, me.pid, me.started)
         # A dispatcher that proved the holder dead (e.g. Ray: its node died) names it.
-        proof: Owner | None = getattr(op, "gone", None)
+        proof = op.gone
         proven = proof is not None and held == (proof.host, proof.pid, proof.started)
         if not (mine or proven or self._holder_gone(holder, row[4])):
             return False
         con.execute(f"UPDATE checkpoints SET host = %s, pid = %s, pid_start = %s, "
-                    f"heartbeat_at = {NOW}, rev = %s WHERE run_id = %s",
-                    (me.host, me.pid, me.started, self._rev(con, rev), op.run_id))
+                    f"heartbeat_at = {NOW}, rev = DEFAULT WHERE run_id = %s",
+                    (me.host, me.pid, me.started, op.run_id))
         return True
+
+    # ---------------------------------------------------------------- batches
+
+    def _create_batch(self, con: Any, op: CreateBatch) -> bool:
+        # Refused before anything is written (no savepoint to undo). A batch created at
+        # the same moment elsewhere with the same id fails the primary key instead.
+        if con.execute("SELECT 1 FROM batches WHERE batch_id = %s", (op.batch_id,)).fetchone():
+            raise StoreError(f"batch {op.batch_id} already exists")
+        o = op.owner
+        con.execute(f"INSERT INTO batches (batch_id, name, source, created_at, status, tasks, "
+                    f"concurrency, options, host, pid, pid_start, heartbeat_at) "
+                    f"VALUES (%s, %s, %s, {NOW}, 'running', %s, %s, %s, %s, %s, %s, {NOW})",
+                    (op.batch_id, _text(op.name), _text(op.source), len(op.tasks),
+                     op.concurrency, _text(_dumps(dict(op.options))), o.host, o.pid,
+                     o.started))
+        with con.cursor() as cur:
+            cur.executemany("INSERT INTO batch_tasks (batch_id, idx, task_id, run_id, spec) "
+                            "VALUES (%s, %s, %s, %s, %s)",
+                            [(op.batch_id, i, _text(t.task_id), t.run_id,
+                              _text(_dumps(t.spec))) for i, t in enumerate(op.tasks)])
+        return True
+
+    def _claim_batch(self, con: Any, op: ClaimBatch) -> bool:
+        row = con.execute(f"SELECT status, host, pid, pid_start, {NOW} - heartbeat_at "
+                          f"FROM batches WHERE batch_id = %s FOR UPDATE",
+                          (op.batch_id,)).fetchone()
+        if row is None:
+            return False
+        holder = Owner(row[1] or "", int(row[2] or 0), row[3])
+        me = op.owner
+        mine = (holder.host, holder.pid, holder.started) == (me.host, me.pid, me.started)
+        if row[0] == "running" and not mine and not self._holder_gone(holder, row[4]):
+            return False
+        con.execute(f"UPDATE batches SET status = 'running', ended_at = NULL, host = %s, "
+                    f"pid = %s, pid_start = %s, heartbeat_at = {NOW}, rev = DEFAULT "
+                    f"WHERE batch_id = %s", (me.host, me.pid, me.started, op.batch_id))
+        return True
+
+    def batches(self, *, batch_id: str | None = None, prefix: str | None = None,
+                limit: int | None = None) -> list[BatchRow]:
+        """Batches newest first (one id, an id prefix, or all), their tasks counted by status.
+
+        A batch whose holder is provably gone by this store's rule (on another host:
+        silent past the lease) is shown held by nobody (pid 0), so it reads as
+        interrupted (`BatchRow.interrupted`).
+        """
+        where, params = _id_filter("batch_id", batch_id, prefix)
+        sql = (f"SELECT batch_id, name, source, created_at, ended_at, status, tasks, "
+               f"concurrency, options, host, pid, pid_start, {NOW} - heartbeat_at "
+               f"FROM batches{where} ORDER BY created_at DESC, batch_id DESC")
+        if limit is not None:
+            sql += f" LIMIT {int(limit)}"
+        with self._read() as con:
+            if con is None:
+                return []
+            rows = con.execute(sql, params).fetchall()
+            counted: dict[str, dict[str, int]] = {}
+            if rows:
+                for bid, state, n in con.execute(
+                        "SELECT t.batch_id, CASE WHEN r.run_id IS NULL AND c.run_id IS NULL "
+                        "THEN 'pending' WHEN r.status IS NULL THEN 'running' ELSE r.status END "
+                        "AS s, count(*) FROM batch_tasks t "
+                        "LEFT JOIN runs r ON r.run_id = t.run_id "
+                        "LEFT JOIN checkpoints c ON c.run_id = t.run_id "
+                        "WHERE t.batch_id = ANY(%s) GROUP BY t.batch_id, s",
+                        ([r[0] for r in rows],)).fetchall():
+                    counted.setdefault(bid, {})[str(state)] = int(n)
+        out = []
+        for (bid, name, source, created, ended, status, tasks, conc, options, host, pid,
+             start, silent) in rows:
+            owner = Owner(host or "", int(pid or 0), start)
+            if status == "running" and owner.host != self._me.host \
+                    and self._holder_gone(owner, silent):
+                owner = Owner(owner.host, 0, None)
+            created_at = _utc(created)
+            assert created_at is not None
+            out.append(BatchRow(bid, name or "", source or "", created_at, _utc(ended), status,
+                                int(tasks), int(conc), owner, counted.get(bid, {}),
+                                json.loads(options) if options else {}))
+        return out
+
+    def batch_tasks(self, batch_id: str) -> list[TaskRow]:
+        """The tasks of a batch in file order, each with its run's status and checkpoint."""
+        with self._read() as con:
+            if con is None:
+                return []
+            rows = con.execute(
+                "SELECT t.idx, t.task_id, t.run_id, t.spec, r.status, r.run_id IS NOT NULL, "
+                "c.run_id IS NOT NULL FROM batch_tasks t "
+                "LEFT JOIN runs r ON r.run_id = t.run_id "
+                "LEFT JOIN checkpoints c ON c.run_id = t.run_id "
+                "WHERE t.batch_id = %s ORDER BY t.idx", (batch_id,)).fetchall()
+            saved: dict[str, SavedRun] = {}
+            if any(r[6] for r in rows):
+                saved = {s.run_id: s for s in _saved(
+                    con, " WHERE run_id IN (SELECT run_id FROM batch_tasks WHERE batch_id = %s)",
+                    (batch_id,))}
+        return [TaskRow(int(idx), tid, rid, json.loads(spec), status, bool(has_run or has_cp),
+                        saved.get(rid))
+                for idx, tid, rid, spec, status, has_run, has_cp in rows]
 
     def _holder_gone(self, holder: Owner, silent_us: int | None) -> bool:
         """Provably gone: released (pid 0); on this host, `Owner.gone`; on another host,
@@ -665,7 +844,8 @@ class PostgresStore:
                 self.heartbeat()
 
     def heartbeat(self) -> int:
-        """Refresh the heartbeat of every running run this process holds; how many.
+        """Refresh the heartbeat of every running run (and batch) this process holds; how
+        many runs.
 
         Raises:
             StoreError: The server cannot be reached.
@@ -675,40 +855,44 @@ class PostgresStore:
             cur = con.execute(f"UPDATE checkpoints SET heartbeat_at = {NOW} "
                               f"WHERE host = %s AND pid = %s AND status = 'running'",
                               (me.host, me.pid))
+            con.execute(f"UPDATE batches SET heartbeat_at = {NOW} "
+                        f"WHERE host = %s AND pid = %s AND status = 'running'",
+                        (me.host, me.pid))
             return int(cur.rowcount)
 
     # ---------------------------------------------------------------- budgets
 
     @staticmethod
     def _budget_row(con: Any, caller_id: str) -> Any:
+        """The budget that applies to the caller and the caller's spend in its window, in one
+        round trip: (caller_id, window, max_runs, max_runtime, max_tokens, max_cost, runs,
+        runtime, tokens, cost), or None."""
         return con.execute(
-            "SELECT caller_id, window_seconds, max_runs, max_runtime_seconds, max_tokens, "
-            "max_cost_usd FROM budgets WHERE caller_id IN (%s, %s) "
-            "ORDER BY caller_id = %s DESC LIMIT 1",
-            (caller_id, DEFAULT_CALLER, caller_id)).fetchone()
+            f"SELECT b.caller_id, b.window_seconds, b.max_runs, b.max_runtime_seconds, "
+            f"b.max_tokens, b.max_cost_usd, s.runs, s.runtime, s.tokens, s.cost "
+            f"FROM (SELECT * FROM budgets WHERE caller_id IN (%s, %s) "
+            f"ORDER BY caller_id = %s DESC LIMIT 1) b, LATERAL (SELECT count(*) AS runs, "
+            f"coalesce(sum(runtime_seconds), 0) AS runtime, coalesce(sum(tokens), 0) AS tokens, "
+            f"coalesce(sum(cost_usd), 0) AS cost FROM budget_spend WHERE caller_id = %s "
+            f"AND ts > {NOW} - (b.window_seconds * 1000000)::bigint) s",
+            (caller_id, DEFAULT_CALLER, caller_id, caller_id)).fetchone()
 
     @staticmethod
-    def _with_spend(con: Any, caller_id: str, row: Any) -> CallerBudget:
-        spent = con.execute(
-            f"SELECT count(*), coalesce(sum(runtime_seconds), 0), coalesce(sum(tokens), 0), "
-            f"coalesce(sum(cost_usd), 0) FROM budget_spend WHERE caller_id = %s "
-            f"AND ts > {NOW} - %s",
-            (caller_id, int(row[1] * 1e6))).fetchone()
-        runs, runtime, tokens, cost = spent if spent else (0, 0.0, 0, 0.0)
+    def _as_budget(caller_id: str, row: Any) -> CallerBudget:
         return CallerBudget(caller_id, float(row[1]), row[2], row[3], row[4], row[5],
-                            int(runs), float(runtime), int(tokens), float(cost))
+                            int(row[6]), float(row[7]), int(row[8]), float(row[9]))
 
-    def _reserve(self, con: Any, op: ReserveBudget, rev: list[int]) -> Reservation | None:
-        # Atomic across the fleet: every write transaction holds the write lock.
+    def _reserve(self, con: Any, op: ReserveBudget) -> Reservation | None:
+        # Atomic across the fleet: the transaction holds this caller's budget lock.
         row = self._budget_row(con, op.caller_id)
         if row is None:
             return None
-        budget = self._with_spend(con, op.caller_id, row)
+        budget = self._as_budget(op.caller_id, row)
         if budget.refusal() is not None:
             return Reservation(budget, None)
-        found = con.execute(f"INSERT INTO budget_spend (caller_id, ts, run_id, rev) "
-                            f"VALUES (%s, {NOW}, %s, %s) RETURNING id",
-                            (op.caller_id, op.run_id or None, self._rev(con, rev))).fetchone()
+        found = con.execute(f"INSERT INTO budget_spend (caller_id, ts, run_id) "
+                            f"VALUES (%s, {NOW}, %s) RETURNING id",
+                            (op.caller_id, op.run_id or None)).fetchone()
         return Reservation(budget, int(found[0]))
 
     def budget(self, caller_id: str) -> CallerBudget | None:
@@ -717,53 +901,46 @@ class PostgresStore:
             if con is None:
                 return None
             row = self._budget_row(con, caller_id)
-            return None if row is None else self._with_spend(con, caller_id, row)
+            return None if row is None else self._as_budget(caller_id, row)
 
     def budgets(self) -> list[CallerBudget]:
         """Every budget row with its own caller's current spend."""
         with self._read() as con:
             if con is None:
                 return []
-            rows = con.execute("SELECT caller_id, window_seconds, max_runs, max_runtime_seconds, "
-                               "max_tokens, max_cost_usd FROM budgets ORDER BY caller_id"
-                               ).fetchall()
-            return [self._with_spend(con, r[0], r) for r in rows]
+            callers = [r[0] for r in con.execute("SELECT caller_id FROM budgets "
+                                                 "ORDER BY caller_id").fetchall()]
+            return [self._as_budget(c, self._budget_row(con, c)) for c in callers]
 
     # ------------------------------------------------------------ checkpoints
 
     def saved_runs(self, *, run_id: str | None = None, prefix: str | None = None,
                    running: bool = False) -> list[SavedRun]:
         """Registered runs: one id, an id prefix, or every run still marked `running`."""
-        where, params = [], []
-        if run_id is not None:
-            where.append("run_id = %s")
-            params.append(run_id)
-        if prefix is not None:
-            where.append("run_id LIKE %s ESCAPE '\\'")
-            params.append(prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
-                          + "%")
+        where, params = _id_filter("run_id", run_id, prefix)
         if running:
-            where.append("status = 'running'")
-        sql = ("SELECT run_id, spec, state, steps, tool_calls, input_tokens, output_tokens, "
-               "thinking_tokens, cost_usd, status, host, pid, pid_start, updated_at, "
-               "heartbeat_at FROM checkpoints")
-        if where:
-            sql += " WHERE " + " AND ".join(where)
+            where += (" AND " if where else " WHERE ") + "status = 'running'"
         with self._read() as con:
             if con is None:
                 return []
-            rows = con.execute(sql + " ORDER BY created_at, run_id", params).fetchall()
-        out = []
-        for (rid, spec, state, steps, tools, tin, tout, tthink, cost, status, host, pid, start,
-             updated, beat) in rows:
-            cp = Checkpoint(rid, int(steps), None if state is None else json.loads(state),
-                            Usage(int(tin), int(tout), int(tthink), float(cost)), int(tools))
-            updated_at = _utc(updated)
-            assert updated_at is not None
-            out.append(SavedRun(rid, json.loads(spec), cp, status,
-                                Owner(host or "", int(pid or 0), start), updated_at,
-                                _utc(beat)))
-        return out
+            return _saved(con, where + " ORDER BY created_at, run_id", params)
+
+    def interrupted(self) -> list[SavedRun]:
+        """Runs still marked `running` whose holder is provably gone: released, gone from
+        this host (`Owner.gone`), or silent on another host for longer than the lease."""
+        silent = dict(self._silences())
+        return [r for r in self.saved_runs(running=True)
+                if self._holder_gone(r.owner, silent.get(r.run_id))]
+
+    def _silences(self) -> list[tuple[str, int | None]]:
+        """(run_id, microseconds since its heartbeat by the server's clock) of running runs."""
+        with self._read() as con:
+            if con is None:
+                return []
+            rows: list[tuple[str, int | None]] = con.execute(
+                f"SELECT run_id, {NOW} - heartbeat_at FROM checkpoints "
+                f"WHERE status = 'running'").fetchall()
+        return rows
 
     def payloads(self, run_id: str, kind: str) -> list[str]:
         """The payloads of run `run_id`'s events of `kind`, in seq order."""
@@ -803,7 +980,8 @@ class PostgresStore:
             con.close()
 
     def purge(self, before_us: int) -> tuple[int, int]:
-        """Delete closed runs that ended before `before_us`, their events and finished checkpoints.
+        """Delete closed runs that ended before `before_us`, their events, finished checkpoints
+        and finished batches.
 
         Returns:
             (runs deleted, events deleted).
@@ -818,29 +996,37 @@ class PostgresStore:
                         (before_us,))
             rn = con.execute("DELETE FROM runs WHERE ended_at IS NOT NULL AND ended_at < %s",
                              (before_us,))
+            con.execute("DELETE FROM batch_tasks WHERE batch_id IN (SELECT batch_id FROM "
+                        "batches WHERE status = 'finished' AND ended_at < %s)", (before_us,))
+            con.execute("DELETE FROM batches WHERE status = 'finished' AND ended_at < %s",
+                        (before_us,))
             return int(rn.rowcount), int(n_events)
 
 
 class PgChanges:
-    """What a sync reads from the store, inside one read snapshot (see `_sqlite.Changes`)."""
+    """What a sync reads from the store, inside one read snapshot (see `_sqlite.Changes`).
+
+    Both cursors are transaction ids: rows written by transactions from the
+    last cursor (included) up to the oldest one still running when the
+    snapshot was taken (excluded), all of which have finished.
+    """
 
     def __init__(self, con: Any, events_after: int, rev_after: int) -> None:
         self._con = con
         self.events_after = events_after
         self.rev_after = rev_after
-        row = con.execute("SELECT value FROM meta WHERE key = 'rev'").fetchone()
-        #: The change number this snapshot is complete up to (the next cursor).
-        self.rev = int(row[0]) if row else 0
-        last = con.execute("SELECT coalesce(max(id), 0) FROM events").fetchone()
-        #: The last event id in this snapshot (the next cursor).
-        self.last_event = int(last[0]) if last else 0
+        row = con.execute("SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint"
+                          ).fetchone()
+        horizon = int(row[0])
+        #: Where this snapshot is complete: the next cursor, for events and for rows.
+        self.rev = self.last_event = max(horizon, rev_after)
 
     def events(self, chunk: int = 100_000) -> Iterator[list[tuple[Any, ...]]]:
         """New events in id order, in lists of at most `chunk` rows (`EVENT_COLUMNS`)."""
         with self._con.cursor(name="kernel_sync_events") as cur:
             cur.itersize = chunk
-            cur.execute(f"SELECT {', '.join(EVENT_COLUMNS)} FROM events WHERE id > %s AND "
-                        "id <= %s ORDER BY id", (self.events_after, self.last_event))
+            cur.execute(f"SELECT {', '.join(EVENT_COLUMNS)} FROM events WHERE xid >= %s AND "
+                        "xid < %s ORDER BY id", (self.events_after, self.last_event))
             while True:
                 rows = cur.fetchmany(chunk)
                 if not rows:
@@ -849,7 +1035,7 @@ class PgChanges:
 
     def _changed(self, table: str, columns: Sequence[str]) -> list[tuple[Any, ...]]:
         rows: list[tuple[Any, ...]] = self._con.execute(
-            f"SELECT {', '.join(columns)} FROM {table} WHERE rev > %s AND rev <= %s",
+            f"SELECT {', '.join(columns)} FROM {table} WHERE rev >= %s AND rev < %s",
             (self.rev_after, self.rev)).fetchall()
         return rows
 
@@ -864,6 +1050,14 @@ class PgChanges:
     def spend(self) -> list[tuple[Any, ...]]:
         """Budget spend rows added or settled since the cursor (`SPEND_COLUMNS`)."""
         return self._changed("budget_spend", SPEND_COLUMNS)
+
+    def batches(self) -> list[tuple[Any, ...]]:
+        """Batches added or changed since the cursor (`BATCH_COLUMNS`)."""
+        return self._changed("batches", BATCH_COLUMNS)
+
+    def batch_tasks(self) -> list[tuple[Any, ...]]:
+        """Batch tasks added since the cursor (`BATCH_TASK_COLUMNS`; they never change)."""
+        return self._changed("batch_tasks", BATCH_TASK_COLUMNS)
 
     def budgets(self) -> list[tuple[Any, ...]]:
         """Every budget row (a small table: copied whole) (`BUDGET_COLUMNS`)."""

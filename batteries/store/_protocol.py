@@ -56,6 +56,10 @@ class RunStore(Protocol):
                    running: bool = False) -> list[SavedRun]:
         """Registered runs (by id, by id prefix, or all still marked running)."""
 
+    def interrupted(self) -> list[SavedRun]:
+        """Runs still marked `running` whose holder is provably gone by this store's rule
+        (what `kernel recover` resumes; a claim re-checks it in its transaction)."""
+
     def payloads(self, run_id: str, kind: str) -> list[str]:
         """The payloads of one run's events of one kind, in seq order (what recover reads)."""
 

@@ -893,6 +893,11 @@ class SQLiteStore:
                                 _utc(beat)))
         return out
 
+    def interrupted(self) -> list[SavedRun]:
+        """Runs still marked `running` whose holder is provably gone (`Owner.gone`: on
+        this machine, its pid is gone or recycled; on another, never provable here)."""
+        return [r for r in self.saved_runs(running=True) if r.owner.gone()]
+
     def payloads(self, run_id: str, kind: str) -> list[str]:
         """The payloads of run `run_id`'s events of `kind`, in seq order."""
         if not self.exists():

@@ -70,12 +70,12 @@ class Owner:
         reaped: a process whose parent died with it, under a pid 1 that does
         not reap), or it exists but started at a different time (a recycled
         pid). On another host nothing can be proved from here, so the answer
-        is False.
+        is False, unless the owner is nobody (pid 0: a released lease).
         """
-        if self.host != socket.gethostname():
-            return False
         if self.pid <= 0:
             return True
+        if self.host != socket.gethostname():
+            return False
         try:
             os.kill(self.pid, 0)
         except ProcessLookupError:

@@ -43,10 +43,23 @@ def store_at(tmp_path: Path) -> SQLiteStore:
     return SQLiteStore(journal_path(tmp_path / "k.duckdb"))
 
 
+@pytest.fixture(params=["sqlite", "postgres"])
+def batch_store(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
+    """Both stores keep batches: the journal, and PostgreSQL (tests/pg_server.py)."""
+    if request.param == "sqlite":
+        yield store_at(tmp_path)
+        return
+    from batteries.store import PostgresStore
+
+    store = PostgresStore(request.getfixturevalue("pg_url"))
+    yield store
+    store.close()
+
+
 class TestStoredBatches:
-    def test_create_list_claim_finish(self, tmp_path: Path) -> None:
+    def test_create_list_claim_finish(self, batch_store: Any) -> None:
         """A batch is stored with every task's run id; its lease works like a run's."""
-        store = store_at(tmp_path)
+        store = batch_store
         me = Owner.me()
         ts = tasks(3)
         [ok] = store.commit(None, [CreateBatch("b1", tuple(ts), me, name="one", concurrency=2)])
@@ -70,15 +83,34 @@ class TestStoredBatches:
         assert row.status == "finished" and row.ended_at is not None
         assert store.commit(None, [ClaimBatch("nope", me)]) == [False]
 
-    def test_gone_holder_is_interrupted(self, tmp_path: Path) -> None:
+    def test_gone_holder_is_interrupted(self, batch_store: Any) -> None:
         """A running batch whose holder is provably gone is interrupted and can be claimed."""
-        store = store_at(tmp_path)
+        store = batch_store
         store.commit(None, [CreateBatch("b2", tuple(tasks(1)), GONE),
                             CreateBatch("b3", tuple(tasks(1)), DEAD)])
         rows = {r.batch_id: r for r in store.batches()}
         assert rows["b2"].interrupted and not rows["b3"].interrupted
         assert store.commit(None, [ClaimBatch("b2", Owner.me()),
                                    ClaimBatch("b3", Owner.me())]) == [True, False]
+
+    def test_a_remote_holder_silent_past_the_lease(self, pg_url: str) -> None:
+        """On the shared store a batch held on another machine is interrupted, and can be
+        claimed, once its heartbeat is older than the lease by the server's clock."""
+        import psycopg
+
+        from batteries.store import PostgresStore
+
+        store = PostgresStore(pg_url)
+        store.commit(None, [CreateBatch("b4", tuple(tasks(2)), DEAD)])
+        [row] = store.batches()
+        assert not row.interrupted
+        assert store.commit(None, [ClaimBatch("b4", Owner.me())]) == [False]
+        with psycopg.connect(pg_url, autocommit=True) as con:
+            con.execute("UPDATE kernel.batches SET heartbeat_at = heartbeat_at - 120000000")
+        [row] = store.batches()
+        assert row.interrupted
+        assert store.commit(None, [ClaimBatch("b4", Owner.me())]) == [True]
+        store.close()
 
     def test_ids_are_typeable(self) -> None:
         """Batch ids are short, lower case and free of look-alike characters."""

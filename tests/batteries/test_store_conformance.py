@@ -167,6 +167,30 @@ class TestLeases:
         store.commit(None, [RegisterRun("r1", SPEC, Owner(me.host, me.pid, me.started - 1))])
         assert store.commit(None, [ClaimRun("r1", me)]) == [True]
 
+    def test_interrupted_lists_what_a_recoverer_may_take(self, store: RunStore,
+                                                         kind: str) -> None:
+        """A dead local holder's run is interrupted; a live one's and a fresh remote one's
+        are not; a remote one silent past the lease is, on the shared store only."""
+        store.commit(None, [RegisterRun("dead", SPEC, _dead_owner()),
+                            RegisterRun("live", SPEC, Owner.me()),
+                            RegisterRun("remote", SPEC, Owner("elsewhere.example", 9, 1)),
+                            RegisterRun("done", SPEC, _dead_owner()),
+                            FinishRun("done", "completed")])
+        assert [r.run_id for r in store.interrupted()] == ["dead"]
+        _sql(store, "UPDATE checkpoints SET heartbeat_at = heartbeat_at - 120000000")
+        expected = ["dead", "remote"] if kind == "postgres" else ["dead"]
+        assert [r.run_id for r in store.interrupted()] == expected
+
+    def test_a_holder_proved_gone_by_the_claimer(self, store: RunStore) -> None:
+        """A claimer with proof of the holder's death (a dispatcher saw its node die) takes
+        the run over from any host; proof about another owner is no proof."""
+        remote = Owner("another-host.example", 4242, 99)
+        store.commit(None, [RegisterRun("r1", SPEC, remote)])
+        me = Owner.me()
+        wrong = Owner("another-host.example", 4242, 98)
+        assert store.commit(None, [ClaimRun("r1", me, gone=wrong)]) == [False]
+        assert store.commit(None, [ClaimRun("r1", me, gone=remote)]) == [True]
+
     def test_finished_runs_cannot_be_claimed(self, store: RunStore) -> None:
         store.commit(None, [RegisterRun("r1", SPEC, _dead_owner()), FinishRun("r1", "failed")])
         assert store.commit(None, [ClaimRun("r1", Owner.me())]) == [False]
@@ -183,9 +207,13 @@ class TestLeases:
         _sql(store, "UPDATE checkpoints SET heartbeat_at = heartbeat_at - 120000000")
         [taken] = store.commit(None, [ClaimRun("r1", me)])
         assert taken is (kind == "postgres")
+        # A run its remote holder released is held by nobody: anyone may take it.
+        store.commit(None, [RegisterRun("r2", SPEC, remote), ReleaseRun("r2", remote)])
+        assert store.commit(None, [ClaimRun("r2", me)]) == [True]
 
-class TestHeartbeats:
-    """The shared store's alone: on one machine liveness is proved by the pid."""
+class TestSharedStore:
+    """The shared store's alone: heartbeats (on one machine liveness is proved by the pid),
+    and a feed cursor that stays exact while transactions commit out of order."""
 
     @pytest.fixture
     def store(self, pg_url: str) -> Iterator[Any]:
@@ -229,6 +257,29 @@ class TestHeartbeats:
         assert beat is not None and beat.is_alive()
         store.close()
         assert not beat.is_alive()
+
+
+    def test_a_row_committed_late_is_synced_once(self, store: Any, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+        """A slow transaction that wrote first and commits last: the sync in between copies
+        nothing of what committed after it started, the next one copies both, once."""
+        import psycopg
+
+        monkeypatch.setenv("KERNEL_STORE", store.url)
+        db = tmp_path / "kernel.duckdb"
+        store.commit(None, [])  # create the tables
+        insert = ("INSERT INTO kernel.events (run_id, seq, ts, kind) VALUES (%s, 0, 0, 'x')")
+        with psycopg.connect(store.url) as slow, \
+                psycopg.connect(store.url, autocommit=True) as fast:
+            slow.execute(insert, ("slow",))  # its transaction stays open
+            fast.execute(insert, ("fast",))  # committed now, by a later transaction
+            early = sync(db)
+            slow.commit()
+        late = sync(db)
+        assert (early.events, late.events) == (0, 2)
+        with Store(db).reader(fresh=False) as cur:
+            assert sorted(cur.execute("SELECT run_id FROM events").fetchall()) == \
+                [("fast",), ("slow",)]
 
 
 class TestBudgets:
