@@ -1073,14 +1073,22 @@ class SQLiteStore:
         """Delete closed runs that ended before `before_us`, their events, finished checkpoints
         and finished batches.
 
+        The event with the highest id is kept (its run's row may go): SQLite
+        numbers a new row after the highest id left, and ids are the analysts'
+        sync cursor, so deleting the newest events would hand their ids to new
+        ones, which the sync would then never copy. A later purge deletes it
+        once a newer event exists.
+
         Returns:
             (runs deleted, events deleted).
         """
         if not self.exists():
             return 0, 0
         with self._write() as con:
+            top = int(con.execute("SELECT coalesce(max(id), 0) FROM events").fetchone()[0])
             old = ("SELECT run_id FROM runs WHERE ended_at IS NOT NULL AND ended_at < ?")
-            ev = con.execute(f"DELETE FROM events WHERE run_id IN ({old})", (before_us,))
+            ev = con.execute(f"DELETE FROM events WHERE id < ? AND (run_id IN ({old}) OR "
+                             "run_id NOT IN (SELECT run_id FROM runs))", (top, before_us))
             n_events = ev.rowcount
             con.execute("DELETE FROM checkpoints WHERE status != 'running' AND updated_at < ?",
                         (before_us,))

@@ -342,3 +342,22 @@ class TestJournalSchema:
         assert checkpoints >= 2
         assert size < 6 * 2**20, size
 
+    async def test_a_purge_of_every_run_never_hands_out_a_synced_id_again(
+            self, tmp_path: Path) -> None:
+        """Purging every run keeps the newest event, so the next run's events get new
+        ids and reach the analysts' file (they were skipped as already synced)."""
+        import time
+
+        db = tmp_path / "k.duckdb"
+        async with JournalAudit.open(db) as audit:
+            await Kernel(Ports(audit=audit)).run(ScriptedAgent([Step(final=True)]))
+        sync(db)
+        SQLiteStore(journal_path(db)).purge(time.time_ns() // 1000 + 10**6)
+        info = RunInfo(name="after the purge")
+        async with JournalAudit.open(db) as audit:
+            await Kernel(Ports(audit=audit)).run(ScriptedAgent([Step(), Step(final=True)]),
+                                                 info)
+        assert sync(db).events == 4
+        with Store(db).reader() as cur:
+            assert cur.execute("SELECT count(*) FROM events WHERE run_id = ?",
+                               [info.run_id]).fetchall() == [(4,)]
