@@ -147,14 +147,17 @@ _V2 = (
 #: unique per run, and a resumed run reads its next seq from one row. What read
 #: one run's events through the index (`payloads`) starts at `runs.first_event`,
 #: the id of the run's first event in the journal. The table is rebuilt (ids kept:
-#: they are the analysts' sync cursor).
+#: they are the analysts' sync cursor), with AUTOINCREMENT: an id is never handed
+#: out twice, even after a purge deleted the newest events (without it SQLite
+#: numbers a new row after the highest id left, and the sync, which copies ids
+#: above its cursor, would skip the new events for good).
 _V3 = (
     "UPDATE runs SET last_seq = max(last_seq, coalesce((SELECT max(seq) FROM events e "
     "WHERE e.run_id = runs.run_id), 0))",
     "ALTER TABLE runs ADD COLUMN first_event INTEGER",
     "UPDATE runs SET first_event = (SELECT min(id) FROM events e WHERE e.run_id = runs.run_id)",
     """CREATE TABLE events_v3 (
-        id INTEGER PRIMARY KEY, run_id TEXT NOT NULL, seq INTEGER NOT NULL,
+        id INTEGER PRIMARY KEY AUTOINCREMENT, run_id TEXT NOT NULL, seq INTEGER NOT NULL,
         ts INTEGER NOT NULL, kind TEXT NOT NULL, iteration INTEGER, name TEXT,
         duration_ms REAL, payload TEXT)""",
     "INSERT INTO events_v3 (id, run_id, seq, ts, kind, iteration, name, duration_ms, payload) "
@@ -648,7 +651,9 @@ class SQLiteStore:
         if new_runs:
             change = self._rev(con, rev)
             # Each run_start gets the next id, given here: the run's `first_event`.
-            top = int(con.execute("SELECT coalesce(max(id), 0) FROM events").fetchone()[0])
+            top = int(con.execute("SELECT max(coalesce((SELECT max(id) FROM events), 0), "
+                                  "coalesce((SELECT seq FROM sqlite_sequence WHERE name = "
+                                  "'events'), 0))").fetchone()[0])
             con.executemany(
                 "INSERT INTO runs (run_id, parent_run_id, subject_id, name, caller_id, "
                 "channel_id, inputs, started_at, host, pid, last_seq, first_event, rev) "
@@ -1073,22 +1078,14 @@ class SQLiteStore:
         """Delete closed runs that ended before `before_us`, their events, finished checkpoints
         and finished batches.
 
-        The event with the highest id is kept (its run's row may go): SQLite
-        numbers a new row after the highest id left, and ids are the analysts'
-        sync cursor, so deleting the newest events would hand their ids to new
-        ones, which the sync would then never copy. A later purge deletes it
-        once a newer event exists.
-
         Returns:
             (runs deleted, events deleted).
         """
         if not self.exists():
             return 0, 0
         with self._write() as con:
-            top = int(con.execute("SELECT coalesce(max(id), 0) FROM events").fetchone()[0])
             old = ("SELECT run_id FROM runs WHERE ended_at IS NOT NULL AND ended_at < ?")
-            ev = con.execute(f"DELETE FROM events WHERE id < ? AND (run_id IN ({old}) OR "
-                             "run_id NOT IN (SELECT run_id FROM runs))", (top, before_us))
+            ev = con.execute(f"DELETE FROM events WHERE run_id IN ({old})", (before_us,))
             n_events = ev.rowcount
             con.execute("DELETE FROM checkpoints WHERE status != 'running' AND updated_at < ?",
                         (before_us,))

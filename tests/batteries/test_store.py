@@ -344,8 +344,8 @@ class TestJournalSchema:
 
     async def test_a_purge_of_every_run_never_hands_out_a_synced_id_again(
             self, tmp_path: Path) -> None:
-        """Purging every run keeps the newest event, so the next run's events get new
-        ids and reach the analysts' file (they were skipped as already synced)."""
+        """After a purge of every run, the next run's events get new ids (events are
+        AUTOINCREMENT) and reach the analysts' file: reused ids were skipped as synced."""
         import time
 
         db = tmp_path / "k.duckdb"
