@@ -43,7 +43,7 @@ from typing import Any
 import trio
 
 from ._protocol import RunStore
-from ._sqlite import SQLiteStore, WouldBlock
+from ._sqlite import WouldBlock
 from ._types import Batch, Op, StoreBusyError
 
 _log = logging.getLogger("kernel.journal")
@@ -53,11 +53,6 @@ _log = logging.getLogger("kernel.journal")
 #: write lock is free at once (see `Journal.transact`).
 INLINE_EVENTS = 256
 
-#: An open journal copies its WAL into the file (a checkpoint, off the trio thread)
-#: after this many transactions or this many events since the last one: about
-#: SQLite's own threshold of 1,000 WAL pages for small or big transactions.
-WAL_CHECKPOINT_TRANSACTIONS = 250
-WAL_CHECKPOINT_EVENTS = 25_000
 
 class _Waiter:
     """A caller of `Journal.transact`: its ops, and what their transaction gave back."""
@@ -119,10 +114,6 @@ class Journal:
         # before transaction N took its batch are durable once `_durable >= N`.
         self._begun = 0
         self._durable = 0
-        # Writes since the last WAL checkpoint (see `WAL_CHECKPOINT_TRANSACTIONS`).
-        self._wal_transactions = 0
-        self._wal_events = 0
-        self._wal_due = trio.Event()
         self._lock = trio.Lock()
         self._queue: list[_Waiter] = []
         self._dirty = trio.Event()
@@ -143,18 +134,14 @@ class Journal:
         """
         journal = cls(db, **options)
         async with trio.open_nursery() as nursery:
-            scope, wal_scope = trio.CancelScope(), trio.CancelScope()
+            scope = trio.CancelScope()
             nursery.start_soon(journal._flusher, scope)
-            if isinstance(journal.store, SQLiteStore):  # the WAL is SQLite's
-                journal.store.defer_wal_checkpoints()
-                nursery.start_soon(journal._wal_checkpointer, journal.store, wal_scope)
             journal.running = True
             try:
                 yield journal
             finally:
                 with trio.CancelScope(shield=True):
                     scope.cancel()
-                    wal_scope.cancel()
                     journal.running = False
                     await journal._final_flush()
                     await trio.to_thread.run_sync(journal.store.close)
@@ -269,11 +256,6 @@ class Journal:
         self._failures = 0
         self.retry_len = 0
         self._durable = number
-        self._wal_transactions += 1
-        self._wal_events += len(batch)
-        if (self._wal_transactions >= WAL_CHECKPOINT_TRANSACTIONS
-                or self._wal_events >= WAL_CHECKPOINT_EVENTS):
-            self._wal_due.set()
         for op, res in zip(deferred, results, strict=False):
             if isinstance(res, Exception):
                 _log.error("journal operation refused: %s: %s", type(op).__name__, res)
@@ -333,16 +315,6 @@ class Journal:
                     await self.transact()
                 except Exception:
                     self._dirty.set()  # retry the kept rows after the interval
-
-    async def _wal_checkpointer(self, store: SQLiteStore, scope: trio.CancelScope) -> None:
-        # Runs `checkpoint_wal` in a worker thread whenever enough was written: the
-        # fsyncs of a checkpoint never land on a save or a close.
-        with scope:
-            while True:
-                await self._wal_due.wait()
-                self._wal_due = trio.Event()
-                self._wal_transactions = self._wal_events = 0
-                await trio.to_thread.run_sync(store.checkpoint_wal)
 
     async def _final_flush(self) -> None:
         if self.pending.empty() and not self._deferred:

@@ -300,54 +300,9 @@ class SQLiteStore:
         self._lock = threading.Lock()
         self._migrated = False
         self._trace: Callable[[str], None] | None = None
-        # WAL checkpoints: by SQLite in whichever commit crosses 1,000 WAL pages, unless
-        # an open `Journal` runs them off the trio thread (`defer_wal_checkpoints`).
-        self._deferred_checkpoints = False
-        self._con_wal: sqlite3.Connection | None = None
-        #: WAL checkpoints run by `checkpoint_wal`.
-        self.wal_checkpoints = 0
-        self._wal_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"SQLiteStore({str(self.path)!r})"
-
-    def defer_wal_checkpoints(self) -> None:
-        """Commits no longer copy the WAL into the journal file (SQLite's autocheckpoint,
-        1,000 pages): the caller runs `checkpoint_wal` instead, in a thread of its own.
-
-        A checkpoint fsyncs the WAL and the file (milliseconds on a busy disk); done
-        by the commit that crosses the threshold, it lands on whichever save or close
-        is unlucky, on the trio thread when that commit runs inline.
-        """
-        with self._lock:
-            self._deferred_checkpoints = True
-            for con in (self._con, self._con_now):
-                if con is not None:
-                    con.execute("PRAGMA wal_autocheckpoint = 0")
-
-    def checkpoint_wal(self) -> None:
-        """Copy committed WAL pages into the journal file (blocking; for a worker thread).
-
-        Two passes of `PRAGMA wal_checkpoint(PASSIVE)` (never waits for another
-        process) on a connection of its own: the first copies the bulk while this
-        process goes on committing; the second, holding this store's lock, copies
-        what was committed meanwhile, so that the WAL is wholly copied and the next
-        commit starts it over (a WAL that is never wholly copied only grows).
-        Failures are ignored: the WAL stays valid and the next pass catches up.
-        """
-        if not self.exists():
-            return
-        with self._wal_lock:
-            try:
-                if self._con_wal is None:
-                    self._con_wal = sqlite3.connect(self.path, timeout=0, isolation_level=None,
-                                                    check_same_thread=False)
-                self._con_wal.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
-                with self._lock:
-                    self._con_wal.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
-            except sqlite3.Error:
-                return
-            self.wal_checkpoints += 1
 
     def trace(self, callback: Callable[[str], None] | None) -> None:
         """Call `callback` with every SQL statement this store's connections run (tests
@@ -385,8 +340,6 @@ class SQLiteStore:
             con.execute("PRAGMA foreign_keys=OFF")
         except sqlite3.Error as exc:
             raise self._error("cannot open", exc) from exc
-        if self._deferred_checkpoints:
-            con.execute("PRAGMA wal_autocheckpoint = 0")
         if self._trace is not None:
             con.set_trace_callback(self._trace)
         return con
@@ -461,10 +414,7 @@ class SQLiteStore:
                     con.close()
             self._con = self._con_now = None
             self._migrated = False
-        with self._wal_lock:
-            if self._con_wal is not None:
-                self._con_wal.close()
-                self._con_wal = None
+
 
     # ------------------------------------------------------------ transactions
 

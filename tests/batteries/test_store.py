@@ -316,32 +316,6 @@ class TestJournalSchema:
         # One transaction per run and step would be 40 x 4 saves + 40 closes = 200.
         assert used <= 4 * (steps + 2), used
 
-    async def test_an_open_journal_checkpoints_its_wal_off_the_commits(
-            self, tmp_path: Path) -> None:
-        """Commits leave WAL checkpoints (two fsyncs) to a worker thread, which still runs
-        them: the WAL does not grow without bound."""
-        from batteries.checkpoint import JournalCheckpointer
-        from batteries.store._journal import WAL_CHECKPOINT_TRANSACTIONS
-        from kernel import Checkpoint
-
-        db = tmp_path / "k.duckdb"
-        saves = 3 * WAL_CHECKPOINT_TRANSACTIONS
-        async with JournalAudit.open(db, flush_interval=3600) as audit:
-            cp = JournalCheckpointer(audit.journal)
-            store = audit.journal.store
-            info = RunInfo(name="wal")
-            await cp.register(info.run_id, {"agent": {"kind": "test"}})
-            rec = await audit.start_run(info)
-            for i in range(saves):
-                rec.log_event("tick", payload={"i": i})
-                await cp.save(Checkpoint(info.run_id, i, {"state": "x" * 2000}))
-            checkpoints = store.wal_checkpoints
-            # ~3 pages a save: without checkpoints the WAL would hold them all (~9 MB).
-            wal = Path(str(journal_path(db)) + "-wal")
-            size = wal.stat().st_size
-        assert checkpoints >= 2
-        assert size < 6 * 2**20, size
-
     async def test_a_purge_of_every_run_never_hands_out_a_synced_id_again(
             self, tmp_path: Path) -> None:
         """After a purge of every run, the next run's events get new ids (events are
