@@ -4,8 +4,9 @@ A host registers each run with a *run spec* before it starts: a JSON
 document saying how to rebuild the agent (which kind, its config and
 inputs, the limits). The kernel then saves the agent's resumable state
 after every step (one `BEGIN IMMEDIATE` transaction of well under a
-millisecond, which also carries the run's audit events buffered so far),
-and the row is marked `completed` or `failed` at the end.
+millisecond, which also carries the run's audit events buffered so far;
+saves of runs that finish a step together share one transaction, see
+`Journal.transact`), and the row is marked `completed` or `failed` at the end.
 
 The row is also the run's **lease**: the process holding it (host, pid and
 the pid's start time, so a recycled pid is not mistaken for the owner) and

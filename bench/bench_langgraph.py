@@ -15,6 +15,13 @@ machine hits every variant alike):
   thread_id per run, its saver checkpointing every super-step.
 - bare trio: the same 10-step agent in a plain loop (the per-step baseline).
 
+The rows above run one run at a time. Two more rows run `--concurrent` runs
+at once (time per run = total / runs): the kernel (trio tasks; saves of runs
+that finish a step together share one transaction: group commit) and
+LangGraph + InMemorySaver (asyncio tasks, `ainvoke`). Group commit only helps
+the concurrent row; the ratios are printed for both, each against LangGraph
+run the same way.
+
 Also printed: the durable checkpoint save on its own (p50/p99 of `save`
 awaited from trio, thread hop included) and the per-step cost of the
 kernel with the audit and critic but no checkpoint, against a bare step.
@@ -89,6 +96,34 @@ async def kernel_runs(tmp: Path, runs: int, *, checkpoint: bool = True) -> float
         return (time.perf_counter() - t0) / runs
 
 
+async def kernel_concurrent(tmp: Path, runs: int, width: int) -> float:
+    """Seconds per run for `runs` kernel runs, `width` at a time, every battery wired."""
+    from batteries.audit import JournalAudit
+    from batteries.checkpoint import JournalCheckpointer
+    from batteries.critic import WatchCritic
+    from batteries.store import Journal
+
+    limits = Limits(max_steps=None, timeout=3600)
+    async with Journal.open(tmp / f"c-{time.monotonic_ns()}.duckdb") as journal:
+        cp = JournalCheckpointer(journal)
+        kernel = Kernel(Ports(audit=JournalAudit(journal), critic=WatchCritic(),
+                              checkpointer=cp))
+
+        async def one() -> None:
+            info = RunInfo(name="bench")
+            await cp.register(info.run_id, SPEC)
+            result = await kernel.run(Counter(STEPS), info, limits)
+            assert result.steps == STEPS and not result.port_failures, result
+
+        await one()  # warm: the journal exists
+        t0 = time.perf_counter()
+        for _ in range(runs // width):
+            async with trio.open_nursery() as nursery:
+                for _ in range(width):
+                    nursery.start_soon(one)
+        return (time.perf_counter() - t0) / (runs // width * width)
+
+
 async def bare_runs(runs: int) -> float:
     t0 = time.perf_counter()
     for _ in range(runs):
@@ -147,6 +182,37 @@ def langgraph_runs(saver: Any, runs: int) -> float:
     return (time.perf_counter() - t0) / runs
 
 
+def langgraph_concurrent(runs: int, width: int) -> float:
+    """Seconds per run for `runs` invocations, `width` at a time (asyncio, `ainvoke`)."""
+    import asyncio
+
+    from langgraph.graph import END, START, StateGraph
+
+    def count(state: _State) -> _State:
+        return {"n": state["n"] + 1}
+
+    def route(state: _State) -> str:
+        return END if state["n"] >= STEPS else "count"
+
+    graph = StateGraph(_State)
+    graph.add_node("count", count)
+    graph.add_edge(START, "count")
+    graph.add_conditional_edges("count", route)
+    app = graph.compile(checkpointer=in_memory())
+
+    async def main() -> float:
+        await app.ainvoke({"n": 0}, {"configurable": {"thread_id": "warm"}})
+        t0 = time.perf_counter()
+        for r in range(runs // width):
+            outs = await asyncio.gather(*(
+                app.ainvoke({"n": 0}, {"configurable": {"thread_id": f"t{r}-{i}"}})
+                for i in range(width)))
+            assert all(o["n"] == STEPS for o in outs)
+        return (time.perf_counter() - t0) / (runs // width * width)
+
+    return asyncio.run(main())
+
+
 def in_memory() -> Any:
     from langgraph.checkpoint.memory import InMemorySaver
 
@@ -170,8 +236,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=300)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--concurrent", type=int, default=100,
+                        help="runs at once in the concurrent rows (0 skips them)")
     args = parser.parse_args()
-    n, r = args.runs, args.repeat
+    n, r, width = args.runs, args.repeat, args.concurrent
     with tempfile.TemporaryDirectory() as tmpdir:
         tmp = Path(tmpdir)
         variants: list[tuple[str, Callable[[], float]]] = [
@@ -182,17 +250,31 @@ def main() -> None:
              lambda: trio.run(lambda: kernel_runs(tmp, n, checkpoint=False))),
             ("bare trio loop", lambda: trio.run(bare_runs, n)),
         ]
+        if width:
+            variants += [
+                (f"kernel, same, {width} runs at once",
+                 lambda: trio.run(kernel_concurrent, tmp, max(n, width), width)),
+                (f"LangGraph + InMemorySaver, {width} at once",
+                 lambda: langgraph_concurrent(max(n, width), width)),
+            ]
         best = {name: float("inf") for name, _ in variants}
+        cpu: dict[str, float] = dict(best)
         for _ in range(r):
             for name, fn in variants:
+                c0 = time.process_time()
                 best[name] = min(best[name], fn())
+                cpu[name] = min(cpu[name], time.process_time() - c0)
         saves = sorted(trio.run(save_latencies, tmp, 2000))
     ours = best[variants[0][0]]
     print(f"{STEPS}-step runs, {n} runs per round, best of {r} rounds")
-    print(f"{'variant':44} {'us/run':>10} {'us/step':>9} {'x kernel':>9}")
+    runs_of: dict[str, int] = {name: max(n, width) if "at once" in name else n
+                               for name, _ in variants}
+    print("us/run: wall time per run; cpu us/run: this process's CPU per run (all threads,")
+    print("set-up included), steadier than wall time on a loaded machine")
+    print(f"{'variant':44} {'us/run':>10} {'us/step':>9} {'x kernel':>9} {'cpu us/run':>11}")
     for name, _ in variants:
         print(f"{name:44} {best[name] * 1e6:10.1f} {best[name] * 1e6 / STEPS:9.2f} "
-              f"{best[name] / ours:9.2f}")
+              f"{best[name] / ours:9.2f} {cpu[name] / runs_of[name] * 1e6:11.1f}")
     p50, p99 = saves[len(saves) // 2], saves[int(len(saves) * 0.99)]
     print(f"durable checkpoint save (JournalCheckpointer.save, awaited): p50 {p50 * 1e6:.0f} us, "
           f"p99 {p99 * 1e6:.0f} us, mean {statistics.fmean(saves) * 1e6:.0f} us")
@@ -200,6 +282,24 @@ def main() -> None:
     plain = best["kernel + audit + critic (no checkpoint)"]
     print(f"per step, audit + critic, no checkpoint: {plain / bare:.2f}x a bare trio step "
           f"({(plain - bare) * 1e6 / STEPS:.1f} us more; per-run fixed costs included)")
+    lg = best["LangGraph + InMemorySaver"]
+    first = variants[0][0]
+
+    def cpu_x(name: str) -> float:
+        return (cpu[name] / runs_of[name]) / (cpu[first] / runs_of[first])
+
+    print(f"vs LangGraph + InMemorySaver, one run at a time: {lg / ours:.2f}x faster "
+          f"(cpu {cpu_x('LangGraph + InMemorySaver'):.2f}x); vs LangGraph + SqliteSaver: "
+          f"{best['LangGraph + SqliteSaver'] / ours:.2f}x faster")
+    if width:
+        kc = best[f"kernel, same, {width} runs at once"]
+        lgc = best[f"LangGraph + InMemorySaver, {width} at once"]
+        cpu_c = ((cpu[f"LangGraph + InMemorySaver, {width} at once"] / runs_of[
+            f"LangGraph + InMemorySaver, {width} at once"]) / (cpu[f"kernel, same, {width} runs "
+                                                              f"at once"] / max(n, width)))
+        print(f"vs LangGraph + InMemorySaver, {width} runs at once each: {lgc / kc:.2f}x faster "
+              f"(cpu {cpu_c:.2f}x; group commit: saves of runs finishing a step together "
+              f"share a transaction)")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,7 +79,7 @@ DEFAULT_LOCK_TIMEOUT = 10.0
 DEFAULT_CALLER = "*"
 
 #: The journal schema version this code writes (SQLite's `PRAGMA user_version`).
-JOURNAL_VERSION = 2
+JOURNAL_VERSION = 3
 
 _V1 = (
     """CREATE TABLE IF NOT EXISTS runs (
@@ -138,8 +138,36 @@ _V2 = (
     "CREATE INDEX IF NOT EXISTS batch_tasks_rev ON batch_tasks (rev)",
 )
 
+#: Version 3: no `UNIQUE (run_id, seq)` index on events. Each insert into that
+#: index touched one leaf page per run, so at 10,000 concurrent runs it was most of
+#: the write path (1M events: ~10 s of CPU with it, ~1 s without). What it
+#: guaranteed is now kept by the runs row: `runs.last_seq` is the run's last
+#: committed seq, written in every transaction that writes the run's events, and
+#: only if each new seq is above it (see `SQLiteStore._write_batch`): seqs are
+#: unique per run, and a resumed run reads its next seq from one row. What read
+#: one run's events through the index (`payloads`) starts at `runs.first_event`,
+#: the id of the run's first event in the journal. The table is rebuilt (ids kept:
+#: they are the analysts' sync cursor), with AUTOINCREMENT: an id is never handed
+#: out twice, even after a purge deleted the newest events (without it SQLite
+#: numbers a new row after the highest id left, and the sync, which copies ids
+#: above its cursor, would skip the new events for good).
+_V3 = (
+    "UPDATE runs SET last_seq = max(last_seq, coalesce((SELECT max(seq) FROM events e "
+    "WHERE e.run_id = runs.run_id), 0))",
+    "ALTER TABLE runs ADD COLUMN first_event INTEGER",
+    "UPDATE runs SET first_event = (SELECT min(id) FROM events e WHERE e.run_id = runs.run_id)",
+    """CREATE TABLE events_v3 (
+        id INTEGER PRIMARY KEY AUTOINCREMENT, run_id TEXT NOT NULL, seq INTEGER NOT NULL,
+        ts INTEGER NOT NULL, kind TEXT NOT NULL, iteration INTEGER, name TEXT,
+        duration_ms REAL, payload TEXT)""",
+    "INSERT INTO events_v3 (id, run_id, seq, ts, kind, iteration, name, duration_ms, payload) "
+    "SELECT id, run_id, seq, ts, kind, iteration, name, duration_ms, payload FROM events",
+    "DROP TABLE events",
+    "ALTER TABLE events_v3 RENAME TO events",
+)
+
 #: Every journal migration, in order (index + 1 = the version it brings). Append only.
-MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2)
+MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2, _V3)
 
 #: Columns `changes()` yields for each table, in order.
 EVENT_COLUMNS = ("id", "run_id", "seq", "ts", "kind", "iteration", "name", "duration_ms",
@@ -266,11 +294,24 @@ class SQLiteStore:
         self.synchronous = sync_from_env()
         self.stats = StoreStats()
         self._con: sqlite3.Connection | None = None
+        # A second connection whose busy timeout is 0, for transactions that must not
+        # wait (`wait=False`): switching one connection's timeout costs two PRAGMAs.
+        self._con_now: sqlite3.Connection | None = None
         self._lock = threading.Lock()
         self._migrated = False
+        self._trace: Callable[[str], None] | None = None
 
     def __repr__(self) -> str:
         return f"SQLiteStore({str(self.path)!r})"
+
+    def trace(self, callback: Callable[[str], None] | None) -> None:
+        """Call `callback` with every SQL statement this store's connections run (tests
+        and benchmarks count statements with it); None stops it."""
+        with self._lock:
+            self._trace = callback
+            for con in (self._con, self._con_now):
+                if con is not None:
+                    con.set_trace_callback(callback)
 
     # -------------------------------------------------------------- opening
 
@@ -288,10 +329,10 @@ class SQLiteStore:
         self._con = self._open(self.path)
         return self._con
 
-    def _open(self, path: Path) -> sqlite3.Connection:
+    def _open(self, path: Path, timeout: float | None = None) -> sqlite3.Connection:
         try:
-            con = sqlite3.connect(path, timeout=self.lock_timeout, isolation_level=None,
-                                  check_same_thread=False)
+            con = sqlite3.connect(path, timeout=self.lock_timeout if timeout is None else timeout,
+                                  isolation_level=None, check_same_thread=False)
             mode = con.execute("PRAGMA journal_mode").fetchone()
             if not mode or str(mode[0]).lower() != "wal":
                 con.execute("PRAGMA journal_mode=WAL")
@@ -299,6 +340,8 @@ class SQLiteStore:
             con.execute("PRAGMA foreign_keys=OFF")
         except sqlite3.Error as exc:
             raise self._error("cannot open", exc) from exc
+        if self._trace is not None:
+            con.set_trace_callback(self._trace)
         return con
 
     def _create(self) -> None:
@@ -366,10 +409,12 @@ class SQLiteStore:
     def close(self) -> None:
         """Close this process's connection (a later call reopens it)."""
         with self._lock:
-            if self._con is not None:
-                self._con.close()
-                self._con = None
-                self._migrated = False
+            for con in (self._con, self._con_now):
+                if con is not None:
+                    con.close()
+            self._con = self._con_now = None
+            self._migrated = False
+
 
     # ------------------------------------------------------------ transactions
 
@@ -384,9 +429,17 @@ class SQLiteStore:
             raise WouldBlock
         try:
             t0 = time.perf_counter()
-            if not wait and self._con is None:
+            if wait:
+                con = self._connect(create=True)
+            elif self._con is None:
                 raise WouldBlock  # opening (maybe creating) the file is for a worker thread
-            con = self._connect(create=True)
+            else:
+                if self._con_now is None:
+                    try:
+                        self._con_now = self._open(self.path, timeout=0)
+                    except StoreError:
+                        raise WouldBlock from None  # a worker thread will say why
+                con = self._con_now
             t1 = time.perf_counter()
             try:
                 self._begin(con, wait)
@@ -413,22 +466,17 @@ class SQLiteStore:
         finally:
             self._lock.release()
 
-    def _begin(self, con: sqlite3.Connection, wait: bool) -> None:
+    @staticmethod
+    def _begin(con: sqlite3.Connection, wait: bool) -> None:
         """BEGIN IMMEDIATE, waiting up to `lock_timeout` for the write lock (SQLite's busy
-        handler); with `wait` False the busy timeout is 0 for this one attempt and a taken
-        lock raises `WouldBlock` (the PRAGMAs touch no file: a few microseconds)."""
-        if wait:
-            con.execute("BEGIN IMMEDIATE")
-            return
-        con.execute("PRAGMA busy_timeout = 0")
+        handler); with `wait` False (the connection whose busy timeout is 0) a taken lock
+        raises `WouldBlock`."""
         try:
             con.execute("BEGIN IMMEDIATE")
         except sqlite3.OperationalError as exc:
-            if "locked" in str(exc) or "busy" in str(exc):
+            if not wait and ("locked" in str(exc) or "busy" in str(exc)):
                 raise WouldBlock from None
             raise
-        finally:
-            con.execute(f"PRAGMA busy_timeout = {int(self.lock_timeout * 1000)}")
 
     @contextmanager
     def _read(self) -> Iterator[sqlite3.Connection]:
@@ -490,13 +538,26 @@ class SQLiteStore:
 
     # ----------------------------------------------------------------- audit
 
+    _INSERT_EVENTS = ("INSERT INTO events (run_id, seq, ts, kind, iteration, name, duration_ms, "
+                      "payload) VALUES (?, ?, ?, ?, ?, ?, ?, ?)")
+
     def _write_batch(self, con: sqlite3.Connection, batch: Batch,
                      rev: list[int]) -> dict[Any, int]:
+        """Write the audit rows; return the seq base of each recorder that learned one.
+
+        Seqs are unique per run by construction, checked in the data: the runs
+        row's `last_seq` is the run's last committed seq, and this transaction
+        raises it to the highest seq it writes for the run only where every
+        seq it writes is above it (`UPDATE ... WHERE last_seq < first`); if
+        another writer got there first, nothing is written (StoreError). A
+        resumed run starts after its `last_seq` (one row read).
+        """
         if batch.empty():
             return {}
         bases: dict[Any, int] = {}
         next_in_batch: dict[str, int] = {}
         starts: list[tuple[Any, ...]] = []
+        new_runs: list[tuple[Any, ...]] = []
         # New recorders, and any whose start was in a batch that was given up on.
         news = dict.fromkeys(batch.new)
         news.update(dict.fromkeys(r for r in batch.recs if r.base is None and r not in news))
@@ -507,49 +568,63 @@ class SQLiteStore:
             if rid in next_in_batch:
                 base = next_in_batch[rid]
             else:
-                row = con.execute(
-                    "SELECT max(r.last_seq, coalesce((SELECT max(seq) FROM events e "
-                    "WHERE e.run_id = r.run_id), -1)) FROM runs r WHERE r.run_id = ?",
-                    (rid,)).fetchone()
+                row = con.execute("SELECT last_seq FROM runs WHERE run_id = ?",
+                                  (rid,)).fetchone()
                 if row is not None:  # a resumed run: continue after its last event
                     base = int(row[0]) + 1
                 else:
                     info = rec.info
-                    con.execute(
-                        "INSERT INTO runs (run_id, parent_run_id, subject_id, name, caller_id, "
-                        "channel_id, inputs, started_at, host, pid, last_seq, rev) "
-                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?)",
+                    new_runs.append(
                         (rid, info.parent_run_id, _text(info.subject_id), _text(info.name),
                          _text(info.caller_id), _text(info.channel_id),
-                         _text(_dumps(info.inputs)), rec.started_us, rec.host, rec.pid,
-                         self._rev(con, rev)))
+                         _text(_dumps(info.inputs)), rec.started_us, rec.host, rec.pid))
                     starts.append((rid, 0, rec.started_us, "run_start", None, _text(info.name),
                                    None, _text(_dumps({"inputs": info.inputs,
                                                        "caller_id": info.caller_id}))))
                     base = 1
             bases[rec] = base
             next_in_batch[rid] = base + rec.count
-        if starts:
-            con.executemany("INSERT INTO events (run_id, seq, ts, kind, iteration, name, "
-                            "duration_ms, payload) VALUES (?, ?, ?, ?, ?, ?, ?, ?)", starts)
-        if batch.recs:
-            last: dict[str, int] = {}
-            rows = []
-            for r, s, ts, kind, it, name, dur, payload in zip(
-                    batch.recs, batch.seqs, batch.ts, batch.kinds, batch.iters, batch.names,
-                    batch.durs, batch.payloads, strict=True):
-                base = r.base if r.base is not None else bases[r]
-                seq = base + s
-                rid = r.run_id
-                if seq > last.get(rid, -1):
-                    last[rid] = seq
-                rows.append((rid, seq, ts, kind, it, name, dur, payload))
+        first: dict[str, int] = {}
+        last: dict[str, int] = {}
+        rows = []
+        for r, s, ts, kind, it, name, dur, payload in zip(
+                batch.recs, batch.seqs, batch.ts, batch.kinds, batch.iters, batch.names,
+                batch.durs, batch.payloads, strict=True):
+            base = r.base if r.base is not None else bases[r]
+            seq = base + s
+            rid = r.run_id
+            if seq > last.get(rid, -1):
+                last[rid] = seq
+            if seq < first.get(rid, seq + 1):
+                first[rid] = seq
+            rows.append((rid, seq, ts, kind, it, name, dur, payload))
+        if new_runs:
+            change = self._rev(con, rev)
+            # Each run_start gets the next id, given here: the run's `first_event`.
+            top = int(con.execute("SELECT max(coalesce((SELECT max(id) FROM events), 0), "
+                                  "coalesce((SELECT seq FROM sqlite_sequence WHERE name = "
+                                  "'events'), 0))").fetchone()[0])
+            con.executemany(
+                "INSERT INTO runs (run_id, parent_run_id, subject_id, name, caller_id, "
+                "channel_id, inputs, started_at, host, pid, last_seq, first_event, rev) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [(*run, last.pop(run[0], 0), top + i, change)
+                 for i, run in enumerate(new_runs, start=1)])
+            con.executemany(
+                "INSERT INTO events (id, run_id, seq, ts, kind, iteration, name, duration_ms, "
+                "payload) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [(top + i, *start) for i, start in enumerate(starts, start=1)])
+        if last:  # runs already in the journal: raise last_seq, only from below
+            cur = con.executemany(
+                "UPDATE runs SET last_seq = ? WHERE run_id = ? AND last_seq < ?",
+                [(hi, rid, first[rid]) for rid, hi in last.items()])
+            if cur.rowcount != len(last):
+                self._seq_conflict(con, {rid: first[rid] for rid in last})
+        if rows:
             try:
-                con.executemany("INSERT INTO events (run_id, seq, ts, kind, iteration, name, "
-                                "duration_ms, payload) VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows)
+                con.executemany(self._INSERT_EVENTS, rows)
             except UnicodeEncodeError:
-                con.executemany("INSERT INTO events (run_id, seq, ts, kind, iteration, name, "
-                                "duration_ms, payload) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                con.executemany(self._INSERT_EVENTS,
                                 [(*r[:5], _text(r[5]), r[6], _text(r[7])) for r in rows])
         if batch.closes:
             r = self._rev(con, rev)
@@ -562,22 +637,35 @@ class SQLiteStore:
                   row[13], int(bool(row[14])), r, row[0]) for _, row in batch.closes])
         return bases
 
+    @staticmethod
+    def _seq_conflict(con: sqlite3.Connection, first: dict[str, int]) -> None:
+        """Raise for the runs whose seqs this batch would duplicate (the transaction is undone)."""
+        bad = []
+        for rid, lo in first.items():
+            row = con.execute("SELECT last_seq FROM runs WHERE run_id = ?", (rid,)).fetchone()
+            if row is None or int(row[0]) >= lo:
+                bad.append(f"{rid} (from seq {lo}; journal has "
+                           f"{'no row' if row is None else f'up to {row[0]}'})")
+        raise StoreError("audit rows not written: another writer recorded the same seqs of "
+                         f"run {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}")
+
     # ------------------------------------------------------------------- ops
 
     def _apply_one(self, con: sqlite3.Connection, op: Op, rev: list[int]) -> Any:
-        """Apply `op` in a savepoint: an op that is refused (a `StoreError`, e.g. a save for
-        a run never registered) is undone alone and returned as its result, so it never
-        takes the audit rows or other operations of the transaction down with it."""
-        con.execute("SAVEPOINT op")
+        """Apply `op`; an op the store refuses (a `StoreError`, e.g. a save for a run never
+        registered) returns the error as its result, so it never takes the audit rows or
+        other operations of the transaction down with it.
+
+        No savepoint: every refusal is decided before the op writes anything (a rule
+        for `_apply`), which saves two statements per operation on the hot path.
+        """
         try:
-            result = self._apply(con, op, rev)
+            return self._apply(con, op, rev)
         except StoreError as exc:
-            con.execute("ROLLBACK TO op")
-            result = exc
-        con.execute("RELEASE op")
-        return result
+            return exc
 
     def _apply(self, con: sqlite3.Connection, op: Op, rev: list[int]) -> Any:
+        # Rule: an op that refuses (raises StoreError) does so before it writes.
         if isinstance(op, SaveCheckpoint):
             return self._save(con, op, rev)
         if isinstance(op, ReserveBudget):
@@ -903,8 +991,11 @@ class SQLiteStore:
         if not self.exists():
             return []
         with self._read() as con:
-            rows = con.execute("SELECT payload FROM events WHERE run_id = ? AND kind = ? "
-                               "ORDER BY seq", (run_id, kind)).fetchall()
+            # No index by run: scan from the run's first event (`runs.first_event`) on.
+            rows = con.execute("SELECT payload FROM events WHERE id >= coalesce((SELECT "
+                               "first_event FROM runs WHERE run_id = ?), 0) AND "
+                               "run_id = ? AND kind = ? "
+                               "ORDER BY seq", (run_id, run_id, kind)).fetchall()
         return [r[0] for r in rows]
 
     # -------------------------------------------------------- analysts' feed

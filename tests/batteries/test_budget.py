@@ -76,26 +76,37 @@ class TestDuckDBBudget:
             DuckDBBudget(tmp_path / "k.duckdb").set("x", window_seconds=0)
 
 
-def test_check_runs_off_the_trio_thread(tmp_path: Path) -> None:
-    """check() does its I/O in a worker thread (the trio thread stays free)."""
+def test_check_never_blocks_the_trio_thread(tmp_path: Path) -> None:
+    """check() waits for a journal locked by another process in a worker thread: the
+    trio thread keeps running meanwhile (a free lock is taken at once, inline)."""
+    import sqlite3
+
+    from batteries.store import journal_path
+
     budget = DuckDBBudget(tmp_path / "k.duckdb")
     budget.set("eve", max_runs=5)
     ticks = 0
+    other = sqlite3.connect(journal_path(tmp_path / "k.duckdb"), isolation_level=None)
 
     async def main() -> None:
         nonlocal ticks
+        checked = trio.Event()
 
-        async def ticker() -> None:
-            nonlocal ticks
-            while True:
-                ticks += 1
-                await trio.lowlevel.checkpoint()
+        async def check() -> None:
+            await budget.check("eve")
+            checked.set()
 
         async with trio.open_nursery() as n:
-            n.start_soon(ticker)
-            for _ in range(5):
-                await budget.check("eve")
-            n.cancel_scope.cancel()
+            await budget.check("eve")  # this process's connections are open
+            other.execute("BEGIN IMMEDIATE")  # another process holds the write lock
+            n.start_soon(check)
+            while ticks < 100:  # the trio thread runs on while check() waits
+                ticks += 1
+                await trio.lowlevel.checkpoint()
+            assert not checked.is_set()
+            other.execute("COMMIT")
+            await checked.wait()
 
     trio.run(main)
-    assert ticks > 5
+    other.close()
+    assert ticks == 100

@@ -13,11 +13,12 @@ from contextlib import closing
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import pytest
 import trio
 
 from batteries.audit import JournalAudit, Store, sync
 from batteries.audit import _schema as schema
-from batteries.store import RunStore, SQLiteStore, journal_path
+from batteries.store import Batch, RunStore, SQLiteStore, journal_path
 from kernel import Kernel, Ports, RunInfo, Status, Step
 from kernel.testing import ScriptedAgent
 
@@ -159,3 +160,178 @@ class TestJournal:
             transactions = store.stats.transactions
         assert durable == [4] * runs  # run_start, two steps, run_end
         assert transactions <= 5, transactions
+
+
+def _v1_journal(path: Path, running: str, finished: str) -> None:
+    """A journal as version 1 wrote it: `UNIQUE (run_id, seq)` on events (kept until
+    version 3) and `runs.last_seq` left at 0; one run interrupted after 4 events."""
+    from batteries.store._sqlite import MIGRATIONS
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with closing(sqlite3.connect(path, isolation_level=None)) as con:
+        con.execute("PRAGMA journal_mode=WAL")
+        con.execute("BEGIN")
+        for sql in MIGRATIONS[0]:
+            con.execute(sql)
+        con.execute("PRAGMA user_version = 1")
+        for rid, ended in ((running, None), (finished, 2)):
+            con.execute("INSERT INTO runs (run_id, name, inputs, started_at, ended_at, status, "
+                        "last_seq, rev) VALUES (?, 'old', '{}', 1, ?, ?, 0, 1)",
+                        (rid, ended, None if ended is None else "ok"))
+        for seq, kind in enumerate(("run_start", "step", "step", "step")):
+            con.execute("INSERT INTO events (run_id, seq, ts, kind, payload) "
+                        "VALUES (?, ?, ?, ?, '{}')", (running, seq, 10 + seq, kind))
+            con.execute("INSERT INTO events (run_id, seq, ts, kind, payload) "
+                        "VALUES (?, ?, ?, ?, '{}')", (finished, seq, 10 + seq, kind))
+        con.execute("UPDATE meta SET value = 1 WHERE key = 'rev'")
+        con.execute("COMMIT")
+
+
+class TestJournalSchema:
+    async def test_a_version_1_journal_is_migrated_and_its_runs_resume(
+            self, tmp_path: Path) -> None:
+        """Version 3 drops the (run_id, seq) index but keeps every event and id; a run
+        interrupted under version 1 continues its seq from the runs row, and its events
+        are still found from its first one."""
+        db = tmp_path / "k.duckdb"
+        running, finished = "1" * 32, "2" * 32
+        _v1_journal(journal_path(db), running, finished)
+        with closing(sqlite3.connect(journal_path(db))) as con:
+            before = con.execute("SELECT id, run_id, seq FROM events ORDER BY id").fetchall()
+        async with JournalAudit.open(db) as audit:
+            rec = await audit.start_run(RunInfo(name="old", run_id=running))
+            rec.log_event("resumed")
+            rec.log_event("tick")
+            await audit.flush()
+        with closing(sqlite3.connect(journal_path(db))) as con:
+            assert con.execute("PRAGMA user_version").fetchone() == (3,)
+            assert con.execute("PRAGMA index_list(events)").fetchall() == []
+            after = con.execute("SELECT id, run_id, seq FROM events ORDER BY id").fetchall()
+            assert after[:len(before)] == before  # ids are the analysts' sync cursor
+            seqs = [s for _, rid, s in after if rid == running]
+            assert seqs == [0, 1, 2, 3, 4, 5]
+            assert con.execute("SELECT run_id, last_seq, first_event FROM runs "
+                               "ORDER BY run_id").fetchall() == [(running, 5, 1), (finished, 3, 2)]
+        store = SQLiteStore(journal_path(db))
+        assert store.payloads(running, "tick") == ["{}"]
+        assert len(store.payloads(finished, "step")) == 3
+        store.close()
+        assert sync(db).events == len(after)
+
+    async def test_two_writers_of_one_run_cannot_duplicate_a_seq(self, tmp_path: Path) -> None:
+        """Without the index, `runs.last_seq` still refuses a batch whose seqs another
+        writer already recorded: nothing of that batch is written."""
+        from kernel import AuditWriteError
+
+        db = tmp_path / "k.duckdb"
+        info = RunInfo(name="twice")
+        async with JournalAudit.open(db) as first, JournalAudit.open(db) as second:
+            a = await first.start_run(info)
+            a.log_event("a1")
+            await first.flush()
+            b = await second.start_run(info)  # a second writer of the same run (a resume)
+            b.log_event("b1")
+            await second.flush()
+            a.log_event("a2")  # `a` still thinks seq 2 is its own
+            with pytest.raises(AuditWriteError, match="another writer"):
+                await first.flush()
+            first.journal.pending = Batch()  # give up on it
+        with closing(sqlite3.connect(journal_path(db))) as con:
+            rows = con.execute("SELECT seq, kind FROM events WHERE run_id = ? ORDER BY seq",
+                               (info.run_id,)).fetchall()
+        assert rows == [(0, "run_start"), (1, "a1"), (2, "b1")]
+
+    async def test_a_checkpointed_step_is_one_transaction_of_five_statements(
+            self, tmp_path: Path) -> None:
+        """A save writes the run's buffered events, raises its last seq and stores the
+        state: BEGIN, the events insert, two UPDATEs, COMMIT (no PRAGMAs, no savepoints)."""
+        from batteries.checkpoint import JournalCheckpointer
+        from kernel import Limits
+
+        statements: list[str] = []
+        async with JournalAudit.open(tmp_path / "k.duckdb", flush_interval=3600) as audit:
+            cp = JournalCheckpointer(audit.journal)
+            info = RunInfo(name="c")
+            await cp.register(info.run_id, {"agent": {"kind": "test"}})
+            await audit.journal.transact()  # the journal exists; connections are open
+            audit.journal.store.trace(statements.append)
+            agent = ScriptedAgent([Step(), Step(), Step()], snapshot_state=lambda: {"s": 1})
+            result = await Kernel(Ports(audit=audit, checkpointer=cp)).run(agent, info,
+                                                                             Limits())
+            audit.journal.store.trace(None)
+        assert result.status is Status.OK
+        transactions: list[list[str]] = []
+        for sql in statements:
+            if sql.startswith("BEGIN"):
+                transactions.append([])
+            transactions[-1].append(" ".join(sql.split()[:4]))
+        saves = [t for t in transactions if "UPDATE checkpoints SET state" in t]
+        assert len(saves) == 3, transactions
+        for t in saves[1:]:  # the first also opens the run (its row and run_start)
+            inserts = t.count("INSERT INTO events (run_id,")
+            assert inserts >= 1  # executemany: one per event (the step, the last checkpoint)
+            assert t == (["BEGIN IMMEDIATE", "UPDATE runs SET last_seq"]
+                         + ["INSERT INTO events (run_id,"] * inserts
+                         + ["UPDATE checkpoints SET state", "COMMIT"]), t
+
+    async def test_saves_of_concurrent_runs_share_transactions(self, tmp_path: Path) -> None:
+        """Runs that finish a step together save in one transaction (group commit), and
+        each save is durable before its run's next step starts."""
+        from batteries.checkpoint import JournalCheckpointer
+        from kernel import Limits, RunContext
+
+        runs, steps = 40, 5
+        db = tmp_path / "k.duckdb"
+        lagging: list[tuple[int, int]] = []
+        async with JournalAudit.open(db, flush_interval=3600) as audit:
+            cp = JournalCheckpointer(audit.journal)
+            kernel = Kernel(Ports(audit=audit, checkpointer=cp))
+            store = audit.journal.store
+            con = sqlite3.connect(journal_path(db), isolation_level=None)
+
+            async def one(i: int) -> None:
+                info = RunInfo(name=f"r{i}")
+                await cp.register(info.run_id, {"agent": {"kind": "test"}})
+
+                async def step(ctx: RunContext) -> Step:
+                    row = con.execute("SELECT steps FROM checkpoints WHERE run_id = ?",
+                                      (info.run_id,)).fetchone()
+                    saved = row[0] if row else 0
+                    if saved != ctx.iteration:
+                        lagging.append((ctx.iteration, saved))
+                    return Step(final=ctx.iteration == steps - 1)
+
+                agent = ScriptedAgent(then=step, snapshot_state=lambda: {"s": 1})
+                result = await kernel.run(agent, info, Limits())
+                assert result.status is Status.OK
+
+            await audit.journal.transact()
+            before = store.stats.transactions
+            async with trio.open_nursery() as nursery:
+                for i in range(runs):
+                    nursery.start_soon(one, i)
+            used = store.stats.transactions - before
+            con.close()
+        assert lagging == []
+        # One transaction per run and step would be 40 x 4 saves + 40 closes = 200.
+        assert used <= 4 * (steps + 2), used
+
+    async def test_a_purge_of_every_run_never_hands_out_a_synced_id_again(
+            self, tmp_path: Path) -> None:
+        """After a purge of every run, the next run's events get new ids (events are
+        AUTOINCREMENT) and reach the analysts' file: reused ids were skipped as synced."""
+        import time
+
+        db = tmp_path / "k.duckdb"
+        async with JournalAudit.open(db) as audit:
+            await Kernel(Ports(audit=audit)).run(ScriptedAgent([Step(final=True)]))
+        sync(db)
+        SQLiteStore(journal_path(db)).purge(time.time_ns() // 1000 + 10**6)
+        info = RunInfo(name="after the purge")
+        async with JournalAudit.open(db) as audit:
+            await Kernel(Ports(audit=audit)).run(ScriptedAgent([Step(), Step(final=True)]),
+                                                 info)
+        assert sync(db).events == 4
+        with Store(db).reader() as cur:
+            assert cur.execute("SELECT count(*) FROM events WHERE run_id = ?",
+                               [info.run_id]).fetchall() == [(4,)]
