@@ -42,7 +42,8 @@ if TYPE_CHECKING:
     from batteries.store import Journal
     from kernel import Audit, Critic, Delivery, Ports
 
-__all__ = ["PortSpec", "RunControl", "SignalPolicy", "make_critic", "open_ports", "run_spec"]
+__all__ = ["PortSpec", "RunControl", "SignalPolicy", "make_critic", "open_ports", "run_spec",
+           "watch_signals"]
 
 
 @asynccontextmanager

@@ -40,7 +40,8 @@ def test_host_program_type_checks_outside_the_tree(wheel: Path, tmp_path: Path) 
     A wrong argument type is reported, and so is an optional agent capability
     (`on_steer`, a `kernel.SupportsSteer`) implemented with the wrong signature.
 
-    The host is examples/typed_host.py (it imports every package), copied into
+    The hosts are examples/typed_host.py (it imports every package) and
+    examples/host_recover.py (runs and recovers through the library), copied into
     a temporary directory. The packages come from the wheel installed into a
     fresh virtual environment, not from the source tree, so only what the
     wheel ships (code and `py.typed` markers) is seen; the third-party
@@ -68,6 +69,7 @@ def test_host_program_type_checks_outside_the_tree(wheel: Path, tmp_path: Path) 
     host.mkdir()
     good = (ROOT / "examples" / "typed_host.py").read_text()
     (host / "typed_host.py").write_text(good)
+    (host / "host_recover.py").write_text((ROOT / "examples" / "host_recover.py").read_text())
     wrong = good.replace("CriticPolicy(idle_timeout=30.0)", 'CriticPolicy(idle_timeout="soon")')
     assert wrong != good
     (host / "wrong_host.py").write_text(wrong)
@@ -81,10 +83,11 @@ def test_host_program_type_checks_outside_the_tree(wheel: Path, tmp_path: Path) 
     proc = subprocess.run(
         [sys.executable, "-m", "mypy", "--strict", "--python-executable", str(python),
          "--cache-dir", str(tmp_path / "mypy-cache"), "--no-error-summary",
-         "typed_host.py", "wrong_host.py", "wrong_capability.py"],
+         "typed_host.py", "host_recover.py", "wrong_host.py", "wrong_capability.py"],
         cwd=host, env=env, capture_output=True, text=True, timeout=600)
     lines = proc.stdout.splitlines()
-    assert not [line for line in lines if line.startswith("typed_host.py")], proc.stdout
+    assert not [line for line in lines if line.startswith(("typed_host.py", "host_recover.py"))
+                ], proc.stdout
     assert any(line.startswith("wrong_host.py") and '"idle_timeout"' in line
                and '"CriticPolicy"' in line and "[arg-type]" in line
                for line in lines), proc.stdout + proc.stderr

@@ -377,7 +377,7 @@ class _Args:
     name: str = ""
     source: str = ""
     redactor: Any = None
-    given: Any = None  # recover_cmd._Given on resume
+    given: Any = None  # batteries.recovery.Secrets on resume
     total: int = 0
     redact: list[str] = field(default_factory=list)
     ray: str | None = None  # --ray: the cluster's address
@@ -481,16 +481,17 @@ def _find(db: str | None, wanted: str) -> BatchRow:
 
 
 def _prepare_resume(wanted: str, db: str | None, context: list[str]) -> _Args:
-    from kernel import ConfigError
+    from batteries.recovery import NotResumable, Secrets, restore_secrets
+    from kernel import ConfigError, RunSpec
 
-    from .recover_cmd import _Given, restore_secrets
+    from .recover_cmd import give_back
     from .run_cmd import make_redactor, parse_context
 
     row = _find(db, wanted)
     if row.status == "running" and not row.owner.gone():
         raise ConfigError(f"batch {row.batch_id} is being run by pid {row.owner.pid} on "
                           f"{row.owner.host}")
-    given = _Given(context, [], None, [])
+    given = Secrets(context=parse_context(context))
     store = _store(db)
     try:
         tasks = store.batch_tasks(row.batch_id)
@@ -501,12 +502,17 @@ def _prepare_resume(wanted: str, db: str | None, context: list[str]) -> _Args:
         unfinished = t.run_status is None or (t.saved is not None
                                               and t.saved.status == "running")
         if unfinished and t.spec.get("redacted"):
-            restored, why, _ = restore_secrets(t.spec, given, row.batch_id)
-            if restored is None:
-                missing.add(why or "")
+            try:
+                _, lacking = restore_secrets(
+                    RunSpec.from_dict({k: v for k, v in t.spec.items() if k != "ray"}), given)
+            except NotResumable as exc:
+                missing.add(f"{exc}; run it again with `kernel run`")
+                continue
+            if lacking:
+                missing.add("its secrets are not stored; give them again: kernel batch "
+                            f"--resume {row.batch_id} {give_back(lacking)}")
     if missing:
-        raise ConfigError(f"batch {row.batch_id}: " + "; ".join(sorted(missing)).replace(
-            "kernel resume", "kernel batch --resume"))
+        raise ConfigError(f"batch {row.batch_id}: " + "; ".join(sorted(missing)))
     redactor = make_redactor(parse_context(context), list(row.options.get("redact") or []))
 
     patterns = list(row.options.get("redact") or [])
@@ -520,15 +526,17 @@ def _build(spec: Mapping[str, Any], given: Any = None) -> tuple[Any, Any, Limits
 
     from .run_cmd import plan_from_spec
 
-    if given is not None and spec.get("redacted"):
-        from .recover_cmd import restore_secrets
-
-        restored, why, _ = restore_secrets(dict(spec), given, "")
-        if restored is None:
-            raise ConfigError(why or "its secrets are not stored")
-        spec = restored
     # A stored task is a run spec plus where to place it ("ray"); the run needs the spec.
     run_spec = RunSpec.from_dict({k: v for k, v in spec.items() if k != "ray"})
+    if given is not None and run_spec.redacted:
+        from batteries.recovery import NotResumable, restore_secrets
+
+        try:
+            run_spec, missing = restore_secrets(run_spec, given)
+        except NotResumable as exc:
+            raise ConfigError(str(exc)) from None
+        if missing:
+            raise ConfigError("its secrets are not stored")
     plan = plan_from_spec(run_spec, quiet=True)
     if getattr(plan.agent, "inherit_stdin", False):
         plan.agent.inherit_stdin = False  # many commands at once: none reads our stdin
@@ -595,7 +603,7 @@ async def _execute(args: _Args, *, json_out: bool, results: TextIO) -> int:
     from kernel import PortFailure, PortSpec
 
     from . import batch_progress
-    from .recover_cmd import _stop_leftovers
+    from .recover_cmd import stop_leftovers
 
     warnings: list[PortFailure] = []
     counts: Counter[str] = Counter()
@@ -615,7 +623,7 @@ async def _execute(args: _Args, *, json_out: bool, results: TextIO) -> int:
                 _print_failure(out)
 
     async def before_resume(run_id: str) -> None:
-        await trio.to_thread.run_sync(partial(_stop_leftovers, run_id, db=args.db))
+        await trio.to_thread.run_sync(partial(stop_leftovers, run_id, db=args.db))
 
     live = None
     got: list[int] = []

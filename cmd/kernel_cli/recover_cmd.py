@@ -15,24 +15,26 @@ value with `--context KEY=VALUE`, a webhook or base URL that held a password
 with `--webhook` / `--base-url` (`kernel resume` only). A run missing one is
 refused with one line naming what to give, and stays resumable; a run whose
 command, prompt or loop path held a secret cannot be resumed at all.
+
+The work is `batteries.recovery.Recovery`'s (a host uses it the same way):
+this module reads the options, builds agents with the CLI's terminal I/O
+(`run_cmd.plan_from_spec`) and says what happened.
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import json
 import sys
-from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import typer
 
 from .dbopt import DB_HELP, STORE_OPTION
 
 if TYPE_CHECKING:
-    pass
+    from batteries.recovery import Recovery, Resumed
+    from batteries.store import SavedRun
 
 
 from . import ids
@@ -54,11 +56,22 @@ def register(app: typer.Typer) -> None:
     app.command("resume")(guard_database(resume))
 
 
-def _checkpointer(db: str | None) -> Any:
-    from batteries.audit import resolve_db_path
-    from batteries.checkpoint import JournalCheckpointer
+def _recovery(db: str | None, *, json_out: bool, context: list[str] | None = None,
+              webhooks: list[str] | None = None, base_url: str | None = None,
+              redact: list[str] | None = None) -> Recovery:
+    """The library's Recovery, building agents the way `kernel run` does.
 
-    return JournalCheckpointer(resolve_db_path(db))
+    Raises:
+        ConfigError: A malformed --context pair or --redact pattern.
+    """
+    from adapters import stop_leftover_group
+    from batteries.recovery import Recovery, Secrets
+
+    secrets = Secrets(context=parse_context(context or []), webhooks=tuple(webhooks or ()),
+                      base_url=base_url)
+    make_redactor({}, redact or [])  # a bad pattern is refused before anything is touched
+    return Recovery(db, build=lambda spec: plan_from_spec(spec, quiet=json_out).agent,
+                    stop_group=stop_leftover_group, secrets=secrets, redact=redact or ())
 
 
 def _fail(message: str) -> None:
@@ -90,12 +103,12 @@ def recover(
     plain command) is closed with status `lost`. Exit status: 0 if every
     run this process resumed ended ok (or there was nothing to do), 1 otherwise.
     """
-    from kernel import AuditError
+    from kernel import AuditError, ConfigError
 
     try:
-        cp = _checkpointer(db)
-        runs = cp.interrupted()
-    except AuditError as exc:
+        rec = _recovery(db, json_out=json_out, context=context, redact=redact)
+        runs = rec.interrupted()
+    except (AuditError, ConfigError) as exc:
         _fail(str(exc))
     if list_only or not runs:
         for saved in runs:
@@ -109,28 +122,19 @@ def recover(
         if not runs and not json_out:
             print("no interrupted runs", file=sys.stderr)
         raise typer.Exit(0)
-    given = _Given(context or [], [], None, redact or [])
     worst = 0
     for listed in runs:
         try:
-            saved = _claim(cp, listed.run_id)
+            claimed = rec.claim(listed.run_id)
         except AuditError as exc:
             print(f"kernel: run {ids.short_id(listed.run_id)}: {exc}", file=sys.stderr)
             worst = 1
             continue
-        if saved is None:
+        if claimed is None:
             continue  # another recoverer holds it (or finished it meanwhile)
-        code = _resume_one(saved, db=db, json_out=json_out, given=given)
+        code = _resume_one(rec, claimed, json_out=json_out)
         worst = worst or (1 if code else 0)
     raise typer.Exit(worst)
-
-
-def _claim(cp: Any, run_id: str) -> Any:
-    """Take the run's lease; its checkpoint as of now (None if someone else holds it)."""
-    if not cp.claim(run_id):
-        return None
-    # Reload: a recoverer that held it before may have moved it on before dying.
-    return cp.load(run_id)
 
 
 def resume(
@@ -159,8 +163,9 @@ def resume(
 
     try:
         want = run_id if run_id.strip().lower() == ids.LAST else ids.normalise(run_id)
-        cp = _checkpointer(db)
-        waiting = cp.interrupted()
+        rec = _recovery(db, json_out=json_out, context=context, webhooks=webhook,
+                        base_url=base_url, redact=redact)
+        waiting = rec.interrupted()
         if want == ids.LAST:  # the newest interrupted run
             matches = waiting[-1:]
             if not matches:
@@ -168,7 +173,7 @@ def resume(
         else:
             matches = [r for r in waiting if ids.matches(r.run_id, want)]
         if not matches:
-            known = [r for r in cp.find("") if ids.matches(r.run_id, want)]
+            known = [r for r in rec.checkpointer.find("") if ids.matches(r.run_id, want)]
             if not known:
                 _fail(f"no run {run_id!r} with a checkpoint")
             saved = known[-1]
@@ -179,163 +184,77 @@ def resume(
                       f"{saved.host})")
         if len(matches) > 1:
             ids.pick(run_id, [r.run_id for r in matches])  # raises, naming the candidates
-        saved = _claim(cp, matches[0].run_id)
-        if saved is None:
+        claimed = rec.claim(matches[0].run_id)
+        if claimed is None:
             _fail(f"run {ids.short_id(matches[0].run_id)} is being resumed by another process")
     except (AuditError, ConfigError) as exc:
         _fail(str(exc))
-    given = _Given(context or [], webhook or [], base_url, redact or [])
-    raise typer.Exit(_resume_one(saved, db=db, json_out=json_out, given=given))
+    assert claimed is not None  # _fail raised otherwise
+    raise typer.Exit(_resume_one(rec, claimed, json_out=json_out))
 
 
-@dataclass
-class _Given:
-    """What `kernel resume` / `kernel recover` were given to put back in place of secrets."""
-
-    context: list[str]
-    webhooks: list[str]
-    base_url: str | None
-    redact: list[str]
+#: The option that gives back each field a stored spec lost to redaction.
+_FLAGS = {"ports.webhooks": "--webhook URL", "agent.base_url": "--base-url URL"}
 
 
-def restore_secrets(spec: dict[str, Any], given: _Given, short: str
-                    ) -> tuple[dict[str, Any] | None, str | None, bool]:
-    """The spec with its redacted values given back: (spec, None, _) or (None, why, final).
-
-    `final` is True when no option can give the value back (the run can
-    never be resumed); otherwise `why` names the options to add.
-
-    Raises:
-        ConfigError: A --context pair is malformed.
-    """
-    spec = copy.deepcopy(spec)
-    agent = spec["agent"]
-    ports = spec.setdefault("ports", {})
-    ctx = parse_context(given.context)
-    if ctx and isinstance(agent.get("context"), dict):
-        agent["context"].update(ctx)
-    if given.webhooks:
-        ports["webhooks"] = list(given.webhooks)
-    if given.base_url is not None:
-        agent["base_url"] = given.base_url
-    missing: list[str] = []
-    for path in spec.get("redacted") or []:
-        where = list(path)
-        if where[:2] == ["agent", "context"] and len(where) == 3:
-            if where[2] not in ctx:
-                missing.append(f"--context {where[2]}=...")
-        elif where[:2] == ["ports", "webhooks"]:
-            if not given.webhooks and "--webhook URL" not in missing:
-                missing.append("--webhook URL")
-        elif where == ["agent", "base_url"]:
-            if given.base_url is None:
-                missing.append("--base-url URL")
-        else:
-            name = ".".join(str(p) for p in where)
-            return None, f"its {name} held a secret, which is not stored; run it again " \
-                         "with `kernel run`", True
-    if missing:
-        return None, ("its secrets are not stored; give them again: kernel resume "
-                      f"{short} {' '.join(missing)}"), False
-    return spec, None, False
+def give_back(missing: tuple[str, ...]) -> str:
+    """The options that give back the fields a spec lost to redaction (`Resumed.missing`)."""
+    return " ".join(f"--context {f.rsplit('.', 1)[1]}=..." if f.startswith("agent.context.")
+                    else _FLAGS.get(f, f) for f in missing)
 
 
-def _resume_one(saved: Any, *, db: str | None, json_out: bool, given: _Given) -> int:
-    """Rebuild and resume one run; returns its exit code."""
+def stop_leftovers(run_id: str, *, db: str | None) -> None:
+    """Stop what an interrupted run left running (`batteries.recovery.stop_leftovers`),
+    saying so on stderr."""
+    from adapters import stop_leftover_group
+    from batteries.recovery import stop_leftovers as stop
+    from kernel import AuditError
+
+    short = ids.short_id(run_id)
+    try:
+        stopped = stop(db, run_id, stop_leftover_group)
+    except AuditError as exc:
+        print(f"kernel: warning: run {short}: {exc}", file=sys.stderr)
+        return
+    if stopped:
+        print(f"kernel: run {short}: stopped {stopped} process(es) it left running",
+              file=sys.stderr)
+
+
+def _resume_one(rec: Recovery, saved: SavedRun, *, json_out: bool) -> int:
+    """Stop what the run left running, rebuild it and resume it; returns its exit code."""
     import trio
 
-    from kernel import ConfigError, RunSpec
+    from batteries.recovery import Resumed
+    from kernel import LoopSpec
 
     short = ids.short_id(saved.run_id)
-    _stop_leftovers(saved.run_id, db=db)
-    if saved.spec["agent"].get("kind") != "command":
-        try:
-            restored, why, final = restore_secrets(saved.spec, given, short)
-        except ConfigError as exc:
-            print(f"{error_prefix()} {exc}", file=sys.stderr)
-            return 2
-        if restored is None:
-            if final:
-                return _lose(saved, why or "its secrets are gone", db=db)
-            print(f"kernel: run {short} cannot resume: {why}", file=sys.stderr)
-            return 2
-        saved = dataclasses.replace(saved, spec=restored)
-    if saved.spec["agent"].get("kind") == "command":
-        why = "a plain command has no resumable state; run it again with `kernel run`"
-        return _lose(saved, why, db=db)
-    try:
-        spec = RunSpec.from_dict(saved.spec)
-        if db is not None:
-            spec = dataclasses.replace(spec, ports=dataclasses.replace(spec.ports, db=db))
-        plan = plan_from_spec(spec, quiet=json_out)
-    except ConfigError as exc:
-        print(f"kernel: run {short} cannot be rebuilt: {exc}", file=sys.stderr)
-        return 2
-    if not callable(getattr(plan.agent, "snapshot", None)):
-        why = f"a {type(plan.agent).__name__} keeps no resumable state"
-        return _lose(saved, why, db=db)
-    try:
-        redactor = make_redactor(dict(spec.agent.context), given.redact)
-    except ConfigError as exc:
-        print(f"{error_prefix()} {exc}", file=sys.stderr)
-        return 2
+    stop_leftovers(saved.run_id, db=rec.db)
+    got = rec.prepare(saved)
+    if isinstance(got, Resumed):
+        return _not_resumed(got, short)
     print(f"kernel: resuming run {short} from step {saved.checkpoint.steps}", file=sys.stderr)
-    result = trio.run(partial(_execute, spec, plan.agent, resume=saved.checkpoint,
-                              redactor=redactor))
+    result = trio.run(partial(_execute, got.spec, got.agent, resume=saved.checkpoint,
+                              redactor=got.redactor))
     code = exit_code(result, command=False)
-    _report(result, code, json_out=json_out, echo_output=not plan.echoes)
+    echoed = not json_out and isinstance(got.spec.agent, LoopSpec)
+    _report(result, code, json_out=json_out, echo_output=not echoed)
     return code
 
 
-def _lose(saved: Any, why: str, *, db: str | None) -> int:
-    """Close a run that cannot resume: checkpoint failed, run row `lost` (one journal
-    transaction; the analysts' file follows at its next sync); returns 1."""
-    from kernel import AuditError, Status
+def _not_resumed(got: Resumed, short: str) -> int:
+    """Say why a run was not resumed: 1 if it is lost for good, 2 if it stays resumable."""
+    from kernel import Status
 
-    run_id = saved.run_id
-    try:
-        _checkpointer(db).mark_lost(saved, why)
-    except AuditError as exc:
-        print(f"kernel: warning: run {ids.short_id(run_id)}: cannot mark it lost: {exc}",
-              file=sys.stderr)
-    print(f"kernel: run {ids.short_id(run_id)} cannot resume: {why}; marked {Status.LOST}",
-          file=sys.stderr)
-    return 1
-
-
-def _stop_leftovers(run_id: str, *, db: str | None, wait: float = 10.0) -> None:
-    """Stop every recorded process group of the run that outlived its supervisor.
-
-    Normally there is none (the lifeline watcher killed them when the
-    supervisor died); this covers a watcher that was killed too. A group
-    counts only if it is provably the recorded one (same host, boot and
-    leader start time), so a reused pid is never signalled. Waits until
-    the groups are gone, so a resumed state never runs beside its orphan.
-    """
-    import time
-
-    from adapters._proc import live_group, stop_recorded
-    from batteries.audit import queries, resolve_db_path
-    from batteries.store import open_store
-    from kernel import KernelError
-
-    # Read the store, where runs write (the journal in WAL mode, or PostgreSQL):
-    # never in a writer's way.
-    try:
-        store = open_store(resolve_db_path(db))
-        try:
-            groups = queries.process_groups_from(store.payloads(run_id, "process_start"))
-        finally:
-            store.close()
-    except KernelError as exc:
-        print(f"kernel: warning: run {ids.short_id(run_id)}: cannot read its processes: {exc}",
-              file=sys.stderr)
-        return
-    stopped = sum(stop_recorded(g) for g in groups)
-    if not stopped:
-        return
-    deadline = time.monotonic() + wait
-    while any(live_group(g) for g in groups) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    print(f"kernel: run {ids.short_id(run_id)}: stopped {stopped} process(es) it left running",
-          file=sys.stderr)
+    for note in got.notes:
+        print(f"kernel: warning: run {short}: {note}", file=sys.stderr)
+    if got.lost is not None:
+        print(f"kernel: run {short} cannot resume: {got.lost}; run it again with `kernel run`; "
+              f"marked {Status.LOST}", file=sys.stderr)
+        return 1
+    if got.missing:
+        print(f"kernel: run {short} cannot resume: {got.refused}; give them again: "
+              f"kernel resume {short} {give_back(got.missing)}", file=sys.stderr)
+    else:
+        print(f"kernel: run {short} {got.refused}", file=sys.stderr)
+    return 2
