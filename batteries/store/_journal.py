@@ -104,6 +104,8 @@ class Journal:
         self.pending = Batch()
         #: Events given up on (the journal never took them).
         self.unwritten = 0
+        #: Transactions the flush timer started (events buffered past `flush_interval`).
+        self.timed_flushes = 0
         #: The last write error, if the last write failed.
         self.last_error: str | None = None
         self.retry_len = 0
@@ -306,13 +308,15 @@ class Journal:
         with scope:
             while True:
                 await self._dirty.wait()
-                with trio.move_on_after(self.flush_interval):
+                with trio.move_on_after(self.flush_interval) as timer:
                     await self._wake.wait()
                 self._dirty, self._wake = trio.Event(), trio.Event()
                 if self.pending.empty() and not self._deferred:
                     continue
                 try:
                     await self.transact()
+                    if timer.cancelled_caught:
+                        self.timed_flushes += 1
                 except Exception:
                     self._dirty.set()  # retry the kept rows after the interval
 

@@ -420,8 +420,11 @@ def _write(stream: str, chunk: bytes) -> None:
 
 
 def _storage(journals: list[Any]) -> dict[str, Any] | None:
-    """What the run's journal transactions cost (wait for the write lock, longest one)."""
-    return journals[0].store.stats.as_dict() if journals else None
+    """What the run's journal transactions cost (wait for the write lock, longest one), and
+    how many of them the flush timer started (a run outliving `flush_interval`)."""
+    if not journals:
+        return None
+    return {**journals[0].store.stats.as_dict(), "timed_flushes": journals[0].timed_flushes}
 
 
 def _cancelling(sig: signal.Signals) -> None:

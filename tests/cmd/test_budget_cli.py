@@ -74,16 +74,27 @@ class TestAtomicBudgets:
         touches the journal twice: when its run opens and when it closes."""
         free = json.loads(kernel(kernel_exe, cli_env, "run", "--json", "--caller", "free",
                                  "--", "true").stdout)
-        assert free["storage"]["transactions"] == 2, free
+        assert free["storage"]["transactions"] - free["storage"]["timed_flushes"] == 2, free
         assert kernel(kernel_exe, cli_env, "budget", "set", "capped", "--runs", "9"
                       ).returncode == 0
         capped = json.loads(kernel(kernel_exe, cli_env, "run", "--json", "--caller", "capped",
                                    "--", "true").stdout)
-        assert capped["storage"]["transactions"] == 2, capped
+        assert capped["storage"]["transactions"] - capped["storage"]["timed_flushes"] == 2, capped
         journal = Path(cli_env["KERNEL_DB"] + ".journal")
         with closing(sqlite3.connect(journal)) as con:
             spend = con.execute("SELECT caller_id, settled FROM budget_spend").fetchall()
         assert spend == [("capped", 1)]
+
+    def test_a_long_run_adds_only_timed_flushes(self, kernel_exe: str,
+                                                cli_env: dict[str, str]) -> None:
+        """A run outliving the journal's flush interval (1 s) gets its buffered events
+        written by the timer; those are the only transactions beyond its two."""
+        doc = json.loads(kernel(kernel_exe, cli_env, "run", "--json", "--", "sh", "-c",
+                                "echo buffered; sleep 1.5; echo done").stdout)
+        assert doc["status"] == "ok"
+        storage = doc["storage"]
+        assert storage["timed_flushes"] >= 1, storage
+        assert storage["transactions"] - storage["timed_flushes"] == 2, storage
 
     def test_an_unreachable_budget_store_refuses_the_run(self, kernel_exe: str,
                                                          cli_env: dict[str, str],
