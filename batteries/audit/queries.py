@@ -111,6 +111,34 @@ def runs_between(cur: duckdb.DuckDBPyConnection, start: datetime, end: datetime,
     return found, int(total)
 
 
+def runs_of_batch(cur: duckdb.DuckDBPyConnection, batch: str, *,
+                  limit: int = 50) -> tuple[str, list[dict[str, Any]], int]:
+    """The runs a batch started, oldest first, at most `limit`; and how many it started.
+
+    `batch` is a batch id or a unique prefix of one (as `kernel batch --list` prints
+    them). Returns the full batch id, the runs and their count.
+
+    Raises:
+        ConfigError: No batch matches, several do, or a limit below 1.
+    """
+    if limit < 1:
+        raise ConfigError(f"--limit must be at least 1, got {limit}")
+    found = rows(cur, "SELECT batch_id FROM batches WHERE starts_with(batch_id, ?) "
+                      "ORDER BY created_at DESC LIMIT 6", [batch])[1]
+    ids = [str(r[0]) for r in found]
+    if batch in ids:
+        ids = [batch]
+    if not ids:
+        raise ConfigError(f"no batch {batch!r} (kernel batch --list shows them)")
+    if len(ids) > 1:
+        raise ConfigError(f"batch {batch!r} is ambiguous: " + ", ".join(ids[:5]))
+    where = "batch_id = ? AND started_at IS NOT NULL"
+    picked = dicts(cur, f"SELECT {_RUN_FIELDS} FROM batch_runs WHERE {where} "
+                        "ORDER BY started_at, run_id LIMIT ?", [ids[0], limit])
+    total = rows(cur, f"SELECT count(*) FROM batch_runs WHERE {where}", [ids[0]])[1][0][0]
+    return ids[0], picked, int(total)
+
+
 # -------------------------------------------------------------- recovery
 
 

@@ -459,21 +459,25 @@ def sync(
 
 def report(
     file: str = typer.Argument(..., metavar="FILE", help="The HTML file to write."),
-    since: timedelta = typer.Option(
-        "24h", "--since", metavar="AGE", parser=numbers.age(),
-        help="Runs started within AGE: 90, 30s, 30m, 24h, 7d, 2w."),
+    since: timedelta | None = typer.Option(
+        None, "--since", metavar="AGE", parser=numbers.age(), show_default=False,
+        help="Runs started within AGE: 90, 30s, 30m, 24h, 7d, 2w. [default: 24h]"),
     until: timedelta | None = typer.Option(
         None, "--until", metavar="AGE", parser=numbers.age(),
         help="Only runs started at least AGE ago (default: up to now)."),
+    batch: str | None = typer.Option(
+        None, "--batch", metavar="BATCH_ID",
+        help="The runs of this batch (an id or a unique prefix, as `kernel batch --list` "
+             "prints it) instead of a time range."),
     limit: int = typer.Option(50, "--limit", metavar="N", parser=numbers.count(minimum=1),
                               help="At most N runs, the oldest in the range first."),
     json_out: bool = output.json_option(
         'Print {"file": F, "since": T, "until": T, "runs": [RUN_ID, ...], "total": N} '
-        "on stdout instead of the line on stderr."),
+        '(with --batch, "batch": ID) on stdout instead of the line on stderr.'),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
     shared_store: str | None = STORE_OPTION,
 ) -> None:
-    """Write the runs of a time range as one self-contained HTML page.
+    """Write the runs of a time range, or of a batch, as one self-contained HTML page.
 
     An overview with one bar per run (coloured by status, critic kills
     marked) and each run's timeline as `kernel show --html` draws it.
@@ -483,21 +487,36 @@ def report(
 
     from batteries.audit import queries
 
+    if batch is not None and (since is not None or until is not None):
+        _fail("--batch takes no --since/--until (the batch's runs are its range)", 2)
     now = datetime.now(UTC)
-    start, end = now - since, now - (until or timedelta(0))
+    start, end = now - (since or timedelta(hours=24)), now - (until or timedelta(0))
     if end <= start:
         _fail("--until must be more recent than --since (a smaller AGE)", 2)
     if _nothing_yet(db, quiet=True):
         _fail(f"no runs yet (no audit database at {_db_path(db)})", 2)
+    batch_id = None
     with _errors(), _reader(db) as cur:
-        found, total = queries.runs_between(cur, start, end, limit=limit)
+        if batch is None:
+            found, total = queries.runs_between(cur, start, end, limit=limit)
+        else:
+            batch_id, found, total = queries.runs_of_batch(cur, batch, limit=limit)
         runs = [queries.timeline(cur, r["run_id"]) for r in found]
+    if batch_id is not None:  # the batch's own range: first start to last end
+        stamps = [t for r in found for t in (r["started_at"], r["ended_at"]) if t is not None]
+        if stamps:
+            start, end = min(stamps), max(stamps)
+            end = max(end, start + timedelta(milliseconds=1))
     from .timeline_html import render_report
 
-    _write_page(file, render_report(runs, start, end, left_out=total - len(runs)))
+    _write_page(file, render_report(runs, start, end, left_out=total - len(runs),
+                                    title=f"batch {batch_id}" if batch_id else None))
     if json_out:
-        output.print_doc({"file": file, "since": start.isoformat(), "until": end.isoformat(),
-                          "runs": [r["run_id"] for r in found], "total": total})
+        doc = {"file": file, "since": start.isoformat(), "until": end.isoformat(),
+               "runs": [r["run_id"] for r in found], "total": total}
+        if batch_id is not None:
+            doc["batch"] = batch_id
+        output.print_doc(doc)
         return
     print(f"wrote {file} ({len(runs)} of {total} run(s))", file=sys.stderr)
 

@@ -201,11 +201,13 @@ STATUS_COLOURS = {"ok": "#59a14f", "error": "#e15759", "killed": "#e15759",
 
 
 def render_report(runs: Sequence[tuple[Mapping[str, Any], Sequence[Mapping[str, Any]]]],
-                  since: datetime, until: datetime, *, left_out: int = 0) -> str:
+                  since: datetime, until: datetime, *, left_out: int = 0,
+                  title: str | None = None) -> str:
     """The HTML page of the runs started between `since` and `until`, oldest first.
 
     `runs` holds each run's row and its events (as `render` takes them);
-    `left_out` is how many more runs the range held (said on the page).
+    `left_out` is how many more runs the range held (said on the page);
+    `title` heads the page (default: the range).
     """
     t0 = since.timestamp() * 1000
     span = max((until - since).total_seconds() * 1000, 1.0)
@@ -262,7 +264,8 @@ def render_report(runs: Sequence[tuple[Mapping[str, Any], Sequence[Mapping[str, 
             f'<div class="meta">{escape(_facts(run))}</div>{gantt}</section>')
     total = ", ".join(f"{n} {s}" for s, n in sorted(counts.items(), key=lambda kv: -kv[1]))
     more = f" ({left_out} more not shown: narrow the range or raise --limit)" if left_out else ""
-    title = f"runs {since:%Y-%m-%d %H:%M} to {until:%Y-%m-%d %H:%M} UTC"
+    title = (f"{title}: " if title else "") + (
+        f"runs {since:%Y-%m-%d %H:%M} to {until:%Y-%m-%d %H:%M} UTC")
     return (
         "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
         f"<title>{escape(title)}</title><style>{_CSS}</style></head><body>"

@@ -220,3 +220,46 @@ class TestReport:
         doc = json.loads(proc.stdout)
         assert (doc["file"], doc["runs"], doc["total"]) == (str(page), [], 0)
         assert "0 run(s)" in page.read_text()
+
+
+class TestReportOfABatch:
+    def test_a_batch_is_its_runs(self, kernel_exe: str, cli_env: dict[str, str],
+                                 tmp_path: Path) -> None:
+        """`kernel report --batch ID`: the page holds exactly that batch's runs (an id prefix
+        works), headed by the batch; runs outside it are left out."""
+        subprocess.run([kernel_exe, "run", "--", "true"], env=cli_env, check=True,
+                       capture_output=True, timeout=120)  # a run of no batch
+        tasks = tmp_path / "t.jsonl"
+        tasks.write_text("\n".join(json.dumps(t) for t in [
+            {"id": "a", "command": ["true"]}, {"id": "b", "command": ["false"]}]) + "\n")
+        proc = subprocess.run([kernel_exe, "batch", str(tasks), "--json"], env=cli_env,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 1, proc.stderr  # one task failed
+        docs = [json.loads(line) for line in proc.stdout.splitlines()]
+        batch_id = docs[0]["batch_id"]
+        page = tmp_path / "batch.html"
+        proc = subprocess.run([kernel_exe, "report", str(page), "--batch", batch_id[:6],
+                               "--json"], env=cli_env, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        doc = json.loads(proc.stdout)
+        assert doc["batch"] == batch_id and doc["total"] == 2
+        assert sorted(doc["runs"]) == sorted(d["run_id"] for d in docs)
+        html = page.read_text()
+        assert f"<h1>batch {batch_id}: runs " in html
+        bars = re.findall(r'class="bar run-bar status-(\w+)" data-run="(\w+)"', html)
+        assert sorted(bars) == sorted((d["status"], d["run_id"]) for d in docs)
+
+    def test_bad_batch_requests_are_one_line(self, kernel_exe: str, cli_env: dict[str, str],
+                                             tmp_path: Path) -> None:
+        """An unknown batch, or --batch with a time range: one line, exit 2."""
+        subprocess.run([kernel_exe, "run", "--", "true"], env=cli_env, check=True,
+                       capture_output=True, timeout=120)
+        page = tmp_path / "r.html"
+        for extra, says in ((["--batch", "ffffffff"], "no batch 'ffffffff'"),
+                            (["--batch", "ab", "--since", "1h"], "--batch takes no --since")):
+            proc = subprocess.run([kernel_exe, "report", str(page), *extra], env=cli_env,
+                                  capture_output=True, text=True, timeout=120)
+            assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+            assert says in proc.stderr
+            assert not page.exists()
