@@ -9,6 +9,10 @@ logs that it accepts connections (no sleeping). PostgreSQL refuses to run
 as root: as root, initdb and postgres run as the `postgres` system user
 that the apt package creates, in a directory handed to that user.
 
+The server shuts down when the thread that started it ends (Linux's
+parent-death signal), so a killed test session leaves none behind: start
+it from the main thread (a session fixture does).
+
 `server_or_skip()` is the pytest side: it skips when PostgreSQL is not
 installed, and under `CI=true` fails instead (CI must test the real thing;
 `.ci/run` installs it).
