@@ -170,3 +170,19 @@ def test_a_batch_through_the_store(kernel_exe: str, cli_env: dict[str, str], pg_
                    "SELECT count(*) AS n, count(DISTINCT run_id) AS runs FROM batch_runs "
                    "WHERE status = 'ok'")
     assert answer == [{"n": 6, "runs": 6}]
+
+
+def test_pane_action_listings_read_the_store(kernel_exe: str, cli_env: dict[str, str],
+                                             pg_url: str) -> None:
+    """`kernel actions query/stats --store`: an empty store is an empty history (exit 0),
+    an unreachable one is one line (exit 1)."""
+    empty = kernel(kernel_exe, cli_env, "actions", "query", "--json", "--store", pg_url)
+    assert empty.returncode == 0 and "no audit database at postgresql://" in empty.stderr
+    ran = kernel(kernel_exe, cli_env, "run", "--store", pg_url, "--", "true")
+    assert ran.returncode == 0, ran.stderr
+    stats = kernel(kernel_exe, cli_env, "actions", "stats", "--store", pg_url)
+    assert stats.returncode == 0 and "(no attempts)" in stats.stderr, stats.stderr
+    dead = kernel(kernel_exe, cli_env, "actions", "query", "--store",
+                  "postgresql://postgres@127.0.0.1:1/nothing")
+    assert dead.returncode == 1 and dead.stderr.count("\n") == 1
+    assert "unreachable" in dead.stderr
