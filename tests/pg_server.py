@@ -9,6 +9,10 @@ logs that it accepts connections (no sleeping). PostgreSQL refuses to run
 as root: as root, initdb and postgres run as the `postgres` system user
 that the apt package creates, in a directory handed to that user.
 
+The server shuts down when the thread that started it ends (Linux's
+parent-death signal), so a killed test session leaves none behind: start
+it from the main thread (a session fixture does).
+
 `server_or_skip()` is the pytest side: it skips when PostgreSQL is not
 installed, and under `CI=true` fails instead (CI must test the real thing;
 `.ci/run` installs it).
@@ -27,7 +31,7 @@ import socket
 import subprocess
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +48,23 @@ def find_bindir() -> Path | None:
         return Path(found[-1]).parent
     initdb = shutil.which("initdb")
     return Path(initdb).resolve().parent if initdb else None
+
+
+def _die_with_parent() -> Callable[[], None]:
+    """For `preexec_fn`: the server gets a fast shutdown (SIGINT) when the process that
+    started it dies, so a test session that is killed leaves no server behind (Linux).
+
+    ctypes is loaded here, in the parent: the child may already run as the
+    `postgres` user, who cannot read this interpreter's files to import anything.
+    """
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return lambda: None
+    pr_set_pdeathsig, sigint = 1, int(signal.SIGINT)
+    return lambda: prctl(pr_set_pdeathsig, sigint)
 
 
 def _free_port() -> int:
@@ -145,7 +166,7 @@ class PgServer:
                  "-c", f"fsync={'on' if fsync else 'off'}", "-c", "max_connections=200",
                  "-c", "logging_collector=off"],
                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
-                cwd=root, **kwargs)  # type: ignore[call-overload]
+                cwd=root, preexec_fn=_die_with_parent(), **kwargs)  # type: ignore[call-overload]
             server = cls(root, port, proc, user)
             if server._wait_ready(timeout):
                 return server

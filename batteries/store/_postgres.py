@@ -191,6 +191,11 @@ _V2 = (
 MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2)
 
 
+class StoreUnreachableError(StoreBusyError):
+    """The server could not be reached. Transient, like a busy journal: the `Journal`
+    keeps its buffered rows for the next transaction instead of giving up on them."""
+
+
 def is_postgres_url(value: str) -> bool:
     """True for a `postgresql://` (or `postgres://`) URL."""
     return value.startswith(("postgresql://", "postgres://"))
@@ -332,7 +337,10 @@ class PostgresStore:
             return StoreBusyError(f"store {self.source} stayed locked by other writers "
                                   f"(gave up after {self.lock_timeout:g}s)")
         if isinstance(exc, psycopg.OperationalError):
-            return StoreError(f"{what} store {self.source}: the server is unreachable: {text}")
+            if getattr(exc, "sqlstate", None) is None:  # no answer from a server at all
+                return StoreUnreachableError(f"{what} store {self.source}: the server is "
+                                             f"unreachable: {text}")
+            return StoreBusyError(f"{what} store {self.source}: {text}")  # deadlock, ...
         return StoreError(f"{what} store {self.source}: {text}")
 
     def _connect(self) -> Any:

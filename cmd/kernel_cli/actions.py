@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import typer
 
 from . import numbers, output
-from .dbopt import DB_HELP
+from .dbopt import DB_HELP, STORE_OPTION
 from .ids import short_id
 
 if TYPE_CHECKING:
@@ -110,6 +110,7 @@ def run(
         "Print the attempt as one JSON document (one line) on stdout."),
     db: str | None = typer.Option(
         None, "--db", metavar="PATH", help=DB_HELP),
+    shared_store: str | None = STORE_OPTION,
     no_audit: bool = typer.Option(False, "--no-audit", help="Record nothing."),
 ) -> None:
     """Run one attempt of a pane action and exit with its outcome's code."""
@@ -231,12 +232,20 @@ def _select(command: str, db: str | None, sql: str, params: list[Any]) -> list[d
 
     from batteries.audit import resolve_db_path
     from batteries.audit.queries import dicts
-    from batteries.store import journal_path
-    from kernel import KernelError
+    from batteries.store import journal_path, open_store, store_url
+    from kernel import ConfigError, KernelError
 
     path = resolve_db_path(db)
-    if not path.exists() and not journal_path(path).exists():
-        print(f"kernel actions {command}: no audit database at {path} yet", file=sys.stderr)
+    try:  # nothing recorded yet: no analysts' file, and no journal or empty shared store
+        shared = store_url()
+        empty = not path.exists() and (not journal_path(path).exists() if shared is None
+                                       else not open_store(path).exists())
+    except KernelError as exc:  # a bad $KERNEL_STORE, an unreachable server
+        print(f"kernel actions {command}: error: {exc}", file=sys.stderr)
+        raise typer.Exit(2 if isinstance(exc, ConfigError) else 1) from None
+    if empty:
+        where = path if shared is None else open_store(path).path
+        print(f"kernel actions {command}: no audit database at {where} yet", file=sys.stderr)
         return []
     try:
         with _open_reader(db) as cur:
@@ -301,6 +310,7 @@ def query(
         "of a table: --format json."),
     fmt: str | None = output.format_option(),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
+    shared_store: str | None = STORE_OPTION,
 ) -> None:
     """List recent attempts, most recent first."""
     fmt = output.pick(fmt, json_out)
@@ -333,6 +343,7 @@ def stats(
     json_out: bool = output.json_option(),
     fmt: str | None = output.format_option(),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
+    shared_store: str | None = STORE_OPTION,
 ) -> None:
     """Count, mean and p95 elapsed seconds of attempts, by action and outcome."""
     fmt = output.pick(fmt, json_out)

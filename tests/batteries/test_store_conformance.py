@@ -400,3 +400,23 @@ def test_an_unreachable_server_refuses_runs() -> None:
     result = trio.run(main)
     assert result.status is Status.BUDGET_EXCEEDED and result.steps == 0
     assert "unreachable" in str(result.error)
+
+
+async def test_rows_are_kept_while_the_server_is_unreachable() -> None:
+    """An unreachable server is transient, like a busy journal: failed writes keep the
+    buffered rows for the next transaction instead of dropping them after two tries."""
+    pytest.importorskip("psycopg")
+    from batteries.store import PostgresStore
+    from kernel import AuditWriteError
+
+    dead = PostgresStore("postgresql://postgres@127.0.0.1:1/nothing", lock_timeout=1)
+    async with Journal.open(store=dead, flush_interval=3600) as journal:
+        audit = JournalAudit(journal)
+        rec = await audit.start_run(RunInfo(name="kept"))
+        for i in range(10):
+            rec.log_event("tick", payload={"i": i})
+        for _ in range(3):
+            with pytest.raises(AuditWriteError, match="unreachable"):
+                await audit.flush()
+        assert journal.unwritten == 0 and len(journal.pending) == 10
+        assert journal.pending.new == [rec]
