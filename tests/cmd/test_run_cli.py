@@ -171,6 +171,16 @@ class TestImports:
                              check=True, stdin=subprocess.DEVNULL).stdout
         assert out.strip().splitlines()[-1] == "[]"
 
+    def test_only_the_command_asked_for_is_built(self) -> None:
+        """`kernel run ...` builds the run command alone; `kernel --help` or a typo, all."""
+        from kernel_cli.app import _command
+
+        assert set(_command(["run", "--", "true"]).commands) == {"run"}
+        assert set(_command(["budget", "show"]).commands) == {"budget"}
+        every = set(_command(["--help"]).commands)
+        assert {"run", "runs", "show", "budget", "actions"} <= every
+        assert set(_command(["rn"]).commands) == every == set(_command([]).commands)
+
     def test_reading_the_audit_imports_no_trio(self, kernel_exe: str,
                                                cli_env: dict[str, str]) -> None:
         """runs, show, stats, query never load trio (nor the recorders' redaction rules)."""
