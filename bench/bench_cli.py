@@ -6,11 +6,12 @@ Each case is the installed `kernel` executable started afresh (as a user's
 shell starts it), timed from spawn to exit; the cases are run round-robin,
 N times each (default 21), so load on the shared machine hits them alike.
 The median wall time is reported with the median CPU time (user + system,
-which load on the shared machine disturbs less), beside the baseline
-`python -c pass` (the same interpreter, measured in the same rounds) and
-the issue 17 target. With `--baseline KERNEL` (another
-`kernel` executable, e.g. one installed from main in its own venv), every
-kernel case is also run with it, in the same rounds. The audit database is
+which load on the shared machine disturbs less), each also as a ratio to
+the baseline `python -c pass` (the same interpreter, measured in the same
+rounds), with the load average before and after, and the issue 17 target.
+With `--baseline KERNEL` (another `kernel` executable, e.g. one installed
+from main in its own venv), every kernel case is also run with it, in the
+same rounds. The audit database is
 a fresh one in a temporary $HOME holding a few runs.
 Bytecode is written as on a user's machine (PYTHONDONTWRITEBYTECODE unset).
 """
@@ -54,6 +55,7 @@ def main() -> None:
         for name, (argv, _target, code) in list(cases.items()):
             if argv[0] == KERNEL:
                 cases[f"baseline: {name}"] = ([ns.baseline, *argv[1:]], None, code)
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as home:
         env = {k: v for k, v in os.environ.items()
                if k not in ("PYTHONDONTWRITEBYTECODE", "KERNEL_DB")}
@@ -79,18 +81,21 @@ def main() -> None:
                     sys.exit(f"{name}: exit {proc.returncode}, expected {code}: "
                              f"{err.decode(errors='replace')}")
     base = statistics.median(times["python -c pass"])
-    print(f"{ns.runs} runs each, round-robin; load average {os.getloadavg()[0]:.1f}\n")
-    print("| command | median wall | p90 wall | wall minus `python -c pass` | median CPU "
-          "(user+sys) | target (wall) |")
-    print("|---|---:|---:|---:|---:|---:|")
+    base_cpu = statistics.median(cpu["python -c pass"])
+    print(f"{ns.runs} runs each, round-robin; load average {load_before:.1f} before, "
+          f"{os.getloadavg()[0]:.1f} after ({os.cpu_count()} CPUs)\n")
+    print("| command | median wall | p90 wall | wall minus `python -c pass` | wall / "
+          "`python -c pass` | median CPU (user+sys) | CPU / `python -c pass` | target (wall) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, samples in times.items():
         med = statistics.median(samples)
         p90 = statistics.quantiles(samples, n=10)[-1]
+        med_cpu = statistics.median(cpu[name])
         target = cases[name][1]
         verdict = "" if target is None else (
             f"{target:.2f} s {'met' if med <= target else 'missed'}")
         print(f"| `{name}` | {med:.3f} s | {p90:.3f} s | {med - base:.3f} s | "
-              f"{statistics.median(cpu[name]):.3f} s | {verdict} |")
+              f"{med / base:.1f}x | {med_cpu:.3f} s | {med_cpu / base_cpu:.1f}x | {verdict} |")
 
 
 if __name__ == "__main__":

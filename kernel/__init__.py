@@ -9,9 +9,9 @@ logging (e.g. `logging.basicConfig(level=logging.WARNING)`).
 """
 
 import logging as _logging
+from typing import TYPE_CHECKING as _TYPE_CHECKING
+from typing import Any as _Any
 
-from ._context import RunContext as RunContext
-from ._loop import Kernel as Kernel
 from ._spec import AgentSpec as AgentSpec
 from ._spec import CommandSpec as CommandSpec
 from ._spec import LoopSpec as LoopSpec
@@ -57,6 +57,29 @@ from .ports import SupportsSnapshot as SupportsSnapshot
 from .ports import SupportsSteer as SupportsSteer
 from .ports import SupportsToolEnd as SupportsToolEnd
 from .ports import SupportsTools as SupportsTools
+
+if _TYPE_CHECKING:
+    from ._context import RunContext as RunContext
+    from ._loop import Kernel as Kernel
+
+
+def __getattr__(name: str) -> _Any:
+    """`Kernel` and `RunContext` are imported on first use: they bring trio, which
+    programs that only read the audit (`kernel runs`, `kernel show`) never need."""
+    if name == "Kernel":
+        from ._loop import Kernel
+
+        return Kernel
+    if name == "RunContext":
+        from ._context import RunContext
+
+        return RunContext
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), "Kernel", "RunContext"})
+
 
 _logging.getLogger("kernel").addHandler(_logging.NullHandler())
 

@@ -11,13 +11,13 @@ trio side that buffers audit rows and deferred operations and writes them
 with the next transaction. The analysts' DuckDB file is fed from the store
 (`batteries.audit.sync`).
 
-`PostgresStore` is imported lazily (`from batteries.store import
-PostgresStore` works; `import batteries.store` does not import psycopg).
+`PostgresStore` and `Journal` are imported lazily (`from batteries.store
+import PostgresStore` works; `import batteries.store` imports neither psycopg
+nor trio).
 """
 
 from typing import TYPE_CHECKING, Any
 
-from ._journal import Journal as Journal
 from ._protocol import BatchStore as BatchStore
 from ._protocol import RunStore as RunStore
 from ._select import STORE_ENV as STORE_ENV
@@ -55,10 +55,15 @@ from ._types import TaskRow as TaskRow
 from .paths import journal_path as journal_path
 
 if TYPE_CHECKING:
+    from ._journal import Journal as Journal
     from ._postgres import PostgresStore as PostgresStore
 
 
 def __getattr__(name: str) -> Any:
+    if name == "Journal":  # trio only when asked for (not by the analysts' commands)
+        from ._journal import Journal
+
+        return Journal
     if name == "PostgresStore":  # psycopg only when asked for
         from ._postgres import PostgresStore
 

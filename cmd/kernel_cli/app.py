@@ -231,11 +231,38 @@ def _plain_coercion(command: Any) -> None:
     walk(command)
 
 
+def _command(args: list[str]) -> Any:
+    """The click group for `kernel ARGS`: only the command ARGS name is built, when it names one.
+
+    typer builds every command's parameters (signatures, help, defaults) to
+    make the group: ~20 commands for a `kernel run` that uses one. When the
+    first argument is a command's name, the group is built with that command
+    alone, which parses and prints (`kernel run --help`, errors) exactly as
+    the whole group would; anything else (`kernel`, `kernel --help`, a typo
+    that gets "No such command") builds them all.
+    """
+    first = args[0] if args else ""
+
+    def name(info: Any) -> Any:
+        return info.name if isinstance(info.name, str) else info.typer_instance.info.name
+
+    commands = [c for c in app.registered_commands if c.name == first]
+    groups = [g for g in app.registered_groups if name(g) == first]
+    if not commands and not groups:
+        return typer.main.get_command(app)  # a _KernelGroup: tidied as it is built
+    every = app.registered_commands, app.registered_groups
+    app.registered_commands, app.registered_groups = commands, groups
+    try:
+        return typer.main.get_command(app)
+    finally:
+        app.registered_commands, app.registered_groups = every
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: run the app, turn usage errors into one line + exit 2."""
     _configure_logging()
     try:
-        command = typer.main.get_command(app)  # a _KernelGroup: tidied as it is built
+        command = _command(sys.argv[1:] if argv is None else argv)
         code = command.main(args=argv, prog_name="kernel", standalone_mode=False)
     except KeyboardInterrupt:
         sys.exit(130)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import typer
 
-from . import numbers
+from . import numbers, output
 from .dberrors import guard_database
 from .dbopt import DB_HELP, STORE_OPTION
 
@@ -100,7 +100,10 @@ def batch(
         help="Runs at once."),
     json_out: bool = typer.Option(
         False, "--json", help="One JSON object per finished run on stdout (with --list: "
-                              "one per batch)."),
+                              "one per batch): JSON lines."),
+    fmt: str | None = typer.Option(
+        None, "--format", metavar=output.FORMAT_METAVAR, show_default=False,
+        help="With --list: " + output.FORMAT_HELP + " [default: table]"),
     list_only: bool = typer.Option(False, "--list", help="List batches, newest first, with "
                                                          "their runs counted by status."),
     resume: str | None = typer.Option(
@@ -130,8 +133,10 @@ def batch(
     chosen = sum(x for x in (tasks_file is not None, list_only, resume is not None))
     if chosen != 1:
         _fail("give exactly one of TASKS.jsonl, --list or --resume BATCH_ID")
+    if fmt is not None and not list_only:
+        _fail("--format goes with --list (a batch prints --json lines or progress)")
     if list_only:
-        raise typer.Exit(_list(db, json_out=json_out))
+        raise typer.Exit(_list(db, fmt=output.pick(fmt, json_out)))
     try:
         if resume is not None:
             runner_args = _prepare_resume(resume, db, context or [])
@@ -710,7 +715,7 @@ def _print_failure(out: TaskOutcome) -> None:
 # ------------------------------------------------------------------ listing
 
 
-def _list(db: str | None, *, json_out: bool) -> int:
+def _list(db: str | None, *, fmt: str) -> int:
     from kernel import ConfigError
 
     try:
@@ -721,20 +726,28 @@ def _list(db: str | None, *, json_out: bool) -> int:
         rows = store.batches()
     finally:
         store.close()
-    for row in rows:
-        state = "interrupted" if row.interrupted else row.status
-        if json_out:
-            print(json.dumps({"batch_id": row.batch_id, "name": row.name,
-                              "source": row.source, "created_at": row.created_at.isoformat(),
-                              "ended_at": row.ended_at.isoformat() if row.ended_at else None,
-                              "state": state, "tasks": row.tasks,
-                              "concurrency": row.concurrency, "counts": row.counts}))
-            continue
-        counts = " ".join(f"{k}={v}" for k, v in sorted(row.counts.items(),
-                                                         key=lambda kv: -kv[1]))
-        when = row.created_at.astimezone().strftime("%Y-%m-%d %H:%M")
-        print(f"{row.batch_id}  {when}  {state:11}  {row.tasks:>6} tasks  {counts}  "
-              f"{row.name}")
-    if not rows and not json_out:
+    records: list[dict[str, Any]] = [
+        {"batch_id": row.batch_id, "name": row.name, "source": row.source,
+         "created_at": row.created_at, "ended_at": row.ended_at,
+         "state": "interrupted" if row.interrupted else row.status, "tasks": row.tasks,
+         "concurrency": row.concurrency, "counts": row.counts} for row in rows]
+    if output.print_records(fmt, records, _LIST_FIELDS):
+        return 0
+    if not rows:
         print("no batches", file=sys.stderr)
+        return 0
+    from datetime import UTC
+
+    table = []
+    for r in records:
+        counts = " ".join(f"{k}={v}" for k, v in sorted(r["counts"].items(),
+                                                         key=lambda kv: -kv[1]))
+        when = r["created_at"].astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
+        table.append((r["batch_id"], when, r["state"], r["tasks"], counts, r["name"] or ""))
+    print(output.table(("BATCH", "CREATED (UTC)", "STATE", "TASKS", "RUNS", "NAME"), table,
+                       right=(3,)))
     return 0
+
+
+_LIST_FIELDS = ("batch_id", "name", "source", "created_at", "ended_at", "state", "tasks",
+                "concurrency", "counts")

@@ -46,6 +46,8 @@ RUN_HELP = """Run CMD (after --), a LOOP.yaml state machine, or an --agent, unde
 Exit codes: the command's own code when it ended by itself (ok/error);
 124 timeout, 137 killed by the critic, 130 cancelled (Ctrl-C, SIGTERM, SIGHUP, SIGQUIT),
 3 budget_exceeded, 4 max_steps, 5 handoff, 1 error, 2 bad input.
+A command that itself exits 3, 4 or 5 looks the same: scripts that must tell
+them apart read "status" from --json (error for the command's own code).
 Durations are seconds or a number with a unit: 90, 90s, 5m, 2h, 7d, 2w.
 The run, its output lines and the critic's decisions are recorded in the
 audit database (see `kernel runs`, `kernel show RUN_ID`).

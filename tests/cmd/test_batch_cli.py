@@ -108,7 +108,10 @@ class TestResults:
         assert rows[1]["counts"] == {"ok": 2}
         assert {r["state"] for r in rows} == {"finished"}
         text = batch(kernel_exe, cli_env, "--list").stdout.splitlines()
-        assert text[0].startswith(rows[0]["batch_id"]) and "error=1" in text[0]
+        assert text[0].split()[:3] == ["BATCH", "CREATED", "(UTC)"]
+        assert text[1].startswith(rows[0]["batch_id"]) and "error=1" in text[1]
+        csv_rows = batch(kernel_exe, cli_env, "--list", "--format", "csv").stdout.splitlines()
+        assert csv_rows[0].startswith("batch_id,name,") and len(csv_rows) == 3
 
 
 class TestBadInput:

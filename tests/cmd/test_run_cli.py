@@ -101,6 +101,21 @@ class TestExitCodes:
         assert doc["status"] == "ok" and doc["exit_code"] == 0 and doc["output"] == "hi"
         assert len(doc["run_id"]) == 32 and doc["runtime_seconds"] >= 0
 
+    def test_exit_codes_3_4_5_are_told_apart_by_the_json_status(
+            self, kernel_exe: str, cli_env: dict[str, str]) -> None:
+        """A command's own exit 4 and a run stopped at --max-steps both exit 4; --json's
+        status says which, and `kernel run --help` says so where it lists the codes."""
+        own = kernel(kernel_exe, cli_env, "run", "--json", "--", "sh", "-c", "exit 4")
+        assert own.returncode == 4 and json.loads(own.stdout)["status"] == "error"
+        capped = kernel(kernel_exe, cli_env, "run", "--json", "--max-steps", "0", "--",
+                        "true")
+        assert capped.returncode == 4 and json.loads(capped.stdout)["status"] == "max_steps"
+        text = " ".join(kernel(kernel_exe, cli_env, "run", "--help").stdout.split())
+        listed = text.split("Exit codes:", 1)[1]
+        assert "4 max_steps" in listed
+        assert 'exits 3, 4 or 5 looks the same: scripts that must tell them apart read ' \
+               '"status" from --json' in listed
+
     def test_json_on_failure(self, kernel_exe: str, cli_env: dict[str, str]) -> None:
         """A failing command's JSON result carries its status and code."""
         proc = kernel(kernel_exe, cli_env, "run", "--json", "--", "sh", "-c", "exit 3")
@@ -155,6 +170,29 @@ class TestImports:
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              check=True, stdin=subprocess.DEVNULL).stdout
         assert out.strip().splitlines()[-1] == "[]"
+
+    def test_only_the_command_asked_for_is_built(self) -> None:
+        """`kernel run ...` builds the run command alone; `kernel --help` or a typo, all."""
+        from kernel_cli.app import _command
+
+        assert set(_command(["run", "--", "true"]).commands) == {"run"}
+        assert set(_command(["budget", "show"]).commands) == {"budget"}
+        every = set(_command(["--help"]).commands)
+        assert {"run", "runs", "show", "budget", "actions"} <= every
+        assert set(_command(["rn"]).commands) == every == set(_command([]).commands)
+
+    def test_reading_the_audit_imports_no_trio(self, kernel_exe: str,
+                                               cli_env: dict[str, str]) -> None:
+        """runs, show, stats, query never load trio (nor the recorders' redaction rules)."""
+        assert kernel(kernel_exe, cli_env, "run", "--", "true").returncode == 0
+        absent = ("trio", "batteries.redact", "batteries.audit._audit", "pydantic")
+        for argv in (["runs"], ["show", "last"], ["stats"], ["query", "SELECT 1"]):
+            code = ("import sys\nfrom kernel_cli.app import main\n"
+                    f"try:\n    main({argv!r})\nexcept SystemExit as e:\n    assert not e.code\n"
+                    f"print(sorted(m for m in {absent!r} if m in sys.modules))")
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                 check=True, stdin=subprocess.DEVNULL, env=cli_env).stdout
+            assert out.strip().splitlines()[-1] == "[]", argv
 
     def test_the_executable_exits_with_the_code_and_flushed_output(
             self, kernel_exe: str, cli_env: dict[str, str]) -> None:
