@@ -62,7 +62,7 @@ from typing import Any
 
 import trio
 
-from kernel import Checkpoint, Ports, Result, Status
+from kernel import Checkpoint, ConfigError, Ports, Result, Status
 
 from .batch import AgentBuilder, BatchTask, KernelDispatch
 from .store import ClaimRun, Journal, Owner, StoreError, open_store
@@ -73,6 +73,7 @@ __all__ = [
     "RunHeldElsewhereError",
     "WorkerCall",
     "run_on_worker",
+    "store_unreachable",
 ]
 
 
@@ -282,6 +283,20 @@ class RayDispatch:
                 raise ConnectionError(f"cannot reach the Ray cluster at {self.address}: "
                                       f"{exc}") from exc
 
+    async def check_store(self) -> None:
+        """Refuse a store the cluster's nodes cannot all reach (call after `connect`).
+
+        Raises:
+            ConfigError: The store is a file on this machine and a live node runs
+                on another one (its runs would go to a journal nobody reads).
+        """
+        import ray
+
+        nodes = await trio.to_thread.run_sync(ray.nodes)
+        why = store_unreachable(self.call.store, nodes, socket.gethostname())
+        if why is not None:
+            raise ConfigError(why)
+
     async def __call__(self, task: Any, resume: Checkpoint | None) -> Result:
         """Run `task` (run_id, task_id, spec) on the cluster to its end; its result.
 
@@ -400,6 +415,23 @@ class RayDispatch:
         # Every Ray node on that host is dead by the GCS's verdict: its workers died
         # with their raylet. A host Ray never knew is not one of ours.
         return bool(here)
+
+
+def store_unreachable(store: str, nodes: list[dict[str, Any]], here: str) -> str | None:
+    """Why the cluster's `nodes` (as `ray.nodes()` lists them) cannot share `store`, or None.
+
+    A PostgreSQL URL is shared by whoever can reach the server; a file path only
+    by nodes on this machine (`here`, its host name).
+    """
+    if store.startswith(("postgresql://", "postgres://")):
+        return None
+    away = sorted({str(n.get("NodeManagerHostname")) for n in nodes
+                   if n.get("Alive") and n.get("NodeManagerHostname") != here})
+    if not away:
+        return None
+    return (f"the Ray cluster has nodes on other machines ({', '.join(away[:3])}), which "
+            f"cannot write the store on this one ({store}): give them a shared store "
+            "(--store postgresql://...)")
 
 
 def _ended(run_id: str, checkpoint_status: str) -> Result:

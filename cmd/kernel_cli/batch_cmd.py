@@ -605,7 +605,7 @@ async def _execute(args: _Args, *, json_out: bool, results: TextIO) -> int:
 
     from batteries.batch import BatchBusyError, BatchRunner, KernelDispatch
     from batteries.runner import open_ports
-    from kernel import PortFailure, PortSpec
+    from kernel import ConfigError, PortFailure, PortSpec
 
     from . import batch_progress
     from .recover_cmd import stop_leftovers
@@ -644,7 +644,8 @@ async def _execute(args: _Args, *, json_out: bool, results: TextIO) -> int:
                 dispatch = _ray_dispatch(args, journal)
                 try:
                     await dispatch.connect()
-                except ConnectionError as exc:
+                    await dispatch.check_store()
+                except (ConnectionError, ConfigError) as exc:
                     print(f"kernel batch: error: {exc}", file=sys.stderr)
                     return 2
             else:

@@ -16,7 +16,7 @@ import pytest
 import trio
 from ray_cluster import RayCluster, build_command, ray_env
 
-from batteries.ray_dispatch import RayDispatch, RayOptions, WorkerCall
+from batteries.ray_dispatch import RayDispatch, RayOptions, WorkerCall, store_unreachable
 from batteries.store import Journal
 from kernel import Status, new_run_id
 
@@ -231,3 +231,20 @@ class TestRayOptions:
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              check=True)
         assert out.stdout.strip() == "False"
+
+
+class TestSharedStore:
+    NODES = [{"NodeManagerHostname": "here", "Alive": True},
+             {"NodeManagerHostname": "box2", "Alive": True},
+             {"NodeManagerHostname": "box3", "Alive": False}]
+
+    def test_a_file_store_with_a_node_elsewhere_is_refused(self) -> None:
+        """A journal path is a file on this machine: live nodes elsewhere cannot write it."""
+        why = store_unreachable("/data/k.duckdb", self.NODES, "here")
+        assert why is not None and "box2" in why and "box3" not in why
+        assert "--store postgresql://" in why
+
+    def test_a_server_or_one_machine_is_fine(self) -> None:
+        """A PostgreSQL URL is shared by every node; a path is, when every node is here."""
+        assert store_unreachable("postgresql://db/k", self.NODES, "here") is None
+        assert store_unreachable("/data/k.duckdb", self.NODES[:1], "here") is None

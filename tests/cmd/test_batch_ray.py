@@ -1,7 +1,7 @@
 """The fleet: `kernel batch --ray` on a real local Ray cluster (a head and two worker nodes,
-separate processes) sharing one store; 200 runs, one worker node SIGKILLed mid-batch.
-The store is the embedded journal, which a cluster on one machine shares (the same
-fleet on a PostgreSQL store, through the library: tests/batteries/test_ray_fleet_pg.py).
+separate processes) sharing a real PostgreSQL store; 200 runs, one worker node SIGKILLed
+mid-batch. (A killed driver's batch is resumed on the embedded journal, which a cluster
+on one machine shares.)
 
 Exactly once is checked on a side effect: each run's command appends its index to a
 file. Each run waits at its own gate before its side effect; the test opens the gates
@@ -69,12 +69,12 @@ def until(ready: Callable[[], bool], what: str, proc: subprocess.Popen[str]) -> 
 
 @pytest.mark.timeout(4 * WAIT)
 def test_200_runs_on_two_nodes_one_killed_each_runs_once(
-        cluster: RayCluster, tmp_path: Path, kernel_exe: str,
+        cluster: RayCluster, pg_url: str, tmp_path: Path, kernel_exe: str,
         cli_env: dict[str, str]) -> None:
-    """`kernel batch --ray` runs 200 tasks over two Ray nodes sharing one store; one
-    node is SIGKILLed with runs in flight: they are resumed on the other node, every run
+    """`kernel batch --ray` runs 200 tasks over two Ray nodes sharing one PostgreSQL
+    store; one node is SIGKILLed with runs in flight: they are resumed on the other node, every run
     ends once (each side effect once), one caller's budget of 50 holds across the
-    workers, and `kernel runs` / `kernel query` see all 200."""
+    workers, and `kernel runs` / `kernel query` through the store see all 200."""
     d = tmp_path
     lines = []
     for i in range(RUNS):
@@ -84,7 +84,7 @@ def test_200_runs_on_two_nodes_one_killed_each_runs_once(
                                  "caller": caller(i), "ray": {"num_cpus": 0.5}}))
     (d / "tasks.jsonl").write_text("\n".join(lines) + "\n")
     env = {**cli_env, **ray_env()}
-    store: list[str] = []  # the embedded journal beside $KERNEL_DB
+    store = ["--store", pg_url]
     kernel(kernel_exe, env, "budget", "set", "capped", "--runs", str(BUDGET), "--json", *store)
 
     proc = subprocess.Popen([kernel_exe, "batch", str(d / "tasks.jsonl"), "--ray",
