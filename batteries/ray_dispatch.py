@@ -234,15 +234,23 @@ class RayDispatch:
         options_for: Ray options for a task (None: one CPU each).
         max_attempts: Sends of one task before it is given up (ends `error`).
         owner: The lease holder this driver claims as (default: this process).
+        holder_grace: After Ray reports a worker dead, how long (seconds) its process
+            may still be seen alive before the run is given up as held elsewhere: a
+            raylet's workers die after it, not with it, and on a loaded machine that
+            can take seconds.
 
     Connecting (`connect`) is done on first use, in a worker thread.
     """
 
     def __init__(self, journal: Journal, call: WorkerCall, *, address: str = "auto",
                  options_for: Callable[[Any], RayOptions] | None = None,
-                 max_attempts: int = 3, owner: Owner | None = None) -> None:
+                 max_attempts: int = 3, owner: Owner | None = None,
+                 holder_grace: float = 120.0) -> None:
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
+        if not holder_grace >= 0 or holder_grace == float("inf"):
+            raise ValueError(f"holder_grace must be finite and >= 0, got {holder_grace}")
+        self.holder_grace = holder_grace
         self.journal = journal
         self.call = call
         self.address = address
@@ -355,20 +363,33 @@ class RayDispatch:
         Returns None if it never started (send it again), its `Result` if it
         ended, else its checkpoint, with the lease now this driver's.
 
+        Ray's verdict comes before the worker's process is gone (a raylet's
+        workers exit after it), so a holder still alive is asked again until
+        `holder_grace` has passed.
+
         Raises:
-            RunHeldElsewhereError: The holder cannot be proved gone.
+            RunHeldElsewhereError: The holder cannot be proved gone within `holder_grace`.
         """
         store = self.journal.store
-        saved = await self.journal.read(lambda: store.saved_runs(run_id=run_id))
-        if not saved:
-            return None
-        run = saved[0]
-        if run.status != "running":
-            return _ended(run_id, run.status)
-        if not await self.claim(run_id):
-            raise RunHeldElsewhereError(
-                f"run {run_id}: its worker died, but its lease is held by pid "
-                f"{run.owner.pid} on {run.owner.host}, which cannot be proved gone")
+        give_up_at: float | None = None
+        while True:
+            saved = await self.journal.read(lambda: store.saved_runs(run_id=run_id))
+            if not saved:
+                return None
+            run = saved[0]
+            if run.status != "running":
+                return _ended(run_id, run.status)
+            if await self.claim(run_id):
+                break
+            now = trio.current_time()
+            if give_up_at is None:
+                give_up_at = now + self.holder_grace
+            elif now >= give_up_at:
+                raise RunHeldElsewhereError(
+                    f"run {run_id}: its worker died, but its lease is held by pid "
+                    f"{run.owner.pid} on {run.owner.host}, which could not be proved gone "
+                    f"in {self.holder_grace:g} s")
+            await trio.sleep(0.25)
         saved = await self.journal.read(lambda: store.saved_runs(run_id=run_id))
         checkpoint: Checkpoint = saved[0].checkpoint
         return checkpoint
