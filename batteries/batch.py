@@ -88,6 +88,7 @@ __all__ = [
     "KernelDispatch",
     "TaskOutcome",
     "new_batch_id",
+    "run_spec_of",
 ]
 
 #: Letters of a batch id: lower case, no 0/o, 1/l/i (typeable, unambiguous).
@@ -154,6 +155,20 @@ class Dispatch(Protocol):
     async def __call__(self, task: BatchTask, resume: Checkpoint | None) -> Result: ...
 
 
+#: Keys of a task's spec that say where to run it, not what: read by a dispatcher
+#: (`"ray"`: `batteries.ray_dispatch.RayOptions`), never part of the run's own spec.
+PLACEMENT_KEYS = frozenset({"ray"})
+
+
+def run_spec_of(task_spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The run spec in a task's spec: everything but its placement keys.
+
+    This is what is registered for the run (what `kernel recover` rebuilds it
+    from) and what `kernel.RunSpec.from_dict` reads.
+    """
+    return {k: v for k, v in task_spec.items() if k not in PLACEMENT_KEYS}
+
+
 #: Builds what a spec describes: (agent, info, limits). Raises for a spec it cannot build.
 AgentBuilder = Callable[[Mapping[str, Any]], tuple[Any, RunInfo, Limits]]
 
@@ -216,10 +231,11 @@ class KernelDispatch:
         register = getattr(ports.checkpointer, "register", None)
         if register is not None:
             # A resumed run is registered again: it is held by this process now.
+            stored = run_spec_of(spec)  # what recover rebuilds the run from
             if self.redacted:
-                await register(task.run_id, dict(spec), redacted=True)
+                await register(task.run_id, stored, redacted=True)
             else:
-                await register(task.run_id, dict(spec))
+                await register(task.run_id, stored)
         return await kernel.run(agent, info, limits, resume=resume)
 
 

@@ -486,6 +486,7 @@ def _find(db: str | None, wanted: str) -> BatchRow:
 
 
 def _prepare_resume(wanted: str, db: str | None, context: list[str]) -> _Args:
+    from batteries.batch import run_spec_of
     from batteries.recovery import NotResumable, Secrets, restore_secrets
     from kernel import ConfigError, RunSpec
 
@@ -509,7 +510,7 @@ def _prepare_resume(wanted: str, db: str | None, context: list[str]) -> _Args:
         if unfinished and t.spec.get("redacted"):
             try:
                 _, lacking = restore_secrets(
-                    RunSpec.from_dict({k: v for k, v in t.spec.items() if k != "ray"}), given)
+                    RunSpec.from_dict(run_spec_of(t.spec)), given)
             except NotResumable as exc:
                 missing.add(f"{exc}; run it again with `kernel run`")
                 continue
@@ -527,12 +528,12 @@ def _prepare_resume(wanted: str, db: str | None, context: list[str]) -> _Args:
 
 def _build(spec: Mapping[str, Any], given: Any = None) -> tuple[Any, Any, Limits]:
     """A task's run spec -> (agent, info, limits); secrets put back from `given`."""
+    from batteries.batch import run_spec_of
     from kernel import ConfigError, RunSpec
 
     from .run_cmd import plan_from_spec
 
-    # A stored task is a run spec plus where to place it ("ray"); the run needs the spec.
-    run_spec = RunSpec.from_dict({k: v for k, v in spec.items() if k != "ray"})
+    run_spec = RunSpec.from_dict(run_spec_of(spec))  # without where to place it ("ray")
     if given is not None and run_spec.redacted:
         from batteries.recovery import NotResumable, restore_secrets
 

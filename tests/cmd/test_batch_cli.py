@@ -321,3 +321,21 @@ def test_a_resumed_command_runs_where_the_batch_started(tmp_path: Path) -> None:
     agent, info, _ = _build(spec)
     assert agent.cwd == str(tmp_path) and not agent.inherit_stdin
     assert info.run_id == "ab" * 16
+
+
+def test_a_task_s_placement_is_not_part_of_its_run_spec(kernel_exe: str,
+                                                        cli_env: dict[str, str],
+                                                        tmp_path: Path) -> None:
+    """A task's "ray" object says where to run it: the run's registered spec (what
+    `kernel recover` rebuilds the run from) leaves it out and reads back as a RunSpec."""
+    from batteries.checkpoint import JournalCheckpointer
+    from kernel import RunSpec
+
+    tasks = write_tasks(tmp_path / "t.jsonl", [
+        {"id": "placed", "command": ["true"], "ray": {"num_cpus": 0.5}}])
+    proc = batch(kernel_exe, cli_env, str(tasks), "--json")
+    assert proc.returncode == 0, proc.stderr
+    run_id = json.loads(proc.stdout)["run_id"]
+    [saved] = JournalCheckpointer(cli_env["KERNEL_DB"]).store.saved_runs(run_id=run_id)
+    assert "ray" not in saved.spec
+    assert RunSpec.from_dict(saved.spec).agent.argv == ("true",)
