@@ -26,7 +26,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import trio
 
@@ -86,10 +86,10 @@ class PsutilProbe:
     threaded = True
 
     def __init__(self) -> None:
-        import psutil
-
-        self._psutil = psutil
-        self._procs: dict[int, psutil.Process] = {}
+        # psutil is imported by the first sample, in the sampler's worker thread: a
+        # short run (most `kernel run`s) ends before that and never pays for it.
+        self._psutil: Any = None
+        self._procs: dict[int, Any] = {}
         machine = os.uname().machine
         self._reads = _READ_SYSCALLS.get(machine, frozenset())
         self._polls = _POLL_SYSCALLS.get(machine, frozenset())
@@ -97,6 +97,10 @@ class PsutilProbe:
     def sample(self, root: int) -> TreeSample | None:
         """Walk the tree from `root` through /proc/PID/task/TID/children and sum its figures."""
         psutil = self._psutil
+        if psutil is None:
+            import psutil
+
+            self._psutil = psutil
         pids = _tree(root)
         if not pids:
             self._procs.pop(root, None)
