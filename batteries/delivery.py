@@ -20,7 +20,6 @@ import random
 import shutil
 import sys
 import tempfile
-import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -28,6 +27,7 @@ from typing import IO, TYPE_CHECKING, Any
 import trio
 
 from kernel import Delivery, DeliveryError, Result
+from kernel._renamed import renamed
 
 if TYPE_CHECKING:
     import httpx
@@ -228,16 +228,8 @@ class FanOutDelivery:
 
 # Names renamed in 0.2 (see README, "Renamed names"): still importable for one
 # release, with a DeprecationWarning; type checkers see them as plain aliases.
-_RENAMED = {"FanOut": "FanOutDelivery"}
-
 if TYPE_CHECKING:
     FanOut = FanOutDelivery
 
 
-def __getattr__(name: str) -> Any:
-    if name in _RENAMED:
-        new = _RENAMED[name]
-        warnings.warn(f"{__name__}.{name} is deprecated: use {new}", DeprecationWarning,
-                      stacklevel=2)
-        return globals()[new]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = renamed(__name__, {"FanOut": "FanOutDelivery"}, globals())

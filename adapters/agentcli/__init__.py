@@ -14,8 +14,9 @@ lifecycle spawning/working/idle/killed), feed the critic, and are audited::
     agent = preset("claude", "Fix the failing test", model="claude-sonnet-4-5")
 """
 
-import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kernel._renamed import renamed
 
 from ._agent import CLIAgent as CLIAgent
 from ._agent import EventHook as EventHook
@@ -50,17 +51,10 @@ __all__ = [
 
 # Names renamed in 0.2 (see README, "Renamed names"): still importable for one
 # release, with a DeprecationWarning; type checkers see them as plain aliases.
-_RENAMED = {"AgentCLI": "CLIAgent", "SessionAgentCLI": "SessionCLIAgent"}
-
 if TYPE_CHECKING:
     AgentCLI = CLIAgent
     SessionAgentCLI = SessionCLIAgent
 
 
-def __getattr__(name: str) -> Any:
-    if name in _RENAMED:
-        new = _RENAMED[name]
-        warnings.warn(f"{__name__}.{name} is deprecated: use {new}", DeprecationWarning,
-                      stacklevel=2)
-        return globals()[new]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = renamed(__name__, {"AgentCLI": "CLIAgent", "SessionAgentCLI": "SessionCLIAgent"},
+                      globals())

@@ -12,8 +12,9 @@ The public surface is re-exported here; the modules behind it are private.
 PyYAML is imported only when a file is read.
 """
 
-import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kernel._renamed import renamed
 
 from ._agent import LoopAgent as LoopAgent
 from ._agent import detect_signal as detect_signal
@@ -66,16 +67,8 @@ __all__ = [
 
 # Names renamed in 0.2 (see README, "Renamed names"): still importable for one
 # release, with a DeprecationWarning; type checkers see them as plain aliases.
-_RENAMED = {"Verdict": "Evaluation"}
-
 if TYPE_CHECKING:
     Verdict = Evaluation
 
 
-def __getattr__(name: str) -> Any:
-    if name in _RENAMED:
-        new = _RENAMED[name]
-        warnings.warn(f"{__name__}.{name} is deprecated: use {new}", DeprecationWarning,
-                      stacklevel=2)
-        return globals()[new]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = renamed(__name__, {"Verdict": "Evaluation"}, globals())

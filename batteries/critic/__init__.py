@@ -20,8 +20,9 @@ a pluggable `Judge`; `RulesJudge` with a `CriticPolicy` is the default::
     result = await Kernel(Ports(critic=critic)).run(agent, info, limits)
 """
 
-import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kernel._renamed import renamed
 
 from ._evidence import Novelty as Novelty
 from ._evidence import call_key as call_key
@@ -90,16 +91,8 @@ __all__ = [
 
 # Names renamed in 0.2 (see README, "Renamed names"): still importable for one
 # release, with a DeprecationWarning; type checkers see them as plain aliases.
-_RENAMED = {"Verdict": "Decision"}
-
 if TYPE_CHECKING:
     Verdict = Decision
 
 
-def __getattr__(name: str) -> Any:
-    if name in _RENAMED:
-        new = _RENAMED[name]
-        warnings.warn(f"{__name__}.{name} is deprecated: use {new}", DeprecationWarning,
-                      stacklevel=2)
-        return globals()[new]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = renamed(__name__, {"Verdict": "Decision"}, globals())
