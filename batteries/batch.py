@@ -24,9 +24,9 @@ every task's run:
   recover` and the batch never both resume it; a dispatcher with a `claim`
   method, such as `RayDispatch`, claims it with its own proof) and it is
   resumed from its last checkpoint under the same run id, without a second
-  budget reservation (`AdmittedBudget`). A plain command keeps no state: its
-  one step (the command) runs again from the start, which is what a resumed
-  loop does with the state it was in;
+  budget reservation (the kernel tells the budget the run resumed). A plain
+  command keeps no state: its one step (the command) runs again from the
+  start, which is what a resumed loop does with the state it was in;
 - started but neither ended nor checkpointed: lost (`LoseRun`);
 - not started: run.
 
@@ -60,8 +60,6 @@ from kernel import (
     RunInfo,
     Status,
     Step,
-    Usage,
-    UsageLimits,
 )
 
 from .store import (
@@ -80,7 +78,6 @@ from .store import (
 )
 
 __all__ = [
-    "AdmittedBudget",
     "BatchBusyError",
     "BatchRunner",
     "BatchTask",
@@ -224,10 +221,6 @@ class KernelDispatch:
             kernel = self._kernels[id(critic)] = Kernel(
                 dataclasses.replace(self.ports, critic=critic))
         ports = kernel.ports
-        journal = getattr(ports.budget, "journal", None)
-        if resume is not None and isinstance(journal, Journal):
-            ports = dataclasses.replace(ports, budget=AdmittedBudget(journal))
-            kernel = Kernel(ports)
         register = getattr(ports.checkpointer, "register", None)
         if register is not None:
             # A resumed run is registered again: it is held by this process now.
@@ -237,25 +230,6 @@ class KernelDispatch:
             else:
                 await register(task.run_id, stored)
         return await kernel.run(agent, info, limits, resume=resume)
-
-
-class AdmittedBudget:
-    """The budget of a resumed run: it was reserved when the run first opened.
-
-    Gives the caps the caller has left (so the resumed run stays inside them)
-    and never refuses or reserves again (the run was admitted; counting it
-    twice would refuse others); a caller with no budget gets None.
-    """
-
-    def __init__(self, journal: Journal) -> None:
-        self.journal = journal
-
-    async def check(self, caller_id: str) -> UsageLimits | None:
-        found = await self.journal.read(self.journal.store.budget, caller_id)
-        return None if found is None else found.remaining()
-
-    async def commit(self, caller_id: str, runtime_seconds: float, usage: Usage) -> None:
-        return None
 
 
 @dataclass(slots=True)

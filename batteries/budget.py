@@ -38,7 +38,7 @@ from __future__ import annotations
 import os
 from collections import deque
 
-from kernel import BudgetRefused, Usage, UsageLimits
+from kernel import BudgetRefused, RunInfo, Usage, UsageLimits
 
 from .store import (
     CallerBudget,
@@ -71,6 +71,7 @@ class JournalBudget:
             journal, lock_timeout=lock_timeout)
         self.store = self.journal.store
         self._reserved: dict[str, deque[int]] = {}
+        self._by_run: dict[str, int] = {}
 
     def __repr__(self) -> str:
         return f"JournalBudget({str(self.store.path)!r})"
@@ -84,8 +85,45 @@ class JournalBudget:
             BudgetRefused: The caller's budget is used up.
             StoreError: The journal cannot be reached (the kernel refuses the run).
         """
+        found = await self._reserve(ReserveBudget(caller_id, ""))
+        if found is None:
+            return None
+        rid, caps = found
+        self._reserved.setdefault(caller_id, deque()).append(rid)
+        return caps
+
+    async def commit(self, caller_id: str, runtime_seconds: float, usage: Usage) -> None:
+        """Settle the caller's oldest open reservation with this run's spend (nothing if none)."""
+        queue = self._reserved.get(caller_id)
+        if not queue:
+            return
+        rid = queue.popleft()
+        if not queue:
+            del self._reserved[caller_id]
+        await self._settle(rid, runtime_seconds, usage)
+
+    async def check_run(self, info: RunInfo, *, resumed: bool) -> UsageLimits | None:
+        """`check` for one run (`SupportsRunBudget`): its reservation names it.
+
+        A resumed run is never refused and reserves nothing new: it settles
+        into what it reserved when it first opened (see `ReserveBudget`).
+        """
+        found = await self._reserve(ReserveBudget(info.caller_id, info.run_id, resumed))
+        if found is None:
+            return None
+        rid, caps = found
+        self._by_run[info.run_id] = rid
+        return caps
+
+    async def commit_run(self, info: RunInfo, runtime_seconds: float, usage: Usage) -> None:
+        """Settle this run's reservation: this session's runtime, the run's usage so far."""
+        rid = self._by_run.pop(info.run_id, None)
+        if rid is not None:
+            await self._settle(rid, runtime_seconds, usage)
+
+    async def _reserve(self, op: ReserveBudget) -> tuple[int, UsageLimits] | None:
         try:
-            [found] = await self.journal.transact([ReserveBudget(caller_id, "")])
+            [found] = await self.journal.transact([op])
         except Exception:
             # Fail closed, unless the journal proves no budget applies: it does
             # not exist (and cannot be made here), or it can still be read and
@@ -94,7 +132,7 @@ class JournalBudget:
             if not self.store.exists():
                 return None
             try:
-                applies = await self.journal.read(self.store.budget, caller_id)
+                applies = await self.journal.read(self.store.budget, op.caller_id)
             except Exception:
                 applies = True
             if applies is None:
@@ -105,17 +143,9 @@ class JournalBudget:
         assert isinstance(found, Reservation)
         if found.reservation_id is None:
             raise BudgetRefused(found.budget.refusal() or "budget used up")
-        self._reserved.setdefault(caller_id, deque()).append(found.reservation_id)
-        return found.budget.remaining()
+        return found.reservation_id, found.budget.remaining()
 
-    async def commit(self, caller_id: str, runtime_seconds: float, usage: Usage) -> None:
-        """Settle the caller's oldest open reservation with this run's spend (nothing if none)."""
-        queue = self._reserved.get(caller_id)
-        if not queue:
-            return
-        rid = queue.popleft()
-        if not queue:
-            del self._reserved[caller_id]
+    async def _settle(self, rid: int, runtime_seconds: float, usage: Usage) -> None:
         await self.journal.later(SettleBudget(rid, runtime_seconds, usage.total_tokens,
                                               usage.cost_usd))
 

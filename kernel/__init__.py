@@ -52,6 +52,7 @@ from .ports import RunRecorder as RunRecorder
 from .ports import SupportsAttach as SupportsAttach
 from .ports import SupportsNextLook as SupportsNextLook
 from .ports import SupportsProcesses as SupportsProcesses
+from .ports import SupportsRunBudget as SupportsRunBudget
 from .ports import SupportsSimulate as SupportsSimulate
 from .ports import SupportsSnapshot as SupportsSnapshot
 from .ports import SupportsSteer as SupportsSteer
@@ -121,6 +122,7 @@ __all__ = [
     "SupportsAttach",
     "SupportsNextLook",
     "SupportsProcesses",
+    "SupportsRunBudget",
     "SupportsSimulate",
     "SupportsSnapshot",
     "SupportsSteer",

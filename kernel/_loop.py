@@ -3,6 +3,7 @@
 The flow of `Kernel.run` (DESIGN.md "The kernel loop")::
 
     budget.check(caller)               refused -> budget_exceeded, no step runs
+        (or check_run(info, resumed=...) when the budget has it: SupportsRunBudget)
     recorder = audit.start_run(info)
     handle   = critic.monitor(info, soft_timeout, backstop=..., ...)
     with CancelScope(deadline=backstop):          # one scope per run, not per step
@@ -513,9 +514,14 @@ class _Run:
         refused = False
         if self.budget is not None:
             try:
-                caps = await self.budget.check(info.caller_id)
+                check_run = getattr(self.budget, "check_run", None)
+                if check_run is not None:  # SupportsRunBudget
+                    caps = await check_run(info, resumed=self.resume is not None)
+                else:
+                    caps = await self.budget.check(info.caller_id)
                 if caps is not None and not isinstance(caps, UsageLimits):
-                    raise TypeError(f"Budget {type(self.budget).__name__}.check returned "
+                    method = "check_run" if check_run is not None else "check"
+                    raise TypeError(f"Budget {type(self.budget).__name__}.{method} returned "
                                     f"{type(caps).__name__}, not UsageLimits or None")
                 self.caps = _merge_caps(limits, caps)
                 self.capped = self.caps != _NO_CAPS
@@ -981,8 +987,12 @@ class _Run:
                 self.fault("checkpointer", "complete" if status in _COMPLETE else "fail", exc)
         if commit_budget and self.budget is not None:
             try:
-                await self.budget.commit(self.info.caller_id, result.runtime_seconds,
-                                       self.usage)
+                commit_run = getattr(self.budget, "commit_run", None)
+                if commit_run is not None:  # SupportsRunBudget
+                    await commit_run(self.info, result.runtime_seconds, self.usage)
+                else:
+                    await self.budget.commit(self.info.caller_id, result.runtime_seconds,
+                                             self.usage)
             except Exception as exc:
                 self.fault("budget", "commit", exc)
         if self.delivery is not None:

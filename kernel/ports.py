@@ -191,6 +191,26 @@ class Budget(Protocol):
         """Record what the caller spent on one run."""
 
 
+@runtime_checkable
+class SupportsRunBudget(Protocol):
+    """A budget that is told which run it gates (optional, beside `Budget`).
+
+    When a budget has these two methods the kernel calls them instead of
+    `check` and `commit`, with the run's `RunInfo`, and says whether the run
+    is *resumed* from a checkpoint. A resumed run was admitted when it first
+    opened: a budget should not count it (or refuse it) as a new run, and
+    should settle its spend into what the run first reserved. `commit_run`
+    gets the run's usage so far (carried over a resume) and the runtime of
+    this session only.
+    """
+
+    async def check_run(self, info: RunInfo, *, resumed: bool) -> UsageLimits | None:
+        """Allow the run (optionally capped); raise `BudgetRefused` to refuse it."""
+
+    async def commit_run(self, info: RunInfo, runtime_seconds: float, usage: Usage) -> None:
+        """Record what this session of the run spent (usage is the run's total so far)."""
+
+
 class EventSink(Protocol):
     """Where a critic writes its decisions: each call becomes an audit event."""
 

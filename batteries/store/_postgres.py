@@ -604,8 +604,9 @@ class PostgresStore:
                         (op.status, _text(op.error), op.run_id))
             return None
         if isinstance(op, SettleBudget):
-            con.execute("UPDATE budget_spend SET runtime_seconds = %s, tokens = %s, "
-                        "cost_usd = %s, settled = 1, rev = DEFAULT WHERE id = %s",
+            con.execute("UPDATE budget_spend SET runtime_seconds = runtime_seconds + %s, "
+                        "tokens = GREATEST(tokens, %s), cost_usd = GREATEST(cost_usd, %s), "
+                        "settled = 1, rev = DEFAULT WHERE id = %s",
                         (op.runtime_seconds, op.tokens, op.cost_usd, op.reservation_id))
             return None
         if isinstance(op, LoseRun):
@@ -896,7 +897,13 @@ class PostgresStore:
         if row is None:
             return None
         budget = self._as_budget(op.caller_id, row)
-        if budget.refusal() is not None:
+        if op.resumed and op.run_id:
+            own = con.execute("SELECT id, tokens, cost_usd FROM budget_spend WHERE run_id = %s "
+                              "AND caller_id = %s ORDER BY id DESC LIMIT 1",
+                              (op.run_id, op.caller_id)).fetchone()
+            if own is not None:
+                return Reservation(budget.without(int(own[1]), float(own[2])), int(own[0]))
+        elif budget.refusal() is not None:
             return Reservation(budget, None)
         found = con.execute(f"INSERT INTO budget_spend (caller_id, ts, run_id) "
                             f"VALUES (%s, {NOW}, %s) RETURNING id",

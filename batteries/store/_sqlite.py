@@ -678,7 +678,8 @@ class SQLiteStore:
                         (op.status, _text(op.error), now_us(), self._rev(con, rev), op.run_id))
             return None
         if isinstance(op, SettleBudget):
-            con.execute("UPDATE budget_spend SET runtime_seconds = ?, tokens = ?, cost_usd = ?, "
+            con.execute("UPDATE budget_spend SET runtime_seconds = runtime_seconds + ?, "
+                        "tokens = max(tokens, ?), cost_usd = max(cost_usd, ?), "
                         "settled = 1, rev = ? WHERE id = ?",
                         (op.runtime_seconds, op.tokens, op.cost_usd, self._rev(con, rev),
                          op.reservation_id))
@@ -907,7 +908,13 @@ class SQLiteStore:
         if row is None:
             return None
         budget = self._with_spend(con, op.caller_id, row)
-        if budget.refusal() is not None:
+        if op.resumed and op.run_id:
+            own = con.execute("SELECT id, tokens, cost_usd FROM budget_spend WHERE run_id = ? "
+                              "AND caller_id = ? ORDER BY id DESC LIMIT 1",
+                              (op.run_id, op.caller_id)).fetchone()
+            if own is not None:
+                return Reservation(budget.without(int(own[1]), float(own[2])), int(own[0]))
+        elif budget.refusal() is not None:
             return Reservation(budget, None)
         cur = con.execute("INSERT INTO budget_spend (caller_id, ts, run_id, rev) "
                           "VALUES (?, ?, ?, ?)",

@@ -11,7 +11,7 @@ import datetime as dt
 import os
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from kernel import AuditError, Checkpoint, UsageLimits
@@ -234,15 +234,28 @@ class ReserveBudget:
     """Check the caller's budget and, if it allows one more run, reserve it.
 
     Returns a `Reservation`, or None when no budget applies (nothing written).
+    A *resumed* run (`resumed=True`) was admitted when it first opened: it is
+    never refused, and its own reservation (the newest row for its `run_id`)
+    is handed back instead of a new one, with the budget's tokens and cost
+    counted without that row (the run's usage carries them over the resume;
+    its runtime stays counted, since runtime is settled per session). Only if
+    it has no row (e.g. the budget was set after it opened) is one made.
     """
 
     caller_id: str
     run_id: str
+    resumed: bool = False
 
 
 @dataclass(slots=True, frozen=True)
 class SettleBudget:
-    """Replace a reservation's zero spend with what the run really spent."""
+    """Settle a reservation with what the run spent.
+
+    `runtime_seconds` is one session's and is added; `tokens` and `cost_usd`
+    are the run's totals so far (carried over a resume) and replace the
+    row's when larger. A fresh reservation's spend is zero, so for a run
+    that never resumed this is what it spent.
+    """
 
     reservation_id: int
     runtime_seconds: float
@@ -352,6 +365,11 @@ class CallerBudget:
                 return (f"caller {self.caller_id!r} used {fmt.format(used)} of "
                         f"{fmt.format(limit)} {what} {window}")
         return None
+
+    def without(self, tokens: int, cost_usd: float) -> CallerBudget:
+        """This budget with one run's tokens and cost taken back out of the spend."""
+        return replace(self, tokens=max(self.tokens - tokens, 0),
+                       cost_usd=max(self.cost_usd - cost_usd, 0.0))
 
     def remaining(self) -> UsageLimits:
         """What is left, as caps for the next run."""

@@ -9,7 +9,17 @@ import trio
 import trio.lowlevel
 
 from batteries.budget import DuckDBBudget
-from kernel import BudgetRefused, Kernel, Limits, Ports, RunInfo, Status, Step, Usage
+from kernel import (
+    BudgetRefused,
+    Checkpoint,
+    Kernel,
+    Limits,
+    Ports,
+    RunInfo,
+    Status,
+    Step,
+    Usage,
+)
 
 
 def spend_agent(cost: float = 0.0, tokens: int = 0) -> object:
@@ -74,6 +84,68 @@ class TestDuckDBBudget:
         """A zero window is refused."""
         with pytest.raises(ValueError, match="window"):
             DuckDBBudget(tmp_path / "k.duckdb").set("x", window_seconds=0)
+
+
+class TestResumedRuns:
+    """A resumed run was admitted once: it is not counted or refused again, and still metered."""
+
+    async def test_a_resumed_run_is_not_a_second_run(self, tmp_path: Path) -> None:
+        """With 1 run a day used by the interrupted run, its resume still runs; spend settles."""
+        budget = DuckDBBudget(tmp_path / "k.duckdb")
+        budget.set("erin", max_runs=1, max_cost_usd=1.0)
+        info = RunInfo(caller_id="erin")
+        # The first session reserved and died (SIGKILL: never settled).
+        assert await budget.check_run(info, resumed=False) is not None
+        refused = await Kernel(Ports(budget=budget)).run(spend_agent(), RunInfo(caller_id="erin"))
+        assert refused.status is Status.BUDGET_EXCEEDED  # the run count is used up
+        resume = Checkpoint(info.run_id, steps=1, state=None, usage=Usage(cost_usd=0.6))
+        result = await Kernel(Ports(budget=budget)).run(spend_agent(cost=0.3), info,
+                                                        resume=resume)
+        assert result.status is Status.OK
+        spent = budget.status("erin")
+        assert spent is not None
+        # One run, its whole cost (0.6 before the crash + 0.3 after), the resumed session's time.
+        assert (spent.runs, round(spent.cost_usd, 6)) == (1, 0.9)
+
+    async def test_caps_do_not_count_the_run_twice(self, tmp_path: Path) -> None:
+        """A run interrupted after settling resumes with its own spend back in what is left."""
+        from kernel.testing import ScriptedAgent
+
+        budget = DuckDBBudget(tmp_path / "k.duckdb")
+        budget.set("finn", max_cost_usd=1.0, max_tokens=100)
+        info = RunInfo(caller_id="finn")
+        with trio.CancelScope() as scope:
+            async def shut_down(ctx: object) -> Step:  # a SIGTERM-like shutdown mid-run
+                scope.cancel()
+                await trio.lowlevel.checkpoint()
+                return Step()
+
+            first_session = ScriptedAgent([Step(usage=Usage(input_tokens=40, cost_usd=0.7)),
+                                           shut_down])
+            await Kernel(Ports(budget=budget)).run(first_session, info)
+        assert scope.cancelled_caught  # the caller's cancel went through; the run settled
+        settled = budget.status("finn")
+        assert settled is not None and (settled.runs, settled.tokens) == (1, 40)
+        # Resumed with its usage so far: 0.7 + 0.2 stays inside 1.0 (not 0.7 + 0.7 + 0.2).
+        resume = Checkpoint(info.run_id, steps=1, state=None,
+                            usage=Usage(input_tokens=40, cost_usd=0.7))
+        result = await Kernel(Ports(budget=budget)).run(spend_agent(cost=0.2, tokens=10), info,
+                                                        resume=resume)
+        assert result.status is Status.OK, result.error
+        spent = budget.status("finn")
+        assert spent is not None
+        assert (spent.runs, spent.tokens, round(spent.cost_usd, 6)) == (1, 50, 0.9)
+        assert spent.runtime_seconds > settled.runtime_seconds  # both sessions' time
+
+    async def test_a_plain_budget_is_called_as_before(self) -> None:
+        """A budget with only check/commit gets the caller id, resumed or not."""
+        from kernel.testing import RecordingBudget
+
+        budget = RecordingBudget()
+        info = RunInfo(caller_id="gus")
+        await Kernel(Ports(budget=budget)).run(spend_agent(), info,
+                                               resume=Checkpoint(info.run_id, 1, None))
+        assert budget.checks == ["gus"] and len(budget.commits) == 1
 
 
 def test_check_never_blocks_the_trio_thread(tmp_path: Path) -> None:

@@ -298,6 +298,28 @@ class TestBudgets:
         assert (spent.runs, spent.runtime_seconds, spent.tokens, spent.cost_usd) == \
             (2, 1.5, 100, 0.5)
 
+    def test_a_resumed_run_gets_its_own_reservation_back(self, store: RunStore) -> None:
+        """Resumed: not refused, no second row, own tokens/cost out of the spend; settles add."""
+        store.commit(None, [SetBudget("ann", 3600, 1, None, 1000, None)])
+        [first] = store.commit(None, [ReserveBudget("ann", "r1")])
+        assert first.reservation_id is not None
+        store.commit(None, [SettleBudget(first.reservation_id, 2.0, 300, 0.25)])
+        [again] = store.commit(None, [ReserveBudget("ann", "r1", resumed=True)])
+        assert again.reservation_id == first.reservation_id
+        assert (again.budget.runs, again.budget.tokens) == (1, 0)  # caps as before r1 began
+        [other] = store.commit(None, [ReserveBudget("ann", "r2")])
+        assert other.reservation_id is None  # the run count is used up for new runs
+        # The second session: its own runtime is added, tokens and cost are the run's totals.
+        store.commit(None, [SettleBudget(first.reservation_id, 1.0, 450, 0.5)])
+        spent = store.budget("ann")
+        assert spent is not None
+        assert (spent.runs, spent.runtime_seconds, spent.tokens, spent.cost_usd) == \
+            (1, 3.0, 450, 0.5)
+        # Resumed without a row of its own (the budget came later): one is made, not refused.
+        [late] = store.commit(None, [ReserveBudget("ann", "r3", resumed=True)])
+        after = store.budget("ann")
+        assert late.reservation_id is not None and after is not None and after.runs == 2
+
     def test_default_budget_and_removal(self, store: RunStore) -> None:
         """`*` applies to callers without their own budget; removing says if there was one."""
         assert store.budget("bob") is None and store.budgets() == []

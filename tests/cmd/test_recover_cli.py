@@ -103,6 +103,43 @@ class TestRecover:
                                env=cli_env, timeout=60)
         assert again.returncode == 0 and "no interrupted runs" in again.stderr
 
+    def test_a_resumed_run_is_not_counted_twice(self, kernel_exe: str,
+                                                cli_env: dict[str, str],
+                                                tmp_path: Path) -> None:
+        """A caller's one run a day, SIGKILLed and recovered: it resumes and counts once."""
+        loop = tmp_path / "count.yaml"
+        loop.write_text(COUNTER)
+        setup = subprocess.run([kernel_exe, "budget", "set", "ivy", "--runs", "1"],
+                               capture_output=True, text=True, env=cli_env, timeout=60)
+        assert setup.returncode == 0, setup.stderr
+        marker = tmp_path / "ticks"
+        proc = subprocess.Popen(
+            [kernel_exe, "run", "--json", "--no-critic", "--caller", "ivy", str(loop),
+             "-c", f"marker={marker}"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env, cwd=tmp_path)
+        deadline = time.monotonic() + 30
+        while ticks(marker) < 2:
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the loop never reached its kill point"
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+        refused = subprocess.run([kernel_exe, "run", "--caller", "ivy", "--", "true"],
+                                 capture_output=True, text=True, env=cli_env, timeout=60)
+        assert refused.returncode == 3, refused.stderr  # the day's one run is in use
+        rec = subprocess.run([kernel_exe, "recover", "--json"], capture_output=True, text=True,
+                             env=cli_env, timeout=120, cwd=tmp_path)
+        assert rec.returncode == 0, rec.stderr
+        [result] = [json.loads(line) for line in rec.stdout.strip().splitlines()]
+        assert result["status"] == "ok", result
+        shown = subprocess.run([kernel_exe, "budget", "show", "ivy", "--json"],
+                               capture_output=True, text=True, env=cli_env, timeout=60)
+        assert shown.returncode == 0, shown.stderr
+        spent = json.loads(shown.stdout)
+        assert spent["runs"] == 1, spent
+        assert spent["runtime_seconds"] > 0, spent  # the resumed session is metered
+
     def test_spec_stored_before_versions_resumes(self, kernel_exe: str,
                                                  cli_env: dict[str, str],
                                                  tmp_path: Path) -> None:
