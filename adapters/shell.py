@@ -21,6 +21,7 @@ import os
 import shlex
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import trio
 
@@ -107,6 +108,7 @@ class ShellAgent:
         ctx.event("process_start", name=self.argv[0],
                   payload={"argv": list(self.argv), **child.record()})
         ctx.process_started(child.pid)  # the critic samples its tree: busy is not stalled
+        finished = False
         try:
             drained = trio.Event()
 
@@ -124,6 +126,7 @@ class ShellAgent:
                 # children it left behind. Give them a moment, then stop them.
                 await child.settle(drained.wait, self.grace)
                 nursery.cancel_scope.cancel()
+            finished = True
         finally:
             with trio.CancelScope(shield=True):
                 await child.stop(self.grace)
@@ -132,13 +135,11 @@ class ShellAgent:
             if self._counter.dropped:
                 ctx.event("output_not_audited", activity=False, payload={
                     "lines": self._counter.dropped, "cap": self.max_line_events})
+            if not finished:  # the run stopped it mid-step (timeout, kill, shutdown)
+                self._exited(ctx, child, t0, stopped=True)
+        exit_code = self._exited(ctx, child, t0)
         rc = child.returncode
         assert rc is not None
-        exit_code = rc if rc >= 0 else 128 - rc
-        duration_ms = (trio.current_time() - t0) * 1000
-        ctx.event("process_exit", name=self.argv[0],
-                  payload={"exit_code": exit_code, "signal": -rc if rc < 0 else None},
-                  duration_ms=duration_ms)
         payload = {
             "exit_code": exit_code, "lines": self._lines,
             "stdout_truncated": out.truncated, "stderr_truncated": err.truncated,
@@ -151,6 +152,19 @@ class ShellAgent:
         last = err.lines[-1] if err.lines else ""
         return Step(output=out.text(), final=True, exit_code=exit_code, name="command",
                     error=f"command {how}" + (f": {last}" if last else ""), payload=payload)
+
+    def _exited(self, ctx: RunContext, child: Child, t0: float, *, stopped: bool = False) -> int:
+        """Audit the command's end (`process_exit`); its exit code, as a shell reports it."""
+        rc = child.returncode
+        if rc is None:  # not reaped (stop gave up): nothing true to report
+            return -1
+        exit_code = rc if rc >= 0 else 128 - rc
+        payload: dict[str, Any] = {"exit_code": exit_code, "signal": -rc if rc < 0 else None}
+        if stopped:
+            payload["stopped"] = True
+        ctx.event("process_exit", name=self.argv[0], payload=payload,
+                  duration_ms=(trio.current_time() - t0) * 1000)
+        return exit_code
 
     async def _pump(self, stream: trio.abc.ReceiveStream, name: str, tail: Tail) -> None:
         sink = self.on_output

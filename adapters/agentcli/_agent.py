@@ -204,6 +204,7 @@ class CLIAgent:
         ctx.event("process_start", name=argv[0], payload={
             "argv": argv, **proc.record(), **self._views()})
         ctx.process_started(proc.pid)  # the critic samples the CLI's process tree
+        finished = False
         try:
             if first_input is not None:
                 await self._write_user(first_input)
@@ -226,6 +227,7 @@ class CLIAgent:
                     await out_done.wait()
                     await err_done.wait()
                 nursery.cancel_scope.cancel()
+            finished = True
         finally:
             with trio.CancelScope(shield=True):
                 await self._terminate(proc)
@@ -234,6 +236,13 @@ class CLIAgent:
             state_at_exit = m.state
             m.mark_killed()
             m.mark_idle()
+            rc = proc.returncode
+            if not finished and rc is not None:  # the run stopped it mid-step
+                ctx.event("process_exit", name=argv[0],
+                          duration_ms=(trio.current_time() - t0) * 1000, payload={
+                              "exit_code": rc if rc >= 0 else 128 - rc,
+                              "signal": -rc if rc < 0 else None, "state_at_exit": state_at_exit,
+                              "stopped": True})
         return self._outcome(ctx, proc, state_at_exit, trio.current_time() - t0)
 
     def _outcome(self, ctx: RunContext, proc: Child, state_at_exit: str,

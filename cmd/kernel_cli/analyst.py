@@ -148,9 +148,11 @@ def show(
     if html is not None:
         _write_html(html, run, events)
     if run.get("exit_code") is None:  # killed or timed out: the command's own end, if seen
+        # (not the end the run gave it: a process it stopped is marked `stopped`)
         ends = [e for e in events if e["kind"] == "process_exit"
                 and isinstance(e.get("payload"), dict)
-                and e["payload"].get("exit_code") is not None]
+                and e["payload"].get("exit_code") is not None
+                and not e["payload"].get("stopped")]
         if ends:
             run["exit_code"] = ends[-1]["payload"]["exit_code"]
     run.update(_totals(run, events))

@@ -347,10 +347,13 @@ class TestAgentCLIRun:
         """A critic kill mid-turn ends `killed` and leaves no process of the CLI behind."""
         pidfile = tmp_path / "child.pid"
         agent = fake("hang", str(pidfile), grace=0.5)
-        result, _ = await run(agent, ScriptedCritic(kill_after=0.8, reason="stalled"))
+        result, events = await run(agent, ScriptedCritic(kill_after=0.8, reason="stalled"))
         assert result.status is Status.KILLED and result.reason == "stalled"
         assert await gone(int(pidfile.read_text()))
         assert agent.machine.lifecycle is Lifecycle.KILLED
+        # The audit says how the CLI ended although its turn never finished.
+        (ended,) = kinds(events, "process_exit")
+        assert ended.payload["stopped"] is True and ended.payload["signal"] in (9, 15)
 
     async def test_real_critic_kills_a_silent_cli_as_stalled(self, tmp_path: Path) -> None:
         """With the watch-nursery critic, a CLI gone silent ends `killed` (stalled), group gone."""

@@ -123,6 +123,9 @@ class TestProcessHygiene:
         assert result.status is Status.TIMEOUT
         assert trio.current_time() - start < 3
         assert group_gone(started_pid(audit, result.run_id))
+        # The audit says how the command ended although its step never finished.
+        [ended] = [e for e in audit.events(result.run_id) if e.kind == "process_exit"]
+        assert ended.payload == {"exit_code": 143, "signal": 15, "stopped": True}
 
     async def test_sigterm_ignored_gets_sigkill(self) -> None:
         """A command ignoring SIGTERM is SIGKILLed after the grace period."""
@@ -135,6 +138,8 @@ class TestProcessHygiene:
         assert result.status is Status.TIMEOUT
         assert trio.current_time() - start < 4
         assert group_gone(started_pid(audit, result.run_id))
+        [ended] = [e for e in audit.events(result.run_id) if e.kind == "process_exit"]
+        assert ended.payload == {"exit_code": 137, "signal": 9, "stopped": True}
 
     async def test_leftover_children_are_reaped(self) -> None:
         """A command that exits leaving a background child ends promptly; the child is stopped."""
@@ -145,6 +150,8 @@ class TestProcessHygiene:
         assert result.status is Status.OK and result.output == "done"
         assert trio.current_time() - start < 4
         assert group_gone(started_pid(audit, result.run_id))
+        [ended] = [e for e in audit.events(result.run_id) if e.kind == "process_exit"]
+        assert ended.payload == {"exit_code": 0, "signal": None}  # it ended by itself
 
     async def test_outer_cancel_stops_the_command(self) -> None:
         """Cancelling the caller stops the command's group, and the run is cancelled."""
@@ -154,6 +161,8 @@ class TestProcessHygiene:
         [row] = audit.runs.values()
         assert row.status is Status.CANCELLED
         assert group_gone(started_pid(audit, row.info.run_id))
+        [ended] = [e for e in audit.events(row.info.run_id) if e.kind == "process_exit"]
+        assert ended.payload == {"exit_code": 143, "signal": 15, "stopped": True}
 
 
 class TestSteer:
