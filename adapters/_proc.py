@@ -5,6 +5,12 @@ CLI, the LLM's shell tool) goes through `spawn`:
 
 - It gets its own session, so it and everything it starts form one process
   group that `Child.stop` ends: SIGTERM, SIGKILL after a grace period, reap.
+- It is started in the calling (trio) thread: `subprocess.Popen` forks with
+  vfork, so this thread only waits for the exec, and a worker-thread round
+  trip per spawn (what `trio.lowlevel.open_process` does) costs more than
+  the start itself. Its pipes are trio streams on our own pipe ends, and its
+  exit is awaited on a pidfd (a thread blocked in `waitid` where there is
+  none).
 - It dies with its supervisor. The first `spawn` in a process starts the
   *lifeline watcher* (`adapters/_lifeline.py`), a small Python process in its
   own session whose stdin is a pipe only this process writes to. Each child's
@@ -27,6 +33,7 @@ keeps the end of a stream.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import os
 import secrets
@@ -239,30 +246,31 @@ def lifeline_token() -> str:
 
 
 class Child:
-    """A started process and its group; `stop()` ends both."""
+    """A started process and its group; `stop()` ends both.
 
-    def __init__(self, proc: trio.Process, started: int | None) -> None:
-        self.proc = proc
-        self.pid = proc.pid
-        self.pgid = proc.pid  # a new session: the child leads its own group
+    Its exit is waited for on a pidfd (Linux >= 5.3: readable once the
+    process has exited, so waiting costs no thread), or else by a thread
+    blocked in `waitid`.
+    """
+
+    def __init__(self, popen: subprocess.Popen[bytes], started: int | None, *,
+                 stdin: trio.abc.SendStream | None, stdout: trio.abc.ReceiveStream | None,
+                 stderr: trio.abc.ReceiveStream | None) -> None:
+        self._popen = popen
+        self.pid = popen.pid
+        self.pgid = popen.pid  # a new session: the child leads its own group
         self.start_time = started
+        self.stdin = stdin
+        self.stdout = stdout
+        self.stderr = stderr
+        self._pidfd = _pidfd_open(popen.pid)
+        self._wait_lock = trio.Lock()
         self._released = False
 
     @property
-    def stdin(self) -> trio.abc.SendStream | None:
-        return self.proc.stdin
-
-    @property
-    def stdout(self) -> trio.abc.ReceiveStream | None:
-        return self.proc.stdout
-
-    @property
-    def stderr(self) -> trio.abc.ReceiveStream | None:
-        return self.proc.stderr
-
-    @property
     def returncode(self) -> int | None:
-        return self.proc.returncode
+        """The exit status once reaped: the code, or -N for a death by signal N."""
+        return self._popen.returncode
 
     def record(self) -> dict[str, Any]:
         """What identifies this group later (the `process_start` event's payload keeps it)."""
@@ -275,7 +283,24 @@ class Child:
             os.killpg(self.pgid, sig)
 
     async def wait(self) -> int:
-        return await self.proc.wait()
+        """Wait until the child exits, reap it, and return its `returncode`."""
+        async with self._wait_lock:
+            if self._popen.poll() is None:
+                if self._pidfd is not None:
+                    await trio.lowlevel.wait_readable(self._pidfd)
+                else:
+                    await trio.to_thread.run_sync(_waitid, self.pid, abandon_on_cancel=True)
+                self._popen.wait()  # exited: reaps without blocking
+            self._close_pidfd()
+        rc = self._popen.returncode
+        assert rc is not None
+        return rc
+
+    def _close_pidfd(self) -> None:
+        if self._pidfd is not None:
+            fd, self._pidfd = self._pidfd, None
+            trio.lowlevel.notify_closing(fd)
+            os.close(fd)
 
     async def stop(self, grace: float) -> None:
         """SIGTERM the group, SIGKILL it after `grace` seconds, reap the child.
@@ -283,13 +308,12 @@ class Child:
         Safe to call more than once and from a cancelled scope (the caller
         shields it).
         """
-        if self.proc.returncode is None:
+        if self.returncode is None:
             self.signal_group(signal.SIGTERM)
             with trio.move_on_after(grace):
-                await self.proc.wait()
+                await self.wait()
         self.signal_group(signal.SIGKILL)
-        if self.proc.returncode is None:
-            await self.proc.wait()
+        await self.wait()  # reaps it (and closes the pidfd) if nothing did yet
         if not self._released:
             self._released = True
             _LIFELINE.remove(self.pgid)
@@ -310,10 +334,43 @@ class Child:
         self.signal_group(signal.SIGKILL)
 
 
+def _pidfd_open(pid: int) -> int | None:
+    """A pidfd for `pid` (non-blocking, close-on-exec), or None where there are none."""
+    global _PIDFD
+    if _PIDFD:
+        try:
+            return os.pidfd_open(pid)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSYS, errno.EPERM, errno.EINVAL):
+                raise
+            _PIDFD = False  # an old kernel (or a sandbox refusing the call): wait in a thread
+    return None
+
+
+_PIDFD = hasattr(os, "pidfd_open")
+
+
+def _waitid(pid: int) -> None:
+    """Block until `pid` has exited, leaving it to be reaped (no pidfd to wait on)."""
+    with contextlib.suppress(ChildProcessError):
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+
+
+def _pipe(*, read_end: bool) -> tuple[int, int]:
+    """A pipe: (our end, the child's end). Both are close-on-exec: the child gets
+    its end as fd 0, 1 or 2 (which `Popen` makes inheritable), nothing else does."""
+    r, w = os.pipe()
+    return (r, w) if read_end else (w, r)
+
+
 async def spawn(argv: Sequence[str], *, cwd: str | None = None,
                 env: Mapping[str, str] | None = None, stdin_pipe: bool = False,
                 merge_stderr: bool = False, inherit_stdin: bool = False) -> Child:
     """Start `argv` in its own session, tied to this process's lifeline.
+
+    The process is started in this thread (`subprocess.Popen`, which forks
+    with vfork on Linux: the parent only waits for the exec), not in a worker
+    thread; its pipes are trio streams and its exit is waited for on a pidfd.
 
     Args:
         argv: The command and its arguments.
@@ -329,14 +386,50 @@ async def spawn(argv: Sequence[str], *, cwd: str | None = None,
     """
     base = dict(os.environ if env is None else env)
     base[LIFELINE_ENV] = _LIFELINE.env_value(base.get(LIFELINE_ENV))
-    proc = await trio.lowlevel.open_process(
-        list(argv),
-        stdin=None if inherit_stdin else subprocess.PIPE if stdin_pipe else subprocess.DEVNULL,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
-        cwd=cwd, env=base, start_new_session=True)
-    started = start_time(proc.pid)
-    _LIFELINE.add(proc.pid, started)
-    return Child(proc, started)
+    await trio.lowlevel.checkpoint()
+    popen, ours = _start(argv, cwd, base, stdin_pipe=stdin_pipe and not inherit_stdin,
+                         merge_stderr=merge_stderr, inherit_stdin=inherit_stdin)
+    started = start_time(popen.pid)
+    _LIFELINE.add(popen.pid, started)
+    streams = [trio.lowlevel.FdStream(fd) for fd in ours]
+    return Child(popen, started,
+                 stdin=streams.pop(0) if stdin_pipe and not inherit_stdin else None,
+                 stdout=streams.pop(0), stderr=None if merge_stderr else streams.pop(0))
+
+
+def _start(argv: Sequence[str], cwd: str | None, env: Mapping[str, str], *,
+           stdin_pipe: bool, merge_stderr: bool, inherit_stdin: bool,
+           ) -> tuple[subprocess.Popen[bytes], list[int]]:
+    """Fork and exec `argv` in a new session; (the process, our ends of its pipes).
+
+    Our ends are in the order stdin (if piped), stdout, stderr (unless merged).
+    """
+    ours: list[int] = []  # closed again if the start fails
+    theirs: list[int] = []  # the child's ends, closed here once it has them
+    try:
+        stdin: int | None = None if inherit_stdin else subprocess.DEVNULL
+        if stdin_pipe:
+            w, stdin = _pipe(read_end=False)
+            ours.append(w)
+            theirs.append(stdin)
+        out_r, out_w = _pipe(read_end=True)
+        ours.append(out_r)
+        theirs.append(out_w)
+        err_w: int = subprocess.STDOUT
+        if not merge_stderr:
+            err_r, err_w = _pipe(read_end=True)
+            ours.append(err_r)
+            theirs.append(err_w)
+        popen = subprocess.Popen(list(argv), stdin=stdin, stdout=out_w, stderr=err_w,
+                                 cwd=cwd, env=env, start_new_session=True)
+    except BaseException:
+        for fd in ours:
+            os.close(fd)
+        raise
+    finally:
+        for fd in theirs:
+            os.close(fd)
+    return popen, ours
 
 
 # --------------------------------------------------------------------- lines

@@ -56,3 +56,76 @@ def test_a_dead_watcher_is_replaced() -> None:
     while any(alive(p) for p in (first, second, watcher)):
         assert time.monotonic() < deadline, "a group outlived its supervisor"
         time.sleep(0.01)
+
+
+async def test_exit_status_reaped_once_for_concurrent_waiters() -> None:
+    """Two tasks waiting on one child both get its status; stop() after exit is harmless."""
+    import trio
+
+    from adapters import _proc
+
+    child = await _proc.spawn(["sh", "-c", "read x; exit 7"], stdin_pipe=True)
+    got: list[int] = []
+    async with trio.open_nursery() as nursery:
+        for _ in range(2):
+            nursery.start_soon(lambda: _wait_into(child, got))
+        await trio.testing.wait_all_tasks_blocked()
+        assert child.stdin is not None
+        await child.stdin.send_all(b"go\n")
+    assert got == [7, 7] and child.returncode == 7
+    await child.stop(1.0)
+    assert child.returncode == 7 and not alive(child.pid)
+
+
+async def _wait_into(child: object, got: list[int]) -> None:
+    from adapters._proc import Child
+
+    assert isinstance(child, Child)
+    got.append(await child.wait())
+
+
+async def test_signal_status_and_pipes() -> None:
+    """A death by signal is -N; stdout and stderr arrive on their own streams (or merged)."""
+    from adapters import _proc
+
+    child = await _proc.spawn(["sh", "-c", "echo out; echo err >&2; kill -TERM $$"])
+    assert child.stdout is not None and child.stderr is not None and child.stdin is None
+    assert await child.stdout.receive_some() == b"out\n"
+    assert await child.stderr.receive_some() == b"err\n"
+    assert await child.wait() == -signal.SIGTERM
+    await child.stop(1.0)
+    merged = await _proc.spawn(["sh", "-c", "echo out; echo err >&2"], merge_stderr=True)
+    assert merged.stderr is None and merged.stdout is not None
+    data = b""
+    while chunk := await merged.stdout.receive_some():
+        data += chunk
+    assert data == b"out\nerr\n" and await merged.wait() == 0
+    await merged.stop(1.0)
+
+
+async def test_wait_without_pidfd() -> None:
+    """Where there is no pidfd the exit is awaited in a thread (`waitid`, left unreaped)."""
+    import trio
+
+    from adapters import _proc
+
+    child = await _proc.spawn(["sh", "-c", "exit 3"])
+    await trio.to_thread.run_sync(_proc._waitid, child.pid)
+    assert child.returncode is None  # not reaped by the wait: Popen reaps it
+    assert await child.wait() == 3
+    await child.stop(1.0)
+
+
+async def test_a_command_that_cannot_start_leaks_no_pipe(tmp_path: Path) -> None:
+    """Not found / not executable raise OSError and leave no descriptor open."""
+    from adapters import _proc
+
+    plain = tmp_path / "plain.txt"
+    plain.write_text("not a program\n")
+    plain.chmod(0o644)
+    before = set(os.listdir("/proc/self/fd"))
+    with pytest.raises(FileNotFoundError):
+        await _proc.spawn(["/nonexistent/command"], stdin_pipe=True)
+    with pytest.raises(PermissionError):
+        await _proc.spawn([str(plain)])
+    assert set(os.listdir("/proc/self/fd")) <= before
