@@ -242,6 +242,24 @@ def lifeline_token() -> str:
     return _LIFELINE.token
 
 
+def lifeline_env() -> str:
+    """The `KERNEL_LIFELINE` value a child of this process carries (this process's
+    supervisors' tokens and its own)."""
+    return _LIFELINE.env_value(os.environ.get(LIFELINE_ENV))
+
+
+def lifeline_add(pgid: int, started: int | None) -> None:
+    """Register a process group this process started by other means than `spawn`
+    (a forked worker in its own session): the watcher kills it if this process dies."""
+    _LIFELINE.ensure()
+    _LIFELINE.add(pgid, started)
+
+
+def lifeline_release(pgid: int) -> None:
+    """The group registered with `lifeline_add` is gone (reaped)."""
+    _LIFELINE.remove(pgid)
+
+
 # --------------------------------------------------------------------- child
 
 
@@ -384,8 +402,7 @@ async def spawn(argv: Sequence[str], *, cwd: str | None = None,
     Raises:
         OSError: The command cannot be started (not found, not executable).
     """
-    base = dict(os.environ if env is None else env)
-    base[LIFELINE_ENV] = _LIFELINE.env_value(base.get(LIFELINE_ENV))
+    base = _child_env(env)
     await trio.lowlevel.checkpoint()
     popen, ours = _start(argv, cwd, base, stdin_pipe=stdin_pipe and not inherit_stdin,
                          merge_stderr=merge_stderr, inherit_stdin=inherit_stdin)
@@ -397,7 +414,30 @@ async def spawn(argv: Sequence[str], *, cwd: str | None = None,
                  stdout=streams.pop(0), stderr=None if merge_stderr else streams.pop(0))
 
 
-def _start(argv: Sequence[str], cwd: str | None, env: Mapping[str, str], *,
+_LIFELINE_KEY = LIFELINE_ENV.encode()
+
+
+def _child_env(env: Mapping[str, str] | None) -> dict[bytes, bytes]:
+    """The child's environment as bytes (what exec takes), with the lifeline tokens.
+
+    Without `env`, a copy of this process's own: CPython keeps it as bytes
+    behind `os.environ` (`_data`, which `os.environb` shares), copied whole
+    rather than decoded and encoded again a variable at a time (~40 of them,
+    for every process a batch starts).
+    """
+    if env is None:
+        data = getattr(os.environ, "_data", None)
+        base: dict[bytes, bytes] = dict(data) if isinstance(data, dict) \
+            else dict(os.environb)
+    else:
+        base = {os.fsencode(k): os.fsencode(v) for k, v in env.items()}
+    inherited = base.get(_LIFELINE_KEY)
+    base[_LIFELINE_KEY] = os.fsencode(_LIFELINE.env_value(
+        None if inherited is None else os.fsdecode(inherited)))
+    return base
+
+
+def _start(argv: Sequence[str], cwd: str | None, env: Mapping[bytes, bytes], *,
            stdin_pipe: bool, merge_stderr: bool, inherit_stdin: bool,
            ) -> tuple[subprocess.Popen[bytes], list[int]]:
     """Fork and exec `argv` in a new session; (the process, our ends of its pipes).

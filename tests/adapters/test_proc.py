@@ -129,3 +129,27 @@ async def test_a_command_that_cannot_start_leaks_no_pipe(tmp_path: Path) -> None
     with pytest.raises(PermissionError):
         await _proc.spawn([str(plain)])
     assert set(os.listdir("/proc/self/fd")) <= before
+
+
+async def test_environment_inherited_or_given_with_the_lifeline(monkeypatch: pytest.MonkeyPatch,
+                                                                ) -> None:
+    """No env: this process's environment as it is now; an env: exactly it. Both carry
+    the lifeline tokens (an inherited one kept in front of ours)."""
+    from adapters import _proc
+
+    async def env_of(**kw: object) -> dict[str, str]:
+        child = await _proc.spawn(["env"], **kw)  # type: ignore[arg-type]
+        assert child.stdout is not None
+        data = b""
+        while chunk := await child.stdout.receive_some():
+            data += chunk
+        await child.stop(1.0)
+        return dict(line.split("=", 1) for line in data.decode().splitlines() if "=" in line)
+
+    monkeypatch.setenv("KERNEL_TEST_SPAWN_ENV", "café")
+    token = _proc.lifeline_token()
+    inherited = await env_of()
+    assert inherited["KERNEL_TEST_SPAWN_ENV"] == "café"
+    assert inherited[_proc.LIFELINE_ENV].split(":")[-1] == token
+    given = await env_of(env={"ONLY": "this", _proc.LIFELINE_ENV: "klouter"})
+    assert given == {"ONLY": "this", _proc.LIFELINE_ENV: f"klouter:{token}"}
