@@ -44,11 +44,12 @@ import sys
 import threading
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import trio
+
+from kernel._dataclass import dataclass
 
 #: The environment variable carrying the lifeline tokens of a child's supervisors.
 LIFELINE_ENV = "KERNEL_LIFELINE"

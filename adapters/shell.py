@@ -20,12 +20,12 @@ from __future__ import annotations
 import os
 import shlex
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import trio
 
 from kernel import Message, RunContext, Step
+from kernel._dataclass import dataclass
 
 from ._proc import Child, LineCounter, Tail, decode_line, pump_lines, spawn
 

@@ -33,7 +33,6 @@ import shlex
 import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -48,6 +47,7 @@ from kernel import (
     RunInfo,
     RunSpec,
 )
+from kernel._dataclass import dataclass
 
 if TYPE_CHECKING:
     from adapters.loop import Asker, VerdictSource

@@ -30,12 +30,12 @@ from __future__ import annotations
 import signal
 from collections.abc import AsyncIterator, Callable, Collection
 from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import trio
 
 from kernel import Agent, Checkpoint, PortFailure, PortSpec, Result, RunSpec, Status
+from kernel._dataclass import dataclass
 
 if TYPE_CHECKING:
     from batteries.redact import Redactor

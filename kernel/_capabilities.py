@@ -13,9 +13,9 @@ decides: an agent's ends the run `error`, a handle's drops the critic.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ._dataclass import dataclass
 from ._types import Message, ToolResult
 
 if TYPE_CHECKING:

@@ -23,9 +23,10 @@ import json
 import types
 import typing
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any, ClassVar, TypeAlias, Union
 
+from ._dataclass import dataclass
 from ._types import Limits, RunInfo
 from .errors import ConfigError
 

@@ -7,9 +7,10 @@ import math
 import os
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any
 
+from ._dataclass import dataclass
 from .errors import ConfigError
 
 

@@ -19,9 +19,10 @@ or database I/O inside the call: buffer and flush from a worker thread.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from ._dataclass import dataclass
 from ._types import (
     Message,
     Result,

@@ -34,11 +34,11 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kernel import AuditError
+from kernel._dataclass import dataclass
 
 from ._schema import migrate
 from ._store import Store, first_line

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from kernel import RunInfo
+from kernel._dataclass import dataclass
 
 from ._policy import CriticPolicy
 

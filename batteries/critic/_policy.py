@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 from kernel import ConfigError
+from kernel._dataclass import dataclass
 
 #: The grace after a stall nudge, when `CriticPolicy.grace` is None, is this
 #: fraction of `idle_timeout`, capped at `GRACE_CAP` seconds.

@@ -25,10 +25,11 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import trio
+
+from kernel._dataclass import dataclass
 
 from ._judge import Process
 

@@ -38,11 +38,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kernel import Checkpoint, ConfigError, Status, Usage
+from kernel._dataclass import dataclass
 
 from ._files import private_dir, private_file
 from ._types import (

@@ -11,10 +11,11 @@ import datetime as dt
 import os
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import field, replace
 from typing import Any, Protocol
 
 from kernel import AuditError, Checkpoint, UsageLimits
+from kernel._dataclass import dataclass
 
 
 class StoreError(AuditError):
