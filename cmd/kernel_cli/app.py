@@ -11,11 +11,12 @@ from __future__ import annotations
 import sys
 from functools import partial
 from importlib import import_module
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
-from . import run_cmd
+if TYPE_CHECKING:
+    app: typer.Typer  # made on first use, by the module __getattr__ below
 
 HELP = """Run agent runs under supervision, and read their audit trail.
 
@@ -33,19 +34,6 @@ class _KernelGroup(typer.core.TyperGroup):
         _tidy(self)
 
 
-app = typer.Typer(
-    name="kernel",
-    cls=_KernelGroup,
-    help=HELP,
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    rich_markup_mode=None,
-    context_settings={"help_option_names": ["-h", "--help"]},
-)
-
-
-
 def _print_version(value: bool) -> None:
     if value:
         from importlib.metadata import PackageNotFoundError, version
@@ -57,7 +45,6 @@ def _print_version(value: bool) -> None:
         raise typer.Exit(0)
 
 
-@app.callback()
 def _root(
     _version: bool = typer.Option(
         False, "--version", "-V", is_eager=True, callback=_print_version,
@@ -66,17 +53,45 @@ def _root(
     """Keep `kernel` a command group even while it has a single command."""
 
 
-run_cmd.register(app)
+#: The modules that add the commands, in the order `kernel --help` lists them; each
+#: has `register(app)`.
+PARTS = ("run_cmd", "analyst", "loops", "actions", "budget_cmd", "recover_cmd", "batch_cmd")
+#: Which part adds each top-level command (tested against what they register): `kernel
+#: CMD` imports that module alone.
+COMMANDS = {
+    "run": "run_cmd",
+    **dict.fromkeys(("runs", "show", "report", "stats", "query", "purge", "export", "sync"),
+                    "analyst"),
+    "validate": "loops", "actions": "actions", "budget": "budget_cmd",
+    "recover": "recover_cmd", "resume": "recover_cmd", "batch": "batch_cmd",
+}
 
-# Commands contributed by other parts of the CLI; each module has `register(app)`.
-for _name in ("analyst", "loops", "actions", "budget_cmd", "recover_cmd", "batch_cmd"):
-    try:
-        _mod = import_module(f"{__package__}.{_name}")
-    except ModuleNotFoundError as _exc:  # pragma: no cover - only while a part is absent
-        if _exc.name != f"{__package__}.{_name}":
-            raise
-    else:
-        _mod.register(app)
+
+def _typer(parts: tuple[str, ...]) -> typer.Typer:
+    """The `kernel` app with the commands `parts` add."""
+    made = typer.Typer(
+        name="kernel",
+        cls=_KernelGroup,
+        help=HELP,
+        no_args_is_help=True,
+        add_completion=False,
+        pretty_exceptions_enable=False,
+        rich_markup_mode=None,
+        context_settings={"help_option_names": ["-h", "--help"]},
+    )
+    made.callback()(_root)
+    for part in parts:
+        import_module(f"{__package__}.{part}").register(made)
+    return made
+
+
+def __getattr__(name: str) -> Any:
+    """`app`, the whole typer app (every command), made on first use: `kernel CMD`
+    imports only the module that adds CMD (`_command`)."""
+    if name == "app":
+        made = globals()["app"] = _typer(PARTS)
+        return made
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _configure_logging() -> None:
@@ -235,27 +250,26 @@ def _command(args: list[str]) -> Any:
     """The click group for `kernel ARGS`: only the command ARGS name is built, when it names one.
 
     typer builds every command's parameters (signatures, help, defaults) to
-    make the group: ~20 commands for a `kernel run` that uses one. When the
-    first argument is a command's name, the group is built with that command
-    alone, which parses and prints (`kernel run --help`, errors) exactly as
-    the whole group would; anything else (`kernel`, `kernel --help`, a typo
-    that gets "No such command") builds them all.
+    make the group, and every command's module is imported to add it: ~20
+    commands in seven modules for a `kernel run` that uses one. When the
+    first argument is a command's name, the group is built with that
+    command alone, from its module alone, and parses and prints (`kernel run
+    --help`, errors) exactly as the whole group would; anything else
+    (`kernel`, `kernel --help`, a typo that gets "No such command") builds
+    them all.
     """
     first = args[0] if args else ""
+    part = COMMANDS.get(first)
+    if part is None:
+        return typer.main.get_command(__getattr__("app"))  # a _KernelGroup: tidied as built
+    made = _typer((part,))
 
     def name(info: Any) -> Any:
         return info.name if isinstance(info.name, str) else info.typer_instance.info.name
 
-    commands = [c for c in app.registered_commands if c.name == first]
-    groups = [g for g in app.registered_groups if name(g) == first]
-    if not commands and not groups:
-        return typer.main.get_command(app)  # a _KernelGroup: tidied as it is built
-    every = app.registered_commands, app.registered_groups
-    app.registered_commands, app.registered_groups = commands, groups
-    try:
-        return typer.main.get_command(app)
-    finally:
-        app.registered_commands, app.registered_groups = every
+    made.registered_commands = [c for c in made.registered_commands if c.name == first]
+    made.registered_groups = [g for g in made.registered_groups if name(g) == first]
+    return typer.main.get_command(made)
 
 
 def main(argv: list[str] | None = None) -> None:

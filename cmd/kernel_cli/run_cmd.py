@@ -371,10 +371,12 @@ def plan_from_spec(spec: RunSpec | CommandSpec | LoopSpec | AgentSpec, *, quiet:
     from kernel import CommandSpec, LoopSpec, RunSpec
 
     what = spec.agent if isinstance(spec, RunSpec) else spec
-    from .loops import ask_on_terminal
-
     # A dry run without --scenario asks on the terminal, when there is one.
-    ask = ask_on_terminal if sys.stdin is not None and sys.stdin.isatty() else None
+    ask: Any = None
+    if sys.stdin is not None and sys.stdin.isatty():
+        from .loops import ask_on_terminal
+
+        ask = ask_on_terminal
     built = agent_from_spec(spec, on_output=None if quiet else _echo, warn=_stderr,
                             inherit_stdin=True, ask=ask)
     return Plan(built.agent, built.info, is_command=isinstance(what, CommandSpec),

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -180,6 +181,41 @@ class TestImports:
         every = set(_command(["--help"]).commands)
         assert {"run", "runs", "show", "budget", "actions"} <= every
         assert set(_command(["rn"]).commands) == every == set(_command([]).commands)
+
+    def test_each_command_is_found_in_its_own_module(self) -> None:
+        """app.COMMANDS names, for every top-level command, the one module that adds it."""
+        import typer
+
+        from kernel_cli import app as app_module
+
+        added: dict[str, str] = {}
+        for part in app_module.PARTS:
+            probe = typer.Typer()
+            __import__(f"kernel_cli.{part}", fromlist=["register"]).register(probe)
+            for info in probe.registered_commands:
+                added[str(info.name)] = part
+            for group in probe.registered_groups:
+                added[str(group.name or group.typer_instance.info.name)] = part
+        assert added == app_module.COMMANDS
+        assert set(_command_names(app_module.app)) == set(added)
+
+    @pytest.mark.parametrize(("argv", "absent"), [
+        (["run", "--no-audit", "--", "true"],
+         ("kernel_cli.analyst", "kernel_cli.batch_cmd", "kernel_cli.actions",
+          "kernel_cli.recover_cmd", "kernel_cli.budget_cmd", "kernel_cli.loops")),
+        (["runs"], ("kernel_cli.run_cmd", "kernel_cli.batch_cmd", "kernel_cli.actions",
+                    "kernel_cli.recover_cmd", "kernel_cli.budget_cmd", "kernel_cli.loops")),
+    ])
+    def test_a_command_imports_only_its_own_module(self, argv: list[str],
+                                                   absent: tuple[str, ...],
+                                                   cli_env: dict[str, str]) -> None:
+        """`kernel run` never imports the analysts' or batch commands; `kernel runs`, not run's."""
+        code = ("import sys\nfrom kernel_cli.app import main\n"
+                f"try:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
+                f"print(sorted(m for m in {absent!r} if m in sys.modules))")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             check=True, stdin=subprocess.DEVNULL, env=cli_env).stdout
+        assert out.strip().splitlines()[-1] == "[]"
 
     def test_reading_the_audit_imports_no_trio(self, kernel_exe: str,
                                                cli_env: dict[str, str]) -> None:
@@ -375,3 +411,10 @@ class TestUsability:
         assert len(lines) == 1, proc.stderr
         assert "No such option: -l" in lines[0]
         assert "kernel run [OPTIONS] -- CMD ARGS" in lines[0]
+
+
+def _command_names(app: Any) -> list[str]:
+    """The top-level command names of a typer app, as click builds them."""
+    import typer
+
+    return list(typer.main.get_command(app).commands)  # type: ignore[attr-defined]
