@@ -9,9 +9,10 @@ dataclass at once without those methods (its fields, `__slots__`,
 `__match_args__`: `fields()`, `asdict()`, `replace()` and `is_dataclass()`
 work from the start), and each method is made by `dataclasses.dataclass`
 itself, on a copy of the class body, the first time it is called:
-`__init__` at the first instance, `__repr__`/`__eq__`/`__hash__` at the
-first use of one of them. What a program sees is the same class, with the
-same methods, as `dataclasses.dataclass` makes.
+`__init__` at the first instance (or the first `inspect.signature(cls)`),
+`__repr__`/`__eq__`/`__hash__` at the first use of one of them. What a
+program sees is the same class, with the same methods, as
+`dataclasses.dataclass` makes.
 
 Used as `dataclasses.dataclass` is (`@dataclass`, `@dataclass(slots=True,
 frozen=True)`, `eq=False`); a class this does not cover (a base class other
@@ -86,6 +87,7 @@ def _make(cls: type, options: dict[str, Any]) -> Any:
         return method
 
     made.__init__ = first_use("__init__", True)
+    made.__signature__ = _Signature(lambda: made.__dict__["__init__"], generate)
     made.__repr__ = first_use("__repr__", False)
     if eq:
         made.__eq__ = first_use("__eq__", False)
@@ -95,6 +97,20 @@ def _make(cls: type, options: dict[str, Any]) -> Any:
     params = made.__dataclass_params__
     params.init, params.repr, params.eq, params.frozen = True, True, eq, frozen
     return made
+
+
+class _Signature:
+    """`inspect.signature(cls)` before the first instance: makes `__init__` first, then
+    answers None, so inspect reads the signature from it as for any class."""
+
+    def __init__(self, init: Callable[[], Any], generate: Callable[[bool], None]) -> None:
+        self._init = init
+        self._generate = generate
+        self._placeholder = init()
+
+    def __get__(self, obj: Any, owner: Any = None) -> None:
+        if self._init() is self._placeholder:
+            self._generate(True)
 
 
 def _freeze(cls: Any, slots: bool) -> None:

@@ -144,3 +144,11 @@ class TestLikeDataclasses:
         assert Ordered(1) < Ordered(2)
         assert _source(Ordered.__dict__["__init__"]) == "<string>"
         assert repr(OwnRepr(1)) == "mine" and OwnRepr(1) == OwnRepr(1)
+
+    @pytest.mark.parametrize("options", OPTIONS, ids=repr)
+    def test_signature_before_the_first_instance(self, options: dict[str, Any]) -> None:
+        """inspect.signature(cls) is dataclasses' from the start (it makes __init__ first)."""
+        import inspect
+
+        assert str(inspect.signature(_define(lazy, **options))) == str(
+            inspect.signature(_define(dataclasses.dataclass, **options)))
