@@ -2,6 +2,7 @@
 
     python bench/bench_batch.py                          # 1,000 commands, concurrency 32
     python bench/bench_batch.py --tasks 1000 --concurrency 32 --repeat 3
+    python bench/bench_batch.py --workers 1              # the runs in the batch process itself
 
 Each task is `sh -c 'echo N >> FILE'`. Per repeat, in alternating order:
 `xargs -P C -I{} sh -c 'echo {} >> FILE'` over the numbers 1..N (the
@@ -76,14 +77,19 @@ def run_xargs(work: Path, n: int, concurrency: int) -> tuple[float, float]:
     return wall, cpu
 
 
+#: `--workers N` for `kernel batch` (None: its default).
+WORKERS: int | None = None
+
+
 def run_batch(work: Path, n: int, concurrency: int, repeat: int) -> tuple[float, float]:
     out = work / f"batch{repeat}.effects"
     tasks = work / f"tasks{repeat}.jsonl"
     tasks.write_text("".join(json.dumps({"id": f"t{i}", "command": [
         "sh", "-c", f"echo {i} >> {out}"]}) + "\n" for i in range(n)))
     db = work / "audit.duckdb"
+    workers = [] if WORKERS is None else ["--workers", str(WORKERS)]
     wall, cpu, done = _timed([_kernel(), "batch", str(tasks), "--concurrency",
-                              str(concurrency), "--json", "--db", str(db)], env=_env())
+                              str(concurrency), "--json", "--db", str(db), *workers], env=_env())
     if done.returncode != 0:
         sys.exit(f"kernel batch exited {done.returncode}: {done.stderr.decode()[-800:]}")
     lines = [json.loads(x) for x in done.stdout.decode().splitlines()]
@@ -130,7 +136,11 @@ def main() -> None:
     ap.add_argument("--tasks", type=int, default=1000)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--workers", type=int, default=None,
+                    help="kernel batch --workers N (default: the CLI's own default)")
     a = ap.parse_args()
+    global WORKERS
+    WORKERS = a.workers
     rows = []
     load0 = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="bench-batch-") as tmp:
@@ -150,7 +160,8 @@ def main() -> None:
     load1 = os.getloadavg()
     med = [statistics.median(x) for x in zip(*rows, strict=True)]
     ratios = sorted(b / x for x, _, b, _ in rows)
-    print(f"{a.tasks} commands at concurrency {a.concurrency}, {a.repeat} repeats (median): "
+    print(f"{a.tasks} commands at concurrency {a.concurrency}, "
+          f"{'default' if a.workers is None else a.workers} workers, {a.repeat} repeats (median): "
           f"xargs -P {a.concurrency} {med[0]:.2f}s wall {med[1]:.2f}s cpu; kernel batch "
           f"{med[2]:.2f}s wall {med[3]:.2f}s cpu; wall ratio {statistics.median(ratios):.2f} "
           f"(best {ratios[0]:.2f}, worst {ratios[-1]:.2f}), cpu ratio "

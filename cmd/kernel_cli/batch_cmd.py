@@ -121,6 +121,12 @@ def batch(
         None, "--redact", metavar="REGEX",
         help="Also redact what this regular expression matches from everything stored "
              "(repeatable)."),
+    workers: int | None = typer.Option(
+        None, "--workers", metavar="N", parser=numbers.count(minimum=1),
+        show_default=False,
+        help="Run the runs in N worker processes (the batch process hands them out and "
+             "reports). [default: one per CPU, at most one per 100 runs; 1 runs them "
+             "in this process]"),
     ray_address: str | None = typer.Option(
         None, "--ray", metavar="auto|ADDRESS",
         help="Run on a Ray cluster ('auto': $RAY_ADDRESS or the local one; else its head's "
@@ -153,8 +159,15 @@ def batch(
         except ModuleNotFoundError:
             _fail("--ray needs Ray: pip install 'run-kernel[ray]'")
         runner_args.ray = ray_address.strip()
+        if workers is not None:
+            _fail("--workers and --ray do not go together (Ray places the runs)")
+    else:
+        from .batch_workers import default_workers
+
+        runner_args.workers = workers or default_workers(runner_args.total)
     import trio
 
+    _fork_workers(runner_args)
     run = partial(_execute, runner_args, json_out=json_out, results=sys.stdout)
     if runner_args.ray is None:
         code = trio.run(run)
@@ -386,6 +399,8 @@ class _Args:
     total: int = 0
     redact: list[str] = field(default_factory=list)
     ray: str | None = None  # --ray: the cluster's address
+    workers: int = 1  # --workers: processes running the runs (1: this one)
+    forked: list[Any] = field(default_factory=list)  # batch_workers.Forked, once forked
 
 
 def _prepare_new(tasks_file: str, db: str | None, concurrency: int, name: str | None,
@@ -601,6 +616,36 @@ def _critics() -> Any:
     return critic_for
 
 
+def _fork_workers(args: _Args) -> None:
+    """`--workers N` (N > 1): fork the worker processes now, before trio starts."""
+    if args.workers <= 1 or args.ray is not None:
+        return
+    from batteries.audit.paths import resolve_db_path
+    from batteries.store import store_url
+
+    from .batch_workers import fork_workers
+
+    setup = {"store": store_url() or str(resolve_db_path(args.db)), "db": args.db,
+             "redactor": args.redactor, "given": args.given}
+    try:
+        args.forked = fork_workers(args.workers, setup)
+    except RuntimeError as exc:  # a thread already runs here: a fork would lose it
+        print(f"kernel: note: the runs stay in this process ({exc})", file=sys.stderr)
+        args.workers = 1
+
+
+@asynccontextmanager
+async def _workers(args: _Args) -> AsyncIterator[Any]:
+    """A dispatcher onto the forked workers (ended with the block); None without any."""
+    if not args.forked:
+        yield None
+        return
+    from .batch_workers import open_workers
+
+    async with open_workers(args.forked) as dispatch:
+        yield dispatch
+
+
 async def _execute(args: _Args, *, json_out: bool, results: TextIO) -> int:
     import trio
 
@@ -665,7 +710,9 @@ async def _execute(args: _Args, *, json_out: bool, results: TextIO) -> int:
                 print(f"kernel batch: error: {exc}", file=sys.stderr)
                 return 2
             print(f"kernel: batch {args.batch_id} {verb}: {args.total} task(s), concurrency "
-                  f"{args.concurrency}", file=sys.stderr, flush=True)
+                  f"{args.concurrency}"
+                  + (f", {args.workers} workers" if args.workers > 1 else ""),
+                  file=sys.stderr, flush=True)
             if batch_progress.wanted():
                 live = batch_progress.BatchProgress(runner, args.total)
             async with trio.open_nursery() as nursery:
@@ -682,8 +729,11 @@ async def _execute(args: _Args, *, json_out: bool, results: TextIO) -> int:
 
                 nursery.start_soon(on_signal)
                 try:
-                    await runner.run(args.batch_id, on_outcome=on_outcome,
-                                     on_start=live.on_start if live is not None else None)
+                    async with _workers(args) as remote:
+                        if remote is not None:
+                            runner.dispatch = remote
+                        await runner.run(args.batch_id, on_outcome=on_outcome,
+                                         on_start=live.on_start if live is not None else None)
                 except BatchBusyError as exc:
                     print(f"kernel batch: error: {exc}", file=sys.stderr)
                     return 2

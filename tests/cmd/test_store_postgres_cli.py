@@ -150,16 +150,19 @@ def test_a_run_from_a_dead_machine_is_taken_over_only_after_the_lease(
     assert row["n"] == row["d"] == row["hi"] + 1, row
 
 
+@pytest.mark.parametrize("workers", ["1", "2"])
 def test_a_batch_through_the_store(kernel_exe: str, cli_env: dict[str, str], pg_url: str,
-                                   tmp_path: Path) -> None:
-    """`kernel batch --store`: the batch, its tasks and their runs are on the server;
-    `--list` and the analysts' `batch_runs` view read them back."""
+                                   tmp_path: Path, workers: str) -> None:
+    """`kernel batch --store` (in one process, or in two workers that each open the
+    store): the batch, its tasks and their runs are on the server; `--list` and the
+    analysts' `batch_runs` view read them back."""
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text("".join(json.dumps({"id": f"t{i}", "command": ["sh", "-c", f"echo {i}"]})
                              + "\n" for i in range(6)))
     done = kernel(kernel_exe, cli_env, "batch", str(tasks), "-j", "3", "--json",
-                  "--store", pg_url)
+                  "--store", pg_url, "--workers", workers)
     assert done.returncode == 0, done.stderr
+    assert ("2 workers" in done.stderr) == (workers == "2")
     assert sorted(str(r["status"]) for r in rows(done.stdout)) == ["ok"] * 6
     [listed] = rows(kernel(kernel_exe, cli_env, "batch", "--list", "--json", "--store",
                            pg_url).stdout)
