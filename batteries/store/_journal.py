@@ -176,7 +176,8 @@ class Journal:
         me = _Waiter(tuple(ops))
         self._queue.append(me)
         try:
-            await trio.lowlevel.checkpoint()  # callers ready now queue theirs too
+            # Taking the lock yields once (trio's Lock checkpoints after acquiring), so
+            # callers ready now queue theirs too before this one takes the queue.
             async with self._lock:
                 if not me.taken:
                     await self._transact_queued()
@@ -230,25 +231,30 @@ class Journal:
         # Called holding `_lock`. `raw`: return refused ops' errors instead of raising.
         self._begun += 1
         number = self._begun
-        batch, self.pending = self.pending, Batch()
-        deferred, self._deferred = self._deferred, []
-        todo = None if batch.empty() else batch
+        # Nothing buffered: the pending batch stays (no new Batch per transaction).
+        todo = None if self.pending.empty() else self.pending
+        if todo is not None:
+            self.pending = Batch()
+        deferred = self._deferred
+        if deferred:
+            self._deferred = []
+        todo_ops = [*deferred, *ops] if deferred else ops
         try:
             results = None
-            if len(batch) <= INLINE_EVENTS:
+            if todo is None or len(todo) <= INLINE_EVENTS:
                 # A small transaction that can start at once runs here: its commit
                 # (tens of us) is cheaper than two thread switches (~100 us idle,
                 # milliseconds on a loaded machine). One that would wait does not.
                 try:
-                    results = self.store.commit(todo, [*deferred, *ops], wait=False)
+                    results = self.store.commit(todo, todo_ops, wait=False)
                 except WouldBlock:
                     results = None
             if results is None:
-                results = await trio.to_thread.run_sync(
-                    self.store.commit, todo, [*deferred, *ops])
+                results = await trio.to_thread.run_sync(self.store.commit, todo, todo_ops)
             # No checkpoint after an inline commit: a cancel there would put rows
             # that are already committed back in the queue (callers checkpoint anyway).
         except BaseException as exc:
+            batch = Batch() if todo is None else todo
             if isinstance(exc, Exception):
                 self._failed(batch, deferred, exc)
             else:  # cancelled before the write started (e.g. waiting for a thread)

@@ -229,8 +229,8 @@ def _utc(us: int | None) -> dt.datetime | None:
     return None if us is None else dt.datetime.fromtimestamp(us / 1e6, dt.UTC)
 
 
-def _dumps(value: Any) -> str:
-    return json.dumps(value, default=str, ensure_ascii=False)
+#: `json.dumps(value, default=str, ensure_ascii=False)`, without building an encoder per call.
+_dumps = json.JSONEncoder(default=str, ensure_ascii=False).encode
 
 
 def _text(value: str | None) -> str | None:
@@ -425,6 +425,23 @@ class SQLiteStore:
         The time waited for the write lock (`BEGIN IMMEDIATE`) is accounted in
         `stats`; opening the connection (and creating the journal) is not.
         """
+        con, t0, waited = self._start(wait)
+        try:
+            yield con
+            con.execute("COMMIT")
+        except BaseException as exc:
+            err = self._undo(con, exc)
+            if err is None:
+                raise
+            raise err from exc
+        finally:
+            self._account(t0, waited)
+            self._lock.release()
+
+    def _start(self, wait: bool) -> tuple[sqlite3.Connection, float, float]:
+        """Take this store's lock and begin a write transaction (see `_write`, which ends
+        it): the connection, when this started, and how long it waited for the write lock.
+        On failure nothing is held."""
         if not self._lock.acquire(blocking=wait):
             raise WouldBlock
         try:
@@ -447,24 +464,29 @@ class SQLiteStore:
                 self._account(t0, time.perf_counter() - t1)
                 raise self._error("cannot write to", exc) from exc
             waited = time.perf_counter() - t1
-            try:
-                if not self._migrated:
+            if not self._migrated:
+                try:
                     found = con.execute("PRAGMA user_version").fetchone()[0]
                     if found < JOURNAL_VERSION:
                         self._migrate(con, found)
-                    self._migrated = True
-                yield con
-                con.execute("COMMIT")
-            except BaseException as exc:
-                with contextlib.suppress(sqlite3.Error):
-                    con.execute("ROLLBACK")
-                if isinstance(exc, sqlite3.Error):
-                    raise self._error("cannot write to", exc) from exc
-                raise
-            finally:
-                self._account(t0, waited)
-        finally:
+                except BaseException as exc:
+                    self._account(t0, waited)
+                    err = self._undo(con, exc)
+                    if err is None:
+                        raise
+                    raise err from exc
+                self._migrated = True
+        except BaseException:
             self._lock.release()
+            raise
+        return con, t0, waited
+
+    def _undo(self, con: sqlite3.Connection, exc: BaseException) -> StoreError | None:
+        """Roll the transaction back after `exc`; the `StoreError` to raise instead of a
+        SQLite error (None: raise `exc` itself)."""
+        with contextlib.suppress(sqlite3.Error):
+            con.execute("ROLLBACK")
+        return self._error("cannot write to", exc) if isinstance(exc, sqlite3.Error) else None
 
     @staticmethod
     def _begin(con: sqlite3.Connection, wait: bool) -> None:
@@ -520,11 +542,24 @@ class SQLiteStore:
             WouldBlock: `wait=False` and the transaction could not start at once.
         """
         rev: list[int] = []
-        with self._write(wait=wait) as con:
-            bases = self._write_batch(con, batch, rev) if batch is not None else {}
+        # `_write` written out: this is the hot path (a checkpoint save), and a
+        # generator-based context manager costs a few microseconds per transaction.
+        con, t0, waited = self._start(wait)
+        try:
+            bases = self._write_batch(con, batch, rev) if batch is not None else None
             results = [self._apply_one(con, op, rev) for op in ops]
-        for rec, base in bases.items():
-            rec.base = base
+            con.execute("COMMIT")
+        except BaseException as exc:
+            err = self._undo(con, exc)
+            if err is None:
+                raise
+            raise err from exc
+        finally:
+            self._account(t0, waited)
+            self._lock.release()
+        if bases:
+            for rec, base in bases.items():
+                rec.base = base
         return results
 
     @staticmethod
@@ -554,6 +589,12 @@ class SQLiteStore:
         """
         if batch.empty():
             return {}
+        recs = batch.recs
+        if recs and not batch.new:
+            only = recs[0]
+            if only.base is not None and recs.count(only) == len(recs):
+                self._write_known_run(con, only, batch, rev)
+                return {}
         bases: dict[Any, int] = {}
         next_in_batch: dict[str, int] = {}
         starts: list[tuple[Any, ...]] = []
@@ -626,6 +667,33 @@ class SQLiteStore:
             except UnicodeEncodeError:
                 con.executemany(self._INSERT_EVENTS,
                                 [(*r[:5], _text(r[5]), r[6], _text(r[7])) for r in rows])
+        self._write_closes(con, batch, rev)
+        return bases
+
+    def _write_known_run(self, con: sqlite3.Connection, rec: Any, batch: Batch,
+                         rev: list[int]) -> None:
+        """`_write_batch` when every event is of one recorder whose seq base is known
+        (a run's checkpoint after a step): the same rows and checks, less bookkeeping."""
+        base, rid = rec.base, rec.run_id
+        seqs = batch.seqs
+        lo, hi = base + min(seqs), base + max(seqs)
+        cur = con.execute("UPDATE runs SET last_seq = ? WHERE run_id = ? AND last_seq < ?",
+                          (hi, rid, lo))
+        if cur.rowcount != 1:
+            self._seq_conflict(con, {rid: lo})
+        rows = [(rid, base + s, ts, kind, it, name, dur, payload)
+                for s, ts, kind, it, name, dur, payload in zip(
+                    seqs, batch.ts, batch.kinds, batch.iters, batch.names, batch.durs,
+                    batch.payloads, strict=True)]
+        try:
+            con.executemany(self._INSERT_EVENTS, rows)
+        except UnicodeEncodeError:
+            con.executemany(self._INSERT_EVENTS,
+                            [(*r[:5], _text(r[5]), r[6], _text(r[7])) for r in rows])
+        self._write_closes(con, batch, rev)
+
+    def _write_closes(self, con: sqlite3.Connection, batch: Batch, rev: list[int]) -> None:
+        """The closed runs' roll-ups (`Batch.closes`)."""
         if batch.closes:
             r = self._rev(con, rev)
             con.executemany(
@@ -635,7 +703,6 @@ class SQLiteStore:
                 "output_truncated = ?, rev = ? WHERE run_id = ?",
                 [(row[1], row[2], _text(row[3]), _text(row[4]), *row[5:12], _text(row[12]),
                   row[13], int(bool(row[14])), r, row[0]) for _, row in batch.closes])
-        return bases
 
     @staticmethod
     def _seq_conflict(con: sqlite3.Connection, first: dict[str, int]) -> None:
