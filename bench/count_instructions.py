@@ -50,6 +50,10 @@ class Counter:
         self.n -= 1
         return _FINAL if self.n == 0 else _CONTINUE
 
+    def snapshot(self) -> dict[str, Any]:
+        """Its resumable state (what `--ports checkpoint` saves after every step)."""
+        return {"state": "count", "left": self.n}
+
 
 async def section(ports: set[str], runs: int, steps: int, concurrent: bool, db: Path) -> None:
     """The measured section: one warm-up run, then `runs` runs."""
