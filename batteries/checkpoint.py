@@ -31,7 +31,6 @@ them back (the CLI's secret `--context` values) does so when it resumes.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -106,10 +105,11 @@ class JournalCheckpointer:
                 before), so there is no spec to resume it from; or the journal
                 cannot be written.
         """
-        state = self.redactor.value(checkpoint.state)
-        await self.journal.transact([SaveCheckpoint(dataclasses.replace(checkpoint, state=state),
-                                                    self.owner,
-                                                    self._specs.get(checkpoint.run_id))])
+        cp = checkpoint
+        redacted = Checkpoint(cp.run_id, cp.steps, self.redactor.value(cp.state), cp.usage,
+                              cp.tool_calls)
+        await self.journal.transact([SaveCheckpoint(redacted, self.owner,
+                                                    self._specs.get(cp.run_id))])
 
     async def complete(self, run_id: str) -> None:
         """The run finished: mark it completed and drop its state (with the next transaction)."""

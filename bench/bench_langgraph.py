@@ -23,8 +23,11 @@ the concurrent row; the ratios are printed for both, each against LangGraph
 run the same way.
 
 Also printed: the durable checkpoint save on its own (p50/p99 of `save`
-awaited from trio, thread hop included) and the per-step cost of the
-kernel with the audit and critic but no checkpoint, against a bare step.
+awaited from trio) and the per-step cost of the kernel with the audit and
+critic but no checkpoint against a bare step, two ways: in 10-step runs
+(each run's fixed costs, opening and closing it, spread over 10 steps) and
+marginal, a step more in a long run ((100-step run - 10-step run) / 90, from
+two more rows run with a fifth of the runs).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import trio
 from kernel import Checkpoint, Kernel, Limits, Ports, RunInfo, Step
 
 STEPS = 10
+LONG = 100  # the long-run rows: per-step cost without the per-run fixed costs
 _CONTINUE = Step()
 
 
@@ -70,7 +74,8 @@ SPEC = {"agent": {"kind": "bench"}, "info": {}, "limits": {}}
 # ------------------------------------------------------------------ kernel
 
 
-async def kernel_runs(tmp: Path, runs: int, *, checkpoint: bool = True) -> float:
+async def kernel_runs(tmp: Path, runs: int, *, checkpoint: bool = True,
+                      steps: int = STEPS) -> float:
     """Seconds per run for `runs` kernel runs with every battery on one journal."""
     from batteries.audit import JournalAudit
     from batteries.checkpoint import JournalCheckpointer
@@ -91,8 +96,8 @@ async def kernel_runs(tmp: Path, runs: int, *, checkpoint: bool = True) -> float
             info = RunInfo(name="bench")
             if checkpoint:
                 await cp.register(info.run_id, SPEC)
-            result = await kernel.run(Counter(STEPS), info, limits)
-            assert result.steps == STEPS and not result.port_failures, result
+            result = await kernel.run(Counter(steps), info, limits)
+            assert result.steps == steps and not result.port_failures, result
         return (time.perf_counter() - t0) / runs
 
 
@@ -124,10 +129,10 @@ async def kernel_concurrent(tmp: Path, runs: int, width: int) -> float:
         return (time.perf_counter() - t0) / (runs // width * width)
 
 
-async def bare_runs(runs: int) -> float:
+async def bare_runs(runs: int, steps: int = STEPS) -> float:
     t0 = time.perf_counter()
     for _ in range(runs):
-        agent = Counter(STEPS)
+        agent = Counter(steps)
         while not (await agent.step(None)).final:
             pass
     return (time.perf_counter() - t0) / runs
@@ -249,6 +254,10 @@ def main() -> None:
             ("kernel + audit + critic (no checkpoint)",
              lambda: trio.run(lambda: kernel_runs(tmp, n, checkpoint=False))),
             ("bare trio loop", lambda: trio.run(bare_runs, n)),
+            (f"kernel + audit + critic, {LONG} steps (no checkpoint)",
+             lambda: trio.run(lambda: kernel_runs(tmp, n // 5 or 1, checkpoint=False,
+                                                  steps=LONG))),
+            (f"bare trio loop, {LONG} steps", lambda: trio.run(bare_runs, n // 5 or 1, LONG)),
         ]
         if width:
             variants += [
@@ -267,21 +276,33 @@ def main() -> None:
         saves = sorted(trio.run(save_latencies, tmp, 2000))
     ours = best[variants[0][0]]
     print(f"{STEPS}-step runs, {n} runs per round, best of {r} rounds")
-    runs_of: dict[str, int] = {name: max(n, width) if "at once" in name else n
+    runs_of: dict[str, int] = {name: max(n, width) if "at once" in name else
+                               (n // 5 or 1) if f"{LONG} steps" in name else n
                                for name, _ in variants}
     print("us/run: wall time per run; cpu us/run: this process's CPU per run (all threads,")
     print("set-up included), steadier than wall time on a loaded machine")
-    print(f"{'variant':44} {'us/run':>10} {'us/step':>9} {'x kernel':>9} {'cpu us/run':>11}")
+    print(f"{'variant':52} {'us/run':>10} {'us/step':>9} {'x kernel':>9} {'cpu us/run':>11}")
     for name, _ in variants:
-        print(f"{name:44} {best[name] * 1e6:10.1f} {best[name] * 1e6 / STEPS:9.2f} "
+        print(f"{name:52} {best[name] * 1e6:10.1f} {best[name] * 1e6 / STEPS:9.2f} "
               f"{best[name] / ours:9.2f} {cpu[name] / runs_of[name] * 1e6:11.1f}")
     p50, p99 = saves[len(saves) // 2], saves[int(len(saves) * 0.99)]
     print(f"durable checkpoint save (JournalCheckpointer.save, awaited): p50 {p50 * 1e6:.0f} us, "
           f"p99 {p99 * 1e6:.0f} us, mean {statistics.fmean(saves) * 1e6:.0f} us")
     bare = best["bare trio loop"]
     plain = best["kernel + audit + critic (no checkpoint)"]
-    print(f"per step, audit + critic, no checkpoint: {plain / bare:.2f}x a bare trio step "
-          f"({(plain - bare) * 1e6 / STEPS:.1f} us more; per-run fixed costs included)")
+    print(f"per step, audit + critic, no checkpoint, {STEPS}-step runs: {plain / bare:.2f}x a "
+          f"bare trio step ({(plain - bare) * 1e6 / STEPS:.1f} us more; per-run fixed costs "
+          f"included)")
+    long_k = best[f"kernel + audit + critic, {LONG} steps (no checkpoint)"]
+    long_b = best[f"bare trio loop, {LONG} steps"]
+    marginal_k, marginal_b = (long_k - plain) / (LONG - STEPS), (long_b - bare) / (LONG - STEPS)
+    print(f"per step, audit + critic, marginal (a step more in a long run: ({LONG}-step run - "
+          f"{STEPS}-step run) / {LONG - STEPS}): {marginal_k * 1e6:.1f} us vs a bare step "
+          f"{marginal_b * 1e6:.1f} us: {marginal_k / marginal_b:.2f}x")
+    ck = best[variants[0][0]]
+    print(f"per step with every battery and a checkpoint, {STEPS}-step runs: "
+          f"{(ck - bare) * 1e6 / STEPS:.1f} us more than a bare step ({ck / bare:.1f}x); "
+          f"a checkpoint (save + its event) {(ck - plain) * 1e6 / (STEPS - 1):.1f} us")
     lg = best["LangGraph + InMemorySaver"]
     first = variants[0][0]
 

@@ -11,7 +11,9 @@ divided by the difference in runs: the cost of one run (and of one run-step),
 start-up and imports cancelled out. All threads are counted (the journal's
 writes included). `--ports` is `bare` (plain trio tasks, no kernel), `none`
 (`Kernel(Ports())`), or a comma-separated choice of `audit` (the journal
-audit in a temporary directory) and `critic` (`WatchCritic()`).
+audit in a temporary directory), `critic` (`WatchCritic()`) and `checkpoint`
+(a durable checkpoint after every step, `JournalCheckpointer` on the audit's
+journal, each run registered first: `bench/bench_langgraph.py`'s shape).
 
 Instruction counts leave out what a busy machine adds (cache misses, thread
 switches), so they compare two builds of the same code path, not absolute
@@ -48,16 +50,24 @@ class Counter:
         self.n -= 1
         return _FINAL if self.n == 0 else _CONTINUE
 
+    def snapshot(self) -> dict[str, Any]:
+        """Its resumable state (what `--ports checkpoint` saves after every step)."""
+        return {"state": "count", "left": self.n}
+
 
 async def section(ports: set[str], runs: int, steps: int, concurrent: bool, db: Path) -> None:
     """The measured section: one warm-up run, then `runs` runs."""
     from batteries.audit import JournalAudit
+    from batteries.checkpoint import JournalCheckpointer
     from batteries.critic import WatchCritic
 
     limits = Limits(max_steps=None, timeout=3600)
+    spec = {"agent": {"kind": "bench"}, "info": {}, "limits": {}}
     async with JournalAudit.open(db) as audit:
+        cp = JournalCheckpointer(audit.journal) if "checkpoint" in ports else None
         kernel = Kernel(Ports(audit=audit if "audit" in ports else None,
-                              critic=WatchCritic() if "critic" in ports else None))
+                              critic=WatchCritic() if "critic" in ports else None,
+                              checkpointer=cp))
 
         async def one(i: int) -> None:
             if "bare" in ports:
@@ -65,7 +75,10 @@ async def section(ports: set[str], runs: int, steps: int, concurrent: bool, db: 
                 while not (await agent.step(None)).final:
                     pass
             else:
-                await kernel.run(Counter(steps), RunInfo(name=f"r{i}"), limits)
+                info = RunInfo(name=f"r{i}")
+                if cp is not None:
+                    await cp.register(info.run_id, spec)
+                await kernel.run(Counter(steps), info, limits)
 
         await one(-1)
         if concurrent:
@@ -92,7 +105,8 @@ def count(args: argparse.Namespace, runs: int) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ports", default="audit,critic",
-                        help="bare, none, or a comma-separated choice of audit, critic")
+                        help="bare, none, or a comma-separated choice of audit, critic, "
+                        "checkpoint")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--runs", default="100,200", help="two run counts, comma-separated")
     parser.add_argument("--concurrent", action="store_true",

@@ -146,6 +146,24 @@ class TestSaveNeverLost:
         assert journal.store.stats.transactions - before == 4
 
 
+    async def test_an_agent_that_never_awaits_still_times_out(self, tmp_path: Path) -> None:
+        """Saves that nobody could share skip trio's scheduler, but not for long: a run
+        whose steps never await anything still reaches its deadline (and the critic's
+        and the journal's tasks their turn) through its saves."""
+        async with JournalAudit.open(tmp_path / "k.duckdb") as audit:
+            cp = JournalCheckpointer(audit.journal)
+            info = RunInfo(name="busy")
+            await cp.register(info.run_id, SPEC)
+
+            async def busy(ctx: RunContext) -> Step:  # never yields to trio
+                return Step(final=ctx.iteration >= 200_000)  # a bound, so a bug fails, not hangs
+
+            result = await Kernel(Ports(audit=audit, checkpointer=cp)).run(
+                ScriptedAgent(then=busy), info, Limits(max_steps=None, timeout=0.2))
+        assert result.status is Status.TIMEOUT, result
+        assert not result.port_failures
+
+
 def _steps_in_journal(tmp_path: Path, info: RunInfo) -> int:
     with closing(sqlite3.connect(journal_path(tmp_path / "k.duckdb"))) as con:
         try:

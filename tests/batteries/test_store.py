@@ -18,7 +18,7 @@ import trio
 
 from batteries.audit import JournalAudit, Store, sync
 from batteries.audit import _schema as schema
-from batteries.store import Batch, RunStore, SQLiteStore, journal_path
+from batteries.store import Batch, Owner, RunStore, SQLiteStore, journal_path
 from kernel import Kernel, Ports, RunInfo, Status, Step
 from kernel.testing import ScriptedAgent
 
@@ -315,6 +315,57 @@ class TestJournalSchema:
         assert lagging == []
         # One transaction per run and step would be 40 x 4 saves + 40 closes = 200.
         assert used <= 4 * (steps + 2), used
+
+    def test_a_busy_process_checkpoints_the_wal_in_a_thread_of_its_own(
+            self, tmp_path: Path) -> None:
+        """Every CHECKPOINT_EVERY commits, a worker thread of the store runs a PASSIVE
+        checkpoint (not the committing thread, whose commit never waits for one);
+        closing the store stops the thread."""
+        import threading
+
+        from batteries.store import _sqlite
+        from batteries.store._types import RegisterRun
+
+        store = SQLiteStore(tmp_path / "j.sqlite")
+        owner = Owner.me()
+        for i in range(_sqlite.CHECKPOINT_EVERY * 20):
+            store.commit(None, [RegisterRun(f"r{i}", {"big": "x" * 3000}, owner)])
+        # Wait for the thread (never a sleep as the bound): it has work due.
+        deadline = 600
+        while store.wal_checkpoints < 1 and deadline > 0:
+            threading.Event().wait(0.05)
+            deadline -= 1
+        assert store.wal_checkpoints >= 1  # (how far it got under load is not asserted)
+        threads = [t for t in threading.enumerate() if t.name.startswith("journal-checkpoint")]
+        assert threads
+        store.close()
+        assert not any(t.is_alive() for t in threads)
+        assert len(store.saved_runs()) == _sqlite.CHECKPOINT_EVERY * 20  # reopens
+
+    def test_a_fleet_of_short_processes_still_checkpoints_the_wal(
+            self, tmp_path: Path) -> None:
+        """Processes that each commit a couple of times never start a checkpointer
+        thread; SQLite's automatic checkpoint (at AUTOCHECKPOINT_PAGES) still bounds the
+        WAL, even while another connection keeps the file open (so no close is the
+        last one, which would checkpoint too)."""
+        from batteries.store import _sqlite
+        from batteries.store._types import RegisterRun
+
+        path = tmp_path / "j.sqlite"
+        first = SQLiteStore(path)
+        first.commit(None, [RegisterRun("r", {}, Owner.me())])
+        with closing(sqlite3.connect(path)) as held:
+            held.execute("SELECT count(*) FROM runs").fetchone()
+            for i in range(1500):  # ~3 pages each: several AUTOCHECKPOINT_PAGES
+                store = SQLiteStore(path)
+                store.commit(None, [RegisterRun(f"r{i}", {"big": "x" * 3000}, Owner.me())])
+                store.commit(None, [RegisterRun(f"s{i}", {"big": "y" * 3000}, Owner.me())])
+                store.close()
+                assert store.wal_checkpoints == 0
+            wal = os.path.getsize(f"{path}-wal")
+        page = 4096 + 24
+        assert wal <= (_sqlite.AUTOCHECKPOINT_PAGES + 64) * page, wal
+        first.close()
 
     async def test_a_purge_of_every_run_never_hands_out_a_synced_id_again(
             self, tmp_path: Path) -> None:
