@@ -39,6 +39,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from itertools import chain
+from operator import add, itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -247,6 +249,110 @@ def _utc(us: int | None) -> dt.datetime | None:
 
 #: `json.dumps(value, default=str, ensure_ascii=False)`, without building an encoder per call.
 _dumps = json.JSONEncoder(default=str, ensure_ascii=False).encode
+
+
+#: Events are inserted (and runs' rows written) by statements of many rows
+#: each: `_SIZES` rows, largest first (as many as SQLite's limit on a
+#: statement's parameters allows), so n rows take at most n // 4096 + 12
+#: statements. A statement's parameters are bound holding
+#: the GIL, but SQLite writes all of its rows in one `sqlite3_step`, which
+#: Python runs without the GIL. With one statement per row (`executemany`) the
+#: writer thread gave the GIL back and waited for it again for every row, and
+#: with the trio thread busy each wait could last a switch interval (5 ms): the
+#: writer could not work beside the trio thread.
+_SIZES = tuple(2 ** i for i in range(12, -1, -1))
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """A statement over `n` rows of parameters: `head`, n times `row`, `tail`."""
+
+    head: str
+    row: str
+    tail: str = ""
+
+    @property
+    def width(self) -> int:
+        return self.row.count("?")
+
+    def sql(self, n: int) -> str:
+        return self.head + ", ".join([self.row] * n) + self.tail
+
+
+_INSERT_EVENTS = _Rows("INSERT INTO events (run_id, seq, ts, kind, iteration, name, "
+                       "duration_ms, payload) VALUES ", "(?, ?, ?, ?, ?, ?, ?, ?)")
+# Raise a run's last_seq to `column1` where it is below `column3` (see `_write_batch`).
+_RAISE_LAST_SEQ = _Rows("UPDATE runs SET last_seq = v.column1 FROM (VALUES ", "(?, ?, ?)",
+                        ") AS v WHERE runs.run_id = v.column2 AND runs.last_seq < v.column3")
+_INSERT_RUNS = _Rows("INSERT INTO runs (run_id, parent_run_id, subject_id, name, caller_id, "
+                     "channel_id, inputs, started_at, host, pid, last_seq, first_event, rev) "
+                     "VALUES ", "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
+_INSERT_STARTS = _Rows("INSERT INTO events (id, run_id, seq, ts, kind, iteration, name, "
+                       "duration_ms, payload) VALUES ", "(?, ?, ?, ?, ?, ?, ?, ?, ?)")
+# A run's roll-up: `column16` is the run id.
+_CLOSE_RUNS = _Rows(
+    "UPDATE runs SET ended_at = v.column1, status = v.column2, output = v.column3, "
+    "error = v.column4, steps = v.column5, tool_calls = v.column6, "
+    "runtime_seconds = v.column7, input_tokens = v.column8, output_tokens = v.column9, "
+    "thinking_tokens = v.column10, cost_usd = v.column11, reason = v.column12, "
+    "exit_code = v.column13, output_truncated = v.column14, rev = v.column15 FROM (VALUES ",
+    "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", ") AS v WHERE runs.run_id = v.column16")
+_LAST_SEQS = _Rows("SELECT run_id, last_seq FROM runs WHERE run_id IN (", "?", ")")
+_SQL: dict[tuple[_Rows, int], str] = {}  # the statements made so far, by (kind, rows)
+
+
+def _chunks(con: sqlite3.Connection, kind: _Rows, rows: Sequence[Any]
+            ) -> Iterator[tuple[str, Sequence[Any]]]:
+    """`rows` cut into chunks of `_SIZES` rows (largest first), each with its statement."""
+    most = con.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // kind.width
+    at, total = 0, len(rows)
+    for size in _SIZES:
+        if size > most:
+            continue
+        sql = None
+        while total - at >= size:
+            if sql is None:
+                sql = _SQL.get((kind, size))
+                if sql is None:
+                    sql = _SQL[kind, size] = kind.sql(size)
+            yield sql, rows[at:at + size]
+            at += size
+
+
+def _execute_rows(con: sqlite3.Connection, kind: _Rows, rows: list[tuple[Any, ...]],
+                  clean: Callable[[tuple[Any, ...]], tuple[Any, ...]] | None = None) -> int:
+    """Write `rows` with statements of `kind`, many rows each; return the rows changed.
+
+    `clean` rewrites a chunk's rows when binding them raised `UnicodeEncodeError`
+    (a lone surrogate); binding fails before anything of the chunk is written.
+    """
+    changed = 0
+    for sql, chunk in _chunks(con, kind, rows):
+        try:
+            cur = con.execute(sql, list(chain.from_iterable(chunk)))
+        except UnicodeEncodeError:
+            if clean is None:
+                raise
+            cur = con.execute(sql, list(chain.from_iterable(map(clean, chunk))))
+        changed += cur.rowcount
+    return changed
+
+
+def _last_seqs(con: sqlite3.Connection, run_ids: list[str]) -> dict[str, int]:
+    """The `last_seq` of each of `run_ids` that has a runs row."""
+    found: dict[str, int] = {}
+    for sql, chunk in _chunks(con, _LAST_SEQS, run_ids):
+        found.update((rid, int(seq)) for rid, seq in con.execute(sql, chunk).fetchall())
+    return found
+
+
+def _clean_event(row: tuple[Any, ...]) -> tuple[Any, ...]:
+    """An event row with lone surrogates replaced in its name and payload."""
+    return (*row[:5], _text(row[5]), row[6], _text(row[7]))
+
+
+_RUN_ID = itemgetter(1)
+_BASE = itemgetter(0)
 
 
 def _text(value: str | None) -> str | None:
@@ -653,9 +759,6 @@ class SQLiteStore:
 
     # ----------------------------------------------------------------- audit
 
-    _INSERT_EVENTS = ("INSERT INTO events (run_id, seq, ts, kind, iteration, name, duration_ms, "
-                      "payload) VALUES (?, ?, ?, ?, ?, ?, ?, ?)")
-
     def _write_batch(self, con: sqlite3.Connection, batch: Batch,
                      rev: list[int]) -> dict[Any, int]:
         """Write the audit rows; return the seq base of each recorder that learned one.
@@ -682,6 +785,7 @@ class SQLiteStore:
         # New recorders, and any whose start was in a batch that was given up on.
         news = dict.fromkeys(batch.new)
         news.update(dict.fromkeys(r for r in batch.recs if r.base is None and r not in news))
+        known = _last_seqs(con, list(dict.fromkeys(r.run_id for r in news if r.base is None)))
         for rec in news:
             rid = rec.run_id
             if rec.base is not None:
@@ -689,10 +793,9 @@ class SQLiteStore:
             if rid in next_in_batch:
                 base = next_in_batch[rid]
             else:
-                row = con.execute("SELECT last_seq FROM runs WHERE run_id = ?",
-                                  (rid,)).fetchone()
-                if row is not None:  # a resumed run: continue after its last event
-                    base = int(row[0]) + 1
+                seen = known.get(rid)
+                if seen is not None:  # a resumed run: continue after its last event
+                    base = seen + 1
                 else:
                     info = rec.info
                     new_runs.append(
@@ -705,48 +808,44 @@ class SQLiteStore:
                     base = 1
             bases[rec] = base
             next_in_batch[rid] = base + rec.count
-        first: dict[str, int] = {}
-        last: dict[str, int] = {}
-        rows = []
-        for r, s, ts, kind, it, name, dur, payload in zip(
-                batch.recs, batch.seqs, batch.ts, batch.kinds, batch.iters, batch.names,
-                batch.durs, batch.payloads, strict=True):
-            base = r.base if r.base is not None else bases[r]
-            seq = base + s
-            rid = r.run_id
-            if seq > last.get(rid, -1):
-                last[rid] = seq
-            if seq < first.get(rid, seq + 1):
-                first[rid] = seq
-            rows.append((rid, seq, ts, kind, it, name, dur, payload))
+        # The event columns, built at C speed (no Python code per event): the run id
+        # and absolute seq of each event from its recorder's base.
+        recs = batch.recs
+        base_of = {r: (r.base if r.base is not None else bases[r], r.run_id)
+                   for r in dict.fromkeys(recs)}
+        ids = list(map(_RUN_ID, map(base_of.__getitem__, recs)))
+        seqs = list(map(add, map(_BASE, map(base_of.__getitem__, recs)), batch.seqs))
+        # A run's seqs rise in batch order (a recorder appends in order) when each run
+        # has one recorder here: its first and last seqs are its first and last events'.
+        last = dict(zip(ids, seqs, strict=True))
+        if len(last) == len(base_of):
+            first = dict(zip(reversed(ids), reversed(seqs), strict=True))
+        else:  # two recorders of one run in the batch (a resume): the exact bounds
+            first, last = {}, {}
+            for rid, seq in zip(ids, seqs, strict=True):
+                if seq > last.get(rid, -1):
+                    last[rid] = seq
+                if seq < first.get(rid, seq + 1):
+                    first[rid] = seq
         if new_runs:
             change = self._rev(con, rev)
             # Each run_start gets the next id, given here: the run's `first_event`.
             top = int(con.execute("SELECT max(coalesce((SELECT max(id) FROM events), 0), "
                                   "coalesce((SELECT seq FROM sqlite_sequence WHERE name = "
                                   "'events'), 0))").fetchone()[0])
-            con.executemany(
-                "INSERT INTO runs (run_id, parent_run_id, subject_id, name, caller_id, "
-                "channel_id, inputs, started_at, host, pid, last_seq, first_event, rev) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [(*run, last.pop(run[0], 0), top + i, change)
-                 for i, run in enumerate(new_runs, start=1)])
-            con.executemany(
-                "INSERT INTO events (id, run_id, seq, ts, kind, iteration, name, duration_ms, "
-                "payload) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [(top + i, *start) for i, start in enumerate(starts, start=1)])
+            _execute_rows(con, _INSERT_RUNS, [(*run, last.pop(run[0], 0), top + i, change)
+                                              for i, run in enumerate(new_runs, start=1)])
+            _execute_rows(con, _INSERT_STARTS,
+                          [(top + i, *start) for i, start in enumerate(starts, start=1)])
         if last:  # runs already in the journal: raise last_seq, only from below
-            cur = con.executemany(
-                "UPDATE runs SET last_seq = ? WHERE run_id = ? AND last_seq < ?",
-                [(hi, rid, first[rid]) for rid, hi in last.items()])
-            if cur.rowcount != len(last):
+            raised = _execute_rows(con, _RAISE_LAST_SEQ,
+                                   [(hi, rid, first[rid]) for rid, hi in last.items()])
+            if raised != len(last):
                 self._seq_conflict(con, {rid: first[rid] for rid in last})
-        if rows:
-            try:
-                con.executemany(self._INSERT_EVENTS, rows)
-            except UnicodeEncodeError:
-                con.executemany(self._INSERT_EVENTS,
-                                [(*r[:5], _text(r[5]), r[6], _text(r[7])) for r in rows])
+        if ids:
+            _execute_rows(con, _INSERT_EVENTS,
+                          list(zip(ids, seqs, batch.ts, batch.kinds, batch.iters, batch.names,
+                                   batch.durs, batch.payloads, strict=True)), _clean_event)
         self._write_closes(con, batch, rev)
         return bases
 
@@ -765,24 +864,16 @@ class SQLiteStore:
                 for s, ts, kind, it, name, dur, payload in zip(
                     seqs, batch.ts, batch.kinds, batch.iters, batch.names, batch.durs,
                     batch.payloads, strict=True)]
-        try:
-            con.executemany(self._INSERT_EVENTS, rows)
-        except UnicodeEncodeError:
-            con.executemany(self._INSERT_EVENTS,
-                            [(*r[:5], _text(r[5]), r[6], _text(r[7])) for r in rows])
+        _execute_rows(con, _INSERT_EVENTS, rows, _clean_event)
         self._write_closes(con, batch, rev)
 
     def _write_closes(self, con: sqlite3.Connection, batch: Batch, rev: list[int]) -> None:
         """The closed runs' roll-ups (`Batch.closes`)."""
         if batch.closes:
             r = self._rev(con, rev)
-            con.executemany(
-                "UPDATE runs SET ended_at = ?, status = ?, output = ?, error = ?, steps = ?, "
-                "tool_calls = ?, runtime_seconds = ?, input_tokens = ?, output_tokens = ?, "
-                "thinking_tokens = ?, cost_usd = ?, reason = ?, exit_code = ?, "
-                "output_truncated = ?, rev = ? WHERE run_id = ?",
-                [(row[1], row[2], _text(row[3]), _text(row[4]), *row[5:12], _text(row[12]),
-                  row[13], int(bool(row[14])), r, row[0]) for _, row in batch.closes])
+            _execute_rows(con, _CLOSE_RUNS, [
+                (row[1], row[2], _text(row[3]), _text(row[4]), *row[5:12], _text(row[12]),
+                 row[13], int(bool(row[14])), r, row[0]) for _, row in batch.closes])
 
     @staticmethod
     def _seq_conflict(con: sqlite3.Connection, first: dict[str, int]) -> None:

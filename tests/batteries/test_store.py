@@ -269,10 +269,41 @@ class TestJournalSchema:
         assert len(saves) == 3, transactions
         for t in saves[1:]:  # the first also opens the run (its row and run_start)
             inserts = t.count("INSERT INTO events (run_id,")
-            assert inserts >= 1  # executemany: one per event (the step, the last checkpoint)
+            assert inserts >= 1  # one statement per 2**k rows (see _sqlite._SIZES)
             assert t == (["BEGIN IMMEDIATE", "UPDATE runs SET last_seq"]
                          + ["INSERT INTO events (run_id,"] * inserts
                          + ["UPDATE checkpoints SET state", "COMMIT"]), t
+
+    async def test_a_large_batch_is_written_whole_in_statements_of_many_rows(
+            self, tmp_path: Path) -> None:
+        """6,300 events of 300 runs go out in a few multi-row statements (SQLite steps
+        each without the GIL), every seq once, in order; a lone surrogate in one event
+        rewrites only its own chunk, which was not written before (no duplicate rows)."""
+        runs, events = 300, 20
+        statements: list[str] = []
+        db = tmp_path / "k.duckdb"
+        async with JournalAudit.open(db, flush_interval=3600) as audit:
+            await audit.journal.transact()  # the journal exists; connections are open
+            recs = [await audit.start_run(RunInfo(name=f"r{i}")) for i in range(runs)]
+            for n in range(events):
+                for i, rec in enumerate(recs):
+                    bad = n == events - 1 and i == runs // 2
+                    rec.log_event("tick", payload={"n": n, "text": "\ud800" if bad else "ok"})
+            audit.journal.store.trace(statements.append)
+            await audit.flush()
+            audit.journal.store.trace(None)
+        inserts = [s for s in statements if s.startswith("INSERT INTO events (run_id,")]
+        assert 1 <= len(inserts) <= runs * events // 4096 + 12, len(inserts)
+        with closing(sqlite3.connect(journal_path(db))) as con:
+            rows = con.execute("SELECT run_id, seq, payload FROM events ORDER BY id").fetchall()
+            last = dict(con.execute("SELECT run_id, last_seq FROM runs").fetchall())
+        assert len(rows) == runs * (events + 1)
+        for rec in recs:
+            seqs = [seq for rid, seq, _ in rows if rid == rec.run_id]
+            assert seqs == list(range(events + 1))
+            assert last[rec.run_id] == events
+        bad_rows = [p for rid, _, p in rows if rid == recs[runs // 2].run_id and "ok" not in p]
+        assert bad_rows[1] == '{"n":19,"text":"?"}'  # after its run_start: replaced
 
     async def test_saves_of_concurrent_runs_share_transactions(self, tmp_path: Path) -> None:
         """Runs that finish a step together save in one transaction (group commit), and
