@@ -2,12 +2,37 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import trio
 
 from ._types import Limits, Message, Result, RunInfo, ToolCall, ToolResult, Usage
+
+
+class RunHooks(Protocol):
+    """What a `RunContext` calls on the run behind it (the kernel's `_loop._Run`)."""
+
+    def log_event(self, kind: str, *, name: str | None = None,
+                  payload: Mapping[str, Any] | None = None, duration_ms: float | None = None,
+                  iteration: int | None = None) -> None: ...
+
+    def activity(self, kind: str, text: str | None = None) -> None: ...
+
+    def effective_deadline(self) -> float: ...
+
+    async def run_child(self, agent: Any, info: RunInfo, limits: Limits | None) -> Result: ...
+
+    def tool_started(self, call: ToolCall, payload: Mapping[str, Any] | None = None,
+                     iteration: int | None = None) -> None: ...
+
+    def agent_tool_ended(self, result: ToolResult) -> None: ...
+
+    def process_started(self, pid: int) -> None: ...
+
+    def process_exited(self, pid: int) -> None: ...
+
+    async def checkpoint_now(self) -> None: ...
 
 
 class RunContext:
@@ -28,41 +53,11 @@ class RunContext:
         resumed_from: Resumable state from a checkpoint when this run is a resumption.
     """
 
-    __slots__ = (
-        "_activity",
-        "_deadline",
-        "_log",
-        "_processes",
-        "_run_child",
-        "_save",
-        "_tool_end",
-        "_tool_start",
-        "info",
-        "iteration",
-        "limits",
-        "resumed_from",
-        "started_at",
-        "steer",
-        "tool_results",
-        "usage",
-    )
+    __slots__ = ("_run", "info", "iteration", "limits", "resumed_from", "started_at", "steer",
+                 "tool_results", "usage")
 
-    def __init__(
-        self,
-        info: RunInfo,
-        limits: Limits,
-        *,
-        started_at: float,
-        log: Callable[..., None],
-        activity: Callable[..., None],
-        deadline: Callable[[], float],
-        run_child: Callable[[Any, RunInfo, Limits | None], Awaitable[Result]],
-        tool_start: Callable[[ToolCall, Mapping[str, Any] | None], None],
-        tool_end: Callable[[ToolResult], None] | None = None,
-        processes: tuple[Callable[[int], None], Callable[[int], None]] | None = None,
-        resumed_from: Any = None,
-        save: Callable[[], Awaitable[None]] | None = None,
-    ) -> None:
+    def __init__(self, run: RunHooks, info: RunInfo, limits: Limits, *, started_at: float,
+                 resumed_from: Any = None) -> None:
         self.info = info
         self.limits = limits
         self.started_at = started_at
@@ -71,14 +66,10 @@ class RunContext:
         self.steer: list[Message] = []
         self.usage = Usage()
         self.resumed_from = resumed_from
-        self._log = log
-        self._activity = activity
-        self._deadline = deadline
-        self._run_child = run_child
-        self._tool_start = tool_start
-        self._tool_end = tool_end
-        self._processes = processes
-        self._save = save
+        # The run behind this context: one reference, not a bound method per
+        # callback (at 10,000 concurrent runs each object a run keeps is work for
+        # the garbage collector).
+        self._run = run
 
     @property
     def run_id(self) -> str:
@@ -93,7 +84,7 @@ class RunContext:
     @property
     def deadline(self) -> float:
         """The run's current effective deadline (trio time; inf when unbounded)."""
-        return self._deadline()
+        return self._run.effective_deadline()
 
     def event(
         self,
@@ -115,13 +106,11 @@ class RunContext:
         kill the run on it, the run's scope is cancelled at once: the step's
         next checkpoint raises `trio.Cancelled`.
         """
-        self._log(kind, name=name, payload=payload, duration_ms=duration_ms,
-                  iteration=self.iteration)
+        run = self._run
+        run.log_event(kind, name=name, payload=payload, duration_ms=duration_ms,
+                      iteration=self.iteration)
         if activity:
-            if text is None:
-                self._activity(kind)
-            else:
-                self._activity(kind, text)
+            run.activity(kind, text)
 
     async def run_child(self, agent: Any, info: RunInfo, limits: Limits | None = None) -> Result:
         """Run `agent` as a child run: same kernel and ports, `parent_run_id` set to this run.
@@ -133,7 +122,7 @@ class RunContext:
         deadline. Either way it is held to what is left of this run's usage
         caps, and what it uses counts against them once it ends.
         """
-        return await self._run_child(agent, info, limits)
+        return await self._run.run_child(agent, info, limits)
 
     def tool_start(self, call: ToolCall, *, payload: Mapping[str, Any] | None = None) -> None:
         """Report a tool call the agent runs itself (a CLI agent's tool use).
@@ -142,7 +131,7 @@ class RunContext:
         run's tool calls, and shown to the critic, which watches for loops.
         Tools the kernel runs from `Step.tool_calls` are reported already.
         """
-        self._tool_start(call, payload)
+        self._run.tool_started(call, payload)
 
     def tool_end(self, result: ToolResult) -> None:
         """Report the outcome of a tool call the agent ran itself (after `tool_start`).
@@ -151,8 +140,7 @@ class RunContext:
         loop; a changing one is progress); not audited here (the adapter's
         own events carry it). Tools the kernel runs are reported already.
         """
-        if self._tool_end is not None:
-            self._tool_end(result)
+        self._run.agent_tool_ended(result)
 
     def process_started(self, pid: int) -> None:
         """Report a process this run started (a command, a tool, a CLI agent).
@@ -161,13 +149,11 @@ class RunContext:
         terminal read): a working process is not stalled however silent.
         Call `process_exited` when it ends. Never blocks, never raises.
         """
-        if self._processes is not None:
-            self._processes[0](pid)
+        self._run.process_started(pid)
 
     def process_exited(self, pid: int) -> None:
         """Report that a process given to `process_started` has exited."""
-        if self._processes is not None:
-            self._processes[1](pid)
+        self._run.process_exited(pid)
 
     def activity(self, kind: str = "activity", text: str | None = None) -> None:
         """Tell the critic the agent is alive without writing an audit event.
@@ -175,10 +161,7 @@ class RunContext:
         `text` (an output line, a streamed chunk, a message) lets the critic
         judge whether it is new; None counts as plain activity.
         """
-        if text is None:
-            self._activity(kind)
-        else:
-            self._activity(kind, text)
+        self._run.activity(kind, text)
 
     async def checkpoint(self) -> None:
         """Save the agent's resumable state now, in the middle of a step.
@@ -190,5 +173,4 @@ class RunContext:
         without a checkpointer, or an agent without `snapshot()`, saves nothing.
         A failed save is reported like any checkpoint fault and never raises.
         """
-        if self._save is not None:
-            await self._save()
+        await self._run.checkpoint_now()

@@ -114,6 +114,15 @@ class Kernel:
         # One task follows every watched run of this kernel (see `_watch.py`).
         self._watcher = Watcher()
         self._last_caps: tuple[Limits, UsageLimits, bool] | None = None
+        self._clock: tuple[trio.abc.Clock, Callable[[], float]] | None = None
+
+    def _clock_now(self) -> Callable[[], float]:
+        """The current trio clock's `current_time`, one bound method per clock (not per run)."""
+        clock = trio.lowlevel.current_clock()
+        last = self._clock
+        if last is None or last[0] is not clock:
+            last = self._clock = (clock, clock.current_time)
+        return last[1]
 
     @property
     def ports(self) -> Ports:
@@ -168,7 +177,7 @@ class Kernel:
 class _Run:
     """The state of one run while `Kernel.run` executes it."""
 
-    __slots__ = ("_failed_methods", "agent", "artifacts", "audit", "backstop", "budget", "can",
+    __slots__ = ("agent", "artifacts", "audit", "backstop", "budget", "can",
                  "capped", "caps", "checkpointer", "child_tool_calls", "child_usage", "critic",
                  "ctx", "delivery", "error", "exit_code", "failures", "finalizing", "handle",
                  "hooks", "immediate", "in_step", "info", "k", "last_save_steps",
@@ -193,7 +202,6 @@ class _Run:
         self.recorder: RunRecorder = _NULL_RECORDER
         self.handle: CriticHandle | None = None
         self.failures: list[PortFailure] = []
-        self._failed_methods: set[tuple[str, str]] = set()
         self.status: Status | None = None
         self.finalizing = False  # the end-of-run work has begun
         self.output: Any = None
@@ -232,9 +240,9 @@ class _Run:
 
     def fault(self, port: str, method: str, exc: BaseException) -> None:
         """Report a port failure once per (port, method): logged and put on the result."""
-        if (port, method) in self._failed_methods:
-            return
-        self._failed_methods.add((port, method))
+        for failure in self.failures:  # a short list: no set kept per run for this
+            if failure.method == method and failure.port == port:
+                return
         msg = f"{type(exc).__name__}: {exc}"
         self.failures.append(PortFailure(port, method, msg))
         _log.warning("port failed: %s.%s: %s (run %s)", port, method, msg, self.info.run_id,
@@ -364,18 +372,13 @@ class _Run:
         info, limits = self.info, self.limits
         # The run's clock, read directly: what `trio.current_time()` returns, without
         # its lookups (the step loop reads it twice a step).
-        self.now = now = trio.lowlevel.current_clock().current_time
+        self.now = now = self.k._clock_now()
         self.started = now()
         if limits.timeout is not None:
             self.backstop = self.started + limits.timeout
         self.last_save_time = self.started
-        self.ctx = RunContext(info, limits, started_at=self.started, log=self.log_event,
-                              activity=self.activity, deadline=self.effective_deadline,
-                              run_child=self.run_child, tool_start=self.tool_started,
-                              tool_end=self.agent_tool_ended, processes=(
-                                  self.process_started, self.process_exited),
-                              resumed_from=self.resume.state if self.resume else None,
-                              save=self.checkpoint_now)
+        self.ctx = RunContext(self, info, limits, started_at=self.started,
+                              resumed_from=self.resume.state if self.resume else None)
         self.ctx.usage = self.usage
         try:
             refused = await self.open_run()

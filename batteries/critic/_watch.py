@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -73,6 +74,21 @@ MODEL_TOKEN = "model_token"
 MODEL_REPLY = "model_call"
 
 _RESULT_KEY_LIMIT = 2048  # longer result keys are compared by digest
+
+
+# The last trio clock seen and its `current_time` (read and replaced whole: trio
+# runs in other threads may have clocks of their own).
+_clock: tuple[Any, Callable[[], float]] = (None, time.perf_counter)
+
+
+def _clock_now() -> Callable[[], float]:
+    """The current trio clock's `current_time`: one bound method per clock, not per run."""
+    global _clock
+    clock = trio.lowlevel.current_clock()
+    last = _clock
+    if last[0] is not clock:
+        last = _clock = (clock, clock.current_time)
+    return last[1]
 
 
 class WatchCritic:
@@ -165,14 +181,15 @@ class WatchHandle:
                  "_msg_key", "_msg_streak", "_msg_text", "_novelty", "_now", "_nudges", "_open",
                  "_outcomes", "_pending", "_queue", "_quiet_until", "_reports_results", "_roots",
                  "_sampler", "_soft", "_start", "_steps", "_stopped", "_tool_calls",
-                 "_tool_since", "_wake", "_window", "_window_start")
+                 "_tool_since", "_wake", "_win_other", "_win_steps", "_win_tools",
+                 "_window_start")
 
     def __init__(self, judge: Judge, info: RunInfo, *, soft_timeout: float | None,
                  backstop: float | None, max_steps: int | None, events: EventSink,
                  history: int = 64, sampler: ProcessSampler | None = None) -> None:
         # The run's clock, read directly: what `trio.current_time()` returns, without
         # its lookups (`record_step` reads it once a step).
-        self._now: Callable[[], float] = trio.lowlevel.current_clock().current_time
+        self._now: Callable[[], float] = _clock_now()
         now = self._now()
         self._judge = judge
         # SupportsQuietUntil, looked up once (a member set to None counts as absent).
@@ -194,7 +211,8 @@ class WatchHandle:
         self._steps = self._tool_calls = self._activity = 0
         self._last_progress = now
         self._window_start = now
-        self._window = [0, 0, 0]  # steps, tool calls, other progress
+        # The review window's counts: steps, tool calls, other progress.
+        self._win_steps = self._win_tools = self._win_other = 0
         # Made at the first tool call, result and line of text: many runs have none.
         self._history = history
         self._calls: deque[str] | None = None
@@ -234,7 +252,7 @@ class WatchHandle:
         if self._stopped:
             return
         self._steps += 1
-        self._window[0] += 1
+        self._win_steps += 1
         self._model_since = None
         if self._tool_since is not None and not self._reports_results:
             self._pending.clear()
@@ -272,7 +290,7 @@ class WatchHandle:
         if self._stopped:
             return
         self._tool_calls += 1
-        self._window[1] += 1
+        self._win_tools += 1
         masked = masked_call_key(call)
         calls = self._calls
         if calls is None:
@@ -358,7 +376,7 @@ class WatchHandle:
             if not novelty.see(text):
                 return
         self._activity += 1
-        self._window[2] += 1
+        self._win_other += 1
         self._progress()
 
     def record_process(self, pid: int) -> None:
@@ -456,7 +474,7 @@ class WatchHandle:
             return
         self._figures[root] = figures
         if figures.working:
-            self._window[2] += 1
+            self._win_other += 1
             self._progress(trio.current_time() - figures.idle)
 
     def _rel(self, t: float | None) -> float | None:
@@ -519,7 +537,7 @@ class WatchHandle:
             max_steps=(None if self._base_max_steps is None
                        else self._base_max_steps + self._bonus),
             window=Window(self._window_start - self._start, now - self._window_start,
-                          *self._window),
+                          self._win_steps, self._win_tools, self._win_other),
             calls=() if self._calls is None else tuple(self._calls),
             intervention=None if op is None else Intervention(
                 op.reason, op.at - self._start, op.delivered, op.activity_since,
@@ -587,4 +605,4 @@ class WatchHandle:
 
     def _reset_window(self, now: float) -> None:
         self._window_start = now
-        self._window = [0, 0, 0]
+        self._win_steps = self._win_tools = self._win_other = 0
