@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from procs import alive
 
 pytestmark = pytest.mark.realtime
 
@@ -32,15 +33,6 @@ async def main():
 
 trio.run(main)
 """
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return False
-    return data[data.rfind(b")") + 2:].split()[0] != b"Z"
 
 
 def test_a_dead_watcher_is_replaced() -> None:

@@ -44,6 +44,21 @@ def ticks(marker: Path) -> int:
         return 0
 
 
+def _killed_counter(kernel_exe: str, env: dict[str, str], loop: Path, marker: Path,
+                    *args: str) -> None:
+    """Start `loop` under `kernel run` (with `args`) and SIGKILL it after its 2nd tick."""
+    proc = subprocess.Popen(
+        [kernel_exe, "run", "--no-critic", *args, str(loop), "-c", f"marker={marker}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=loop.parent)
+    deadline = time.monotonic() + 30
+    while ticks(marker) < 2:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the loop never reached its kill point"
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+
+
 def query(env: dict[str, str], kernel_exe: str, sql: str) -> list[dict[str, object]]:
     proc = subprocess.run([kernel_exe, "query", sql, "--format", "json"], capture_output=True,
                           text=True, env=env, timeout=60, check=True)
@@ -112,18 +127,7 @@ class TestRecover:
         setup = subprocess.run([kernel_exe, "budget", "set", "ivy", "--runs", "1"],
                                capture_output=True, text=True, env=cli_env, timeout=60)
         assert setup.returncode == 0, setup.stderr
-        marker = tmp_path / "ticks"
-        proc = subprocess.Popen(
-            [kernel_exe, "run", "--json", "--no-critic", "--caller", "ivy", str(loop),
-             "-c", f"marker={marker}"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env, cwd=tmp_path)
-        deadline = time.monotonic() + 30
-        while ticks(marker) < 2:
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "the loop never reached its kill point"
-            time.sleep(0.02)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
+        _killed_counter(kernel_exe, cli_env, loop, tmp_path / "ticks", "--caller", "ivy")
 
         refused = subprocess.run([kernel_exe, "run", "--caller", "ivy", "--", "true"],
                                  capture_output=True, text=True, env=cli_env, timeout=60)
@@ -150,17 +154,7 @@ class TestRecover:
 
         loop = tmp_path / "count.yaml"
         loop.write_text(COUNTER)
-        marker = tmp_path / "ticks"
-        proc = subprocess.Popen(
-            [kernel_exe, "run", "--no-critic", str(loop), "-c", f"marker={marker}"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env, cwd=tmp_path)
-        deadline = time.monotonic() + 30
-        while ticks(marker) < 2:
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "the loop never reached its kill point"
-            time.sleep(0.02)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
+        _killed_counter(kernel_exe, cli_env, loop, tmp_path / "ticks")
         con = sqlite3.connect(journal_path(cli_env["KERNEL_DB"]))
         with con:
             [(run_id, text)] = con.execute("SELECT run_id, spec FROM checkpoints").fetchall()
