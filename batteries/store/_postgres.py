@@ -898,9 +898,11 @@ class PostgresStore:
             return None
         budget = self._as_budget(op.caller_id, row)
         if op.resumed and op.run_id:
-            own = con.execute("SELECT id, tokens, cost_usd FROM budget_spend WHERE run_id = %s "
-                              "AND caller_id = %s ORDER BY id DESC LIMIT 1",
-                              (op.run_id, op.caller_id)).fetchone()
+            # Its row in the current window (one from an earlier window no longer counts).
+            own = con.execute(f"SELECT id, tokens, cost_usd FROM budget_spend WHERE run_id = %s "
+                              f"AND caller_id = %s AND ts > {NOW} - (%s * 1000000)::bigint "
+                              f"ORDER BY id DESC LIMIT 1",
+                              (op.run_id, op.caller_id, budget.window_seconds)).fetchone()
             if own is not None:
                 return Reservation(budget.without(int(own[1]), float(own[2])), int(own[0]))
         elif budget.refusal() is not None:

@@ -1147,9 +1147,11 @@ class SQLiteStore:
             return None
         budget = self._with_spend(con, op.caller_id, row)
         if op.resumed and op.run_id:
+            # Its row in the current window (one from an earlier window no longer counts).
             own = con.execute("SELECT id, tokens, cost_usd FROM budget_spend WHERE run_id = ? "
-                              "AND caller_id = ? ORDER BY id DESC LIMIT 1",
-                              (op.run_id, op.caller_id)).fetchone()
+                              "AND caller_id = ? AND ts > ? ORDER BY id DESC LIMIT 1",
+                              (op.run_id, op.caller_id,
+                               now_us() - int(budget.window_seconds * 1e6))).fetchone()
             if own is not None:
                 return Reservation(budget.without(int(own[1]), float(own[2])), int(own[0]))
         elif budget.refusal() is not None:

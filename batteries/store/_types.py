@@ -236,8 +236,8 @@ class ReserveBudget:
 
     Returns a `Reservation`, or None when no budget applies (nothing written).
     A *resumed* run (`resumed=True`) was admitted when it first opened: it is
-    never refused, and its own reservation (the newest row for its `run_id`)
-    is handed back instead of a new one, with the budget's tokens and cost
+    never refused, and its own reservation (the newest row for its `run_id`
+    in the budget's window) is handed back instead of a new one, with the budget's tokens and cost
     counted without that row (the run's usage carries them over the resume;
     its runtime stays counted, since runtime is settled per session). Only if
     it has no row (e.g. the budget was set after it opened) is one made.

@@ -320,6 +320,15 @@ class TestBudgets:
         after = store.budget("ann")
         assert late.reservation_id is not None and after is not None and after.runs == 2
 
+    def test_a_resumed_run_past_the_window_reserves_anew(self, store: RunStore) -> None:
+        """A run whose reservation has left the window counts (once) in the current one."""
+        store.commit(None, [SetBudget("ann", 0.05, 1, None, None, None)])
+        [first] = store.commit(None, [ReserveBudget("ann", "r1")])
+        time.sleep(0.1)  # at least the window: the reservation is outside it now
+        [again] = store.commit(None, [ReserveBudget("ann", "r1", resumed=True)])
+        assert again.reservation_id is not None
+        assert again.reservation_id != first.reservation_id
+
     def test_default_budget_and_removal(self, store: RunStore) -> None:
         """`*` applies to callers without their own budget; removing says if there was one."""
         assert store.budget("bob") is None and store.budgets() == []
