@@ -53,7 +53,6 @@ answer): the budget fails closed and the run is refused (exit 3).
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import json
 import os
 import threading
@@ -64,7 +63,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from kernel import Checkpoint, ConfigError, Status, Usage
+from kernel import ConfigError, Status
 
 from ._sqlite import (
     BATCH_COLUMNS,
@@ -77,7 +76,9 @@ from ._sqlite import (
     SPEND_COLUMNS,
     StoreStats,
     WouldBlock,
+    _utc,
     lock_timeout_from_env,
+    saved_rows,
 )
 from ._types import (
     Batch,
@@ -232,10 +233,6 @@ def public_url(url: str) -> str:
     return f"postgresql://{user}{where}{f':{port}' if port else ''}{parts.path}"
 
 
-def _utc(us: int | None) -> dt.datetime | None:
-    return None if us is None else dt.datetime.fromtimestamp(us / 1e6, dt.UTC)
-
-
 def _dumps(value: Any) -> str:
     return json.dumps(value, default=str, ensure_ascii=False)
 
@@ -265,24 +262,6 @@ def _id_filter(column: str, exact: str | None, prefix: str | None) -> tuple[str,
         params.append(prefix.replace("\\", "\\\\").replace("%", "\\%")
                       .replace("_", "\\_") + "%")
     return (" WHERE " + " AND ".join(where)) if where else "", params
-
-
-def _saved(con: Any, where: str, params: Sequence[Any]) -> list[SavedRun]:
-    """Checkpoint rows as `SavedRun`s (`where`: a WHERE/ORDER BY tail)."""
-    rows = con.execute(
-        "SELECT run_id, spec, state, steps, tool_calls, input_tokens, output_tokens, "
-        "thinking_tokens, cost_usd, status, host, pid, pid_start, updated_at, "
-        "heartbeat_at FROM checkpoints" + where, params).fetchall()
-    out = []
-    for (rid, spec, state, steps, tools, tin, tout, tthink, cost, status, host, pid, start,
-         updated, beat) in rows:
-        cp = Checkpoint(rid, int(steps), None if state is None else json.loads(state),
-                        Usage(int(tin), int(tout), int(tthink), float(cost)), int(tools))
-        updated_at = _utc(updated)
-        assert updated_at is not None
-        out.append(SavedRun(rid, json.loads(spec), cp, status,
-                            Owner(host or "", int(pid or 0), start), updated_at, _utc(beat)))
-    return out
 
 
 class PostgresStore:
@@ -818,7 +797,7 @@ class PostgresStore:
                 "WHERE t.batch_id = %s ORDER BY t.idx", (batch_id,)).fetchall()
             saved: dict[str, SavedRun] = {}
             if any(r[6] for r in rows):
-                saved = {s.run_id: s for s in _saved(
+                saved = {s.run_id: s for s in saved_rows(
                     con, " WHERE run_id IN (SELECT run_id FROM batch_tasks WHERE batch_id = %s)",
                     (batch_id,))}
         return [TaskRow(int(idx), tid, rid, json.loads(spec), status, bool(has_run or has_cp),
@@ -940,7 +919,7 @@ class PostgresStore:
         with self._read() as con:
             if con is None:
                 return []
-            return _saved(con, where + " ORDER BY created_at, run_id", params)
+            return saved_rows(con, where + " ORDER BY created_at, run_id", params)
 
     def interrupted(self) -> list[SavedRun]:
         """Runs still marked `running` whose holder is provably gone: released, gone from

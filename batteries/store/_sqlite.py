@@ -355,6 +355,25 @@ _RUN_ID = itemgetter(1)
 _BASE = itemgetter(0)
 
 
+def saved_rows(con: Any, where: str, params: Sequence[Any]) -> list[SavedRun]:
+    """Checkpoint rows as `SavedRun`s (`where`: a WHERE/ORDER BY tail in the connection's
+    own placeholders); the journal's and the PostgreSQL store's tables have the same columns."""
+    rows = con.execute(
+        "SELECT run_id, spec, state, steps, tool_calls, input_tokens, output_tokens, "
+        "thinking_tokens, cost_usd, status, host, pid, pid_start, updated_at, "
+        "heartbeat_at FROM checkpoints" + where, params).fetchall()
+    out = []
+    for (rid, spec, state, steps, tools, tin, tout, tthink, cost, status, host, pid, start,
+         updated, beat) in rows:
+        cp = Checkpoint(rid, int(steps), None if state is None else json.loads(state),
+                        Usage(int(tin), int(tout), int(tthink), float(cost)), int(tools))
+        updated_at = _utc(updated)
+        assert updated_at is not None
+        out.append(SavedRun(rid, json.loads(spec), cp, status,
+                            Owner(host or "", int(pid or 0), start), updated_at, _utc(beat)))
+    return out
+
+
 def _text(value: str | None) -> str | None:
     """Text SQLite will take: lone surrogates (not valid UTF-8) are replaced."""
     if value is None:
@@ -1112,7 +1131,7 @@ class SQLiteStore:
                 "WHERE t.batch_id = ? ORDER BY t.idx", (batch_id,)).fetchall()
             saved: dict[str, SavedRun] = {}
             if any(r[6] for r in rows):
-                saved = {s.run_id: s for s in self._saved(
+                saved = {s.run_id: s for s in saved_rows(
                     con, " WHERE run_id IN (SELECT run_id FROM batch_tasks WHERE batch_id = ?)",
                     (batch_id,))}
         return [TaskRow(int(idx), tid, rid, json.loads(spec), status, bool(has_run or has_cp),
@@ -1193,7 +1212,7 @@ class SQLiteStore:
         if running:
             where += (" AND " if where else " WHERE ") + "status = 'running'"
         with self._read() as con:
-            return self._saved(con, where + " ORDER BY created_at, run_id", params)
+            return saved_rows(con, where + " ORDER BY created_at, run_id", params)
 
     @staticmethod
     def _id_filter(column: str, exact: str | None, prefix: str | None
@@ -1209,24 +1228,6 @@ class SQLiteStore:
             params.append(prefix.replace("\\", "\\\\").replace("%", "\\%")
                           .replace("_", "\\_") + "%")
         return (" WHERE " + " AND ".join(where)) if where else "", params
-
-    @staticmethod
-    def _saved(con: sqlite3.Connection, where: str, params: Sequence[Any]) -> list[SavedRun]:
-        rows = con.execute(
-            "SELECT run_id, spec, state, steps, tool_calls, input_tokens, output_tokens, "
-            "thinking_tokens, cost_usd, status, host, pid, pid_start, updated_at, "
-            "heartbeat_at FROM checkpoints" + where, params).fetchall()
-        out = []
-        for (rid, spec, state, steps, tools, tin, tout, tthink, cost, status, host, pid, start,
-             updated, beat) in rows:
-            cp = Checkpoint(rid, int(steps), None if state is None else json.loads(state),
-                            Usage(int(tin), int(tout), int(tthink), float(cost)), int(tools))
-            updated_at = _utc(updated)
-            assert updated_at is not None
-            out.append(SavedRun(rid, json.loads(spec), cp, status,
-                                Owner(host or "", int(pid or 0), start), updated_at,
-                                _utc(beat)))
-        return out
 
     def interrupted(self) -> list[SavedRun]:
         """Runs still marked `running` whose holder is provably gone (`Owner.gone`: on
