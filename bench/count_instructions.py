@@ -32,23 +32,13 @@ from pathlib import Path
 from typing import Any
 
 import trio
+from bench_kernel import Counter as _Counter
 
-from kernel import Kernel, Limits, Ports, RunInfo, Step
-
-_CONTINUE = Step()
-_FINAL = Step(output="done", final=True)
+from kernel import Kernel, Limits, Ports, RunInfo
 
 
-class Counter:
-    """Yields to trio once per step, then finishes after `n` steps."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    async def step(self, ctx: Any) -> Step:
-        await trio.lowlevel.checkpoint()
-        self.n -= 1
-        return _FINAL if self.n == 0 else _CONTINUE
+class Counter(_Counter):
+    """bench_kernel's agent (one trio checkpoint per step), with resumable state."""
 
     def snapshot(self) -> dict[str, Any]:
         """Its resumable state (what `--ports checkpoint` saves after every step)."""
