@@ -145,3 +145,34 @@ async def test_environment_inherited_or_given_with_the_lifeline(monkeypatch: pyt
     assert inherited[_proc.LIFELINE_ENV].split(":")[-1] == token
     given = await env_of(env={"ONLY": "this", _proc.LIFELINE_ENV: "klouter"})
     assert given == {"ONLY": "this", _proc.LIFELINE_ENV: f"klouter:{token}"}
+
+
+@pytest.mark.parametrize("elsewhere", [False, True], ids=["posix_spawn", "popen"])
+async def test_a_child_gets_fds_0_to_2_only_and_default_sigpipe(tmp_path: Path,
+                                                                 elsewhere: bool) -> None:
+    """Both ways of starting (posix_spawn here; Popen for another working directory)
+    close every other fd in the child, an inheritable one too, and give back SIGPIPE."""
+    from adapters import _proc
+
+    r, w = os.pipe()
+    high = os.dup2(w, 200, inheritable=True)  # as a parent shell might leave one open
+    try:
+        child = await _proc.spawn(
+            ["sh", "-c", "ls /proc/self/fd; echo --; grep SigIgn /proc/self/status; pwd"],
+            cwd=str(tmp_path) if elsewhere else None)
+        assert child.stdout is not None
+        data = b""
+        while chunk := await child.stdout.receive_some():
+            data += chunk
+        assert await child.wait() == 0
+        await child.stop(1.0)
+    finally:
+        for fd in (r, w, high):
+            os.close(fd)
+    listing, rest = data.decode().split("--")
+    fds = {int(x) for x in listing.split()}
+    assert fds <= {0, 1, 2, 3}, fds  # 3: the listing's own
+    lines = rest.split()
+    ignored = int(lines[lines.index("SigIgn:") + 1], 16)
+    assert not ignored & (1 << (signal.SIGPIPE - 1))
+    assert lines[-1] == (str(tmp_path) if elsewhere else os.getcwd())
