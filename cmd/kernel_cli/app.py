@@ -329,5 +329,8 @@ def entry() -> None:
         code = code or 1
     with contextlib.suppress(OSError, ValueError):
         sys.stderr.flush()
+    proc = sys.modules.get("adapters._proc")  # only if this command started processes
+    if proc is not None:
+        proc.lifeline_flush()
     os._exit(code or 0)
 

@@ -51,6 +51,7 @@ from adapters._proc import (
     LIFELINE_ENV,
     lifeline_add,
     lifeline_env,
+    lifeline_flush,
     lifeline_release,
     start_time,
 )
@@ -324,6 +325,7 @@ def _worker_process(tasks: int, results: int, setup: dict[str, Any]) -> int:
               file=sys.stderr)
         return 1
     finally:
+        lifeline_flush()
         with contextlib.suppress(OSError, ValueError):
             sys.stdout.flush()
             sys.stderr.flush()
