@@ -261,6 +261,8 @@ class BatchRunner:
     owner: Owner = field(default_factory=Owner.me)
     running: dict[str, tuple[BatchTask, float]] = field(default_factory=dict)
     outcomes: list[TaskOutcome] = field(default_factory=list)
+    _created: tuple[str, tuple[BatchTask, ...]] | None = field(default=None, init=False,
+                                                               repr=False)
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -300,6 +302,9 @@ class BatchRunner:
         await self.journal.transact([CreateBatch(bid, tuple(tasks), self.owner, name=name,
                                                  source=source, concurrency=self.concurrency,
                                                  options=dict(options or {}))])
+        # `run` right after: every task is as stored, none started (no need to read
+        # the thousand specs back).
+        self._created = (bid, tuple(tasks))
         return bid
 
     async def batch(self, batch_id: str) -> BatchRow | None:
@@ -326,12 +331,18 @@ class BatchRunner:
         store = self.store
         [claimed] = await self.journal.transact([ClaimBatch(batch_id, self.owner)])
         if not claimed:
-            row = await self.batch(batch_id)
-            if row is None:
+            held = await self.batch(batch_id)
+            if held is None:
                 raise StoreError(f"no batch {batch_id}")
-            raise BatchBusyError(f"batch {batch_id} is being run by pid {row.owner.pid} on "
-                                 f"{row.owner.host}")
-        rows = await self.journal.read(store.batch_tasks, batch_id)
+            raise BatchBusyError(f"batch {batch_id} is being run by pid {held.owner.pid} on "
+                                 f"{held.owner.host}")
+        created, self._created = self._created, None
+        if created is not None and created[0] == batch_id:
+            # Created by this runner and claimed again by it: no run of it can exist.
+            rows: list[TaskRow] = [TaskRow(i, t.task_id, t.run_id, dict(t.spec), None, False)
+                    for i, t in enumerate(created[1])]
+        else:
+            rows = await self.journal.read(store.batch_tasks, batch_id)
         self.outcomes = []
         done: dict[int, TaskOutcome] = {}
 
