@@ -347,18 +347,35 @@ class Child:
                 await self.wait()
         self.signal_group(signal.SIGKILL)
         await self.wait()  # reaps it (and closes the pidfd) if nothing did yet
+        self._release()
+
+    def stop_reaped(self) -> bool:
+        """`stop()` for a child already reaped, without awaiting (no scope, no lock);
+        False if it is not reaped yet (then `await stop()`)."""
+        if self._popen.returncode is None or self._pidfd is not None:
+            return False
+        self.signal_group(signal.SIGKILL)
+        self._release()
+        return True
+
+    def _release(self) -> None:
         if not self._released:
             self._released = True
             _LIFELINE.remove(self.pgid)
 
     async def settle(self, drained: Callable[[], Awaitable[None]], grace: float, *,
-                     linger: float = 0.2) -> None:
+                     linger: float = 0.2, done: Callable[[], bool] | None = None) -> None:
         """After the child exited: let its pipes drain, stopping leftovers that hold them.
 
         Waits `linger` seconds for `drained()` (the readers reaching end of
         file), then SIGTERMs the group and waits up to `grace` more, then
-        SIGKILLs it.
+        SIGKILLs it. `done()` says whether they are drained already (then
+        the group is signalled at once, with no wait to set up).
         """
+        if done is not None and done():
+            self.signal_group(signal.SIGTERM)
+            self.signal_group(signal.SIGKILL)
+            return
         with trio.move_on_after(linger):
             await drained()
         self.signal_group(signal.SIGTERM)

@@ -111,25 +111,28 @@ class ShellAgent:
         finished = False
         try:
             drained = trio.Event()
+            open_pipes = [2]
 
-            async def read_both() -> None:
-                assert child.stdout is not None and child.stderr is not None
-                async with trio.open_nursery() as readers:
-                    readers.start_soon(self._pump, child.stdout, "stdout", out)
-                    readers.start_soon(self._pump, child.stderr, "stderr", err)
-                drained.set()
+            async def read(stream: trio.abc.ReceiveStream, name: str, tail: Tail) -> None:
+                await self._pump(stream, name, tail)
+                open_pipes[0] -= 1
+                if not open_pipes[0]:
+                    drained.set()
 
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(read_both)
+                assert child.stdout is not None and child.stderr is not None
+                nursery.start_soon(read, child.stdout, "stdout", out)
+                nursery.start_soon(read, child.stderr, "stderr", err)
                 await child.wait()
                 # The command is gone; its pipes may still be held open by
                 # children it left behind. Give them a moment, then stop them.
-                await child.settle(drained.wait, self.grace)
+                await child.settle(drained.wait, self.grace, done=drained.is_set)
                 nursery.cancel_scope.cancel()
             finished = True
         finally:
-            with trio.CancelScope(shield=True):
-                await child.stop(self.grace)
+            if not child.stop_reaped():
+                with trio.CancelScope(shield=True):
+                    await child.stop(self.grace)
             ctx.process_exited(child.pid)
             self._proc = None
             if self._counter.dropped:
