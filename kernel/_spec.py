@@ -258,7 +258,9 @@ def _fields(obj: Any) -> dict[str, Any]:
     cls: Any = type(obj)
     for name in _names(cls):
         value = getattr(obj, name)
-        out[name] = dict(value) if isinstance(value, Mapping) else value
+        out[name] = dict(value) if type(value) is dict or (
+            not isinstance(value, (str, int, float, tuple)) and value is not None
+            and isinstance(value, Mapping)) else value
     return out
 
 
