@@ -1,6 +1,6 @@
 """`kernel batch --workers N`: the runs of a batch spread over N worker processes.
 
-One Python thread runs a batch's runs at ~1.5 ms of CPU each (spawning,
+One Python thread runs a batch's runs at ~1.3 ms of CPU each (spawning,
 the kernel's loop, critic, audit); on a machine with more than one CPU the
 batch is then bound by that thread while its commands leave the other CPUs
 idle. With `--workers N` the batch process keeps everything that decides
