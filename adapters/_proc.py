@@ -494,7 +494,7 @@ def _start(argv: Sequence[str], cwd: str | None, env: Mapping[bytes, bytes], *,
             ours.append(err_r)
             theirs.append(err_w)
         proc: _Started | None = None
-        if _SPAWN and min(theirs) > 2:
+        if _SPAWN and min(theirs) > 2 and max(theirs) < _SPAWN_MAX_FD:
             proc = _posix_spawn(argv, cwd, env, stdin, out_w, err_w)
         if proc is None:
             proc = subprocess.Popen(list(argv), stdin=stdin, stdout=out_w, stderr=err_w,
@@ -546,6 +546,11 @@ _Started = subprocess.Popen[bytes] | _Spawned
 #: third of `Popen`'s CPU per start, which does its bookkeeping in Python.
 _SPAWN = sys.platform == "linux" and hasattr(os, "posix_spawnp") \
     and hasattr(os, "POSIX_SPAWN_DUP2")
+#: Above this many open fds, listing them for each start costs more than `Popen`
+#: (which closes them in the child with one `close_range`): a process running
+#: thousands of commands at once starts them with `Popen`. The lowest free fd
+#: (a new pipe's) is a lower bound of how many are open.
+_SPAWN_MAX_FD = 256
 
 
 def _posix_spawn(argv: Sequence[str], cwd: str | None, env: Mapping[bytes, bytes],
@@ -591,10 +596,13 @@ def _environ_bytes() -> Mapping[bytes, bytes]:
 
 
 def _inheritable_fds() -> list[int] | None:
-    """This process's fds above 2 open without close-on-exec (None: /proc cannot say)."""
+    """This process's fds above 2 open without close-on-exec (None: /proc cannot say,
+    or too many are open to list them for every start)."""
     try:
         names = os.listdir("/proc/self/fd")
     except OSError:
+        return None
+    if len(names) > _SPAWN_MAX_FD:
         return None
     found: list[int] = []
     for name in names:

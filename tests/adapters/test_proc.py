@@ -147,15 +147,18 @@ async def test_environment_inherited_or_given_with_the_lifeline(monkeypatch: pyt
     assert given == {"ONLY": "this", _proc.LIFELINE_ENV: f"klouter:{token}"}
 
 
-@pytest.mark.parametrize("elsewhere", [False, True], ids=["posix_spawn", "popen"])
+@pytest.mark.parametrize("how", ["posix_spawn", "popen", "many_fds"])
 async def test_a_child_gets_fds_0_to_2_only_and_default_sigpipe(tmp_path: Path,
-                                                                 elsewhere: bool) -> None:
-    """Both ways of starting (posix_spawn here; Popen for another working directory)
-    close every other fd in the child, an inheritable one too, and give back SIGPIPE."""
+                                                                 how: str) -> None:
+    """Every way of starting (posix_spawn here; Popen for another working directory,
+    or with hundreds of fds open) closes every other fd in the child, an inheritable
+    one too, and gives back SIGPIPE."""
     from adapters import _proc
 
+    elsewhere = how == "popen"
     r, w = os.pipe()
     high = os.dup2(w, 200, inheritable=True)  # as a parent shell might leave one open
+    many = [os.open(os.devnull, os.O_RDONLY) for _ in range(300 if how == "many_fds" else 0)]
     try:
         child = await _proc.spawn(
             ["sh", "-c", "ls /proc/self/fd; echo --; grep SigIgn /proc/self/status; pwd"],
@@ -167,7 +170,7 @@ async def test_a_child_gets_fds_0_to_2_only_and_default_sigpipe(tmp_path: Path,
         assert await child.wait() == 0
         await child.stop(1.0)
     finally:
-        for fd in (r, w, high):
+        for fd in (r, w, high, *many):
             os.close(fd)
     listing, rest = data.decode().split("--")
     fds = {int(x) for x in listing.split()}
