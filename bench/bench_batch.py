@@ -3,6 +3,7 @@
     python bench/bench_batch.py                          # 1,000 commands, concurrency 32
     python bench/bench_batch.py --tasks 1000 --concurrency 32 --repeat 3
     python bench/bench_batch.py --workers 1              # the runs in the batch process itself
+    python bench/bench_batch.py --instructions           # instructions per task (callgrind)
 
 Each task is `sh -c 'echo N >> FILE'`. Per repeat, in alternating order:
 `xargs -P C -I{} sh -c 'echo {} >> FILE'` over the numbers 1..N (the
@@ -29,6 +30,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -131,6 +133,71 @@ def _check_audit(db: Path, batch_id: str, n: int) -> None:
         sys.exit(f"audit read back {row}, expected {want}")
 
 
+#: Task counts whose difference `--instructions` divides by.
+_SIZES = (200, 400)
+
+_PREPARE = """
+import sys
+from kernel_cli.batch_cmd import _prepare_new
+_prepare_new(sys.argv[1], sys.argv[2], 32, None, [])
+"""
+
+
+def _callgrind(argv: list[str], out: Path) -> dict[int, int]:
+    """Instructions per process (pid -> count) of `argv` under callgrind (forks followed)."""
+    done = subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}.%p",
+                           *argv], capture_output=True, text=True, check=False, env=_env())
+    if done.returncode != 0:
+        sys.exit(f"{argv[0]} under callgrind exited {done.returncode}: {done.stderr[-800:]}")
+    import re
+
+    return {int(pid): int(n) for pid, n in
+            re.findall(r"==(\d+)== Collected : (\d+)", done.stderr)}
+
+
+def instructions(workers: int) -> None:
+    """`--instructions`: what one task costs the batch's Python processes, in instructions.
+
+    `kernel batch` of 200 and of 400 tasks under callgrind (`--workers`
+    processes are forks: followed; the commands are exec'd: not counted),
+    the difference divided by 200. A worker's count includes what the batch
+    process did before forking it (start-up, reading the file), so that part
+    is measured apart (`_prepare_new` alone, same sizes) and taken out.
+    """
+    if shutil.which("valgrind") is None:
+        sys.exit("valgrind is not installed (apt-get install valgrind)")
+    got: dict[int, tuple[int, list[int], int]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-batch-cg-") as tmp:
+        work = Path(tmp)
+        for n in _SIZES:
+            out = work / f"effects{n}"
+            tasks = work / f"tasks{n}.jsonl"
+            tasks.write_text("".join(json.dumps({"id": f"t{i}", "command": [
+                "sh", "-c", f"echo {i} >> {out}"]}) + "\n" for i in range(n)))
+            counts = _callgrind([sys.executable, _kernel(), "batch", str(tasks), "-j", "32",
+                                 "--json", "--db", str(work / f"a{n}.duckdb"), "--workers",
+                                 str(workers)], work / f"cg{n}")
+            _check_effects(out, n, "kernel batch")
+            first = list(counts)[-1]  # the batch process: it ends after its workers
+            prepare = _callgrind([sys.executable, "-c", _PREPARE, str(tasks),
+                                  str(work / f"p{n}.duckdb")], work / f"cgp{n}")
+            got[n] = (counts[first], [c for p, c in counts.items() if p != first],
+                      sum(prepare.values()))
+    (a_parent, a_workers, a_prep), (b_parent, b_workers, b_prep) = got[_SIZES[0]], \
+        got[_SIZES[1]]
+    span = _SIZES[1] - _SIZES[0]
+    read = (b_prep - a_prep) / span
+    parent = (b_parent - a_parent) / span
+    runs = (sum(b_workers) - sum(a_workers)) / span - len(a_workers) * read
+    print(f"instructions per task, {workers} workers (callgrind, {_SIZES[1]} minus "
+          f"{_SIZES[0]} tasks):")
+    print(f"  batch process: {parent / 1e6:.2f} M (reading and validating the line "
+          f"{read / 1e6:.2f} M; storing, dispatching, results, --json "
+          f"{(parent - read) / 1e6:.2f} M)")
+    print(f"  workers (the run): {runs / 1e6:.2f} M")
+    print(f"  all Python processes: {(parent + runs) / 1e6:.2f} M")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tasks", type=int, default=1000)
@@ -138,7 +205,13 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--workers", type=int, default=None,
                     help="kernel batch --workers N (default: the CLI's own default)")
+    ap.add_argument("--instructions", action="store_true",
+                    help="count instructions per task under callgrind instead (a figure "
+                         "load does not move; --workers default 2)")
     a = ap.parse_args()
+    if a.instructions:
+        instructions(a.workers or 2)
+        return
     global WORKERS
     WORKERS = a.workers
     rows = []
