@@ -252,31 +252,38 @@ _dumps = json.JSONEncoder(default=str, ensure_ascii=False).encode
 
 
 #: Events are inserted (and runs' rows written) by statements of many rows
-#: each: `_SIZES` rows, largest first (as many as SQLite's limit on a
-#: statement's parameters allows), so n rows take at most n // 4096 + 12
-#: statements. A statement's parameters are bound holding
-#: the GIL, but SQLite writes all of its rows in one `sqlite3_step`, which
-#: Python runs without the GIL. With one statement per row (`executemany`) the
-#: writer thread gave the GIL back and waited for it again for every row, and
-#: with the trio thread busy each wait could last a switch interval (5 ms): the
-#: writer could not work beside the trio thread.
-_SIZES = tuple(2 ** i for i in range(12, -1, -1))
+#: each: powers of two rows, largest first (up to `_MOST_ROWS`, and as many
+#: as SQLite's limit on a statement's parameters allows), so n rows take at
+#: most n // 4096 + 12 statements, of at most 13 texts per kind. A
+#: statement's parameters are bound holding the GIL, but SQLite writes all of
+#: its rows in one `sqlite3_step`, which Python runs without the GIL. With one
+#: statement per row (`executemany`) the writer thread gave the GIL back and
+#: waited for it again for every row, and with the trio thread busy each wait
+#: could last a switch interval (5 ms): the writer could not work beside the
+#: trio thread.
+_MOST_ROWS = 4096
+#: Parameters every SQLite build takes in one statement (its lowest default limit).
+_SMALL_PARAMS = 999
 
 
-@dataclass(frozen=True)
 class _Rows:
-    """A statement over `n` rows of parameters: `head`, n times `row`, `tail`."""
+    """A statement over `n` rows of parameters: `head`, n times `row`, `tail`.
 
-    head: str
-    row: str
-    tail: str = ""
+    Its text for each `n` is made once (`sql`); the writers only use powers of two.
+    """
 
-    @property
-    def width(self) -> int:
-        return self.row.count("?")
+    __slots__ = ("_sql", "head", "row", "tail", "width")
+
+    def __init__(self, head: str, row: str, tail: str = "") -> None:
+        self.head, self.row, self.tail = head, row, tail
+        self.width = row.count("?")
+        self._sql: dict[int, str] = {}
 
     def sql(self, n: int) -> str:
-        return self.head + ", ".join([self.row] * n) + self.tail
+        text = self._sql.get(n)
+        if text is None:
+            text = self._sql[n] = self.head + ", ".join([self.row] * n) + self.tail
+        return text
 
 
 _INSERT_EVENTS = _Rows("INSERT INTO events (run_id, seq, ts, kind, iteration, name, "
@@ -298,25 +305,18 @@ _CLOSE_RUNS = _Rows(
     "exit_code = v.column13, output_truncated = v.column14, rev = v.column15 FROM (VALUES ",
     "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", ") AS v WHERE runs.run_id = v.column16")
 _LAST_SEQS = _Rows("SELECT run_id, last_seq FROM runs WHERE run_id IN (", "?", ")")
-_SQL: dict[tuple[_Rows, int], str] = {}  # the statements made so far, by (kind, rows)
 
 
 def _chunks(con: sqlite3.Connection, kind: _Rows, rows: Sequence[Any]
             ) -> Iterator[tuple[str, Sequence[Any]]]:
-    """`rows` cut into chunks of `_SIZES` rows (largest first), each with its statement."""
-    most = con.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // kind.width
+    """`rows` cut into chunks of powers of two rows (largest first, at most `_MOST_ROWS`
+    and what SQLite's limit on parameters allows), each with its statement."""
+    most = min(con.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // kind.width, _MOST_ROWS)
     at, total = 0, len(rows)
-    for size in _SIZES:
-        if size > most:
-            continue
-        sql = None
-        while total - at >= size:
-            if sql is None:
-                sql = _SQL.get((kind, size))
-                if sql is None:
-                    sql = _SQL[kind, size] = kind.sql(size)
-            yield sql, rows[at:at + size]
-            at += size
+    while at < total:
+        size = 1 << (min(total - at, most).bit_length() - 1)
+        yield kind.sql(size), rows[at:at + size]
+        at += size
 
 
 def _execute_rows(con: sqlite3.Connection, kind: _Rows, rows: list[tuple[Any, ...]],
@@ -326,8 +326,14 @@ def _execute_rows(con: sqlite3.Connection, kind: _Rows, rows: list[tuple[Any, ..
     `clean` rewrites a chunk's rows when binding them raised `UnicodeEncodeError`
     (a lone surrogate); binding fails before anything of the chunk is written.
     """
+    total = len(rows)
+    if total and total & (total - 1) == 0 and total * kind.width <= _SMALL_PARAMS:
+        # One statement (a save's events, a run's close): no chunking.
+        chunks: Any = ((kind.sql(total), rows),)
+    else:
+        chunks = _chunks(con, kind, rows)
     changed = 0
-    for sql, chunk in _chunks(con, kind, rows):
+    for sql, chunk in chunks:
         try:
             cur = con.execute(sql, list(chain.from_iterable(chunk)))
         except UnicodeEncodeError:
@@ -708,7 +714,12 @@ class SQLiteStore:
         con, t0, waited = self._start(wait)
         try:
             bases = self._write_batch(con, batch, rev) if batch is not None else None
-            results = [self._apply_one(con, op, rev) for op in ops]
+            results: list[Any] = []
+            for op in ops:  # `_apply_one`, written out (the hot path)
+                try:
+                    results.append(self._apply(con, op, rev))
+                except StoreError as exc:
+                    results.append(exc)
             con.execute("COMMIT")
         except BaseException as exc:
             err = self._undo(con, exc)
@@ -884,7 +895,8 @@ class SQLiteStore:
                     seqs, batch.ts, batch.kinds, batch.iters, batch.names, batch.durs,
                     batch.payloads, strict=True)]
         _execute_rows(con, _INSERT_EVENTS, rows, _clean_event)
-        self._write_closes(con, batch, rev)
+        if batch.closes:
+            self._write_closes(con, batch, rev)
 
     def _write_closes(self, con: sqlite3.Connection, batch: Batch, rev: list[int]) -> None:
         """The closed runs' roll-ups (`Batch.closes`)."""
@@ -989,7 +1001,7 @@ class SQLiteStore:
     def _save(self, con: sqlite3.Connection, op: SaveCheckpoint, rev: list[int]) -> bool:
         cp, o, u = op.checkpoint, op.owner, op.checkpoint.usage
         now = now_us()
-        state = _text(_dumps(cp.state))
+        state = _text(_dumps(cp.state) if op.state_json is None else op.state_json)
         # No change number here: the analysts' copy of a checkpoint follows its
         # registration, claims and end, not every save (one statement less per save).
         cur = con.execute(
