@@ -97,7 +97,7 @@ AUTOCHECKPOINT_PAGES = 4000
 WAL_SIZE_LIMIT = 4 << 20
 
 #: The journal schema version this code writes (SQLite's `PRAGMA user_version`).
-JOURNAL_VERSION = 3
+JOURNAL_VERSION = 4
 
 _V1 = (
     """CREATE TABLE IF NOT EXISTS runs (
@@ -165,10 +165,10 @@ _V2 = (
 #: unique per run, and a resumed run reads its next seq from one row. What read
 #: one run's events through the index (`payloads`) starts at `runs.first_event`,
 #: the id of the run's first event in the journal. The table is rebuilt (ids kept:
-#: they are the analysts' sync cursor), with AUTOINCREMENT: an id is never handed
-#: out twice, even after a purge deleted the newest events (without it SQLite
-#: numbers a new row after the highest id left, and the sync, which copies ids
-#: above its cursor, would skip the new events for good).
+#: they are the analysts' sync cursor), with AUTOINCREMENT (until version 4): an id
+#: is never handed out twice, even after a purge deleted the newest events (without
+#: it SQLite numbers a new row after the highest id left, and the sync, which copies
+#: ids above its cursor, would skip the new events for good).
 _V3 = (
     "UPDATE runs SET last_seq = max(last_seq, coalesce((SELECT max(seq) FROM events e "
     "WHERE e.run_id = runs.run_id), 0))",
@@ -184,8 +184,37 @@ _V3 = (
     "ALTER TABLE events_v3 RENAME TO events",
 )
 
+#: The `kind` of an id mark: a row of no run (`run_id` '') that holds the highest event
+#: id ever handed out once a purge deleted the event that had it (see version 4).
+ID_MARK = "id_mark"
+
+#: Version 4: events without AUTOINCREMENT. AUTOINCREMENT kept the highest id ever
+#: handed out in `sqlite_sequence`, a row every insert into events rewrote: one WAL
+#: page more per transaction (a checkpoint save wrote 4 pages: the runs row, the
+#: events leaf, the checkpoint row and that one), ~5 us of each save. What it
+#: guaranteed (an id is never handed out twice, so the sync, which copies ids above
+#: its cursor, never skips an event) is kept by the table itself: SQLite numbers a
+#: new row after the highest id in the table, and a purge that deletes the event
+#: with the highest id leaves an *id mark* in its place (`ID_MARK`; run_id '', never
+#: copied to the analysts' file, superseded marks deleted by the next purge). The
+#: table is rebuilt once (ids kept), with a mark where `sqlite_sequence` was above
+#: the highest id left (a purge under version 3 deleted the newest events).
+_V4 = (
+    """CREATE TABLE events_v4 (
+        id INTEGER PRIMARY KEY, run_id TEXT NOT NULL, seq INTEGER NOT NULL,
+        ts INTEGER NOT NULL, kind TEXT NOT NULL, iteration INTEGER, name TEXT,
+        duration_ms REAL, payload TEXT)""",
+    "INSERT INTO events_v4 (id, run_id, seq, ts, kind, iteration, name, duration_ms, payload) "
+    "SELECT id, run_id, seq, ts, kind, iteration, name, duration_ms, payload FROM events",
+    "INSERT INTO events_v4 (id, run_id, seq, ts, kind) "
+    f"SELECT seq, '', 0, 0, '{ID_MARK}' FROM sqlite_sequence WHERE name = 'events' "
+    "AND seq > (SELECT coalesce(max(id), 0) FROM events)",
+    "DROP TABLE events",
+    "ALTER TABLE events_v4 RENAME TO events",
+)
+
 #: Every journal migration, in order (index + 1 = the version it brings). Append only.
-MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2, _V3)
+MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2, _V3, _V4)
 
 #: Columns `changes()` yields for each table, in order.
 EVENT_COLUMNS = ("id", "run_id", "seq", "ts", "kind", "iteration", "name", "duration_ms",
@@ -860,9 +889,8 @@ class SQLiteStore:
         if new_runs:
             change = self._rev(con, rev)
             # Each run_start gets the next id, given here: the run's `first_event`.
-            top = int(con.execute("SELECT max(coalesce((SELECT max(id) FROM events), 0), "
-                                  "coalesce((SELECT seq FROM sqlite_sequence WHERE name = "
-                                  "'events'), 0))").fetchone()[0])
+            # (An id mark keeps the highest id ever handed out in the table: see `_V4`.)
+            top = int(con.execute("SELECT coalesce(max(id), 0) FROM events").fetchone()[0])
             _execute_rows(con, _INSERT_RUNS, [(*run, last.pop(run[0], 0), top + i, change)
                                               for i, run in enumerate(new_runs, start=1)])
             _execute_rows(con, _INSERT_STARTS,
@@ -1294,9 +1322,18 @@ class SQLiteStore:
         if not self.exists():
             return 0, 0
         with self._write() as con:
+            top = int(con.execute("SELECT coalesce(max(id), 0) FROM events").fetchone()[0])
             old = ("SELECT run_id FROM runs WHERE ended_at IS NOT NULL AND ended_at < ?")
             ev = con.execute(f"DELETE FROM events WHERE run_id IN ({old})", (before_us,))
             n_events = ev.rowcount
+            # The highest id stays handed out (SQLite numbers new rows after the highest
+            # id left): an id mark takes the place of a deleted newest event (see `_V4`);
+            # older marks are superseded.
+            con.execute("DELETE FROM events WHERE run_id = '' AND kind = ? AND id < ?",
+                        (ID_MARK, top))
+            if top and con.execute("SELECT 1 FROM events WHERE id = ?", (top,)).fetchone() is None:
+                con.execute("INSERT INTO events (id, run_id, seq, ts, kind) "
+                            "VALUES (?, '', 0, ?, ?)", (top, now_us(), ID_MARK))
             con.execute("DELETE FROM checkpoints WHERE status != 'running' AND updated_at < ?",
                         (before_us,))
             rn = con.execute("DELETE FROM runs WHERE ended_at IS NOT NULL AND ended_at < ?",
@@ -1326,7 +1363,8 @@ class Changes:
         """New events in id order, in lists of at most `chunk` rows (`EVENT_COLUMNS`)."""
         cur = self._con.execute(
             f"SELECT {', '.join(EVENT_COLUMNS)} FROM events WHERE id > ? AND id <= ? "
-            "ORDER BY id", (self.events_after, self.last_event))
+            f"AND NOT (run_id = '' AND kind = '{ID_MARK}') ORDER BY id",  # no id marks
+            (self.events_after, self.last_event))
         while True:
             rows = cur.fetchmany(chunk)
             if not rows:
