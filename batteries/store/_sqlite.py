@@ -386,6 +386,11 @@ def _clean_event(row: tuple[Any, ...]) -> tuple[Any, ...]:
     return (*row[:5], _text(row[5]), row[6], _text(row[7]))
 
 
+def _clean_start(row: tuple[Any, ...]) -> tuple[Any, ...]:
+    """`_clean_event` for an event row that starts with its id."""
+    return (row[0], *_clean_event(row[1:]))
+
+
 _RUN_ID = itemgetter(1)
 _BASE = itemgetter(0)
 
@@ -832,12 +837,17 @@ class SQLiteStore:
         if batch.empty():
             return {}
         recs = batch.recs
-        if recs and not batch.new:
+        new = batch.new
+        if recs and not new:
             only = recs[0]
             if only.base is not None and recs.count(only) == len(recs):
                 self._write_known_run(con, only, batch, rev)
                 return {}
-        bases: dict[Any, int] = {}
+        elif len(new) == 1 and new[0].base is None and recs.count(new[0]) == len(recs):
+            bases = self._write_new_run(con, new[0], batch, rev)
+            if bases is not None:
+                return bases
+        bases = {}
         next_in_batch: dict[str, int] = {}
         starts: list[tuple[Any, ...]] = []
         new_runs: list[tuple[Any, ...]] = []
@@ -925,6 +935,36 @@ class SQLiteStore:
         _execute_rows(con, _INSERT_EVENTS, rows, _clean_event)
         if batch.closes:
             self._write_closes(con, batch, rev)
+
+    def _write_new_run(self, con: sqlite3.Connection, rec: Any, batch: Batch,
+                       rev: list[int]) -> dict[Any, int] | None:
+        """`_write_batch` when every event is of one recorder that opens its run (a run's
+        first transaction): the same rows, its run_start and events in one statement.
+        None, with nothing written, if the run is in the journal already (a resumed run:
+        `_write_batch` continues its seq)."""
+        rid = rec.run_id
+        seen, top = con.execute("SELECT (SELECT last_seq FROM runs WHERE run_id = ?), "
+                                "(SELECT coalesce(max(id), 0) FROM events)", (rid,)).fetchone()
+        if seen is not None:
+            return None
+        info, seqs = rec.info, batch.seqs
+        # Each run_start gets the next id, given here: the run's `first_event`; its events
+        # follow it (what SQLite would number them).
+        con.execute(_INSERT_RUNS.sql(1), (
+            rid, info.parent_run_id, _text(info.subject_id), _text(info.name),
+            _text(info.caller_id), _text(info.channel_id), _text(_dumps(info.inputs)),
+            rec.started_us, rec.host, rec.pid, 1 + max(seqs) if seqs else 0, top + 1,
+            self._rev(con, rev)))
+        rows = [(top + 1, rid, 0, rec.started_us, "run_start", None, _text(info.name), None,
+                 _text(_dumps({"inputs": info.inputs, "caller_id": info.caller_id})))]
+        rows += [(top + i, rid, 1 + s, ts, kind, it, name, dur, payload)
+                 for i, (s, ts, kind, it, name, dur, payload) in enumerate(zip(
+                     seqs, batch.ts, batch.kinds, batch.iters, batch.names, batch.durs,
+                     batch.payloads, strict=True), start=2)]
+        _execute_rows(con, _INSERT_STARTS, rows, _clean_start)
+        if batch.closes:
+            self._write_closes(con, batch, rev)
+        return {rec: 1}
 
     def _write_closes(self, con: sqlite3.Connection, batch: Batch, rev: list[int]) -> None:
         """The closed runs' roll-ups (`Batch.closes`)."""
@@ -1014,17 +1054,16 @@ class SQLiteStore:
     def _register(self, con: sqlite3.Connection, op: RegisterRun, rev: list[int]) -> None:
         now = now_us()
         o = op.owner
-        cur = con.execute(
-            "UPDATE checkpoints SET status = 'running', error = NULL, host = ?, pid = ?, "
-            "pid_start = ?, heartbeat_at = ?, updated_at = ?, rev = ? WHERE run_id = ?",
-            (o.host, o.pid, o.started, now, now, self._rev(con, rev), op.run_id))
-        if cur.rowcount == 0:
-            con.execute(
-                "INSERT INTO checkpoints (run_id, spec, status, host, pid, pid_start, "
-                "heartbeat_at, created_at, updated_at, rev) "
-                "VALUES (?, ?, 'running', ?, ?, ?, ?, ?, ?, ?)",
-                (op.run_id, _text(_dumps(op.spec)), o.host, o.pid, o.started, now, now, now,
-                 self._rev(con, rev)))
+        # One statement: a new run's row, or a registered run's taken back (its spec kept).
+        con.execute(
+            "INSERT INTO checkpoints (run_id, spec, status, host, pid, pid_start, "
+            "heartbeat_at, created_at, updated_at, rev) "
+            "VALUES (?, ?, 'running', ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (run_id) DO UPDATE SET "
+            "status = 'running', error = NULL, host = excluded.host, pid = excluded.pid, "
+            "pid_start = excluded.pid_start, heartbeat_at = excluded.heartbeat_at, "
+            "updated_at = excluded.updated_at, rev = excluded.rev",
+            (op.run_id, _text(_dumps(op.spec)), o.host, o.pid, o.started, now, now, now,
+             self._rev(con, rev)))
 
     def _save(self, con: sqlite3.Connection, op: SaveCheckpoint, rev: list[int]) -> bool:
         cp, o, u = op.checkpoint, op.owner, op.checkpoint.usage
