@@ -181,9 +181,7 @@ class Journal:
                 (the buffered rows are kept for the next transaction).
             StoreError: The journal cannot be written.
         """
-        if (not self._queue and not self._lock.locked()
-                and time.perf_counter() - self._yielded_at < YIELD_EVERY
-                and trio.lowlevel.current_statistics().tasks_runnable == 0):
+        if self._alone():
             # No other task is ready to run, so none could join this transaction: write
             # it now, without a trip through trio's scheduler (~10 us of a checkpoint
             # save). A cancelled caller still stops here, and a caller that has not
@@ -241,17 +239,29 @@ class Journal:
         lock; the first of them then writes everything buffered meanwhile, and
         the others find their rows already committed and return without a
         transaction of their own (many runs closing at once cost a few
-        transactions, not one each).
+        transactions, not one each). A caller no other task could join writes
+        at once, as in `transact`.
 
         Raises:
             StoreBusyError: The journal stayed locked past the lock timeout.
             StoreError: The journal cannot be written.
         """
+        if self._alone():  # nobody could share it: at once, as `transact` does
+            await trio.lowlevel.checkpoint_if_cancelled()
+            if self._transact_now(()) is not None:
+                return
         need = self._begun + 1  # the first transaction to take its batch after this call
         async with self._lock:
+            self._yielded_at = time.perf_counter()
             if self._durable >= need:
                 return
             await self._transact(())
+
+    def _alone(self) -> bool:
+        """True when no other task could join a transaction started now (see `transact`)."""
+        return (not self._queue and not self._lock.locked()
+                and time.perf_counter() - self._yielded_at < YIELD_EVERY
+                and trio.lowlevel.current_statistics().tasks_runnable == 0)
 
     async def _transact(self, ops: Sequence[Op], *, raw: bool = False) -> list[Any]:
         # Called holding `_lock`. `raw`: return refused ops' errors instead of raising.

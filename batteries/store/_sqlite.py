@@ -293,12 +293,17 @@ _dumps = json.JSONEncoder(default=str, ensure_ascii=False).encode
 _MOST_ROWS = 4096
 #: Parameters every SQLite build takes in one statement (its lowest default limit).
 _SMALL_PARAMS = 999
+#: Up to this many rows are written by one statement of exactly that many (a save's
+#: events, a run's close: one statement, not one per power of two); more rows by
+#: powers of two, so a kind has at most 16 + 13 statement texts (the connection
+#: caches 128 prepared statements).
+_EXACT_ROWS = 16
 
 
 class _Rows:
     """A statement over `n` rows of parameters: `head`, n times `row`, `tail`.
 
-    Its text for each `n` is made once (`sql`); the writers only use powers of two.
+    Its text for each `n` is made once (`sql`): up to `_EXACT_ROWS`, then powers of two.
     """
 
     __slots__ = ("_sql", "head", "row", "tail", "width")
@@ -333,6 +338,10 @@ _CLOSE_RUNS = _Rows(
     "thinking_tokens = v.column10, cost_usd = v.column11, reason = v.column12, "
     "exit_code = v.column13, output_truncated = v.column14, rev = v.column15 FROM (VALUES ",
     "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", ") AS v WHERE runs.run_id = v.column16")
+_CLOSE_RUN = (  # `_CLOSE_RUNS` of one run
+    "UPDATE runs SET ended_at = ?, status = ?, output = ?, error = ?, steps = ?, tool_calls = ?, "
+    "runtime_seconds = ?, input_tokens = ?, output_tokens = ?, thinking_tokens = ?, "
+    "cost_usd = ?, reason = ?, exit_code = ?, output_truncated = ?, rev = ? WHERE run_id = ?")
 _LAST_SEQS = _Rows("SELECT run_id, last_seq FROM runs WHERE run_id IN (", "?", ")")
 
 
@@ -356,7 +365,8 @@ def _execute_rows(con: sqlite3.Connection, kind: _Rows, rows: list[tuple[Any, ..
     (a lone surrogate); binding fails before anything of the chunk is written.
     """
     total = len(rows)
-    if total and total & (total - 1) == 0 and total * kind.width <= _SMALL_PARAMS:
+    if 0 < total <= _EXACT_ROWS or (total & (total - 1) == 0
+                                    and total * kind.width <= _SMALL_PARAMS):
         # One statement (a save's events, a run's close): no chunking.
         chunks: Any = ((kind.sql(total), rows),)
     else:
@@ -970,9 +980,12 @@ class SQLiteStore:
         """The closed runs' roll-ups (`Batch.closes`)."""
         if batch.closes:
             r = self._rev(con, rev)
-            _execute_rows(con, _CLOSE_RUNS, [
-                (row[1], row[2], _text(row[3]), _text(row[4]), *row[5:12], _text(row[12]),
-                 row[13], int(bool(row[14])), r, row[0]) for _, row in batch.closes])
+            rows = [(row[1], row[2], _text(row[3]), _text(row[4]), *row[5:12], _text(row[12]),
+                     row[13], int(bool(row[14])), r, row[0]) for _, row in batch.closes]
+            if len(rows) == 1:  # one run closing (a run at a time): no join with VALUES
+                con.execute(_CLOSE_RUN, rows[0])
+            else:
+                _execute_rows(con, _CLOSE_RUNS, rows)
 
     @staticmethod
     def _seq_conflict(con: sqlite3.Connection, first: dict[str, int]) -> None:
