@@ -31,6 +31,7 @@ them back (the CLI's secret `--context` values) does so when it resumes.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -106,10 +107,12 @@ class JournalCheckpointer:
                 cannot be written.
         """
         cp = checkpoint
-        redacted = Checkpoint(cp.run_id, cp.steps, self.redactor.value(cp.state), cp.usage,
-                              cp.tool_calls)
-        await self.journal.transact([SaveCheckpoint(redacted, self.owner,
-                                                    self._specs.get(cp.run_id))])
+        # Encoded once, then redacted as JSON text (one pass over one string, as the
+        # audit does with payloads); the store writes the text as given.
+        state = self.redactor.json_text(_dumps(cp.state))
+        await self.journal.transact([SaveCheckpoint(
+            Checkpoint(cp.run_id, cp.steps, None, cp.usage, cp.tool_calls), self.owner,
+            self._specs.get(cp.run_id), state)])
 
     async def complete(self, run_id: str) -> None:
         """The run finished: mark it completed and drop its state (with the next transaction)."""
@@ -164,6 +167,15 @@ class JournalCheckpointer:
             LoseRun(saved.run_id, f"supervisor gone, not resumable: {why}",
                     info if isinstance(info, dict) else None,
                     None if started is None else int(started.timestamp() * 1e6))])
+
+
+def _default(value: Any) -> Any:
+    """What JSON cannot encode directly: a mapping as an object, anything else as text."""
+    return dict(value) if isinstance(value, Mapping) else str(value)
+
+
+#: A saved state as the journal stores it (the stores' own encoding: `ensure_ascii=False`).
+_dumps = json.JSONEncoder(default=_default, ensure_ascii=False).encode
 
 
 def stored_spec(spec: RunSpec, redactor: Redactor) -> dict[str, Any]:

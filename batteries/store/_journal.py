@@ -181,16 +181,17 @@ class Journal:
                 (the buffered rows are kept for the next transaction).
             StoreError: The journal cannot be written.
         """
-        if (not self._queue and not self._lock.locked()
-                and time.perf_counter() - self._yielded_at < YIELD_EVERY
-                and trio.lowlevel.current_statistics().tasks_runnable == 0):
+        if self._alone():
             # No other task is ready to run, so none could join this transaction: write
             # it now, without a trip through trio's scheduler (~10 us of a checkpoint
             # save). A cancelled caller still stops here, and a caller that has not
             # yielded here for YIELD_EVERY does (timers and I/O get their turn even if
             # the run's agent never awaits anything between its saves).
             await trio.lowlevel.checkpoint_if_cancelled()
-            self._lock.acquire_nowait()
+            results = self._transact_now(ops)
+            if results is not None:
+                return results
+            self._lock.acquire_nowait()  # it must wait for the write lock: in a thread
             try:
                 return await self._transact(ops)
             finally:
@@ -238,17 +239,29 @@ class Journal:
         lock; the first of them then writes everything buffered meanwhile, and
         the others find their rows already committed and return without a
         transaction of their own (many runs closing at once cost a few
-        transactions, not one each).
+        transactions, not one each). A caller no other task could join writes
+        at once, as in `transact`.
 
         Raises:
             StoreBusyError: The journal stayed locked past the lock timeout.
             StoreError: The journal cannot be written.
         """
+        if self._alone():  # nobody could share it: at once, as `transact` does
+            await trio.lowlevel.checkpoint_if_cancelled()
+            if self._transact_now(()) is not None:
+                return
         need = self._begun + 1  # the first transaction to take its batch after this call
         async with self._lock:
+            self._yielded_at = time.perf_counter()
             if self._durable >= need:
                 return
             await self._transact(())
+
+    def _alone(self) -> bool:
+        """True when no other task could join a transaction started now (see `transact`)."""
+        return (not self._queue and not self._lock.locked()
+                and time.perf_counter() - self._yielded_at < YIELD_EVERY
+                and trio.lowlevel.current_statistics().tasks_runnable == 0)
 
     async def _transact(self, ops: Sequence[Op], *, raw: bool = False) -> list[Any]:
         # Called holding `_lock`. `raw`: return refused ops' errors instead of raising.
@@ -283,10 +296,15 @@ class Journal:
             else:  # cancelled before the write started (e.g. waiting for a thread)
                 self._keep(batch, deferred)
             raise
+        self._durable = number
+        return self._committed(deferred, results, raw)
+
+    def _committed(self, deferred: list[Op], results: list[Any], raw: bool) -> list[Any]:
+        """After a commit: the failure count reset, refused deferred ops logged; the results
+        of the caller's ops (a refused one raised unless `raw`)."""
         self.last_error = None
         self._failures = 0
         self.retry_len = 0
-        self._durable = number
         for op, res in zip(deferred, results, strict=False):
             if isinstance(res, Exception):
                 _log.error("journal operation refused: %s: %s", type(op).__name__, res)
@@ -295,6 +313,34 @@ class Journal:
             if isinstance(res, Exception) and not raw:
                 raise res
         return mine
+
+    def _transact_now(self, ops: Sequence[Op]) -> list[Any] | None:
+        """`_transact` on the trio thread, for a caller no other task could join: the
+        transaction if it can start at once, else None (nothing done: `_transact` then
+        runs it in a thread). Called with `_lock` free; it never awaits, so no other
+        task can start a transaction meanwhile and the lock is not taken (trio's Lock
+        costs a few microseconds of a checkpoint save)."""
+        todo = self.pending
+        if len(todo) > INLINE_EVENTS:
+            return None
+        deferred = self._deferred
+        todo_ops = [*deferred, *ops] if deferred else ops
+        try:
+            results = self.store.commit(None if todo.empty() else todo, todo_ops, wait=False)
+        except WouldBlock:
+            return None
+        except Exception as exc:
+            self._begun += 1
+            self.pending, self._deferred = Batch(), []
+            self._failed(todo, deferred, exc)
+            raise
+        self._begun += 1
+        self._durable = self._begun
+        if not todo.empty():
+            self.pending = Batch()
+        if deferred:
+            self._deferred = []
+        return self._committed(deferred, results, False)
 
     async def later(self, op: Op) -> None:
         """Write `op` with the next transaction (at once if the flusher is not running)."""

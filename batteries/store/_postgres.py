@@ -636,7 +636,7 @@ class PostgresStore:
 
     def _save(self, con: Any, op: SaveCheckpoint) -> bool:
         cp, o, u = op.checkpoint, op.owner, op.checkpoint.usage
-        state = _text(_dumps(cp.state))
+        state = _text(_dumps(cp.state) if op.state_json is None else op.state_json)
         # No change number: the analysts' copy of a checkpoint follows its registration,
         # claims and end, not every save (as in the journal).
         cur = con.execute(

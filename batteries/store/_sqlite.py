@@ -97,7 +97,7 @@ AUTOCHECKPOINT_PAGES = 4000
 WAL_SIZE_LIMIT = 4 << 20
 
 #: The journal schema version this code writes (SQLite's `PRAGMA user_version`).
-JOURNAL_VERSION = 3
+JOURNAL_VERSION = 4
 
 _V1 = (
     """CREATE TABLE IF NOT EXISTS runs (
@@ -165,10 +165,10 @@ _V2 = (
 #: unique per run, and a resumed run reads its next seq from one row. What read
 #: one run's events through the index (`payloads`) starts at `runs.first_event`,
 #: the id of the run's first event in the journal. The table is rebuilt (ids kept:
-#: they are the analysts' sync cursor), with AUTOINCREMENT: an id is never handed
-#: out twice, even after a purge deleted the newest events (without it SQLite
-#: numbers a new row after the highest id left, and the sync, which copies ids
-#: above its cursor, would skip the new events for good).
+#: they are the analysts' sync cursor), with AUTOINCREMENT (until version 4): an id
+#: is never handed out twice, even after a purge deleted the newest events (without
+#: it SQLite numbers a new row after the highest id left, and the sync, which copies
+#: ids above its cursor, would skip the new events for good).
 _V3 = (
     "UPDATE runs SET last_seq = max(last_seq, coalesce((SELECT max(seq) FROM events e "
     "WHERE e.run_id = runs.run_id), 0))",
@@ -184,8 +184,37 @@ _V3 = (
     "ALTER TABLE events_v3 RENAME TO events",
 )
 
+#: The `kind` of an id mark: a row of no run (`run_id` '') that holds the highest event
+#: id ever handed out once a purge deleted the event that had it (see version 4).
+ID_MARK = "id_mark"
+
+#: Version 4: events without AUTOINCREMENT. AUTOINCREMENT kept the highest id ever
+#: handed out in `sqlite_sequence`, a row every insert into events rewrote: one WAL
+#: page more per transaction (a checkpoint save wrote 4 pages: the runs row, the
+#: events leaf, the checkpoint row and that one), ~5 us of each save. What it
+#: guaranteed (an id is never handed out twice, so the sync, which copies ids above
+#: its cursor, never skips an event) is kept by the table itself: SQLite numbers a
+#: new row after the highest id in the table, and a purge that deletes the event
+#: with the highest id leaves an *id mark* in its place (`ID_MARK`; run_id '', never
+#: copied to the analysts' file, superseded marks deleted by the next purge). The
+#: table is rebuilt once (ids kept), with a mark where `sqlite_sequence` was above
+#: the highest id left (a purge under version 3 deleted the newest events).
+_V4 = (
+    """CREATE TABLE events_v4 (
+        id INTEGER PRIMARY KEY, run_id TEXT NOT NULL, seq INTEGER NOT NULL,
+        ts INTEGER NOT NULL, kind TEXT NOT NULL, iteration INTEGER, name TEXT,
+        duration_ms REAL, payload TEXT)""",
+    "INSERT INTO events_v4 (id, run_id, seq, ts, kind, iteration, name, duration_ms, payload) "
+    "SELECT id, run_id, seq, ts, kind, iteration, name, duration_ms, payload FROM events",
+    "INSERT INTO events_v4 (id, run_id, seq, ts, kind) "
+    f"SELECT seq, '', 0, 0, '{ID_MARK}' FROM sqlite_sequence WHERE name = 'events' "
+    "AND seq > (SELECT coalesce(max(id), 0) FROM events)",
+    "DROP TABLE events",
+    "ALTER TABLE events_v4 RENAME TO events",
+)
+
 #: Every journal migration, in order (index + 1 = the version it brings). Append only.
-MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2, _V3)
+MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2, _V3, _V4)
 
 #: Columns `changes()` yields for each table, in order.
 EVENT_COLUMNS = ("id", "run_id", "seq", "ts", "kind", "iteration", "name", "duration_ms",
@@ -252,31 +281,43 @@ _dumps = json.JSONEncoder(default=str, ensure_ascii=False).encode
 
 
 #: Events are inserted (and runs' rows written) by statements of many rows
-#: each: `_SIZES` rows, largest first (as many as SQLite's limit on a
-#: statement's parameters allows), so n rows take at most n // 4096 + 12
-#: statements. A statement's parameters are bound holding
-#: the GIL, but SQLite writes all of its rows in one `sqlite3_step`, which
-#: Python runs without the GIL. With one statement per row (`executemany`) the
-#: writer thread gave the GIL back and waited for it again for every row, and
-#: with the trio thread busy each wait could last a switch interval (5 ms): the
-#: writer could not work beside the trio thread.
-_SIZES = tuple(2 ** i for i in range(12, -1, -1))
+#: each: powers of two rows, largest first (up to `_MOST_ROWS`, and as many
+#: as SQLite's limit on a statement's parameters allows), so n rows take at
+#: most n // 4096 + 12 statements, of at most 13 texts per kind. A
+#: statement's parameters are bound holding the GIL, but SQLite writes all of
+#: its rows in one `sqlite3_step`, which Python runs without the GIL. With one
+#: statement per row (`executemany`) the writer thread gave the GIL back and
+#: waited for it again for every row, and with the trio thread busy each wait
+#: could last a switch interval (5 ms): the writer could not work beside the
+#: trio thread.
+_MOST_ROWS = 4096
+#: Parameters every SQLite build takes in one statement (its lowest default limit).
+_SMALL_PARAMS = 999
+#: Up to this many rows are written by one statement of exactly that many (a save's
+#: events, a run's close: one statement, not one per power of two); more rows by
+#: powers of two, so a kind has at most 16 + 13 statement texts (the connection
+#: caches 128 prepared statements).
+_EXACT_ROWS = 16
 
 
-@dataclass(frozen=True)
 class _Rows:
-    """A statement over `n` rows of parameters: `head`, n times `row`, `tail`."""
+    """A statement over `n` rows of parameters: `head`, n times `row`, `tail`.
 
-    head: str
-    row: str
-    tail: str = ""
+    Its text for each `n` is made once (`sql`): up to `_EXACT_ROWS`, then powers of two.
+    """
 
-    @property
-    def width(self) -> int:
-        return self.row.count("?")
+    __slots__ = ("_sql", "head", "row", "tail", "width")
+
+    def __init__(self, head: str, row: str, tail: str = "") -> None:
+        self.head, self.row, self.tail = head, row, tail
+        self.width = row.count("?")
+        self._sql: dict[int, str] = {}
 
     def sql(self, n: int) -> str:
-        return self.head + ", ".join([self.row] * n) + self.tail
+        text = self._sql.get(n)
+        if text is None:
+            text = self._sql[n] = self.head + ", ".join([self.row] * n) + self.tail
+        return text
 
 
 _INSERT_EVENTS = _Rows("INSERT INTO events (run_id, seq, ts, kind, iteration, name, "
@@ -297,26 +338,23 @@ _CLOSE_RUNS = _Rows(
     "thinking_tokens = v.column10, cost_usd = v.column11, reason = v.column12, "
     "exit_code = v.column13, output_truncated = v.column14, rev = v.column15 FROM (VALUES ",
     "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", ") AS v WHERE runs.run_id = v.column16")
+_CLOSE_RUN = (  # `_CLOSE_RUNS` of one run
+    "UPDATE runs SET ended_at = ?, status = ?, output = ?, error = ?, steps = ?, tool_calls = ?, "
+    "runtime_seconds = ?, input_tokens = ?, output_tokens = ?, thinking_tokens = ?, "
+    "cost_usd = ?, reason = ?, exit_code = ?, output_truncated = ?, rev = ? WHERE run_id = ?")
 _LAST_SEQS = _Rows("SELECT run_id, last_seq FROM runs WHERE run_id IN (", "?", ")")
-_SQL: dict[tuple[_Rows, int], str] = {}  # the statements made so far, by (kind, rows)
 
 
 def _chunks(con: sqlite3.Connection, kind: _Rows, rows: Sequence[Any]
             ) -> Iterator[tuple[str, Sequence[Any]]]:
-    """`rows` cut into chunks of `_SIZES` rows (largest first), each with its statement."""
-    most = con.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // kind.width
+    """`rows` cut into chunks of powers of two rows (largest first, at most `_MOST_ROWS`
+    and what SQLite's limit on parameters allows), each with its statement."""
+    most = min(con.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // kind.width, _MOST_ROWS)
     at, total = 0, len(rows)
-    for size in _SIZES:
-        if size > most:
-            continue
-        sql = None
-        while total - at >= size:
-            if sql is None:
-                sql = _SQL.get((kind, size))
-                if sql is None:
-                    sql = _SQL[kind, size] = kind.sql(size)
-            yield sql, rows[at:at + size]
-            at += size
+    while at < total:
+        size = 1 << (min(total - at, most).bit_length() - 1)
+        yield kind.sql(size), rows[at:at + size]
+        at += size
 
 
 def _execute_rows(con: sqlite3.Connection, kind: _Rows, rows: list[tuple[Any, ...]],
@@ -326,8 +364,15 @@ def _execute_rows(con: sqlite3.Connection, kind: _Rows, rows: list[tuple[Any, ..
     `clean` rewrites a chunk's rows when binding them raised `UnicodeEncodeError`
     (a lone surrogate); binding fails before anything of the chunk is written.
     """
+    total = len(rows)
+    if 0 < total <= _EXACT_ROWS or (total & (total - 1) == 0
+                                    and total * kind.width <= _SMALL_PARAMS):
+        # One statement (a save's events, a run's close): no chunking.
+        chunks: Any = ((kind.sql(total), rows),)
+    else:
+        chunks = _chunks(con, kind, rows)
     changed = 0
-    for sql, chunk in _chunks(con, kind, rows):
+    for sql, chunk in chunks:
         try:
             cur = con.execute(sql, list(chain.from_iterable(chunk)))
         except UnicodeEncodeError:
@@ -349,6 +394,11 @@ def _last_seqs(con: sqlite3.Connection, run_ids: list[str]) -> dict[str, int]:
 def _clean_event(row: tuple[Any, ...]) -> tuple[Any, ...]:
     """An event row with lone surrogates replaced in its name and payload."""
     return (*row[:5], _text(row[5]), row[6], _text(row[7]))
+
+
+def _clean_start(row: tuple[Any, ...]) -> tuple[Any, ...]:
+    """`_clean_event` for an event row that starts with its id."""
+    return (row[0], *_clean_event(row[1:]))
 
 
 _RUN_ID = itemgetter(1)
@@ -708,7 +758,12 @@ class SQLiteStore:
         con, t0, waited = self._start(wait)
         try:
             bases = self._write_batch(con, batch, rev) if batch is not None else None
-            results = [self._apply_one(con, op, rev) for op in ops]
+            results: list[Any] = []
+            for op in ops:  # `_apply_one`, written out (the hot path)
+                try:
+                    results.append(self._apply(con, op, rev))
+                except StoreError as exc:
+                    results.append(exc)
             con.execute("COMMIT")
         except BaseException as exc:
             err = self._undo(con, exc)
@@ -792,12 +847,17 @@ class SQLiteStore:
         if batch.empty():
             return {}
         recs = batch.recs
-        if recs and not batch.new:
+        new = batch.new
+        if recs and not new:
             only = recs[0]
             if only.base is not None and recs.count(only) == len(recs):
                 self._write_known_run(con, only, batch, rev)
                 return {}
-        bases: dict[Any, int] = {}
+        elif len(new) == 1 and new[0].base is None and recs.count(new[0]) == len(recs):
+            bases = self._write_new_run(con, new[0], batch, rev)
+            if bases is not None:
+                return bases
+        bases = {}
         next_in_batch: dict[str, int] = {}
         starts: list[tuple[Any, ...]] = []
         new_runs: list[tuple[Any, ...]] = []
@@ -849,9 +909,8 @@ class SQLiteStore:
         if new_runs:
             change = self._rev(con, rev)
             # Each run_start gets the next id, given here: the run's `first_event`.
-            top = int(con.execute("SELECT max(coalesce((SELECT max(id) FROM events), 0), "
-                                  "coalesce((SELECT seq FROM sqlite_sequence WHERE name = "
-                                  "'events'), 0))").fetchone()[0])
+            # (An id mark keeps the highest id ever handed out in the table: see `_V4`.)
+            top = int(con.execute("SELECT coalesce(max(id), 0) FROM events").fetchone()[0])
             _execute_rows(con, _INSERT_RUNS, [(*run, last.pop(run[0], 0), top + i, change)
                                               for i, run in enumerate(new_runs, start=1)])
             _execute_rows(con, _INSERT_STARTS,
@@ -884,15 +943,49 @@ class SQLiteStore:
                     seqs, batch.ts, batch.kinds, batch.iters, batch.names, batch.durs,
                     batch.payloads, strict=True)]
         _execute_rows(con, _INSERT_EVENTS, rows, _clean_event)
-        self._write_closes(con, batch, rev)
+        if batch.closes:
+            self._write_closes(con, batch, rev)
+
+    def _write_new_run(self, con: sqlite3.Connection, rec: Any, batch: Batch,
+                       rev: list[int]) -> dict[Any, int] | None:
+        """`_write_batch` when every event is of one recorder that opens its run (a run's
+        first transaction): the same rows, its run_start and events in one statement.
+        None, with nothing written, if the run is in the journal already (a resumed run:
+        `_write_batch` continues its seq)."""
+        rid = rec.run_id
+        seen, top = con.execute("SELECT (SELECT last_seq FROM runs WHERE run_id = ?), "
+                                "(SELECT coalesce(max(id), 0) FROM events)", (rid,)).fetchone()
+        if seen is not None:
+            return None
+        info, seqs = rec.info, batch.seqs
+        # Each run_start gets the next id, given here: the run's `first_event`; its events
+        # follow it (what SQLite would number them).
+        con.execute(_INSERT_RUNS.sql(1), (
+            rid, info.parent_run_id, _text(info.subject_id), _text(info.name),
+            _text(info.caller_id), _text(info.channel_id), _text(_dumps(info.inputs)),
+            rec.started_us, rec.host, rec.pid, 1 + max(seqs) if seqs else 0, top + 1,
+            self._rev(con, rev)))
+        rows = [(top + 1, rid, 0, rec.started_us, "run_start", None, _text(info.name), None,
+                 _text(_dumps({"inputs": info.inputs, "caller_id": info.caller_id})))]
+        rows += [(top + i, rid, 1 + s, ts, kind, it, name, dur, payload)
+                 for i, (s, ts, kind, it, name, dur, payload) in enumerate(zip(
+                     seqs, batch.ts, batch.kinds, batch.iters, batch.names, batch.durs,
+                     batch.payloads, strict=True), start=2)]
+        _execute_rows(con, _INSERT_STARTS, rows, _clean_start)
+        if batch.closes:
+            self._write_closes(con, batch, rev)
+        return {rec: 1}
 
     def _write_closes(self, con: sqlite3.Connection, batch: Batch, rev: list[int]) -> None:
         """The closed runs' roll-ups (`Batch.closes`)."""
         if batch.closes:
             r = self._rev(con, rev)
-            _execute_rows(con, _CLOSE_RUNS, [
-                (row[1], row[2], _text(row[3]), _text(row[4]), *row[5:12], _text(row[12]),
-                 row[13], int(bool(row[14])), r, row[0]) for _, row in batch.closes])
+            rows = [(row[1], row[2], _text(row[3]), _text(row[4]), *row[5:12], _text(row[12]),
+                     row[13], int(bool(row[14])), r, row[0]) for _, row in batch.closes]
+            if len(rows) == 1:  # one run closing (a run at a time): no join with VALUES
+                con.execute(_CLOSE_RUN, rows[0])
+            else:
+                _execute_rows(con, _CLOSE_RUNS, rows)
 
     @staticmethod
     def _seq_conflict(con: sqlite3.Connection, first: dict[str, int]) -> None:
@@ -974,22 +1067,21 @@ class SQLiteStore:
     def _register(self, con: sqlite3.Connection, op: RegisterRun, rev: list[int]) -> None:
         now = now_us()
         o = op.owner
-        cur = con.execute(
-            "UPDATE checkpoints SET status = 'running', error = NULL, host = ?, pid = ?, "
-            "pid_start = ?, heartbeat_at = ?, updated_at = ?, rev = ? WHERE run_id = ?",
-            (o.host, o.pid, o.started, now, now, self._rev(con, rev), op.run_id))
-        if cur.rowcount == 0:
-            con.execute(
-                "INSERT INTO checkpoints (run_id, spec, status, host, pid, pid_start, "
-                "heartbeat_at, created_at, updated_at, rev) "
-                "VALUES (?, ?, 'running', ?, ?, ?, ?, ?, ?, ?)",
-                (op.run_id, _text(_dumps(op.spec)), o.host, o.pid, o.started, now, now, now,
-                 self._rev(con, rev)))
+        # One statement: a new run's row, or a registered run's taken back (its spec kept).
+        con.execute(
+            "INSERT INTO checkpoints (run_id, spec, status, host, pid, pid_start, "
+            "heartbeat_at, created_at, updated_at, rev) "
+            "VALUES (?, ?, 'running', ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (run_id) DO UPDATE SET "
+            "status = 'running', error = NULL, host = excluded.host, pid = excluded.pid, "
+            "pid_start = excluded.pid_start, heartbeat_at = excluded.heartbeat_at, "
+            "updated_at = excluded.updated_at, rev = excluded.rev",
+            (op.run_id, _text(_dumps(op.spec)), o.host, o.pid, o.started, now, now, now,
+             self._rev(con, rev)))
 
     def _save(self, con: sqlite3.Connection, op: SaveCheckpoint, rev: list[int]) -> bool:
         cp, o, u = op.checkpoint, op.owner, op.checkpoint.usage
         now = now_us()
-        state = _text(_dumps(cp.state))
+        state = _text(_dumps(cp.state) if op.state_json is None else op.state_json)
         # No change number here: the analysts' copy of a checkpoint follows its
         # registration, claims and end, not every save (one statement less per save).
         cur = con.execute(
@@ -1282,9 +1374,18 @@ class SQLiteStore:
         if not self.exists():
             return 0, 0
         with self._write() as con:
+            top = int(con.execute("SELECT coalesce(max(id), 0) FROM events").fetchone()[0])
             old = ("SELECT run_id FROM runs WHERE ended_at IS NOT NULL AND ended_at < ?")
             ev = con.execute(f"DELETE FROM events WHERE run_id IN ({old})", (before_us,))
             n_events = ev.rowcount
+            # The highest id stays handed out (SQLite numbers new rows after the highest
+            # id left): an id mark takes the place of a deleted newest event (see `_V4`);
+            # older marks are superseded.
+            con.execute("DELETE FROM events WHERE run_id = '' AND kind = ? AND id < ?",
+                        (ID_MARK, top))
+            if top and con.execute("SELECT 1 FROM events WHERE id = ?", (top,)).fetchone() is None:
+                con.execute("INSERT INTO events (id, run_id, seq, ts, kind) "
+                            "VALUES (?, '', 0, ?, ?)", (top, now_us(), ID_MARK))
             con.execute("DELETE FROM checkpoints WHERE status != 'running' AND updated_at < ?",
                         (before_us,))
             rn = con.execute("DELETE FROM runs WHERE ended_at IS NOT NULL AND ended_at < ?",
@@ -1314,7 +1415,8 @@ class Changes:
         """New events in id order, in lists of at most `chunk` rows (`EVENT_COLUMNS`)."""
         cur = self._con.execute(
             f"SELECT {', '.join(EVENT_COLUMNS)} FROM events WHERE id > ? AND id <= ? "
-            "ORDER BY id", (self.events_after, self.last_event))
+            f"AND NOT (run_id = '' AND kind = '{ID_MARK}') ORDER BY id",  # no id marks
+            (self.events_after, self.last_event))
         while True:
             rows = cur.fetchmany(chunk)
             if not rows:

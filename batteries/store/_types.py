@@ -170,11 +170,16 @@ class SaveCheckpoint:
 
     Returns True; raises `StoreError` if the run was never registered and
     `spec` is None (a save must not vanish silently).
+
+    `state_json` is the state as the store keeps it, already encoded as JSON
+    (and redacted) by the caller: the store then writes it as given and never
+    reads `checkpoint.state`. None: the store encodes `checkpoint.state`.
     """
 
     checkpoint: Checkpoint
     owner: Owner
     spec: dict[str, Any] | None = None
+    state_json: str | None = None
 
 
 @dataclass(slots=True, frozen=True)

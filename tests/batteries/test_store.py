@@ -18,7 +18,7 @@ import trio
 
 from batteries.audit import JournalAudit, Store, sync
 from batteries.audit import _schema as schema
-from batteries.store import Batch, Owner, RunStore, SQLiteStore, journal_path
+from batteries.store import JOURNAL_VERSION, Batch, Owner, RunStore, SQLiteStore, journal_path
 from kernel import Kernel, Ports, RunInfo, Status, Step
 from kernel.testing import ScriptedAgent
 
@@ -204,7 +204,7 @@ class TestJournalSchema:
             rec.log_event("tick")
             await audit.flush()
         with closing(sqlite3.connect(journal_path(db))) as con:
-            assert con.execute("PRAGMA user_version").fetchone() == (3,)
+            assert con.execute("PRAGMA user_version").fetchone() == (JOURNAL_VERSION,)
             assert con.execute("PRAGMA index_list(events)").fetchall() == []
             after = con.execute("SELECT id, run_id, seq FROM events ORDER BY id").fetchall()
             assert after[:len(before)] == before  # ids are the analysts' sync cursor
@@ -217,6 +217,51 @@ class TestJournalSchema:
         assert len(store.payloads(finished, "step")) == 3
         store.close()
         assert sync(db).events == len(after)
+
+    async def test_a_version_3_journal_keeps_the_highest_id_it_handed_out(
+            self, tmp_path: Path) -> None:
+        """Version 4 drops AUTOINCREMENT (a WAL page per save): a journal whose newest
+        events a version 3 purge deleted keeps their ids handed out (an id mark), so the
+        next events get new ids and reach the analysts' file; the mark never does."""
+        from batteries.store._sqlite import ID_MARK, MIGRATIONS
+
+        db = tmp_path / "k.duckdb"
+        path = journal_path(db)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with closing(sqlite3.connect(path, isolation_level=None)) as con:
+            con.execute("PRAGMA journal_mode=WAL")
+            con.execute("BEGIN")
+            for statements in MIGRATIONS[:3]:
+                for sql in statements:
+                    con.execute(sql)
+            con.execute("PRAGMA user_version = 3")
+            con.execute("INSERT INTO runs (run_id, name, inputs, started_at, ended_at, status, "
+                        "last_seq, first_event, rev) VALUES (?, 'old', '{}', 1, 2, 'ok', 4, 1, 1)",
+                        ("3" * 32,))
+            for seq in range(5):
+                con.execute("INSERT INTO events (run_id, seq, ts, kind, payload) "
+                            "VALUES (?, ?, ?, 'step', '{}')", ("3" * 32, seq, 10 + seq))
+            con.execute("DELETE FROM events WHERE id > 3")  # a purge took the newest two
+            assert con.execute("SELECT seq FROM sqlite_sequence").fetchall() == [(5,)]
+            con.execute("COMMIT")
+        sync(db)  # the analysts' file holds ids 1-3; its cursor is at 3
+        info = RunInfo(name="after the migration")
+        async with JournalAudit.open(db) as audit:
+            await Kernel(Ports(audit=audit)).run(ScriptedAgent([Step(final=True)]), info)
+        with closing(sqlite3.connect(path)) as con:
+            assert con.execute("PRAGMA user_version").fetchone() == (JOURNAL_VERSION,)
+            [(table,)] = con.execute("SELECT sql FROM sqlite_master WHERE name = 'events'"
+                                     ).fetchall()
+            assert "AUTOINCREMENT" not in table
+            rows = con.execute("SELECT id, run_id, kind FROM events WHERE id > 3 ORDER BY id"
+                               ).fetchall()
+        assert rows[0] == (5, "", ID_MARK)
+        assert [r[1] for r in rows[1:]] == [info.run_id] * 3  # run_start, step, run_end
+        assert [r[0] for r in rows[1:]] == [6, 7, 8]
+        assert sync(db).events == 3
+        with Store(db).reader() as cur:
+            assert cur.execute("SELECT count(*) FROM events WHERE kind = ?",
+                               [ID_MARK]).fetchall() == [(0,)]
 
     async def test_two_writers_of_one_run_cannot_duplicate_a_seq(self, tmp_path: Path) -> None:
         """Without the index, `runs.last_seq` still refuses a batch whose seqs another
@@ -417,3 +462,12 @@ class TestJournalSchema:
         with Store(db).reader() as cur:
             assert cur.execute("SELECT count(*) FROM events WHERE run_id = ?",
                                [info.run_id]).fetchall() == [(4,)]
+        # Purged again: one id mark is left (the first one is superseded), never synced.
+        from batteries.store._sqlite import ID_MARK
+
+        SQLiteStore(journal_path(db)).purge(time.time_ns() // 1000 + 10**6)
+        with closing(sqlite3.connect(journal_path(db))) as con:
+            marks = con.execute("SELECT id, run_id FROM events").fetchall()
+            assert marks == [(con.execute("SELECT max(id) FROM events").fetchone()[0], "")]
+            assert con.execute("SELECT kind FROM events").fetchall() == [(ID_MARK,)]
+        assert sync(db).events == 0
