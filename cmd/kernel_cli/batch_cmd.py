@@ -437,7 +437,11 @@ def _prepare_new(tasks_file: str, db: str | None, concurrency: int, name: str | 
     tasks = []
     quick = not patterns and not env_patterns(os.environ)
     for p in parsed:
-        spec = _stored(p, redactor, quick) or stored_spec(RunSpec.from_dict(p.spec), redactor)
+        spec = _stored(p, redactor, quick)
+        if spec is None:
+            spec = stored_spec(RunSpec.from_dict(p.spec), redactor)
+            if spec["redacted"]:  # the run itself gets what the line says
+                _AS_READ[p.spec["info"]["run_id"]] = p.spec
         spec["batch"] = {"batch_id": batch_id, "task_id": p.task_id}
         tasks.append(BatchTask(p.task_id, p.spec["info"]["run_id"], spec))
     source = "<stdin>" if tasks_file == "-" else str(Path(tasks_file).resolve())
@@ -541,6 +545,14 @@ def _prepare_resume(wanted: str, db: str | None, context: list[str]) -> _Args:
                  given, total=row.tasks, redact=patterns)
 
 
+#: Run id -> its task's run spec as read from the file, for the tasks of a batch this
+#: process created whose stored spec had secrets taken out: their runs get the real
+#: values, as under `kernel run` (the batch's workers are forked after the file is
+#: read: they hold it too). Only the redacted spec is stored; a resumed batch puts the
+#: secrets back from what `--resume ... -c` gives (`given`).
+_AS_READ: dict[str, dict[str, Any]] = {}
+
+
 def _build(spec: Mapping[str, Any], given: Any = None) -> tuple[Any, Any, Limits]:
     """A task's run spec -> (agent, info, limits); secrets put back from `given`."""
     from batteries.batch import run_spec_of
@@ -548,6 +560,10 @@ def _build(spec: Mapping[str, Any], given: Any = None) -> tuple[Any, Any, Limits
 
     from .run_cmd import plan_from_spec
 
+    if _AS_READ:
+        info = spec.get("info")
+        spec = _AS_READ.get(str(info.get("run_id")) if isinstance(info, Mapping) else "",
+                            spec)
     run_spec = RunSpec.from_dict(run_spec_of(spec))  # without where to place it ("ray")
     if given is not None and run_spec.redacted:
         from batteries.recovery import NotResumable, restore_secrets

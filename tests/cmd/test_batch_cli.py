@@ -114,6 +114,35 @@ class TestResults:
         assert csv_rows[0].startswith("batch_id,name,") and len(csv_rows) == 3
 
 
+    @pytest.mark.parametrize("workers", ["1", "2"])
+    def test_secrets_run_as_given_and_are_stored_redacted(
+            self, kernel_exe: str, cli_env: dict[str, str], tmp_path: Path,
+            workers: str) -> None:
+        """A secret in a command line or a secret-named context value reaches the command
+        as written (as under `kernel run`); the journal holds it nowhere."""
+        token, key = "abcdefgh12345678", "zzzsecretvalue99"
+        tasks = write_tasks(tmp_path / "t.jsonl", [
+            {"id": "argv", "command": ["sh", "-c", f"echo token={token} > {tmp_path}/a"]},
+            {"id": "ctx", "command": ["sh", "-c", f"echo $KERNEL_CTX_API_TOKEN > {tmp_path}/b"],
+             "context": {"api_token": key}},
+        ])
+        proc = batch(kernel_exe, cli_env, str(tasks), "--workers", workers)
+        assert proc.returncode == 0, proc.stderr
+        assert lines(tmp_path / "a") == [f"token={token}"]
+        assert lines(tmp_path / "b") == [key]
+        journal = Path(cli_env["KERNEL_DB"] + ".journal")
+        con = sqlite3.connect(journal)
+        try:
+            stored = [str(v) for table, col in (("batch_tasks", "spec"),
+                                                ("checkpoints", "spec"),
+                                                ("events", "payload"), ("runs", "name"))
+                      for (v,) in con.execute(f"SELECT {col} FROM {table}")]
+        finally:
+            con.close()
+        assert stored and not [v for v in stored if token in v or key in v]
+        assert any("[REDACTED" in v for v in stored)
+
+
 class TestBadInput:
     @pytest.mark.parametrize(("line", "expect"), [
         ("not json", ":2: not JSON"),
