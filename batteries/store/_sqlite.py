@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from itertools import chain
-from operator import add, itemgetter
+from operator import add, attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -349,11 +349,18 @@ def _chunks(con: sqlite3.Connection, kind: _Rows, rows: Sequence[Any]
             ) -> Iterator[tuple[str, Sequence[Any]]]:
     """`rows` cut into chunks of powers of two rows (largest first, at most `_MOST_ROWS`
     and what SQLite's limit on parameters allows), each with its statement."""
+    for sql, at, size in _spans(con, kind, len(rows)):
+        yield sql, rows[at:at + size]
+
+
+def _spans(con: sqlite3.Connection, kind: _Rows, total: int
+           ) -> Iterator[tuple[str, int, int]]:
+    """`_chunks` of `total` rows as (statement, first row, rows)."""
     most = min(con.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // kind.width, _MOST_ROWS)
-    at, total = 0, len(rows)
+    at = 0
     while at < total:
         size = 1 << (min(total - at, most).bit_length() - 1)
-        yield kind.sql(size), rows[at:at + size]
+        yield kind.sql(size), at, size
         at += size
 
 
@@ -383,6 +390,44 @@ def _execute_rows(con: sqlite3.Connection, kind: _Rows, rows: list[tuple[Any, ..
     return changed
 
 
+def _execute_columns(con: sqlite3.Connection, kind: _Rows, columns: Sequence[Sequence[Any]],
+                     clean: Callable[[tuple[Any, ...]], tuple[Any, ...]] | None = None) -> int:
+    """`_execute_rows` over rows given as columns (`columns[j][i]`: row i's j-th value).
+
+    Each statement's parameters are laid out by slice assignment, one column
+    at a time: no tuple per row. A row tuple is a container the garbage
+    collector tracks, and a batch of 10,000 events made 10,000 of them in
+    this thread while the trio thread ran: each 700 set off a young
+    collection, and those alive at the next older one were moved to the
+    oldest generation, whose growth sets off the full passes over every
+    live run (BENCHMARKS.md, "Critic at scale").
+    """
+    width = kind.width
+    assert len(columns) == width, (len(columns), width)
+    total = len(columns[0])
+    spans: Any
+    if 0 < total <= _EXACT_ROWS or (total & (total - 1) == 0
+                                    and total * width <= _SMALL_PARAMS):
+        spans = ((kind.sql(total), 0, total),)  # one statement, as `_execute_rows`
+    else:
+        spans = _spans(con, kind, total)
+    changed = 0
+    for sql, at, size in spans:
+        params: list[Any] = [None] * (size * width)
+        end = at + size
+        for j, column in enumerate(columns):
+            params[j::width] = column[at:end]
+        try:
+            cur = con.execute(sql, params)
+        except UnicodeEncodeError:
+            if clean is None:
+                raise
+            rows = map(clean, zip(*(column[at:end] for column in columns), strict=True))
+            cur = con.execute(sql, list(chain.from_iterable(rows)))
+        changed += cur.rowcount
+    return changed
+
+
 def _last_seqs(con: sqlite3.Connection, run_ids: list[str]) -> dict[str, int]:
     """The `last_seq` of each of `run_ids` that has a runs row."""
     found: dict[str, int] = {}
@@ -401,8 +446,7 @@ def _clean_start(row: tuple[Any, ...]) -> tuple[Any, ...]:
     return (row[0], *_clean_event(row[1:]))
 
 
-_RUN_ID = itemgetter(1)
-_BASE = itemgetter(0)
+_RUN_ID = attrgetter("run_id")
 
 
 def saved_rows(con: Any, where: str, params: Sequence[Any]) -> list[SavedRun]:
@@ -890,10 +934,9 @@ class SQLiteStore:
         # The event columns, built at C speed (no Python code per event): the run id
         # and absolute seq of each event from its recorder's base.
         recs = batch.recs
-        base_of = {r: (r.base if r.base is not None else bases[r], r.run_id)
-                   for r in dict.fromkeys(recs)}
-        ids = list(map(_RUN_ID, map(base_of.__getitem__, recs)))
-        seqs = list(map(add, map(_BASE, map(base_of.__getitem__, recs)), batch.seqs))
+        base_of = {r: r.base if r.base is not None else bases[r] for r in dict.fromkeys(recs)}
+        ids = list(map(_RUN_ID, recs))
+        seqs = list(map(add, map(base_of.__getitem__, recs), batch.seqs))
         # A run's seqs rise in batch order (a recorder appends in order) when each run
         # has one recorder here: its first and last seqs are its first and last events'.
         last = dict(zip(ids, seqs, strict=True))
@@ -916,14 +959,14 @@ class SQLiteStore:
             _execute_rows(con, _INSERT_STARTS,
                           [(top + i, *start) for i, start in enumerate(starts, start=1)])
         if last:  # runs already in the journal: raise last_seq, only from below
-            raised = _execute_rows(con, _RAISE_LAST_SEQ,
-                                   [(hi, rid, first[rid]) for rid, hi in last.items()])
+            raised = _execute_columns(con, _RAISE_LAST_SEQ, (
+                list(last.values()), list(last), list(map(first.__getitem__, last))))
             if raised != len(last):
                 self._seq_conflict(con, {rid: first[rid] for rid in last})
         if ids:
-            _execute_rows(con, _INSERT_EVENTS,
-                          list(zip(ids, seqs, batch.ts, batch.kinds, batch.iters, batch.names,
-                                   batch.durs, batch.payloads, strict=True)), _clean_event)
+            _execute_columns(con, _INSERT_EVENTS,
+                             (ids, seqs, batch.ts, batch.kinds, batch.iters, batch.names,
+                              batch.durs, batch.payloads), _clean_event)
         self._write_closes(con, batch, rev)
         return bases
 
