@@ -12,6 +12,8 @@ decides: an agent's ends the run `error`, a handle's drops the critic.
 
 from __future__ import annotations
 
+import types
+import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -36,17 +38,31 @@ class AgentCapabilities:
 
 @dataclass(slots=True, frozen=True)
 class HandleCapabilities:
-    """What a critic handle offers beyond `CriticHandle`: `SupportsToolEnd`, ..."""
+    """What a critic handle offers beyond `CriticHandle`: `SupportsToolEnd`, ...
 
-    record_tool_end: Callable[[ToolResult], None] | None = None
-    record_process: Callable[[int], None] | None = None
-    record_process_exit: Callable[[int], None] | None = None
-    next_look: Callable[[], float | None] | None = None
-    attach: Callable[[Callable[[], None]], None] | None = None
+    Each member is called with the handle first (`caps.next_look(handle)`).
+    For a handle whose members resolve on its class (no instance `__dict__`,
+    plain functions, no custom attribute lookup) they are the class's own
+    functions and one `HandleCapabilities` serves every handle of the class:
+    no bound method is made per run (at 10,000 concurrent runs each object a
+    run keeps is work for the garbage collector's full passes). Any other
+    handle's members are read from the handle, once, as before.
+    """
+
+    record_tool_end: Callable[[Any, ToolResult], None] | None = None
+    record_process: Callable[[Any, int], None] | None = None
+    record_process_exit: Callable[[Any, int], None] | None = None
+    next_look: Callable[[Any], float | None] | None = None
+    attach: Callable[[Any, Callable[[], None]], None] | None = None
     problem: str | None = None
 
 
 NO_HANDLE = HandleCapabilities()
+
+_HANDLE_MEMBERS = ("record_tool_end", "record_process", "record_process_exit", "next_look",
+                   "attach")
+# Handle classes whose members resolve on the class, with their capabilities.
+_BY_CLASS: weakref.WeakKeyDictionary[type, HandleCapabilities] = weakref.WeakKeyDictionary()
 
 
 def _callables(obj: object, who: str, names: tuple[str, ...]) -> tuple[list[Any], str | None]:
@@ -74,12 +90,37 @@ def agent_capabilities(agent: object) -> AgentCapabilities:
         problem = problem or (f"agent {type(agent).__name__}.tools is "
                               f"{type(tools).__name__}, not a mapping of name to tool")
         tools = {}
+    if not (tools or on_steer or snapshot or simulate or problem):
+        return NO_AGENT  # the usual agent: one shared object, not one per run
     return AgentCapabilities(tools, on_steer, snapshot, simulate, problem)
 
 
+NO_AGENT = AgentCapabilities({}, None, None, None)
+
+
 def handle_capabilities(handle: object) -> HandleCapabilities:
-    """Look up a critic handle's optional capabilities once."""
-    (tool_end, process, process_exit, next_look, attach), problem = _callables(
-        handle, "critic handle",
-        ("record_tool_end", "record_process", "record_process_exit", "next_look", "attach"))
+    """Look up a critic handle's optional capabilities once (per class when they resolve there)."""
+    cls = type(handle)
+    caps = _BY_CLASS.get(cls)
+    if caps is not None:
+        return caps
+    if (not hasattr(handle, "__dict__") and cls.__getattribute__ is object.__getattribute__
+            and getattr(cls, "__getattr__", None) is None):
+        members = [getattr(cls, name, None) for name in _HANDLE_MEMBERS]
+        if all(m is None or isinstance(m, types.FunctionType) for m in members):
+            caps = _BY_CLASS[cls] = HandleCapabilities(*members)
+            return caps
+    found, problem = _callables(handle, "critic handle", _HANDLE_MEMBERS)
+    tool_end, process, process_exit, next_look, attach = map(_handle_first, found)
     return HandleCapabilities(tool_end, process, process_exit, next_look, attach, problem)
+
+
+def _handle_first(member: Callable[..., Any] | None) -> Callable[..., Any] | None:
+    """`member` (of one handle) called the way class functions are: handle first."""
+    if member is None:
+        return None
+
+    def call(_handle: Any, *args: Any) -> Any:
+        return member(*args)
+
+    return call

@@ -94,6 +94,9 @@ class _NullRecorder:
 
 
 _NULL_RECORDER = _NullRecorder()
+# Shared by every run until it needs its own (never appended to: see `_Run.fault`).
+_NO_FAILURES: list[PortFailure] = []
+_NO_USAGE = Usage()
 
 
 class Kernel:
@@ -201,7 +204,7 @@ class _Run:
         self.resume = resume
         self.recorder: RunRecorder = _NULL_RECORDER
         self.handle: CriticHandle | None = None
-        self.failures: list[PortFailure] = []
+        self.failures: list[PortFailure] = _NO_FAILURES  # a list of its own at the first
         self.status: Status | None = None
         self.finalizing = False  # the end-of-run work has begun
         self.output: Any = None
@@ -211,8 +214,8 @@ class _Run:
         self.exit_code: int | None = None
         self.steps = resume.steps if resume else 0
         self.tool_calls = resume.tool_calls if resume else 0
-        self.usage = resume.usage if resume else Usage()
-        self.child_usage = Usage()  # what child runs used: counts against this run's caps
+        self.usage = resume.usage if resume else _NO_USAGE  # (frozen: shared)
+        self.child_usage = _NO_USAGE  # what child runs used: counts against this run's caps
         self.child_tool_calls = 0
         self.in_step = False
         self.pending_steer: list[Message] = []
@@ -240,11 +243,14 @@ class _Run:
 
     def fault(self, port: str, method: str, exc: BaseException) -> None:
         """Report a port failure once per (port, method): logged and put on the result."""
-        for failure in self.failures:  # a short list: no set kept per run for this
+        failures = self.failures
+        for failure in failures:  # a short list: no set kept per run for this
             if failure.method == method and failure.port == port:
                 return
+        if failures is _NO_FAILURES:
+            failures = self.failures = []
         msg = f"{type(exc).__name__}: {exc}"
-        self.failures.append(PortFailure(port, method, msg))
+        failures.append(PortFailure(port, method, msg))
         _log.warning("port failed: %s.%s: %s (run %s)", port, method, msg, self.info.run_id,
                      extra={"port": port, "method": method, "error": msg,
                             "run_id": self.info.run_id})
@@ -323,11 +329,11 @@ class _Run:
 
     def agent_tool_ended(self, result: ToolResult) -> None:
         """An agent reports the outcome of a tool call it ran itself (`ctx.tool_end`)."""
-        record = self.hooks.record_tool_end
-        if self.handle is None or record is None:
+        record, handle = self.hooks.record_tool_end, self.handle
+        if handle is None or record is None:
             return
         try:
-            record(result)
+            record(handle, result)
         except Exception as exc:
             self.critic_failed("record_tool_end", exc)
             return
@@ -340,7 +346,7 @@ class _Run:
             record = self.hooks.record_tool_end
             if record is not None:
                 try:
-                    record(result)
+                    record(handle, result)
                 except Exception as exc:
                     self.critic_failed("record_tool_end", exc)
         try:
@@ -822,7 +828,7 @@ class _Run:
         attach = self.hooks.attach
         if attach is not None:
             try:
-                attach(self.wake_watch)
+                attach(handle, self.wake_watch)
             except Exception as exc:
                 self.critic_failed("attach", exc)
                 return
@@ -871,7 +877,7 @@ class _Run:
             wake = now + self.limits.poll_interval
         else:
             try:
-                nl = next_look()
+                nl = next_look(handle)
             except Exception as exc:
                 self.critic_failed("next_look", exc)
                 return None
@@ -905,11 +911,12 @@ class _Run:
         """A process an adapter started for this run has exited."""
         self._process_hook(self.hooks.record_process_exit, "record_process_exit", pid)
 
-    def _process_hook(self, fn: Callable[[int], None] | None, method: str, pid: int) -> None:
-        if self.handle is None or fn is None:
+    def _process_hook(self, fn: Callable[[Any, int], None] | None, method: str, pid: int) -> None:
+        handle = self.handle
+        if handle is None or fn is None:
             return
         try:
-            fn(pid)
+            fn(handle, pid)
         except Exception as exc:
             self.critic_failed(method, exc)
 
@@ -947,6 +954,9 @@ class _Run:
     def result(self) -> Result:
         """The run's `Result` as it stands (finalization adds the runtime)."""
         status = self.status if self.status is not None else Status.ERROR
+        if self.failures is _NO_FAILURES:
+            # The result's list is the run's from now on: later failures land on both.
+            self.failures = []
         return Result(
             status=status, run_id=self.info.run_id, name=self.info.name, output=self.output,
             error=self.error, reason=self.reason, traceback=self.tb, steps=self.steps,

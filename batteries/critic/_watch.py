@@ -75,6 +75,9 @@ MODEL_REPLY = "model_call"
 
 _RESULT_KEY_LIMIT = 2048  # longer result keys are compared by digest
 
+# `WatchHandle(quiet_until=)` left out: the handle looks it up on its judge.
+_FROM_JUDGE: Any = object()
+
 
 # The last trio clock seen and its `current_time` (read and replaced whole: trio
 # runs in other threads may have clocks of their own).
@@ -117,6 +120,7 @@ class WatchCritic:
             raise ConfigError(f"WatchCritic history must be >= 2, got {history}")
         self.history = history
         self._policy_cache: tuple[CriticPolicy, dict[str, Any]] | None = None
+        self._quiet_cache: tuple[Judge, Any] | None = None
         p = self.policy
         self.sampler = ProcessSampler(
             probe, interval=p.sample_interval, cpu_busy=p.cpu_busy, io_busy=p.io_busy,
@@ -129,13 +133,21 @@ class WatchCritic:
             cached = self._policy_cache = (self.policy, self.policy.as_dict())
         return dict(cached[1])
 
+    def _quiet_until(self) -> Callable[[RunView], float | None] | None:
+        """The judge's `quiet_until` (SupportsQuietUntil), one bound method per judge."""
+        cached = self._quiet_cache
+        if cached is None or cached[0] is not self.judge:
+            cached = self._quiet_cache = (self.judge, getattr(self.judge, "quiet_until", None))
+        quiet_until: Callable[[RunView], float | None] | None = cached[1]
+        return quiet_until
+
     def monitor(self, info: RunInfo, soft_timeout: float | None, *, backstop: float | None,
                 max_steps: int | None, events: EventSink) -> WatchHandle:
         """Start watching one run; `soft_timeout` None means the policy's."""
         soft = soft_timeout if soft_timeout is not None else self.policy.soft_timeout
         handle = WatchHandle(self.judge, info, soft_timeout=soft, backstop=backstop,
                              max_steps=max_steps, events=events, history=self.history,
-                             sampler=self.sampler)
+                             sampler=self.sampler, quiet_until=self._quiet_until())
         events("critic", name="watch", payload={
             "judge": type(self.judge).__name__,
             "policy": self._policy_dict(),
@@ -186,15 +198,17 @@ class WatchHandle:
 
     def __init__(self, judge: Judge, info: RunInfo, *, soft_timeout: float | None,
                  backstop: float | None, max_steps: int | None, events: EventSink,
-                 history: int = 64, sampler: ProcessSampler | None = None) -> None:
+                 history: int = 64, sampler: ProcessSampler | None = None,
+                 quiet_until: Any = _FROM_JUDGE) -> None:
         # The run's clock, read directly: what `trio.current_time()` returns, without
         # its lookups (`record_step` reads it once a step).
         self._now: Callable[[], float] = _clock_now()
         now = self._now()
         self._judge = judge
         # SupportsQuietUntil, looked up once (a member set to None counts as absent).
-        self._judge_quiet_until: Callable[[RunView], float | None] | None = getattr(
-            judge, "quiet_until", None)
+        # (`quiet_until`: the critic passes the one it looked up for all its handles.)
+        self._judge_quiet_until: Callable[[RunView], float | None] | None = (
+            getattr(judge, "quiet_until", None) if quiet_until is _FROM_JUDGE else quiet_until)
         self._info = info
         self._events = events
         self._start = now
@@ -217,7 +231,8 @@ class WatchHandle:
         self._history = history
         self._calls: deque[str] | None = None
         self._outcomes: deque[Outcome] | None = None
-        self._pending: list[tuple[ToolCall, str, str]] = []  # started, no result yet
+        # Started, no result yet (made at the first tool call).
+        self._pending: list[tuple[ToolCall, str, str]] | None = None
         self._reports_results = False
         self._model_since: float | None = None
         self._tool_since: float | None = None
@@ -232,7 +247,7 @@ class WatchHandle:
         self._sampler = sampler
         self._roots: dict[int, Callable[[Process], None]] = {}
         self._figures: dict[int, Process] = {}
-        self._queue: list[Message] = []
+        self._queue: list[Message] | None = None  # nudges to deliver (made at the first)
         self._open: _Open | None = None
         self._nudges: dict[str, int] = {}
         self._kill: str | None = None
@@ -255,7 +270,8 @@ class WatchHandle:
         self._win_steps += 1
         self._model_since = None
         if self._tool_since is not None and not self._reports_results:
-            self._pending.clear()
+            if self._pending:
+                self._pending.clear()
             self._tool_since = None
         # Progress, inlined: this is the per-step hot path.
         now = self._now()
@@ -296,9 +312,12 @@ class WatchHandle:
         if calls is None:
             calls = self._calls = deque(maxlen=self._history)
         calls.append(masked)
-        if not self._reports_results:
-            self._pending.clear()
-        self._pending.append((call, masked, call_label(call)))
+        pending = self._pending
+        if pending is None:
+            pending = self._pending = []
+        elif not self._reports_results:
+            pending.clear()
+        pending.append((call, masked, call_label(call)))
         now = self._progress()
         self._tool_since = now
         op = self._open
@@ -313,15 +332,18 @@ class WatchHandle:
             return
         self._reports_results = True
         call = result.call
+        pending = self._pending
+        if pending is None:
+            pending = self._pending = []
         entry = None
-        for i, (c, _, _) in enumerate(self._pending):
+        for i, (c, _, _) in enumerate(pending):
             if c is call or (call.id and c.id == call.id):
-                entry = self._pending.pop(i)
+                entry = pending.pop(i)
                 break
         if entry is None:
             entry = (call, masked_call_key(call), call_label(call))
-            if self._pending:
-                self._pending.pop(0)
+            if pending:
+                pending.pop(0)
         _, masked, label = entry
         text = render_result(result)
         rkey = result_key(result)
@@ -418,9 +440,10 @@ class WatchHandle:
         """
         if self._dirty:
             self._look("poll")
-        if not self._queue:
+        msgs = self._queue
+        if not msgs:
             return []
-        msgs, self._queue = self._queue, []
+        self._queue = None
         self._dirty = True
         if self._open is not None:
             self._open.delivered = True
@@ -451,7 +474,7 @@ class WatchHandle:
     def stop(self) -> None:
         """The run is over: no more judgments or events; its processes are no longer sampled."""
         self._stopped = True
-        self._queue = []
+        self._queue = None
         self._open = None
         for pid in list(self._roots):
             self.record_process_exit(pid)
@@ -589,6 +612,8 @@ class WatchHandle:
         elif action == "steer":
             if not verdict.message or not isinstance(verdict.message, str):
                 raise ValueError(f"Judge {who} returned a steer verdict without a message")
+            if self._queue is None:
+                self._queue = []
             self._queue.append(Message("user", verdict.message))
             self._nudges[verdict.reason] = self._nudges.get(verdict.reason, 0) + 1
             self._open = _Open(verdict.reason, now, dict(verdict.evidence))

@@ -143,3 +143,32 @@ class TestLookedUpOneWay:
         [failure] = result.port_failures
         assert (failure.port, failure.method) == ("critic", "monitor")
         assert "critic handle ScriptedHandle.next_look is float, not callable" in failure.error
+
+    async def test_a_slotted_handle_class_shares_one_lookup(self) -> None:
+        """A handle whose members resolve on its class (WatchHandle: slots, plain methods) gets
+        the class's functions, one lookup shared by every handle of the class; a handle with
+        members of its own (an instance attribute) still has those called."""
+        from batteries.critic import WatchCritic
+        from kernel._capabilities import handle_capabilities
+
+        def monitor(critic: Any) -> Any:
+            return critic.monitor(RunInfo(), None, backstop=None, max_steps=None,
+                                  events=lambda kind, **kw: None)
+
+        critic = WatchCritic()
+        one, two = monitor(critic), monitor(critic)
+        caps = handle_capabilities(one)
+        assert handle_capabilities(two) is caps
+        assert caps.next_look is type(one).next_look
+        woken: list[str] = []
+        assert caps.attach is not None
+        caps.attach(one, lambda: woken.append("one"))
+        assert one._wake is not None and two._wake is None
+
+        scripted = monitor(ScriptedCritic())
+        scripted.next_look = lambda: 42.0
+        own = handle_capabilities(scripted)
+        assert own.next_look is not None and own.next_look(scripted) == 42.0
+        assert handle_capabilities(monitor(ScriptedCritic())).next_look is None
+        one.stop()
+        two.stop()
