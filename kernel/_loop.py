@@ -405,7 +405,7 @@ class _Run:
                 self.handle = self.critic.monitor(
                     info, limits.soft_timeout,
                     backstop=None if math.isinf(self.backstop) else self.backstop,
-                    max_steps=limits.max_steps, events=self._critic_event)
+                    max_steps=limits.max_steps, events=self)
             except Exception as exc:
                 self.fault("critic", "monitor", exc)
             if self.handle is not None:
@@ -563,8 +563,10 @@ class _Run:
                                     "state": where if isinstance(where, str) else None})
         return refused
 
-    def _critic_event(self, kind: str, *, name: str | None = None,
-                      payload: Mapping[str, Any] | None = None) -> None:
+    def __call__(self, kind: str, *, name: str | None = None,
+                 payload: Mapping[str, Any] | None = None) -> None:
+        """The critic's `EventSink`: the run itself (a bound method would be one more
+        object per run for the collector)."""
         self.log_event(kind, name=name, payload=payload, iteration=self.steps)
 
     async def loop(self) -> None:

@@ -70,7 +70,7 @@ class JournalAudit:
                                   else env_cap(MAX_PAYLOAD_ENV, DEFAULT_MAX_PAYLOAD_BYTES))
         self.host = socket.gethostname()
         self.pid = os.getpid()
-        self._step_texts: dict[tuple[bool, int], str] = {}
+        self._step_texts: dict[int, str] = {}  # by tool_calls * 2 + final
         self._step_texts_redactor = self.redactor
 
     def __repr__(self) -> str:
@@ -97,7 +97,7 @@ class JournalAudit:
         """
         if self._step_texts_redactor is not self.redactor:
             self._step_texts, self._step_texts_redactor = {}, self.redactor
-        key = (final, tool_calls)
+        key = tool_calls * 2 + bool(final)  # an int: no tuple made per step
         text = self._step_texts.get(key)
         if text is None:
             if tool_calls > 64:
