@@ -418,6 +418,28 @@ class TestJournalSchema:
         assert not any(t.is_alive() for t in threads)
         assert len(store.saved_runs()) == _sqlite.CHECKPOINT_EVERY * 20  # reopens
 
+    async def test_big_transactions_checkpoint_the_wal_before_many_commits(
+            self, tmp_path: Path) -> None:
+        """A process whose few commits write many events still checkpoints in its thread
+        (after CHECKPOINT_EVENTS events), before SQLite's backstop would in a commit."""
+        import threading
+
+        from batteries.store import _sqlite
+
+        async with JournalAudit.open(tmp_path / "k.duckdb") as audit:
+            rec = await audit.start_run(RunInfo(name="chatty"))
+            for i in range(_sqlite.CHECKPOINT_EVENTS):
+                rec.log_event("line", payload={"i": i})
+            await audit.flush()
+            store = audit.journal.store
+            assert isinstance(store, SQLiteStore)
+            assert store.stats.transactions < _sqlite.CHECKPOINT_EVERY
+            deadline = 600  # wait for the thread (never a sleep as the bound)
+            while store.wal_checkpoints < 1 and deadline > 0:
+                threading.Event().wait(0.05)
+                deadline -= 1
+            assert store.wal_checkpoints >= 1
+
     def test_a_fleet_of_short_processes_still_checkpoints_the_wal(
             self, tmp_path: Path) -> None:
         """Processes that each commit a couple of times never start a checkpointer
