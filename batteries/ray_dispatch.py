@@ -238,6 +238,10 @@ class RayDispatch:
             may still be seen alive before the run is given up as held elsewhere: a
             raylet's workers die after it, not with it, and on a loaded machine that
             can take seconds.
+        call_for: The `WorkerCall` for one task, where it differs from `call`
+            (the CLI sends a task whose stored spec had secrets taken out with a
+            builder holding its line as read: it travels with the task, in Ray's
+            memory, and is never written to the store).
 
     Connecting (`connect`) is done on first use, in a worker thread.
     """
@@ -245,7 +249,8 @@ class RayDispatch:
     def __init__(self, journal: Journal, call: WorkerCall, *, address: str = "auto",
                  options_for: Callable[[Any], RayOptions] | None = None,
                  max_attempts: int = 3, owner: Owner | None = None,
-                 holder_grace: float = 120.0) -> None:
+                 holder_grace: float = 120.0,
+                 call_for: Callable[[Any], WorkerCall] | None = None) -> None:
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
         if not holder_grace >= 0 or holder_grace == float("inf"):
@@ -253,6 +258,7 @@ class RayDispatch:
         self.holder_grace = holder_grace
         self.journal = journal
         self.call = call
+        self.call_for = call_for
         self.address = address
         self.options_for = options_for
         self.max_attempts = max_attempts
@@ -321,10 +327,11 @@ class RayDispatch:
         opts = (self.options_for(task) if self.options_for else RayOptions()).ray_kwargs()
         opts.setdefault("scheduling_strategy", "SPREAD")
         one = BatchTask(task.task_id, task.run_id, dict(task.spec))
+        call = self.call_for(task) if self.call_for is not None else self.call
         attempt = 0
         while True:
             attempt += 1
-            ref = self._remote.options(**opts).remote(self.call, one, resume)
+            ref = self._remote.options(**opts).remote(call, one, resume)
             try:
                 return await self._get(ref)
             except rex.RayTaskError as exc:

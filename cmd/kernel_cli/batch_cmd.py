@@ -10,6 +10,7 @@ planner, the one place the CLI builds agents.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -553,14 +554,18 @@ def _prepare_resume(wanted: str, db: str | None, context: list[str]) -> _Args:
 _AS_READ: dict[str, dict[str, Any]] = {}
 
 
-def _build(spec: Mapping[str, Any], given: Any = None) -> tuple[Any, Any, Limits]:
-    """A task's run spec -> (agent, info, limits); secrets put back from `given`."""
+def _build(spec: Mapping[str, Any], given: Any = None,
+           as_read: Mapping[str, Any] | None = None) -> tuple[Any, Any, Limits]:
+    """A task's run spec -> (agent, info, limits); secrets put back from `given`, or the
+    whole spec as read from its line (`as_read`, sent with a task to a Ray worker)."""
     from batteries.batch import run_spec_of
     from kernel import ConfigError, RunSpec
 
     from .run_cmd import plan_from_spec
 
-    if _AS_READ:
+    if as_read is not None:
+        spec = as_read
+    elif _AS_READ:
         info = spec.get("info")
         spec = _AS_READ.get(str(info.get("run_id")) if isinstance(info, Mapping) else "",
                             spec)
@@ -593,8 +598,17 @@ def _ray_dispatch(args: _Args, journal: Any) -> Any:
     call = WorkerCall(store, partial(_build, given=args.given),
                       ports=partial(worker_ports, db=args.db, redactor=args.redactor),
                       critic_for=_critics(), redacted=True)
+
+    def call_for(task: Any) -> Any:
+        as_read = _AS_READ.get(task.run_id)
+        if as_read is None:
+            return call
+        return dataclasses.replace(call, build=partial(_build, given=args.given,
+                                                       as_read=as_read))
+
     return RayDispatch(journal, call, address=args.ray or "auto",
-                       options_for=lambda task: RayOptions.parse(task.spec.get("ray")))
+                       options_for=lambda task: RayOptions.parse(task.spec.get("ray")),
+                       call_for=call_for)
 
 
 @asynccontextmanager

@@ -229,3 +229,40 @@ def test_a_killed_driver_s_batch_is_resumed_on_the_cluster(
     assert {o["status"] for o in outcomes} == {"ok"}
     assert sum(o["resumed"] for o in outcomes) == SLOTS
     assert sorted(int(i) for i in (d / "side").read_text().split()) == list(range(12))
+
+
+@pytest.mark.timeout(4 * WAIT)
+def test_secrets_reach_the_command_on_a_ray_worker_and_are_stored_redacted(
+        tmp_path: Path, kernel_exe: str, cli_env: dict[str, str]) -> None:
+    """A secret in a task's command line or a secret-named context value reaches its
+    command on a Ray worker as written (the builder travels with the task); the journal
+    holds it nowhere."""
+    import sqlite3
+
+    token, key = "abcdefgh12345678", "zzzsecretvalue99"
+    d = tmp_path
+    tasks = [
+        {"id": "argv", "command": ["sh", "-c", f"echo token={token} > {d}/a"]},
+        {"id": "ctx", "command": ["sh", "-c", f"echo $KERNEL_CTX_API_TOKEN > {d}/b"],
+         "context": {"api_token": key}},
+        {"id": "plain", "command": ["sh", "-c", f"echo plain > {d}/c"]},
+    ]
+    (d / "tasks.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
+    with RayCluster(d / "ray", workers=1, cpus=2) as c:
+        out = subprocess.run([kernel_exe, "batch", str(d / "tasks.jsonl"), "--ray", c.address,
+                              "--json"], capture_output=True, text=True,
+                             env={**cli_env, **ray_env()}, timeout=WAIT)
+    assert out.returncode == 0, out.stderr
+    assert {json.loads(line)["status"] for line in out.stdout.splitlines()} == {"ok"}
+    assert (d / "a").read_text().split() == [f"token={token}"]
+    assert (d / "b").read_text().split() == [key]
+    assert (d / "c").read_text().split() == ["plain"]
+    con = sqlite3.connect(cli_env["KERNEL_DB"] + ".journal")
+    try:
+        stored = [str(v) for table, col in (("batch_tasks", "spec"), ("checkpoints", "spec"),
+                                            ("events", "payload"), ("runs", "name"))
+                  for (v,) in con.execute(f"SELECT {col} FROM {table}")]
+    finally:
+        con.close()
+    assert stored and not [v for v in stored if token in v or key in v]
+    assert any("[REDACTED" in v for v in stored)
