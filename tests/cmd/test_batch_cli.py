@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from journal_texts import stored_texts
 
 pytestmark = pytest.mark.realtime
 
@@ -130,15 +131,7 @@ class TestResults:
         assert proc.returncode == 0, proc.stderr
         assert lines(tmp_path / "a") == [f"token={token}"]
         assert lines(tmp_path / "b") == [key]
-        journal = Path(cli_env["KERNEL_DB"] + ".journal")
-        con = sqlite3.connect(journal)
-        try:
-            stored = [str(v) for table, col in (("batch_tasks", "spec"),
-                                                ("checkpoints", "spec"),
-                                                ("events", "payload"), ("runs", "name"))
-                      for (v,) in con.execute(f"SELECT {col} FROM {table}")]
-        finally:
-            con.close()
+        stored = stored_texts(cli_env["KERNEL_DB"] + ".journal")
         assert stored and not [v for v in stored if token in v or key in v]
         assert any("[REDACTED" in v for v in stored)
 

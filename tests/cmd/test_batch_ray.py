@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from journal_texts import stored_texts
 from ray_cluster import RayCluster, ray_env
 
 pytestmark = pytest.mark.realtime
@@ -237,8 +238,6 @@ def test_secrets_reach_the_command_on_a_ray_worker_and_are_stored_redacted(
     """A secret in a task's command line or a secret-named context value reaches its
     command on a Ray worker as written (the builder travels with the task); the journal
     holds it nowhere."""
-    import sqlite3
-
     token, key = "abcdefgh12345678", "zzzsecretvalue99"
     d = tmp_path
     tasks = [
@@ -257,12 +256,6 @@ def test_secrets_reach_the_command_on_a_ray_worker_and_are_stored_redacted(
     assert (d / "a").read_text().split() == [f"token={token}"]
     assert (d / "b").read_text().split() == [key]
     assert (d / "c").read_text().split() == ["plain"]
-    con = sqlite3.connect(cli_env["KERNEL_DB"] + ".journal")
-    try:
-        stored = [str(v) for table, col in (("batch_tasks", "spec"), ("checkpoints", "spec"),
-                                            ("events", "payload"), ("runs", "name"))
-                  for (v,) in con.execute(f"SELECT {col} FROM {table}")]
-    finally:
-        con.close()
+    stored = stored_texts(cli_env["KERNEL_DB"] + ".journal")
     assert stored and not [v for v in stored if token in v or key in v]
     assert any("[REDACTED" in v for v in stored)
