@@ -12,7 +12,9 @@ recorder is closed, so its rows are durable, before its `run` returns).
 Afterwards the database is read back: every run and every event must be
 there, or the bench fails. Prints seconds (wall and this process's CPU, all
 threads: the CPU figure moves less with other work on the machine), the
-ratios to the baseline, and the ratio of the largest N's time to the smallest's.
+ratios to the baseline, and the ratio of the largest N's time to the smallest's,
+for the kernel and for the bare tasks (plain trio is not linear either on every
+machine: cache misses grow with the live tasks).
 
 A second part measures the process sampler: `--procs` real `sleep` processes
 registered with one critic's `ProcessSampler` for `--sample-seconds`, and the
@@ -100,6 +102,7 @@ def scale(sizes: list[int], steps: int, repeat: int) -> None:
           f"{'bare cpu':>9} {'kernel cpu':>11} {'x cpu':>6} {'runs ok':>8} {'events':>9}")
     best_kernel: dict[int, float] = {}
     best_cpu: dict[int, float] = {}
+    best_bare: dict[int, float] = {}
     for n in sizes:
         b = k = bc = kc = float("inf")
         runs = events = odd = 0
@@ -117,13 +120,14 @@ def scale(sizes: list[int], steps: int, repeat: int) -> None:
                     raise SystemExit(f"lost audit data: {runs}/{n} runs, {odd} runs with a "
                                      f"different event count")
             k, kc = min(k, elapsed), min(kc, cpu)
-        best_kernel[n], best_cpu[n] = k, kc
+        best_kernel[n], best_cpu[n], best_bare[n] = k, kc, b
         print(f"{n:>7} {b:>8.2f} {k:>9.2f} {k / b:>7.2f} {k / (n * steps) * 1e6:>12.2f} "
               f"{bc:>9.2f} {kc:>11.2f} {kc / bc:>6.2f} {runs:>8} {events:>9}")
     if len(sizes) > 1:
         lo, hi = min(sizes), max(sizes)
         print(f"time for {hi} runs / time for {lo} runs: {best_kernel[hi] / best_kernel[lo]:.2f} "
-              f"(cpu: {best_cpu[hi] / best_cpu[lo]:.2f}; x{hi / lo:g} the runs)")
+              f"(cpu: {best_cpu[hi] / best_cpu[lo]:.2f}; x{hi / lo:g} the runs); bare trio "
+              f"tasks on the same machine: {best_bare[hi] / best_bare[lo]:.2f}")
 
 
 async def sample_cost(pids: list[int], seconds: float) -> tuple[float, int, float]:
