@@ -204,6 +204,8 @@ class Parsed:
     task_id: str
     spec: dict[str, Any]
     context: dict[str, str] = field(default_factory=dict)
+    #: The `kernel.RunSpec` `spec` was made from (what `_build` reads back).
+    built: Any = None
 
 
 def read_tasks(text: str, where: str, *, caller: str, cwd: str) -> list[Parsed]:
@@ -311,7 +313,8 @@ def _task(obj: dict[str, Any], n: int, where: str, *, caller: str, cwd: str) -> 
     opts = PortSpec(no_critic=flags["no_critic"], soft_timeout=soft,
                     idle_timeout=durations["idle_timeout"],
                     model_timeout=durations["model_timeout"], tool_timeout=tool)
-    run_spec = RunSpec(spec, info, limits, opts, cwd=cwd).to_dict()
+    built = RunSpec(spec, info, limits, opts, cwd=cwd)
+    run_spec = built.to_dict()
     if "ray" in obj:
         from batteries.ray_dispatch import RayOptions
 
@@ -319,7 +322,7 @@ def _task(obj: dict[str, Any], n: int, where: str, *, caller: str, cwd: str) -> 
             run_spec["ray"] = RayOptions.parse(obj["ray"]).to_dict()
         except ValueError as exc:
             raise bad("ray", str(exc)) from None
-    return Parsed(n, task_id, run_spec, ctx)
+    return Parsed(n, task_id, run_spec, ctx, built)
 
 
 def _context(value: Any, bad: Any) -> dict[str, str]:
@@ -438,6 +441,7 @@ def _prepare_new(tasks_file: str, db: str | None, concurrency: int, name: str | 
     tasks = []
     quick = not patterns and not env_patterns(os.environ)
     for p in parsed:
+        _BUILT[p.spec["info"]["run_id"]] = p.built
         spec = _stored(p, redactor, quick)
         if spec is None:
             spec = stored_spec(RunSpec.from_dict(p.spec), redactor)
@@ -552,6 +556,11 @@ def _prepare_resume(wanted: str, db: str | None, context: list[str]) -> _Args:
 #: read: they hold it too). Only the redacted spec is stored; a resumed batch puts the
 #: secrets back from what `--resume ... -c` gives (`given`).
 _AS_READ: dict[str, dict[str, Any]] = {}
+#: Run id -> the `kernel.RunSpec` its task line was read into, for the tasks of a batch
+#: this process created (its forked workers hold it too): the run is built from it
+#: once (taken out when it is), instead of reading its stored spec back
+#: (`RunSpec.from_dict`, half of a build); the line as read, so secrets included.
+_BUILT: dict[str, Any] = {}
 
 
 def _build(spec: Mapping[str, Any], given: Any = None,
@@ -563,13 +572,16 @@ def _build(spec: Mapping[str, Any], given: Any = None,
 
     from .run_cmd import plan_from_spec
 
+    built = None
     if as_read is not None:
         spec = as_read
-    elif _AS_READ:
+    elif _AS_READ or _BUILT:
         info = spec.get("info")
-        spec = _AS_READ.get(str(info.get("run_id")) if isinstance(info, Mapping) else "",
-                            spec)
-    run_spec = RunSpec.from_dict(run_spec_of(spec))  # without where to place it ("ray")
+        run_id = str(info.get("run_id")) if isinstance(info, Mapping) else ""
+        built = _BUILT.pop(run_id, None)
+        spec = _AS_READ.get(run_id, spec)
+    # Without where to place it ("ray").
+    run_spec = built if built is not None else RunSpec.from_dict(run_spec_of(spec))
     if given is not None and run_spec.redacted:
         from batteries.recovery import NotResumable, restore_secrets
 
