@@ -147,18 +147,23 @@ async def test_environment_inherited_or_given_with_the_lifeline(monkeypatch: pyt
     assert given == {"ONLY": "this", _proc.LIFELINE_ENV: f"klouter:{token}"}
 
 
-@pytest.mark.parametrize("how", ["posix_spawn", "popen", "many_fds"])
+@pytest.mark.parametrize("how", ["posix_spawn", "popen", "many_fds", "own_fds",
+                                 "own_fds_many"])
 async def test_a_child_gets_fds_0_to_2_only_and_default_sigpipe(tmp_path: Path,
                                                                  how: str) -> None:
-    """Every way of starting (posix_spawn here; Popen for another working directory,
-    or with hundreds of fds open) closes every other fd in the child, an inheritable
-    one too, and gives back SIGPIPE."""
+    """Every way of starting (posix_spawn here, listing the inheritable fds, or making
+    every fd close-on-exec in a process that owns its fds (`own_fds`: `kernel batch`);
+    Popen for another working directory, or with hundreds of fds open) closes every
+    other fd in the child, an inheritable one too, and gives back SIGPIPE."""
     from adapters import _proc
 
     elsewhere = how == "popen"
     r, w = os.pipe()
     high = os.dup2(w, 200, inheritable=True)  # as a parent shell might leave one open
-    many = [os.open(os.devnull, os.O_RDONLY) for _ in range(300 if how == "many_fds" else 0)]
+    many = [os.open(os.devnull, os.O_RDONLY)
+            for _ in range(300 if how in ("many_fds", "own_fds_many") else 0)]
+    if how.startswith("own_fds"):
+        assert _proc.own_fds()  # Linux >= 5.11 (close_range)
     try:
         child = await _proc.spawn(
             ["sh", "-c", "ls /proc/self/fd; echo --; grep SigIgn /proc/self/status; pwd"],
@@ -170,6 +175,7 @@ async def test_a_child_gets_fds_0_to_2_only_and_default_sigpipe(tmp_path: Path,
         assert await child.wait() == 0
         await child.stop(1.0)
     finally:
+        _proc.own_fds(False)
         for fd in (r, w, high, *many):
             os.close(fd)
     listing, rest = data.decode().split("--")
