@@ -15,7 +15,13 @@ transaction). After each batch the analysts' file is brought up to date
 (`kernel sync`, not timed) and read back: every task's run must be there
 exactly once, `ok`, with exactly one `run_start` and one `run_end` event,
 bound to its task in `batch_runs`; and each side-effect file must hold every
-number once. Any miss fails the bench (exit 1).
+number once. Any miss fails the bench (exit 1). Each repeat also runs the
+design's floor: the same commands started by a bare trio program (a fresh
+interpreter importing only trio, `os.posix_spawnp` in a new session with
+stdout and stderr pipes read and the exit awaited on a pidfd, as
+`adapters._proc.spawn` does, in as many forked processes as the batch has
+workers): what any Python + trio supervisor pays before it does anything of
+its own.
 
 Prints wall seconds and CPU seconds (the process and its children, from
 `getrusage(RUSAGE_CHILDREN)`; the CPU figure moves less with other work on
@@ -81,6 +87,77 @@ def run_xargs(work: Path, n: int, concurrency: int) -> tuple[float, float]:
 
 #: `--workers N` for `kernel batch` (None: its default).
 WORKERS: int | None = None
+
+#: The floor of this design: the same commands started by a bare trio program (a
+#: fresh interpreter importing trio only), as `adapters._proc.spawn` starts them
+#: (`os.posix_spawnp` in a new session, stdin /dev/null, stdout and stderr pipes read
+#: to their end, the exit awaited on a pidfd), in as many forked processes as the batch
+#: has workers, `concurrency` at once in all: no kernel, critic, audit or task file.
+_FLOOR = """
+import os, sys, trio
+n, concurrency, procs, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+
+async def one(i):
+    r1, w1 = os.pipe()
+    r2, w2 = os.pipe()
+    pid = os.posix_spawnp("sh", ["sh", "-c", f"echo {i} >> {out}"], os.environ, setsid=True,
+                          file_actions=[(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDWR, 0),
+                                        (os.POSIX_SPAWN_DUP2, w1, 1),
+                                        (os.POSIX_SPAWN_DUP2, w2, 2)])
+    os.close(w1)
+    os.close(w2)
+    fd = os.pidfd_open(pid)
+    await trio.lowlevel.wait_readable(fd)
+    trio.lowlevel.notify_closing(fd)
+    os.close(fd)
+    os.waitpid(pid, 0)
+    for r in (r1, r2):
+        stream = trio.lowlevel.FdStream(r)
+        while await stream.receive_some():
+            pass
+        await stream.aclose()
+
+async def run(numbers, at_once):
+    async def worker():
+        for i in numbers:
+            await one(i)
+    async with trio.open_nursery() as nursery:
+        for _ in range(at_once):
+            nursery.start_soon(worker)
+
+children = []
+for k in range(procs):
+    mine = iter(range(k, n, procs))
+    at_once = concurrency // procs + (k < concurrency % procs)
+    if k == procs - 1:
+        trio.run(run, mine, at_once)
+    else:
+        pid = os.fork()
+        if pid == 0:
+            trio.run(run, mine, at_once)
+            os._exit(0)
+        children.append(pid)
+for pid in children:
+    os.waitpid(pid, 0)
+"""
+
+
+def run_floor(work: Path, n: int, concurrency: int, procs: int) -> tuple[float, float]:
+    """The bare trio program (`_FLOOR`) over the same commands: (wall, CPU) seconds."""
+    out = work / "floor.effects"
+    wall, cpu, done = _timed([sys.executable, "-c", _FLOOR, str(n), str(concurrency),
+                              str(procs), str(out)], env=_env())
+    if done.returncode != 0:
+        sys.exit(f"the bare trio floor failed: {done.stderr.decode()[-500:]}")
+    _check_effects(out, n, "bare trio")
+    out.unlink()
+    return wall, cpu
+
+
+def _default_workers(n: int) -> int:
+    from kernel_cli.batch_workers import default_workers
+
+    return default_workers(n)
 
 
 def run_batch(work: Path, n: int, concurrency: int, repeat: int) -> tuple[float, float]:
@@ -215,6 +292,8 @@ def main() -> None:
     global WORKERS
     WORKERS = a.workers
     rows = []
+    floors = []
+    procs = WORKERS or _default_workers(a.tasks)
     load0 = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="bench-batch-") as tmp:
         work = Path(tmp)
@@ -227,9 +306,12 @@ def main() -> None:
             else:
                 bw, bc = run_batch(work, a.tasks, a.concurrency, r)
                 xw, xc = run_xargs(work, a.tasks, a.concurrency)
+            fw, fc = run_floor(work, a.tasks, a.concurrency, procs)
             rows.append((xw, xc, bw, bc))
+            floors.append((fw, fc, fw / xw))
             print(f"repeat {r + 1}: xargs {xw:.2f}s wall {xc:.2f}s cpu | kernel batch "
-                  f"{bw:.2f}s wall {bc:.2f}s cpu | ratio wall {bw / xw:.2f} cpu {bc / xc:.2f}")
+                  f"{bw:.2f}s wall {bc:.2f}s cpu | ratio wall {bw / xw:.2f} cpu {bc / xc:.2f}"
+                  f" | bare trio {fw:.2f}s wall {fc:.2f}s cpu (wall {fw / xw:.2f})")
     load1 = os.getloadavg()
     med = [statistics.median(x) for x in zip(*rows, strict=True)]
     ratios = sorted(b / x for x, _, b, _ in rows)
@@ -239,6 +321,9 @@ def main() -> None:
           f"{med[2]:.2f}s wall {med[3]:.2f}s cpu; wall ratio {statistics.median(ratios):.2f} "
           f"(best {ratios[0]:.2f}, worst {ratios[-1]:.2f}), cpu ratio "
           f"{med[3] / med[1]:.2f}")
+    fmed = [statistics.median(x) for x in zip(*floors, strict=True)]
+    print(f"the design's floor, bare trio in {procs} process(es) (no kernel): {fmed[0]:.2f}s "
+          f"wall {fmed[1]:.2f}s cpu, wall ratio to xargs {fmed[2]:.2f}")
     print(f"every run audited once (read back after sync); load average "
           f"{load0[0]:.1f} before, {load1[0]:.1f} after, on {os.cpu_count()} CPUs")
 
