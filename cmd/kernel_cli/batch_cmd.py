@@ -600,8 +600,12 @@ def _build(spec: Mapping[str, Any], given: Any = None,
     if getattr(plan.agent, "inherit_stdin", False):
         plan.agent.inherit_stdin = False  # many commands at once: none reads our stdin
     cwd = spec.get("cwd")
-    if getattr(plan.agent, "cwd", "") is None and isinstance(cwd, str) and os.path.isdir(cwd):
-        plan.agent.cwd = cwd  # where the batch started, also when it is resumed elsewhere
+    # Where the batch started, also when it is resumed elsewhere (where it is run
+    # from there, the command starts in this process's directory, which is the
+    # same: no stat of it, and `spawn` compares no directories for each start).
+    if getattr(plan.agent, "cwd", "") is None and isinstance(cwd, str) \
+            and cwd != os.getcwd() and os.path.isdir(cwd):
+        plan.agent.cwd = cwd
     return plan.agent, run_spec.info, run_spec.limits
 
 
