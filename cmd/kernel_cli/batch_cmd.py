@@ -572,6 +572,7 @@ def _build(spec: Mapping[str, Any], given: Any = None,
            as_read: Mapping[str, Any] | None = None) -> tuple[Any, Any, Limits]:
     """A task's run spec -> (agent, info, limits); secrets put back from `given`, or the
     whole spec as read from its line (`as_read`, sent with a task to a Ray worker)."""
+    from adapters.shell import ShellAgent
     from batteries.batch import run_spec_of
     from kernel import ConfigError, RunSpec
 
@@ -600,12 +601,13 @@ def _build(spec: Mapping[str, Any], given: Any = None,
     if getattr(plan.agent, "inherit_stdin", False):
         plan.agent.inherit_stdin = False  # many commands at once: none reads our stdin
     cwd = spec.get("cwd")
-    # Where the batch started, also when it is resumed elsewhere (where it is run
-    # from there, the command starts in this process's directory, which is the
-    # same: no stat of it, and `spawn` compares no directories for each start).
-    if getattr(plan.agent, "cwd", "") is None and isinstance(cwd, str) \
-            and cwd != os.getcwd() and os.path.isdir(cwd):
-        plan.agent.cwd = cwd
+    if getattr(plan.agent, "cwd", "") is None and isinstance(cwd, str) and os.path.isdir(cwd):
+        plan.agent.cwd = cwd  # where the batch started, also when it is resumed elsewhere
+    elif isinstance(plan.agent, ShellAgent) and plan.agent.cwd == os.getcwd():
+        # Run from where it was read: the command starts in this process's own
+        # directory, the same one, so `spawn` compares no directories (two stats)
+        # for each start and can use posix_spawn (which has no chdir).
+        plan.agent.cwd = None
     return plan.agent, run_spec.info, run_spec.limits
 
 
