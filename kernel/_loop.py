@@ -29,7 +29,7 @@ import dataclasses
 import logging
 import math
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
 import trio
@@ -151,15 +151,18 @@ class Kernel:
         self._last_caps = (limits, caps, capped)
         return caps, capped
 
-    async def run(
+    def run(
         self,
         agent: Agent,
         info: RunInfo | None = None,
         limits: Limits | None = None,
         *,
         resume: Checkpoint | None = None,
-    ) -> Result:
+    ) -> Coroutine[Any, Any, Result]:
         """Run `agent` to exactly one terminal status and return the `Result`.
+
+        Use it as a coroutine function: `result = await kernel.run(agent)`, or
+        `nursery.start_soon(kernel.run, agent)`. Nothing runs until it is awaited.
 
         Unlike most failures, which end up on the result, an outer
         cancellation propagates: the run is recorded `cancelled`, its audit
@@ -172,9 +175,15 @@ class Kernel:
             resume: Continue an interrupted run from this checkpoint (same run_id,
                 step count and usage carried on; `ctx.resumed_from` holds its state).
         """
-        run = _Run(self, agent, info if info is not None else RunInfo(),
-                   limits if limits is not None else Limits(), resume)
-        return await run.execute()
+        # Not `async def`: the run's own coroutine is returned, so each resume of a
+        # run (one per step) passes through one coroutine fewer, and a run keeps one
+        # object fewer for the garbage collector (measured at 10,000 concurrent runs).
+        try:
+            run = _Run(self, agent, info if info is not None else RunInfo(),
+                       limits if limits is not None else Limits(), resume)
+        except Exception as exc:
+            return _raising(exc)  # raised when awaited, as from an `async def`
+        return run.execute()
 
 
 class _Run:
@@ -1050,6 +1059,11 @@ def _merge_caps(limits: Limits, caps: UsageLimits | None) -> UsageLimits:
         max_cost_usd=_tighter(limits.max_cost_usd, c.max_cost_usd),
         max_runtime_seconds=c.max_runtime_seconds,
     )
+
+
+async def _raising(exc: Exception) -> Result:
+    """A coroutine that raises `exc` (what `Kernel.run` returns if it cannot start a run)."""
+    raise exc
 
 
 def _only_cancelled(exc: BaseException) -> bool:
