@@ -173,7 +173,12 @@ class JournalAudit:
         if not self.journal.running:
             raise AuditError(f"the audit's journal was closed before run {rec.run_id} ended")
         self.journal.pending.closes.append((rec, row))
-        await self._write()
+        try:  # `_write`, inline: one coroutine less per closing run
+            await self.journal.commit_buffered()
+        except AuditError as exc:
+            raise AuditWriteError(str(exc)) from exc
+        except Exception as exc:
+            raise AuditWriteError(f"audit write failed: {type(exc).__name__}: {exc}") from exc
 
 
 #: The audit's former name (it wrote the DuckDB file directly); kept for hosts.
