@@ -19,6 +19,7 @@ import trio
 from batteries.audit import JournalAudit, Store, sync
 from batteries.audit import _schema as schema
 from batteries.store import JOURNAL_VERSION, Batch, Owner, RunStore, SQLiteStore, journal_path
+from batteries.store._journal import INLINE_EVENTS
 from kernel import Kernel, Ports, RunInfo, Status, Step
 from kernel.testing import ScriptedAgent
 
@@ -160,6 +161,35 @@ class TestJournal:
             transactions = store.stats.transactions
         assert durable == [4] * runs  # run_start, two steps, run_end
         assert transactions <= 5, transactions
+
+    async def test_runs_closing_during_a_threaded_write_wait_for_it(self, tmp_path: Path) -> None:
+        """More rows than a transaction on the trio thread takes: the write goes to a worker
+        thread holding the journal's lock, and the runs closing meanwhile wait for it to end
+        (woken together), then return with their rows durable; few transactions in all."""
+        db = tmp_path / "k.duckdb"
+        runs, steps = 120, 4
+        durable: list[int] = []
+        async with JournalAudit.open(db) as audit:
+            kernel = Kernel(Ports(audit=audit))
+            store = audit.journal.store
+
+            async def one(i: int) -> None:
+                info = RunInfo(name=f"r{i}")
+                agent = ScriptedAgent([Step() for _ in range(steps - 1)] + [Step(final=True)])
+                await kernel.run(agent, info)
+                with closing(sqlite3.connect(store.path)) as con:
+                    row = con.execute("SELECT count(*) FROM events e JOIN runs r USING "
+                                      "(run_id) WHERE run_id = ? AND r.status = 'ok'",
+                                      (info.run_id,)).fetchone()
+                durable.append(row[0])
+
+            async with trio.open_nursery() as nursery:
+                for i in range(runs):
+                    nursery.start_soon(one, i)
+            transactions = store.stats.transactions
+        assert runs * (steps + 2) > INLINE_EVENTS
+        assert durable == [steps + 2] * runs  # run_start, the steps, run_end
+        assert transactions <= 8, transactions
 
 
 def _v1_journal(path: Path, running: str, finished: str) -> None:
