@@ -139,57 +139,43 @@ class TestJournal:
     async def test_runs_closing_together_share_transactions(self, tmp_path: Path) -> None:
         """Closes that arrive while a transaction is written are committed by the next
         one, not one transaction each; every run's rows are durable when its run returns."""
-        db = tmp_path / "k.duckdb"
-        runs = 50
-        durable: list[int] = []
-        async with JournalAudit.open(db) as audit:
-            kernel = Kernel(Ports(audit=audit))
-            store = audit.journal.store
-
-            async def one(i: int) -> None:
-                info = RunInfo(name=f"r{i}")
-                await kernel.run(ScriptedAgent([Step(), Step(final=True)]), info)
-                with closing(sqlite3.connect(store.path)) as con:
-                    row = con.execute("SELECT count(*) FROM events e JOIN runs r USING "
-                                      "(run_id) WHERE run_id = ? AND r.status = 'ok'",
-                                      (info.run_id,)).fetchone()
-                durable.append(row[0])
-
-            async with trio.open_nursery() as nursery:
-                for i in range(runs):
-                    nursery.start_soon(one, i)
-            transactions = store.stats.transactions
-        assert durable == [4] * runs  # run_start, two steps, run_end
+        durable, transactions = await _close_together(tmp_path, runs=50, steps=2)
+        assert durable == [4] * 50  # run_start, two steps, run_end
         assert transactions <= 5, transactions
 
     async def test_runs_closing_during_a_threaded_write_wait_for_it(self, tmp_path: Path) -> None:
         """More rows than a transaction on the trio thread takes: the write goes to a worker
         thread holding the journal's lock, and the runs closing meanwhile wait for it to end
         (woken together), then return with their rows durable; few transactions in all."""
-        db = tmp_path / "k.duckdb"
         runs, steps = 120, 4
-        durable: list[int] = []
-        async with JournalAudit.open(db) as audit:
-            kernel = Kernel(Ports(audit=audit))
-            store = audit.journal.store
-
-            async def one(i: int) -> None:
-                info = RunInfo(name=f"r{i}")
-                agent = ScriptedAgent([Step() for _ in range(steps - 1)] + [Step(final=True)])
-                await kernel.run(agent, info)
-                with closing(sqlite3.connect(store.path)) as con:
-                    row = con.execute("SELECT count(*) FROM events e JOIN runs r USING "
-                                      "(run_id) WHERE run_id = ? AND r.status = 'ok'",
-                                      (info.run_id,)).fetchone()
-                durable.append(row[0])
-
-            async with trio.open_nursery() as nursery:
-                for i in range(runs):
-                    nursery.start_soon(one, i)
-            transactions = store.stats.transactions
         assert runs * (steps + 2) > INLINE_EVENTS
+        durable, transactions = await _close_together(tmp_path, runs=runs, steps=steps)
         assert durable == [steps + 2] * runs  # run_start, the steps, run_end
         assert transactions <= 8, transactions
+
+
+async def _close_together(tmp_path: Path, *, runs: int, steps: int) -> tuple[list[int], int]:
+    """Start `runs` audited runs of `steps` steps at once; return each run's event count
+    read from the journal right after its `run` returned, and the transactions written."""
+    durable: list[int] = []
+    async with JournalAudit.open(tmp_path / "k.duckdb") as audit:
+        kernel = Kernel(Ports(audit=audit))
+        store = audit.journal.store
+
+        async def one(i: int) -> None:
+            info = RunInfo(name=f"r{i}")
+            agent = ScriptedAgent([Step() for _ in range(steps - 1)] + [Step(final=True)])
+            await kernel.run(agent, info)
+            with closing(sqlite3.connect(store.path)) as con:
+                row = con.execute("SELECT count(*) FROM events e JOIN runs r USING "
+                                  "(run_id) WHERE run_id = ? AND r.status = 'ok'",
+                                  (info.run_id,)).fetchone()
+            durable.append(row[0])
+
+        async with trio.open_nursery() as nursery:
+            for i in range(runs):
+                nursery.start_soon(one, i)
+        return durable, store.stats.transactions
 
 
 def _v1_journal(path: Path, running: str, finished: str) -> None:
