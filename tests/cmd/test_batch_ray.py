@@ -14,11 +14,13 @@ dies: a run that appended twice would be a run that ran twice.
 from __future__ import annotations
 
 import json
+import sqlite3
 import subprocess
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -216,9 +218,20 @@ def test_a_killed_driver_s_batch_is_resumed_on_the_cluster(
         except psutil.NoSuchProcess:
             return False
 
+    def holders() -> list[int]:
+        """The processes holding the interrupted runs' leases (Ray workers of the dead
+        driver): Ray stops them after the driver dies, and under load a worker can
+        outlive the commands it stopped; a resume before then finds the run held."""
+        with closing(sqlite3.connect(cli_env["KERNEL_DB"] + ".journal")) as con:
+            rows = con.execute("SELECT pid FROM checkpoints WHERE status = 'running'")
+            return [int(pid) for (pid,) in rows if pid is not None]
+
     deadline = time.monotonic() + WAIT
     while any(running(p) for p in pids):
         assert time.monotonic() < deadline, "the dead driver's commands are still running"
+        time.sleep(0.1)
+    while any(running(p) for p in holders()):
+        assert time.monotonic() < deadline, "the dead driver's Ray workers are still running"
         time.sleep(0.1)
     (d / "gate").touch()
 
