@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 import traceback
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
@@ -68,6 +69,13 @@ from .ports import (
 # package puts a NullHandler on "kernel", so nothing is printed unless the host
 # configures logging (the CLI sends these to stderr).
 _log = logging.getLogger("kernel")
+
+try:  # trio's real-time clock: a step under it is timed with `time.perf_counter`
+    from trio._core._run import SystemClock as _SystemClock
+
+    _SYSTEM_CLOCK: type | None = _SystemClock
+except ImportError:  # pragma: no cover - a trio that moved it: its clock times steps
+    _SYSTEM_CLOCK = None
 
 # Statuses after which a checkpoint is kept for `kernel recover` rather than failed.
 _RESUMABLE = frozenset({Status.CANCELLED})
@@ -117,15 +125,22 @@ class Kernel:
         # One task follows every watched run of this kernel (see `_watch.py`).
         self._watcher = Watcher()
         self._last_caps: tuple[Limits, UsageLimits, bool] | None = None
-        self._clock: tuple[trio.abc.Clock, Callable[[], float]] | None = None
+        self._clock: tuple[trio.abc.Clock, Callable[[], float], Callable[[], float]] | None
+        self._clock = None
 
-    def _clock_now(self) -> Callable[[], float]:
-        """The current trio clock's `current_time`, one bound method per clock (not per run)."""
+    def _clock_now(self) -> tuple[Callable[[], float], Callable[[], float]]:
+        """The current trio clock's `current_time`, one bound method per clock (not per run),
+        and what times a step: `time.perf_counter` under trio's own clock (its
+        `current_time` is a fixed offset plus `perf_counter`, so differences are equal, for
+        a C call instead of a Python method: two a step), else `current_time` itself
+        (a virtual clock in tests)."""
         clock = trio.lowlevel.current_clock()
         last = self._clock
         if last is None or last[0] is not clock:
-            last = self._clock = (clock, clock.current_time)
-        return last[1]
+            now = clock.current_time
+            tick = time.perf_counter if type(clock) is _SYSTEM_CLOCK else now
+            last = self._clock = (clock, now, tick)
+        return last[1], last[2]
 
     @property
     def ports(self) -> Ports:
@@ -195,7 +210,8 @@ class _Run:
                  "hooks", "immediate", "in_step", "info", "k", "last_save_steps",
                  "last_save_time", "limits", "next_look", "now", "nursery", "on_steer", "output",
                  "pending_steer", "reason", "recorder", "resume", "scope", "started", "status",
-                 "steering", "steps", "tb", "tool_calls", "tools", "usage", "watch_entry")
+                 "steering", "steps", "tb", "tick", "tool_calls", "tools", "usage",
+                 "watch_entry")
 
     def __init__(self, kernel: Kernel, agent: Agent, info: RunInfo, limits: Limits,
                  resume: Checkpoint | None) -> None:
@@ -234,6 +250,7 @@ class _Run:
         self.hooks = NO_HANDLE  # the critic handle's optional methods, once it has one
         self.started = 0.0
         self.now: Callable[[], float] = trio.current_time  # the run's clock (see `execute`)
+        self.tick: Callable[[], float] = trio.current_time  # what times a step (`execute`)
         self.backstop = math.inf
         self.last_save_steps = self.steps
         self.last_save_time = 0.0
@@ -387,7 +404,8 @@ class _Run:
         info, limits = self.info, self.limits
         # The run's clock, read directly: what `trio.current_time()` returns, without
         # its lookups (the step loop reads it twice a step).
-        self.now = now = self.k._clock_now()
+        now, self.tick = self.k._clock_now()
+        self.now = now
         self.started = now()
         if limits.timeout is not None:
             self.backstop = self.started + limits.timeout
@@ -579,7 +597,7 @@ class _Run:
         self.log_event(kind, name=name, payload=payload, iteration=self.steps)
 
     async def loop(self) -> None:
-        agent, ctx, limits, now = self.agent, self.ctx, self.limits, self.now
+        agent, ctx, limits, now = self.agent, self.ctx, self.limits, self.tick
         if self.can.problem is not None:
             self.recorder_error(self.can.problem)
             self._end(Status.ERROR, error=self.can.problem)
@@ -604,7 +622,18 @@ class _Run:
             if ceiling is not None and self.steps >= ceiling:
                 self._end(Status.MAX_STEPS, reason=f"step ceiling of {ceiling} reached")
                 return
-            steer = self.drain_steer()
+            # Messages for this step: queued ones, then the critic's.
+            steer = self.pending_steer
+            if steer:
+                self.pending_steer = []
+            if handle is not None:
+                try:
+                    more = handle.steer()
+                except Exception as exc:
+                    self.critic_failed("steer", exc)
+                else:
+                    if more:
+                        steer = [*steer, *more]
             ctx.steer = steer
             if steer:
                 self.log_event("steer", payload={"messages": [m.content for m in steer],
@@ -713,21 +742,6 @@ class _Run:
             self.recorder.log_error(message)
         except Exception as exc:
             self.fault("audit", "log_error", exc)
-
-    def drain_steer(self) -> list[Message]:
-        msgs = self.pending_steer
-        if msgs:
-            self.pending_steer = []
-        handle = self.handle
-        if handle is not None:
-            try:
-                more = handle.steer()
-            except Exception as exc:
-                self.critic_failed("steer", exc)
-            else:
-                if more:
-                    msgs = [*msgs, *more]
-        return msgs
 
     def usage_exceeded(self) -> tuple[str, str] | None:
         caps, u = self.caps, self.usage + self.child_usage if self.child_usage else self.usage

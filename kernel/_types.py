@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import math
 import os
-import uuid
+import time
 from collections.abc import Mapping
 from dataclasses import field
 from typing import Any
@@ -54,13 +54,11 @@ def new_run_id() -> str:
     """A new run id: 32 hex digits, time-ordered (UUIDv7 layout) so ids sort by start."""
     # UUIDv7: 48 bits of unix milliseconds, then random bits. Time order makes
     # `kernel runs` and prefix abbreviation friendlier than uuid4.
-    import time
-
     ms = time.time_ns() // 1_000_000
     rand = int.from_bytes(os.urandom(10), "big")
     value = (ms & ((1 << 48) - 1)) << 80 | (0x7 << 76) | (rand & ((1 << 76) - 1))
     value = (value & ~(0xC << 60)) | (0x8 << 60)  # RFC 4122 variant bits
-    return uuid.UUID(int=value).hex
+    return f"{value:032x}"  # `uuid.UUID(int=value).hex`, without the object (~1 us)
 
 
 @dataclass(slots=True)

@@ -120,7 +120,10 @@ class DuckDBRecorder:
         buf.payloads.append(payload)
         if n == 0:
             journal.poke()  # start the flush timer
-        if n + 1 >= journal.batch_size:
+        if n + 1 == journal.batch_size:
+            # Once, as the batch fills: the flusher remembers it (it swaps its events
+            # before it writes), so the events that keep coming while a write is in
+            # flight do not set it again, each of them.
             journal.poke(now=True)
 
     def on_step(self, iteration: int, step: Step, duration_s: float) -> None:
@@ -130,7 +133,27 @@ class DuckDBRecorder:
             # depends on nothing else, so the audit keeps it (see `JournalAudit.step_text`).
             text = self.audit.step_text(step.final, len(step.tool_calls))
             if text is not None:
-                self._add("step", step.name, text, duration_s * 1000, iteration)
+                # `_add`, written out: this is the per-step hot path.
+                journal = self.journal
+                buf = journal.pending
+                recs = buf.recs
+                n = len(recs)
+                if n + journal.retry_len >= journal.max_pending_events:
+                    self.dropped += 1
+                    return
+                recs.append(self)
+                buf.seqs.append(self.count)
+                self.count += 1
+                buf.ts.append(time.time_ns() // 1000)
+                buf.kinds.append("step")
+                buf.iters.append(iteration)
+                buf.names.append(step.name)
+                buf.durs.append(duration_s * 1000)
+                buf.payloads.append(text)
+                if n == 0:
+                    journal.poke()
+                if n + 1 == journal.batch_size:
+                    journal.poke(now=True)
                 return
         payload: dict[str, Any] = {"final": step.final, "tool_calls": len(step.tool_calls)}
         if step.output is not None:

@@ -77,6 +77,8 @@ _RESULT_KEY_LIMIT = 2048  # longer result keys are compared by digest
 
 # `WatchHandle(quiet_until=)` left out: the handle looks it up on its judge.
 _FROM_JUDGE: Any = object()
+#: What `steer()` returns when nothing is queued: shared, so never changed by a caller.
+_NO_MESSAGES: list[Message] = []
 
 
 # The last trio clock seen and its `current_time` (read and replaced whole: trio
@@ -442,7 +444,7 @@ class WatchHandle:
             self._look("poll")
         msgs = self._queue
         if not msgs:
-            return []
+            return _NO_MESSAGES  # (asked every step: no list made for nothing)
         self._queue = None
         self._dirty = True
         if self._open is not None:
