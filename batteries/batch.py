@@ -24,7 +24,11 @@ every task's run:
   recover` and the batch never both resume it; a dispatcher with a `claim`
   method, such as `RayDispatch`, claims it with its own proof) and it is
   resumed from its last checkpoint under the same run id, without a second
-  budget reservation (the kernel tells the budget the run resumed). A plain
+  budget reservation (the kernel tells the budget the run resumed). A lease
+  whose holder is still alive (the interrupted batch's own workers can
+  outlive it by a moment: a Ray worker, a process not yet reaped) is tried
+  again for up to `holder_wait` seconds before the task is reported
+  `running` (held by another process). A plain
   command keeps no state: its one step (the command) runs again from the
   start, which is what a resumed loop does with the state it was in;
 - started but neither ended nor checkpointed: lost (`LoseRun`);
@@ -73,6 +77,7 @@ from .store import (
     Journal,
     LoseRun,
     Owner,
+    SavedRun,
     StoreError,
     TaskRow,
 )
@@ -248,6 +253,9 @@ class BatchRunner:
         concurrency: At most this many runs at once (>= 1).
         before_resume: Awaited with a run id before an interrupted run is resumed
             (the CLI stops any process the dead run left behind).
+        holder_wait: Seconds an interrupted run whose lease is held by a live
+            process is tried again (every 0.05-1 s) before its task is reported
+            `running`: the interrupted batch's own workers may still be exiting.
 
     Attributes:
         running: Tasks in flight: run id -> (task, trio time it started).
@@ -258,6 +266,7 @@ class BatchRunner:
     dispatch: Dispatch
     concurrency: int = 8
     before_resume: Callable[[str], Awaitable[None]] | None = None
+    holder_wait: float = 10.0
     owner: Owner = field(default_factory=Owner.me)
     running: dict[str, tuple[BatchTask, float]] = field(default_factory=dict)
     outcomes: list[TaskOutcome] = field(default_factory=list)
@@ -267,6 +276,8 @@ class BatchRunner:
     def __post_init__(self) -> None:
         if self.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+        if not self.holder_wait >= 0:
+            raise ValueError(f"holder_wait must be >= 0 seconds, got {self.holder_wait}")
 
     @property
     def store(self) -> BatchStore:
@@ -389,15 +400,7 @@ class BatchRunner:
         task = BatchTask(row.task_id, row.run_id, row.spec)
         checkpoint = None
         if item.resume:
-            # A dispatcher that can prove more than this host can (Ray: a holder on a
-            # dead node) claims the lease itself; otherwise the store's rule decides.
-            claim = getattr(self.dispatch, "claim", None)
-            if callable(claim):
-                ok = bool(await claim(row.run_id))
-            else:
-                [ok] = await self.journal.transact([ClaimRun(row.run_id, self.owner)])
-            saved = await self.journal.read(
-                lambda: self.journal.store.saved_runs(run_id=row.run_id)) if ok else []
+            saved = await self._claim(row.run_id)
             if not saved or saved[0].status != "running":
                 return TaskOutcome(row.index, row.task_id, row.run_id, "running",
                                    error="held by another process (kernel recover?)")
@@ -418,6 +421,33 @@ class BatchRunner:
         return TaskOutcome(row.index, row.task_id, row.run_id, str(result.status), result,
                            resumed=item.resume, error=result.error or result.reason
                            if result.status is not Status.OK else None)
+
+
+    async def _claim(self, run_id: str) -> list[SavedRun]:
+        """Take an interrupted run's lease; its saved state, or [] if another process holds
+        it still after `holder_wait` seconds (or it is no longer `running`)."""
+        # A dispatcher that can prove more than this host can (Ray: a holder on a
+        # dead node) claims the lease itself; otherwise the store's rule decides.
+        claim = getattr(self.dispatch, "claim", None)
+        give_up = trio.current_time() + self.holder_wait
+        pause = 0.05
+        while True:
+            if callable(claim):
+                ok = bool(await claim(run_id))
+            else:
+                [ok] = await self.journal.transact([ClaimRun(run_id, self.owner)])
+            if ok:
+                saved: list[SavedRun] = await self.journal.read(
+                    lambda: self.journal.store.saved_runs(run_id=run_id))
+                return saved
+            left = give_up - trio.current_time()
+            if left <= 0:
+                return []
+            held = await self.journal.read(lambda: self.journal.store.saved_runs(run_id=run_id))
+            if not held or held[0].status != "running":
+                return []  # finished meanwhile (or gone): nothing to wait for
+            await trio.sleep(min(pause, left))
+            pause = min(pause * 2, 1.0)
 
 
 def default_concurrency() -> int:

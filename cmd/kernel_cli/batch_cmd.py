@@ -65,7 +65,9 @@ number and field (exit 2), and nothing runs. Blank lines are skipped.
 The batch id is printed on stderr when the batch starts. A batch whose
 process died (or was stopped by SIGTERM, SIGHUP or Ctrl-C) is resumed with
 --resume: finished runs are skipped, interrupted ones continue from their
-checkpoint (a plain command runs again), the rest run.
+checkpoint (a plain command runs again), the rest run. A run still held by a
+live process (the dead batch's workers exiting, a kernel recover) is tried
+again for up to 10 s, then reported `running` (exit 1).
 
 \b
 Exit codes: 0 every run ended ok; 1 at least one did not (error, timeout,

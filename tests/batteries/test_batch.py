@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import signal
+import subprocess
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ from batteries.store import (
     FinishBatch,
     Journal,
     Owner,
+    RegisterRun,
     ReserveBudget,
     SaveCheckpoint,
     SetBudget,
@@ -33,6 +36,22 @@ from kernel.testing import ScriptedAgent
 
 DEAD = Owner("elsewhere-not-this-host", 1, None)  # on another host: never presumed gone
 GONE = Owner(os.uname().nodename, 0, None)  # pid 0 on this host: provably gone
+
+
+def _owner_of(pid: int) -> Owner:
+    """Another process on this host as a lease holder (its pid and start time)."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        data = f.read()
+    return Owner(os.uname().nodename, pid, int(data[data.rfind(b")") + 2:].split()[19]))
+
+
+@pytest.fixture
+def holder() -> Iterator[subprocess.Popen[bytes]]:
+    """A live process on this host to hold a run's lease (killed and reaped afterwards)."""
+    proc = subprocess.Popen(["sleep", "120"])
+    yield proc
+    proc.kill()
+    proc.wait()
 
 
 def tasks(n: int, **spec: Any) -> list[BatchTask]:
@@ -219,6 +238,53 @@ class TestBatchRunner:
                 await runner.run("bz")
             with pytest.raises(StoreError, match="no batch"):
                 await runner.run("bmissing")
+
+    async def test_a_resumed_run_waits_for_its_exiting_holder(
+            self, tmp_path: Path, holder: subprocess.Popen[bytes]) -> None:
+        """An interrupted run whose lease a live process still holds (the dead batch's
+        worker, exiting) is taken over once that process is gone, within `holder_wait`:
+        never while it lives."""
+        async with Journal.open(tmp_path / "k.duckdb") as journal:
+            ports = Ports(audit=JournalAudit(journal), checkpointer=JournalCheckpointer(journal))
+            runner = BatchRunner(journal, KernelDispatch(ports, build), holder_wait=60)
+            [task] = tasks(1)
+            journal.store.commit(None, [
+                CreateBatch("bw", (task,), GONE),
+                RegisterRun(task.run_id, dict(task.spec), _owner_of(holder.pid))])
+            outs: list[Any] = []
+
+            async def resume() -> None:
+                outs.extend(await runner.run("bw"))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(resume)
+                await trio.sleep(0.5)  # the runner tries meanwhile; nothing may start
+                assert not outs and not runner.running
+                os.kill(holder.pid, signal.SIGKILL)  # a zombie now: provably gone
+            [out] = outs
+            assert out.status == Status.OK and out.resumed, out
+
+    async def test_a_holder_alive_past_the_wait_leaves_the_run_held(
+            self, tmp_path: Path, holder: subprocess.Popen[bytes]) -> None:
+        """Past `holder_wait` a run held by a live process is reported `running` (held by
+        another process) and is not run."""
+        async with Journal.open(tmp_path / "k.duckdb") as journal:
+            runner = BatchRunner(journal, KernelDispatch(Ports(), build), holder_wait=0.2)
+            [task] = tasks(1)
+            journal.store.commit(None, [
+                CreateBatch("bh", (task,), GONE),
+                RegisterRun(task.run_id, dict(task.spec), _owner_of(holder.pid))])
+            [out] = await runner.run("bh")
+            assert out.status == "running" and not out.resumed
+            assert "held by another process" in (out.error or "")
+            [saved] = journal.store.saved_runs(run_id=task.run_id)
+            assert saved.status == "running" and saved.owner.pid == holder.pid
+
+    def test_holder_wait_must_not_be_negative(self, tmp_path: Path) -> None:
+        """A negative `holder_wait` is refused when the runner is made."""
+        with pytest.raises(ValueError, match="holder_wait"):
+            BatchRunner(Journal(tmp_path / "k.duckdb"), KernelDispatch(Ports(), build),
+                        holder_wait=-1)
 
     def test_concurrency_must_be_positive(self, tmp_path: Path) -> None:
         """A concurrency below 1 is refused when the runner is made."""
