@@ -932,9 +932,11 @@ class SQLiteStore:
         next_in_batch: dict[str, int] = {}
         starts: list[tuple[Any, ...]] = []
         new_runs: list[tuple[Any, ...]] = []
-        # New recorders, and any whose start was in a batch that was given up on.
+        # New recorders, and any whose start was in a batch that was given up on (looked
+        # for among the batch's distinct recorders: a Python loop per run, not per event).
+        distinct = dict.fromkeys(recs)
         news = dict.fromkeys(batch.new)
-        news.update(dict.fromkeys(r for r in batch.recs if r.base is None and r not in news))
+        news.update(dict.fromkeys(r for r in distinct if r.base is None and r not in news))
         known = _last_seqs(con, list(dict.fromkeys(r.run_id for r in news if r.base is None)))
         for rec in news:
             rid = rec.run_id
@@ -960,8 +962,7 @@ class SQLiteStore:
             next_in_batch[rid] = base + rec.count
         # The event columns, built at C speed (no Python code per event): the run id
         # and absolute seq of each event from its recorder's base.
-        recs = batch.recs
-        base_of = {r: r.base if r.base is not None else bases[r] for r in dict.fromkeys(recs)}
+        base_of = {r: r.base if r.base is not None else bases[r] for r in distinct}
         ids = list(map(_RUN_ID, recs))
         seqs = list(map(add, map(base_of.__getitem__, recs), batch.seqs))
         # A run's seqs rise in batch order (a recorder appends in order) when each run
