@@ -3,9 +3,12 @@
     python bench/bench_batch.py                          # 1,000 commands, concurrency 32
     python bench/bench_batch.py --tasks 1000 --concurrency 32 --repeat 3
     python bench/bench_batch.py --workers 1              # the runs in the batch process itself
+    python bench/bench_batch.py --work 0.05              # each command sleeps 50 ms first
     python bench/bench_batch.py --instructions           # instructions per task (callgrind)
 
-Each task is `sh -c 'echo N >> FILE'`. Per repeat, in alternating order:
+Each task is `sh -c 'echo N >> FILE'` (with `--work S`: `sleep S; echo N >> FILE`,
+for all three alike: commands that do something, where the issue's case measures
+nothing but the supervisor). Per repeat, in alternating order:
 `xargs -P C -I{} sh -c 'echo {} >> FILE'` over the numbers 1..N (the
 baseline), then `kernel batch TASKS.jsonl --concurrency C --json` (the
 installed executable, as a user runs it: the time includes start-up, reading
@@ -70,12 +73,26 @@ def _kernel() -> str:
     return str(exe) if exe.exists() else "kernel"
 
 
+#: `--work S`: seconds each command sleeps before its side effect (0: none).
+WORK = 0.0
+
+
+def _before() -> str:
+    """What each command does before its side effect (`--work`)."""
+    return f"sleep {WORK:g}; " if WORK else ""
+
+
+def _shell(number: str, out: Path) -> str:
+    """The shell text of the task numbered `number` (`{}` for xargs' placeholder)."""
+    return f"{_before()}echo {number} >> {out}"
+
+
 def run_xargs(work: Path, n: int, concurrency: int) -> tuple[float, float]:
     out = work / "xargs.effects"
     numbers = "".join(f"{i}\n" for i in range(n)).encode()
     c0, t0 = _cpu(), time.perf_counter()
     done = subprocess.run(["xargs", "-P", str(concurrency), "-I{}", "sh", "-c",
-                           f"echo {{}} >> {out}"], input=numbers, capture_output=True,
+                           _shell("{}", out)], input=numbers, capture_output=True,
                           check=False)
     wall, cpu = time.perf_counter() - t0, _cpu() - c0
     if done.returncode != 0:
@@ -96,11 +113,13 @@ WORKERS: int | None = None
 _FLOOR = """
 import os, sys, trio
 n, concurrency, procs, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+before = sys.argv[5]  # what each command does before its side effect ("" for nothing)
 
 async def one(i):
     r1, w1 = os.pipe()
     r2, w2 = os.pipe()
-    pid = os.posix_spawnp("sh", ["sh", "-c", f"echo {i} >> {out}"], os.environ, setsid=True,
+    pid = os.posix_spawnp("sh", ["sh", "-c", f"{before}echo {i} >> {out}"], os.environ,
+                          setsid=True,
                           file_actions=[(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDWR, 0),
                                         (os.POSIX_SPAWN_DUP2, w1, 1),
                                         (os.POSIX_SPAWN_DUP2, w2, 2)])
@@ -146,7 +165,8 @@ def run_floor(work: Path, n: int, concurrency: int, procs: int) -> tuple[float, 
     """The bare trio program (`_FLOOR`) over the same commands: (wall, CPU) seconds."""
     out = work / "floor.effects"
     wall, cpu, done = _timed([sys.executable, "-c", _FLOOR, str(n), str(concurrency),
-                              str(procs), str(out)], env=_env())
+                              str(procs), str(out), _before()],
+                             env=_env())
     if done.returncode != 0:
         sys.exit(f"the bare trio floor failed: {done.stderr.decode()[-500:]}")
     _check_effects(out, n, "bare trio")
@@ -164,7 +184,7 @@ def run_batch(work: Path, n: int, concurrency: int, repeat: int) -> tuple[float,
     out = work / f"batch{repeat}.effects"
     tasks = work / f"tasks{repeat}.jsonl"
     tasks.write_text("".join(json.dumps({"id": f"t{i}", "command": [
-        "sh", "-c", f"echo {i} >> {out}"]}) + "\n" for i in range(n)))
+        "sh", "-c", _shell(str(i), out)]}) + "\n" for i in range(n)))
     db = work / "audit.duckdb"
     workers = [] if WORKERS is None else ["--workers", str(WORKERS)]
     wall, cpu, done = _timed([_kernel(), "batch", str(tasks), "--concurrency",
@@ -282,6 +302,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--workers", type=int, default=None,
                     help="kernel batch --workers N (default: the CLI's own default)")
+    ap.add_argument("--work", type=float, default=0.0, metavar="SECONDS",
+                    help="each command sleeps this long before its side effect (default 0: "
+                         "the issue's case, nothing but the supervisors)")
     ap.add_argument("--instructions", action="store_true",
                     help="count instructions per task under callgrind instead (a figure "
                          "load does not move; --workers default 2)")
@@ -289,8 +312,11 @@ def main() -> None:
     if a.instructions:
         instructions(a.workers or 2)
         return
-    global WORKERS
+    if not a.work >= 0:
+        sys.exit("--work must be >= 0 seconds")
+    global WORKERS, WORK
     WORKERS = a.workers
+    WORK = a.work
     rows = []
     floors = []
     procs = WORKERS or _default_workers(a.tasks)
@@ -315,7 +341,8 @@ def main() -> None:
     load1 = os.getloadavg()
     med = [statistics.median(x) for x in zip(*rows, strict=True)]
     ratios = sorted(b / x for x, _, b, _ in rows)
-    print(f"{a.tasks} commands at concurrency {a.concurrency}, "
+    print(f"{a.tasks} commands{f' of {a.work:g}s each' if a.work else ''} at concurrency "
+          f"{a.concurrency}, "
           f"{'default' if a.workers is None else a.workers} workers, {a.repeat} repeats (median): "
           f"xargs -P {a.concurrency} {med[0]:.2f}s wall {med[1]:.2f}s cpu; kernel batch "
           f"{med[2]:.2f}s wall {med[3]:.2f}s cpu; wall ratio {statistics.median(ratios):.2f} "
