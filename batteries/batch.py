@@ -422,7 +422,6 @@ class BatchRunner:
                            resumed=item.resume, error=result.error or result.reason
                            if result.status is not Status.OK else None)
 
-
     async def _claim(self, run_id: str) -> list[SavedRun]:
         """Take an interrupted run's lease; its saved state, or [] if another process holds
         it still after `holder_wait` seconds (or it is no longer `running`)."""
@@ -436,16 +435,13 @@ class BatchRunner:
                 ok = bool(await claim(run_id))
             else:
                 [ok] = await self.journal.transact([ClaimRun(run_id, self.owner)])
+            saved: list[SavedRun] = await self.journal.read(
+                lambda: self.journal.store.saved_runs(run_id=run_id))
             if ok:
-                saved: list[SavedRun] = await self.journal.read(
-                    lambda: self.journal.store.saved_runs(run_id=run_id))
                 return saved
             left = give_up - trio.current_time()
-            if left <= 0:
-                return []
-            held = await self.journal.read(lambda: self.journal.store.saved_runs(run_id=run_id))
-            if not held or held[0].status != "running":
-                return []  # finished meanwhile (or gone): nothing to wait for
+            if left <= 0 or not saved or saved[0].status != "running":
+                return []  # held past the wait, or finished meanwhile: nothing to wait for
             await trio.sleep(min(pause, left))
             pause = min(pause * 2, 1.0)
 
