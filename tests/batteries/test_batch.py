@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -31,6 +32,7 @@ from batteries.store import (
     StoreError,
     journal_path,
 )
+from batteries.store._types import _proc_start
 from kernel import Checkpoint, Limits, Ports, RunInfo, Status, Step, new_run_id
 from kernel.testing import ScriptedAgent
 
@@ -40,9 +42,7 @@ GONE = Owner(os.uname().nodename, 0, None)  # pid 0 on this host: provably gone
 
 def _owner_of(pid: int) -> Owner:
     """Another process on this host as a lease holder (its pid and start time)."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        data = f.read()
-    return Owner(os.uname().nodename, pid, int(data[data.rfind(b")") + 2:].split()[19]))
+    return Owner(socket.gethostname(), pid, _proc_start(pid))
 
 
 @pytest.fixture
