@@ -403,11 +403,11 @@ def _execute_rows(con: sqlite3.Connection, kind: _Rows, rows: list[tuple[Any, ..
     changed = 0
     for sql, chunk in chunks:
         try:
-            cur = con.execute(sql, list(chain.from_iterable(chunk)))
+            cur = con.execute(sql, tuple(chain.from_iterable(chunk)))
         except UnicodeEncodeError:
             if clean is None:
                 raise
-            cur = con.execute(sql, list(chain.from_iterable(map(clean, chunk))))
+            cur = con.execute(sql, tuple(chain.from_iterable(map(clean, chunk))))
         changed += cur.rowcount
     return changed
 
@@ -422,7 +422,10 @@ def _execute_columns(con: sqlite3.Connection, kind: _Rows, columns: Sequence[Seq
     this thread while the trio thread ran: each 700 set off a young
     collection, and those alive at the next older one were moved to the
     oldest generation, whose growth sets off the full passes over every
-    live run (BENCHMARKS.md, "Critic at scale").
+    live run (BENCHMARKS.md, "Critic at scale"). The parameters are bound as
+    a tuple (as are the writer's other per-event temporaries): a tuple of
+    atoms is no longer tracked after the first young collection that sees
+    it, where a list is walked by every one while the statement runs.
     """
     width = kind.width
     assert len(columns) == width, (len(columns), width)
@@ -440,12 +443,12 @@ def _execute_columns(con: sqlite3.Connection, kind: _Rows, columns: Sequence[Seq
         for j, column in enumerate(columns):
             params[j::width] = column[at:end]
         try:
-            cur = con.execute(sql, params)
+            cur = con.execute(sql, tuple(params))
         except UnicodeEncodeError:
             if clean is None:
                 raise
             rows = map(clean, zip(*(column[at:end] for column in columns), strict=True))
-            cur = con.execute(sql, list(chain.from_iterable(rows)))
+            cur = con.execute(sql, tuple(chain.from_iterable(rows)))
         changed += cur.rowcount
     return changed
 
@@ -930,8 +933,13 @@ class SQLiteStore:
                 return bases
         bases = {}
         next_in_batch: dict[str, int] = {}
-        starts: list[tuple[Any, ...]] = []
-        new_runs: list[tuple[Any, ...]] = []
+        # The new runs' rows and run_starts, a list per column: no tuple per run (at
+        # 10,000 runs starting, 20,000 tuples made here set off the collector's full
+        # passes over every live run while the trio thread waited for the GIL).
+        new_runs: list[list[Any]] = [[] for _ in range(10)]
+        (new_ids, parents, subjects, run_names, callers, channels, inputs, started, hosts,
+         pids) = new_runs
+        start_payloads: list[str | None] = []
         # New recorders, and any whose start was in a batch that was given up on (looked
         # for among the batch's distinct recorders: a Python loop per run, not per event).
         distinct = dict.fromkeys(recs)
@@ -950,21 +958,26 @@ class SQLiteStore:
                     base = seen + 1
                 else:
                     info = rec.info
-                    new_runs.append(
-                        (rid, info.parent_run_id, _text(info.subject_id), _text(info.name),
-                         _text(info.caller_id), _text(info.channel_id),
-                         _text(_dumps(info.inputs)), rec.started_us, rec.host, rec.pid))
-                    starts.append((rid, 0, rec.started_us, "run_start", None, _text(info.name),
-                                   None, _text(_dumps({"inputs": info.inputs,
-                                                       "caller_id": info.caller_id}))))
+                    new_ids.append(rid)
+                    parents.append(info.parent_run_id)
+                    subjects.append(_text(info.subject_id))
+                    run_names.append(_text(info.name))
+                    callers.append(_text(info.caller_id))
+                    channels.append(_text(info.channel_id))
+                    inputs.append(_text(_dumps(info.inputs)))
+                    started.append(rec.started_us)
+                    hosts.append(rec.host)
+                    pids.append(rec.pid)
+                    start_payloads.append(_text(_dumps({"inputs": info.inputs,
+                                                        "caller_id": info.caller_id})))
                     base = 1
             bases[rec] = base
             next_in_batch[rid] = base + rec.count
         # The event columns, built at C speed (no Python code per event): the run id
         # and absolute seq of each event from its recorder's base.
         base_of = {r: r.base if r.base is not None else bases[r] for r in distinct}
-        ids = list(map(_RUN_ID, recs))
-        seqs = list(map(add, map(base_of.__getitem__, recs), batch.seqs))
+        ids = tuple(map(_RUN_ID, recs))
+        seqs = tuple(map(add, map(base_of.__getitem__, recs), batch.seqs))
         # A run's seqs rise in batch order (a recorder appends in order) when each run
         # has one recorder here: its first and last seqs are its first and last events'.
         last = dict(zip(ids, seqs, strict=True))
@@ -977,15 +990,21 @@ class SQLiteStore:
                     last[rid] = seq
                 if seq < first.get(rid, seq + 1):
                     first[rid] = seq
-        if new_runs:
+        if new_ids:
+            k = len(new_ids)
             change = self._rev(con, rev)
             # Each run_start gets the next id, given here: the run's `first_event`.
             # (An id mark keeps the highest id ever handed out in the table: see `_V4`.)
             top = int(con.execute("SELECT coalesce(max(id), 0) FROM events").fetchone()[0])
-            _execute_rows(con, _INSERT_RUNS, [(*run, last.pop(run[0], 0), top + i, change)
-                                              for i, run in enumerate(new_runs, start=1)])
-            _execute_rows(con, _INSERT_STARTS,
-                          [(top + i, *start) for i, start in enumerate(starts, start=1)])
+            first_ids = list(range(top + 1, top + 1 + k))
+            for column in (parents, subjects, callers, channels):  # mostly None
+                column[:] = map(_nulls, column, column)
+            _execute_columns(con, _INSERT_RUNS, (
+                *new_runs, [last.pop(rid, 0) for rid in new_ids], first_ids, [change] * k))
+            _execute_columns(con, _INSERT_STARTS, (
+                first_ids, new_ids, [0] * k, started, ["run_start"] * k, [_NULL] * k,
+                list(map(_nulls, run_names, run_names)), [_NULL] * k, start_payloads),
+                _clean_start)
         if last:  # runs already in the journal: raise last_seq, only from below
             raised = _execute_columns(con, _RAISE_LAST_SEQ, (
                 list(last.values()), list(last), list(map(first.__getitem__, last))))
@@ -994,8 +1013,8 @@ class SQLiteStore:
         if ids:
             iters, names = batch.iters, batch.names
             _execute_columns(con, _INSERT_EVENTS,
-                             (ids, seqs, batch.ts, batch.kinds, list(map(_nulls, iters, iters)),
-                              list(map(_nulls, names, names)), batch.durs, batch.payloads),
+                             (ids, seqs, batch.ts, batch.kinds, tuple(map(_nulls, iters, iters)),
+                              tuple(map(_nulls, names, names)), batch.durs, batch.payloads),
                              _clean_event)
         self._write_closes(con, batch, rev)
         return bases
@@ -1051,15 +1070,29 @@ class SQLiteStore:
 
     def _write_closes(self, con: sqlite3.Connection, batch: Batch, rev: list[int]) -> None:
         """The closed runs' roll-ups (`Batch.closes`)."""
-        if batch.closes:
-            r = self._rev(con, rev)
-            rows = [tuple(map(_nulls, values, values)) for values in (
-                (row[1], row[2], _text(row[3]), _text(row[4]), *row[5:12], _text(row[12]),
-                 row[13], int(bool(row[14])), r, row[0]) for _, row in batch.closes)]
-            if len(rows) == 1:  # one run closing (a run at a time): no join with VALUES
-                con.execute(_CLOSE_RUN, rows[0])
-            else:
-                _execute_rows(con, _CLOSE_RUNS, rows)
+        closes = batch.closes
+        if not closes:
+            return
+        r = self._rev(con, rev)
+        if len(closes) == 1:  # one run closing (a run at a time): no join with VALUES
+            row = closes[0][1]
+            values = (row[1], row[2], _text(row[3]), _text(row[4]), *row[5:12],
+                      _text(row[12]), row[13], int(bool(row[14])), r, row[0])
+            con.execute(_CLOSE_RUN, tuple(map(_nulls, values, values)))
+            return
+        # Many (runs closing together): a list per column, no tuple per run (see the
+        # new runs' rows in `_write_batch`).
+        (run_ids, ended, status, output, error, steps, tool_calls, runtime, input_tokens,
+         output_tokens, thinking_tokens, cost, reason, exit_code, truncated) = (
+            list(column) for column in zip(*(row for _, row in closes), strict=True))
+        for column in (output, error, reason):
+            column[:] = map(_text, column)
+        columns = [ended, status, output, error, steps, tool_calls, runtime, input_tokens,
+                   output_tokens, thinking_tokens, cost, reason, exit_code,
+                   [int(bool(t)) for t in truncated], [r] * len(closes), run_ids]
+        for column in columns:
+            column[:] = map(_nulls, column, column)
+        _execute_columns(con, _CLOSE_RUNS, columns)
 
     @staticmethod
     def _seq_conflict(con: sqlite3.Connection, first: dict[str, int]) -> None:
