@@ -367,6 +367,64 @@ class TestJournalSchema:
         bad_rows = [p for rid, _, p in rows if rid == recs[runs // 2].run_id and "ok" not in p]
         assert bad_rows[1] == '{"n":19,"text":"?"}'  # after its run_start: replaced
 
+    async def test_runs_starting_and_closing_together_keep_every_field(
+            self, tmp_path: Path) -> None:
+        """Runs opened in one transaction and closed in one (their rows written a column
+        at a time) store each field as given: None as NULL, numbers, inputs, a lone
+        surrogate replaced in a name and an output."""
+        from kernel import RunStats, Usage
+
+        runs = 6
+        statements: list[str] = []
+        db = tmp_path / "k.duckdb"
+        async with JournalAudit.open(db, flush_interval=3600) as audit:
+            await audit.journal.transact()  # the journal exists: the next batch is general
+            infos = [RunInfo(name=f"r{i}" if i != 2 else "odd\udcff",
+                             subject_id=f"s{i}" if i % 2 else "", caller_id="ci" if i == 3 else "",
+                             parent_run_id="p" if i == 5 else None,
+                             inputs={"i": i} if i % 3 else {}) for i in range(runs)]
+            audit.journal.store.trace(statements.append)
+            recs = [await audit.start_run(info) for info in infos]
+            await audit.flush()  # the runs' rows: one transaction
+            stats = [RunStats(Status.OK if i % 2 else Status.ERROR,
+                              output=None if i == 0 else f"out{i}" + ("\udcff" if i == 1 else ""),
+                              error=None if i % 2 else f"err{i}", reason=f"why{i}" if i else None,
+                              steps=i, tool_calls=i * 2, runtime_seconds=0.5 * i,
+                              usage=Usage(input_tokens=i, cost_usd=0.25 * i),
+                              exit_code=None if i == 4 else i)
+                     for i in range(runs)]
+            for rec, st in zip(recs, stats, strict=True):  # closing together: buffered,
+                rec.closed = True                          # as `close` does, then one write
+                audit.journal.pending.closes.append((rec, rec._end(st)))
+            await audit.flush()
+            audit.journal.store.trace(None)
+        assert sum(s.startswith("INSERT INTO runs") for s in statements) == 1
+        closing_rows = [s for s in statements if s.startswith("UPDATE runs SET ended_at")]
+        assert len(closing_rows) == 1 and "FROM (VALUES" in closing_rows[0], closing_rows
+        with closing(sqlite3.connect(journal_path(db))) as con:
+            con.row_factory = sqlite3.Row
+            rows = {r["run_id"]: dict(r) for r in con.execute("SELECT * FROM runs")}
+            starts = {r["run_id"]: dict(r) for r in con.execute(
+                "SELECT * FROM events WHERE kind = 'run_start'")}
+        for i, info in enumerate(infos):
+            row, start, st = rows[info.run_id], starts[info.run_id], stats[i]
+            assert row["name"] == start["name"] == ("odd?" if i == 2 else f"r{i}")
+            assert (row["subject_id"], row["caller_id"], row["parent_run_id"]) == (
+                info.subject_id, info.caller_id, info.parent_run_id)
+            assert json.loads(row["inputs"]) == info.inputs
+            assert json.loads(start["payload"]) == {"inputs": info.inputs,
+                                                     "caller_id": info.caller_id}
+            assert (start["seq"], start["iteration"], start["duration_ms"]) == (0, None, None)
+            assert row["first_event"] == start["id"]
+            assert row["status"] == str(st.status)
+            assert row["output"] == (None if i == 0 else "out1?" if i == 1 else f"out{i}")
+            assert (row["error"], row["reason"], row["exit_code"]) == (
+                st.error, st.reason, st.exit_code)
+            assert (row["steps"], row["tool_calls"], row["runtime_seconds"]) == (
+                i, i * 2, 0.5 * i)
+            assert (row["input_tokens"], row["cost_usd"]) == (i, 0.25 * i)
+            assert row["output_truncated"] == 0
+
     async def test_saves_of_concurrent_runs_share_transactions(self, tmp_path: Path) -> None:
         """Runs that finish a step together save in one transaction (group commit), and
         each save is durable before its run's next step starts."""
