@@ -116,7 +116,7 @@ def run(args: argparse.Namespace, revs: dict[str, str], trees: dict[str, Path]) 
         for name in order:
             k = measure(trees[name], "kernel", args.runs, args.steps)
             b = measure(trees[name], "bare", args.runs, args.steps)
-            rest = k["wall"] - k["trio_cpu"] - k["idle"]
+            rest = max(0.0, k["wall"] - k["trio_cpu"] - k["idle"])  # clocks' granularity
             walls[name].append(k["wall"])
             ratios[name].append(k["wall"] / b["wall"])
             diff[name] = k["wall"]

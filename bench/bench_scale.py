@@ -186,8 +186,8 @@ def scale(sizes: list[int], steps: int, repeat: int) -> None:
                     raise SystemExit(f"lost audit data: {runs}/{n} runs, {odd} runs with a "
                                      f"different event count")
             if side.elapsed < k:  # the fastest round's breakdown
-                parts = (side.trio_cpu, side.io_wait,
-                         side.elapsed - side.trio_cpu - side.io_wait)
+                parts = (side.trio_cpu, side.io_wait,  # (clocks' granularity: >= 0)
+                         max(0.0, side.elapsed - side.trio_cpu - side.io_wait))
             k, kc, kg = min(k, side.elapsed), min(kc, side.cpu), min(kg, collector.seconds)
         best_kernel[n], best_cpu[n], best_bare[n] = k, kc, b
         print(f"{n:>7} {b:>8.2f} {k:>9.2f} {k / b:>7.2f} {k / (n * steps) * 1e6:>12.2f} "
