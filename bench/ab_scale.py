@@ -31,31 +31,24 @@ ROOT = Path(__file__).resolve().parent.parent
 
 #: Runs in a fresh interpreter: one side, one measurement, printed as JSON.
 _CHILD = """
-import gc, json, sys, tempfile, time
+import gc, json, sys, tempfile
 tree, bench, mode = sys.argv[1], sys.argv[2], sys.argv[3]
 runs, steps = int(sys.argv[4]), int(sys.argv[5])
 sys.path[:0] = [tree, bench]  # the revision's packages, this checkout's harness
 from pathlib import Path
 import trio
 import bench_scale
-spent = [0.0, 0.0]
-def collector(phase, info):
-    if phase == "start":
-        spent[1] = time.perf_counter()
-    else:
-        spent[0] += time.perf_counter() - spent[1]
-gc.callbacks.append(collector)
 with tempfile.TemporaryDirectory() as tmp:
     gc.collect()
-    spent[0] = 0.0
-    if mode == "bare":
-        wall, _ = trio.run(bench_scale.bare, runs, steps)
-        out = {"wall": wall, "trio_cpu": wall, "idle": 0.0}
-    else:
-        side = trio.run(bench_scale.kernel_runs, runs, steps, Path(tmp) / "ab.duckdb")
-        assert side.done == runs, side
-        out = {"wall": side.elapsed, "trio_cpu": side.trio_cpu, "idle": side.io_wait}
-out["gc"] = spent[0]
+    with bench_scale.CollectorTime() as collector:
+        if mode == "bare":
+            wall, _ = trio.run(bench_scale.bare, runs, steps)
+            out = {"wall": wall, "trio_cpu": wall, "idle": 0.0}
+        else:
+            side = trio.run(bench_scale.kernel_runs, runs, steps, Path(tmp) / "ab.duckdb")
+            assert side.done == runs, side
+            out = {"wall": side.elapsed, "trio_cpu": side.trio_cpu, "idle": side.io_wait}
+out["gc"] = collector.seconds
 print(json.dumps(out))
 """
 
