@@ -84,6 +84,9 @@ def main() -> None:
             revs[name] = git("rev-parse", "--verify", getattr(args, name) + "^{commit}")
         except subprocess.CalledProcessError:
             parser.error(f"--{name}: no such revision: {getattr(args, name)}")
+    if git("status", "--porcelain", "--untracked-files=no"):
+        print("note: this checkout has uncommitted changes; only the revisions are measured "
+              "(commit them, or name a branch with --cand)", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="ab-scale-") as tmp:
         trees = {name: Path(tmp) / name for name in revs}
         for name, rev in revs.items():
