@@ -56,6 +56,7 @@ from .ports import SupportsRunBudget as SupportsRunBudget
 from .ports import SupportsSimulate as SupportsSimulate
 from .ports import SupportsSnapshot as SupportsSnapshot
 from .ports import SupportsSteer as SupportsSteer
+from .ports import SupportsStepEnd as SupportsStepEnd
 from .ports import SupportsToolEnd as SupportsToolEnd
 from .ports import SupportsTools as SupportsTools
 
@@ -126,6 +127,7 @@ __all__ = [
     "SupportsSimulate",
     "SupportsSnapshot",
     "SupportsSteer",
+    "SupportsStepEnd",
     "SupportsToolEnd",
     "SupportsTools",
     "ToolCall",

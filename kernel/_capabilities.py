@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ._dataclass import dataclass
-from ._types import Message, ToolResult
+from ._types import Message, Step, ToolResult
 
 if TYPE_CHECKING:
     from ._context import RunContext
@@ -54,13 +54,14 @@ class HandleCapabilities:
     record_process_exit: Callable[[Any, int], None] | None = None
     next_look: Callable[[Any], float | None] | None = None
     attach: Callable[[Any, Callable[[], None]], None] | None = None
+    step_ended: Callable[[Any, int, Step, float], bool | None] | None = None
     problem: str | None = None
 
 
 NO_HANDLE = HandleCapabilities()
 
 _HANDLE_MEMBERS = ("record_tool_end", "record_process", "record_process_exit", "next_look",
-                   "attach")
+                   "attach", "step_ended")
 # Handle classes whose members resolve on the class, with their capabilities.
 _BY_CLASS: weakref.WeakKeyDictionary[type, HandleCapabilities] = weakref.WeakKeyDictionary()
 
@@ -111,8 +112,9 @@ def handle_capabilities(handle: object) -> HandleCapabilities:
             caps = _BY_CLASS[cls] = HandleCapabilities(*members)
             return caps
     found, problem = _callables(handle, "critic handle", _HANDLE_MEMBERS)
-    tool_end, process, process_exit, next_look, attach = map(_handle_first, found)
-    return HandleCapabilities(tool_end, process, process_exit, next_look, attach, problem)
+    tool_end, process, process_exit, next_look, attach, step_ended = map(_handle_first, found)
+    return HandleCapabilities(tool_end, process, process_exit, next_look, attach, step_ended,
+                              problem)
 
 
 def _handle_first(member: Callable[..., Any] | None) -> Callable[..., Any] | None:

@@ -125,22 +125,27 @@ class Kernel:
         # One task follows every watched run of this kernel (see `_watch.py`).
         self._watcher = Watcher()
         self._last_caps: tuple[Limits, UsageLimits, bool] | None = None
-        self._clock: tuple[trio.abc.Clock, Callable[[], float], Callable[[], float]] | None
-        self._clock = None
+        self._clock: tuple[trio.abc.Clock, Callable[[], float], Callable[[], float],
+                           float] | None = None
 
-    def _clock_now(self) -> tuple[Callable[[], float], Callable[[], float]]:
+    def _clock_now(self) -> tuple[Callable[[], float], Callable[[], float], float]:
         """The current trio clock's `current_time`, one bound method per clock (not per run),
-        and what times a step: `time.perf_counter` under trio's own clock (its
-        `current_time` is a fixed offset plus `perf_counter`, so differences are equal, for
-        a C call instead of a Python method: two a step), else `current_time` itself
-        (a virtual clock in tests)."""
+        what times a step, and what to add to a tick for trio time: `time.perf_counter`
+        and the clock's offset under trio's own clock (its `current_time` is that fixed
+        offset plus `perf_counter`, so differences are equal, for a C call instead of a
+        Python method: two a step), else `current_time` itself and 0 (a virtual clock
+        in tests)."""
         clock = trio.lowlevel.current_clock()
         last = self._clock
         if last is None or last[0] is not clock:
             now = clock.current_time
-            tick = time.perf_counter if type(clock) is _SYSTEM_CLOCK else now
-            last = self._clock = (clock, now, tick)
-        return last[1], last[2]
+            offset = getattr(clock, "offset", None)
+            if type(clock) is _SYSTEM_CLOCK and isinstance(offset, float):
+                last = (clock, now, time.perf_counter, offset)
+            else:
+                last = (clock, now, now, 0.0)
+            self._clock = last
+        return last[1], last[2], last[3]
 
     @property
     def ports(self) -> Ports:
@@ -209,9 +214,9 @@ class _Run:
                  "ctx", "delivery", "error", "exit_code", "failures", "finalizing", "handle",
                  "hooks", "immediate", "in_step", "info", "k", "last_save_steps",
                  "last_save_time", "limits", "next_look", "now", "nursery", "on_steer", "output",
-                 "pending_steer", "reason", "recorder", "resume", "scope", "started", "status",
-                 "steering", "steps", "tb", "tick", "tool_calls", "tools", "usage",
-                 "watch_entry")
+                 "pending_steer", "reason", "recorder", "resume", "scope", "settled", "started",
+                 "status", "steering", "steps", "tb", "tick", "tick_offset", "tool_calls", "tools",
+                 "usage", "watch_entry")
 
     def __init__(self, kernel: Kernel, agent: Agent, info: RunInfo, limits: Limits,
                  resume: Checkpoint | None) -> None:
@@ -251,6 +256,10 @@ class _Run:
         self.started = 0.0
         self.now: Callable[[], float] = trio.current_time  # the run's clock (see `execute`)
         self.tick: Callable[[], float] = trio.current_time  # what times a step (`execute`)
+        self.tick_offset = 0.0  # tick + tick_offset: trio time
+        # The handle's `step_ended` said it has nothing for the kernel, and nothing has
+        # reached the handle since: the step loop skips `kill_cause`, `steer`, `max_steps`.
+        self.settled = False
         self.backstop = math.inf
         self.last_save_steps = self.steps
         self.last_save_time = 0.0
@@ -308,6 +317,7 @@ class _Run:
         """Something happened inside a step: show it to the critic; a kill takes effect now."""
         handle = self.handle
         if handle is not None:
+            self.settled = False
             try:
                 if text is None:
                     handle.record_activity(kind)
@@ -343,6 +353,7 @@ class _Run:
         self.tool_calls += 1
         handle = self.handle
         if handle is not None:
+            self.settled = False
             try:
                 handle.record_tool_start(call)
             except Exception as exc:
@@ -358,6 +369,7 @@ class _Run:
         record, handle = self.hooks.record_tool_end, self.handle
         if handle is None or record is None:
             return
+        self.settled = False
         try:
             record(handle, result)
         except Exception as exc:
@@ -371,6 +383,7 @@ class _Run:
         if handle is not None:
             record = self.hooks.record_tool_end
             if record is not None:
+                self.settled = False
                 try:
                     record(handle, result)
                 except Exception as exc:
@@ -391,6 +404,7 @@ class _Run:
         handle = self.handle
         if handle is None:
             return self.backstop
+        self.settled = False  # (`deadline()` may judge)
         try:
             dl = handle.deadline()
         except Exception as exc:
@@ -404,7 +418,7 @@ class _Run:
         info, limits = self.info, self.limits
         # The run's clock, read directly: what `trio.current_time()` returns, without
         # its lookups (the step loop reads it twice a step).
-        now, self.tick = self.k._clock_now()
+        now, self.tick, self.tick_offset = self.k._clock_now()
         self.now = now
         self.started = now()
         if limits.timeout is not None:
@@ -605,13 +619,17 @@ class _Run:
         if limits.dry_run:
             await self.dry_run()
             return
-        base_ceiling = limits.max_steps
+        base_ceiling = ceiling = limits.max_steps
+        step_ended = self.hooks.step_ended  # None: `record_step`, and ask after each step
+        offset = self.tick_offset
         while True:
             if self.status is not None:
                 return  # killed while the last step was being recorded
-            ceiling = base_ceiling
             handle = self.handle
-            if handle is not None:
+            if handle is not None and not self.settled:
+                # (Settled: the handle said after the last step that nothing changed, and
+                # nothing reached it since: the same ceiling, no message, no kill cause.)
+                ceiling = base_ceiling
                 try:
                     raised = handle.max_steps()
                 except Exception as exc:
@@ -619,6 +637,8 @@ class _Run:
                 else:
                     if raised is not None and raised > 0:
                         ceiling = raised
+            elif handle is None:
+                ceiling = base_ceiling
             if ceiling is not None and self.steps >= ceiling:
                 self._end(Status.MAX_STEPS, reason=f"step ceiling of {ceiling} reached")
                 return
@@ -626,7 +646,7 @@ class _Run:
             steer = self.pending_steer
             if steer:
                 self.pending_steer = []
-            if handle is not None:
+            if handle is not None and not self.settled:
                 try:
                     more = handle.steer()
                 except Exception as exc:
@@ -666,18 +686,22 @@ class _Run:
                 self.exit_code = step.exit_code
             if step.artifacts:
                 self.artifacts.update(step.artifacts)
+            t1 = now()
             if handle is not None and self.handle is not None:
                 try:
-                    handle.record_step(iteration, step)
+                    if step_ended is not None:
+                        self.settled = step_ended(handle, iteration, step, t1 + offset) is True
+                    else:
+                        handle.record_step(iteration, step)
                 except Exception as exc:
-                    self.critic_failed("record_step", exc)
+                    self.critic_failed("step_ended" if step_ended else "record_step", exc)
             try:
-                self.recorder.on_step(iteration, step, now() - t0)
+                self.recorder.on_step(iteration, step, t1 - t0)
             except Exception as exc:
                 self.fault("audit", "on_step", exc)
 
             if step.final:
-                if self.handle is not None and self.killed_now():
+                if self.handle is not None and not self.settled and self.killed_now():
                     # A kill verdict reached during the step (or on it) wins over
                     # whatever the step says: it is never lost to a quick finish.
                     self.output = step.output
@@ -696,7 +720,7 @@ class _Run:
                 self.output = step.output if step.handoff is None else step.handoff
                 return
             self.output = step.output
-            if self.handle is not None and self.killed_now():
+            if self.handle is not None and not self.settled and self.killed_now():
                 return
             if step.tool_calls:
                 cap = self.caps.max_tool_calls
@@ -875,6 +899,7 @@ class _Run:
         handle = self.handle
         if handle is None:
             return None  # the critic failed; the backstop is in charge
+        self.settled = False  # (`deadline()` may judge)
         try:
             dl = handle.deadline()
             cause = handle.kill_cause()
@@ -940,6 +965,7 @@ class _Run:
         handle = self.handle
         if handle is None or fn is None:
             return
+        self.settled = False
         try:
             fn(handle, pid)
         except Exception as exc:

@@ -244,7 +244,7 @@ class CriticHandle(Protocol):
     **Optional capabilities** (the kernel uses them when present, looked up
     once per run; handles without them keep working), each a Protocol:
     `SupportsToolEnd`, `SupportsProcesses`, `SupportsNextLook`,
-    `SupportsAttach`. A member that is present but not callable is a
+    `SupportsAttach`, `SupportsStepEnd`. A member that is present but not callable is a
     critic failure: the kernel stops consulting the critic for that run.
     """
 
@@ -333,6 +333,27 @@ class SupportsAttach(Protocol):
 
     def attach(self, wake: Callable[[], None]) -> None:
         """Keep `wake` and call it when the watcher should look at the run now."""
+
+
+@runtime_checkable
+class SupportsStepEnd(Protocol):
+    """A critic handle that takes a step's end in one call, and says when it has nothing new.
+
+    **Protocol:** when present, the kernel calls `step_ended` instead of
+    `record_step`, with `now`, the trio time the step ended (the kernel has
+    read the clock already). It returns True when the handle has nothing for
+    the kernel: no kill cause, no message waiting to be delivered, and the
+    step ceiling `max_steps()` last answered unchanged. The kernel then does
+    not ask `kill_cause`, `steer` or `max_steps` again until something else
+    reaches the handle: a `record_*` call, a process report, `deadline()` or
+    a look by the watcher. False or None: it asks them as it does after
+    `record_step`. A handle that decides anything outside these calls (from
+    a thread of its own, say) must not return True while it may, or must
+    wake its run through `SupportsAttach`. Like `record_*`: must not block.
+    """
+
+    def step_ended(self, iteration: int, step: Step, now: float) -> bool | None:
+        """A step finished at trio time `now`; True: nothing for the kernel (see above)."""
 
 
 class Critic(Protocol):

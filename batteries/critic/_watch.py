@@ -188,8 +188,9 @@ class WatchHandle:
     Built by `WatchCritic.monitor`.
     """
 
-    __slots__ = ("_activity", "_backstop", "_base_max_steps", "_bonus", "_calls", "_deadline",
-                 "_dirty", "_empty", "_error_key", "_error_streak", "_error_text", "_events",
+    __slots__ = ("_activity", "_backstop", "_base_max_steps", "_bonus", "_bonus_told",
+                 "_calls", "_deadline", "_dirty", "_empty", "_error_key", "_error_streak",
+                 "_error_text", "_events",
                  "_expired", "_extensions", "_figures", "_history", "_info", "_judge",
                  "_judge_quiet_until", "_judging", "_kill", "_last_progress", "_model_since",
                  "_msg_key", "_msg_streak", "_msg_text", "_novelty", "_now", "_nudges", "_open",
@@ -224,6 +225,7 @@ class WatchHandle:
         self._expired = False
         self._extensions = 0
         self._bonus = 0
+        self._bonus_told = 0  # the bonus `max_steps()` last answered with
         self._steps = self._tool_calls = self._activity = 0
         self._last_progress = now
         self._window_start = now
@@ -266,8 +268,17 @@ class WatchHandle:
 
     def record_step(self, iteration: int, step: Step) -> None:
         """A step finished: progress; a message (or an empty answer) is evidence for the judge."""
+        self.step_ended(iteration, step, self._now())
+
+    def step_ended(self, iteration: int, step: Step, now: float) -> bool:
+        """`record_step` with the time the step ended (`kernel.SupportsStepEnd`).
+
+        True when there is nothing for the kernel: no kill cause, no nudge
+        queued, and the step ceiling `max_steps()` last gave unchanged (the
+        kernel then skips asking until the handle hears something else).
+        """
         if self._stopped:
-            return
+            return False
         self._steps += 1
         self._win_steps += 1
         self._model_since = None
@@ -276,7 +287,6 @@ class WatchHandle:
                 self._pending.clear()
             self._tool_since = None
         # Progress, inlined: this is the per-step hot path.
-        now = self._now()
         if now > self._last_progress:
             self._last_progress = now
         op = self._open
@@ -302,6 +312,7 @@ class WatchHandle:
             self._dirty = True
         if self._dirty:
             self._look("step")
+        return self._kill is None and self._queue is None and self._bonus == self._bonus_told
 
     def record_tool_start(self, call: ToolCall) -> None:
         """A tool call is starting: progress, work in flight, loop evidence; the judge looks."""
@@ -460,6 +471,7 @@ class WatchHandle:
         """The base step ceiling plus every extension's bonus; None if there is no ceiling."""
         if self._dirty:
             self._look("poll")
+        self._bonus_told = self._bonus
         if self._base_max_steps is None:
             return None
         return self._base_max_steps + self._bonus

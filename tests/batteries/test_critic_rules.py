@@ -192,6 +192,34 @@ class TestHandle:
         assert handle.deadline() == start + 100
         assert sink.names == ["watch"]
 
+    async def test_step_ended_says_when_there_is_nothing_for_the_kernel(
+            self, autojump_clock: trio.abc.Clock) -> None:
+        """`step_ended` is True for plain steps; False while a nudge waits to be drained or a
+        raised step ceiling has not been asked for; True again once both are."""
+        sink = Sink()
+        policy = CriticPolicy(soft_timeout=60, idle_timeout=20, grace=30, step_bonus=5)
+        handle = WatchCritic(policy).monitor(RunInfo(), 60, backstop=None, max_steps=10,
+                                             events=sink)
+        assert handle.max_steps() == 10
+        assert handle.step_ended(0, Step(), trio.current_time()) is True
+        await trio.sleep(20)
+        handle.deadline()  # the watcher's look: silent for idle_timeout, nudged
+        assert sink.names[-1] == "steer"
+        assert handle.step_ended(1, Step(), trio.current_time()) is False
+        assert [m.content for m in handle.steer()] != []
+        assert handle.step_ended(2, Step(), trio.current_time()) is True
+        for i in range(3, 6):  # a step every 10 s up to the deadline at 60 s
+            await trio.sleep(10)
+            assert handle.step_ended(i, Step(), trio.current_time()) is True
+        await trio.sleep(10)
+        handle.deadline()  # the deadline, with steps in the window: extended, ceiling + 5
+        assert sink.names[-1] == "extend"
+        assert handle.step_ended(6, Step(), trio.current_time()) is False
+        assert handle.max_steps() == 15
+        assert handle.step_ended(7, Step(), trio.current_time()) is True
+        handle.stop()
+        assert handle.step_ended(8, Step(), trio.current_time()) is False
+
     async def test_max_steps_defers_without_a_base_ceiling(
             self, autojump_clock: trio.abc.Clock) -> None:
         """A run without a step ceiling gets none from the critic, even after an extension."""

@@ -22,6 +22,7 @@ from kernel import (
     SupportsSimulate,
     SupportsSnapshot,
     SupportsSteer,
+    SupportsStepEnd,
     SupportsToolEnd,
     SupportsTools,
     ToolCall,
@@ -79,7 +80,8 @@ class TestProtocols:
         scripted, watch = monitor(ScriptedCritic()), monitor(WatchCritic())
         for proto in (SupportsToolEnd, SupportsProcesses):
             assert isinstance(scripted, proto), proto
-        for proto in (SupportsToolEnd, SupportsProcesses, SupportsNextLook, SupportsAttach):
+        for proto in (SupportsToolEnd, SupportsProcesses, SupportsNextLook, SupportsAttach,
+                      SupportsStepEnd):
             assert isinstance(watch, proto), proto
             assert proto.__name__ in kernel.__all__
         watch.stop()
