@@ -242,6 +242,8 @@ class Redactor:
 
     def text(self, text: str) -> str:
         """`text` with every secret replaced by its marker."""
+        if not text:
+            return text
         if self._triggers:
             lowered = text.lower()
             for trigger in self._triggers:  # the hot path: nothing found, nothing else runs

@@ -70,7 +70,9 @@ class JournalAudit:
                                   else env_cap(MAX_PAYLOAD_ENV, DEFAULT_MAX_PAYLOAD_BYTES))
         self.host = socket.gethostname()
         self.pid = os.getpid()
-        self._step_texts: dict[int, str] = {}  # by tool_calls * 2 + final
+        # Payloads made of kernel values only, encoded and redacted once: a step's by
+        # tool_calls * 2 + final, a run_end's (no reason, no error) by its status.
+        self._step_texts: dict[int | str, str] = {}
         self._step_texts_redactor = self.redactor
 
     def __repr__(self) -> str:
@@ -102,11 +104,26 @@ class JournalAudit:
         if text is None:
             if tool_calls > 64:
                 return None
-            text = encode_payload({"final": final, "tool_calls": tool_calls},
-                                  self.max_output_bytes, self.max_payload_bytes, self.redactor)
-            if KEY_START in text:
-                return None
-            self._step_texts[key] = text
+            return self._kernel_text(key, {"final": final, "tool_calls": tool_calls})
+        return text
+
+    def end_text(self, status: str) -> str | None:
+        """The stored payload of a `run_end` event with no reason and no error, once per
+        status (as `step_text`: a run's close costs no encoding or redaction of it)."""
+        if self._step_texts_redactor is not self.redactor:
+            self._step_texts, self._step_texts_redactor = {}, self.redactor
+        text = self._step_texts.get(status)
+        if text is None:
+            return self._kernel_text(status, {"status": status, "reason": None, "error": None})
+        return text
+
+    def _kernel_text(self, key: int | str, payload: dict[str, Any]) -> str | None:
+        """`payload` encoded and redacted as `encode_payload` would, kept under `key`."""
+        text = encode_payload(payload, self.max_output_bytes, self.max_payload_bytes,
+                              self.redactor)
+        if KEY_START in text:
+            return None
+        self._step_texts[key] = text
         return text
 
     @classmethod

@@ -64,6 +64,9 @@ class RecorderHost(Protocol):
     def step_text(self, final: bool, tool_calls: int) -> str | None:
         """The stored payload of a step carrying only `final` and a tool-call count, if cached."""
 
+    def end_text(self, status: str) -> str | None:
+        """The stored payload of a `run_end` with only its status (no reason or error)."""
+
     async def close_run(self, rec: DuckDBRecorder, row: tuple[Any, ...]) -> None:
         """Queue the run's roll-up `row` and return once the run's rows are durable."""
 
@@ -196,9 +199,13 @@ class DuckDBRecorder:
     def _end(self, stats: RunStats) -> tuple[Any, ...]:
         """Buffer `run_end`; the run's roll-up row (`RecorderHost.close_run`)."""
         status = str(stats.status)
-        self._add("run_end", status,
-                  self._encode({"status": status, "reason": stats.reason, "error": stats.error}),
-                  stats.runtime_seconds * 1000, None, force=True)
+        text = None
+        if stats.reason is None and stats.error is None and not self.key_lines:
+            text = self.audit.end_text(status)
+        if text is None:
+            text = self._encode({"status": status, "reason": stats.reason,
+                                 "error": stats.error})
+        self._add("run_end", status, text, stats.runtime_seconds * 1000, None, force=True)
         cap = self.audit.max_output_bytes
         redact = self.audit.redactor.text
         output, truncated = (None, False) if stats.output is None else tail(

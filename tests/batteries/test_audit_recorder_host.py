@@ -49,6 +49,9 @@ class Host:
     def step_text(self, final: bool, tool_calls: int) -> str | None:
         return None  # always encode the long way
 
+    def end_text(self, status: str) -> str | None:
+        return None
+
     async def close_run(self, rec: DuckDBRecorder, row: tuple[Any, ...]) -> None:
         self.closed.append(rec.run_id)
         await self.audit.close_run(rec, row)
@@ -82,3 +85,42 @@ async def test_the_recorder_needs_only_the_recorder_host(tmp_path: Path) -> None
                       [result.run_id])
     assert (row["host"], row["pid"], row["status"]) == ("host-under-test", 4242, "ok")
     assert len(row["output"].encode()) <= 16 + 64  # the host's cap, plus the marker
+
+
+async def test_kernel_made_payloads_are_cached_as_the_long_way_gives_them(
+        tmp_path: Path) -> None:
+    """`step_text` and `end_text` give exactly what `encode_payload` gives, with the audit's
+    current redactor (a new redactor is applied to them at once)."""
+    from batteries.audit._encode import encode_payload
+
+    async with JournalAudit.open(tmp_path / "k.duckdb") as audit:
+        def long_way(payload: dict[str, Any]) -> str:
+            return encode_payload(payload, audit.max_output_bytes, audit.max_payload_bytes,
+                                  audit.redactor)
+
+        assert audit.end_text("ok") == long_way(
+            {"status": "ok", "reason": None, "error": None})
+        assert audit.end_text("ok") == '{"status":"ok","reason":null,"error":null}'
+        assert audit.step_text(True, 2) == long_way({"final": True, "tool_calls": 2})
+        audit.redactor = Redactor(patterns=["kil+ed"])
+        assert audit.end_text("killed") == long_way(
+            {"status": "killed", "reason": None, "error": None})
+        assert "[REDACTED:pattern]" in (audit.end_text("killed") or "")
+
+
+async def test_a_run_end_with_a_reason_or_error_is_encoded_whole(tmp_path: Path) -> None:
+    """Only a run_end with neither reason nor error comes from the cache; the others keep
+    theirs (redacted)."""
+    db = tmp_path / "k.duckdb"
+    async with JournalAudit.open(db) as audit:
+        kernel = Kernel(Ports(audit=audit))
+        ok = await kernel.run(ScriptedAgent([Step(final=True)]), RunInfo(name="ok"))
+        secret = "token ghp_AbCdEfGhIjKlMnOpQrStUvWxYz0123456789"
+        bad = await kernel.run(ScriptedAgent([Step(error=secret, final=True)]),
+                               RunInfo(name="bad"))
+    with Store(db).reader() as cur:
+        ends = {r["run_id"]: r["payload"] for r in dicts(
+            cur, "SELECT run_id, payload FROM events WHERE kind = 'run_end'")}
+    assert ends[ok.run_id] == '{"status":"ok","reason":null,"error":null}'
+    assert ends[bad.run_id].startswith('{"status":"error","reason":null,"error":"token ')
+    assert "[REDACTED:github_token]" in ends[bad.run_id] and "ghp_" not in ends[bad.run_id]
