@@ -16,6 +16,11 @@ ratios to the baseline, and the ratio of the largest N's time to the smallest's,
 for the kernel and for the bare tasks (plain trio is not linear either on every
 machine: cache misses grow with the live tasks).
 
+With `--repeat` above 1, each round's kernel time is also divided by the
+bare tasks' time of the same round (run just before it) and the median of
+those ratios printed: a figure the machine's drift between rounds moves
+less than the ratio of two bests taken minutes apart.
+
 After the table, the kernel's fastest round is split into the trio thread's
 CPU, its idle time (waiting for I/O or timers: every task blocked; at the end
 the runs wait for their last rows) and the rest (the trio thread ready but not
@@ -35,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import subprocess
 import tempfile
 import time
@@ -166,8 +172,10 @@ def scale(sizes: list[int], steps: int, repeat: int) -> None:
     best_cpu: dict[int, float] = {}
     best_bare: dict[int, float] = {}
     breakdown: dict[int, tuple[float, float, float]] = {}
+    paired: dict[int, list[float]] = {}  # each round's kernel / its own bare tasks
     for n in sizes:
         b = k = bc = kc = bg = kg = float("inf")
+        ratios = paired[n] = []
         parts = (0.0, 0.0, 0.0)
         runs = events = odd = 0
         for _ in range(repeat):
@@ -189,6 +197,7 @@ def scale(sizes: list[int], steps: int, repeat: int) -> None:
                 parts = (side.trio_cpu, side.io_wait,  # (clocks' granularity: >= 0)
                          max(0.0, side.elapsed - side.trio_cpu - side.io_wait))
             k, kc, kg = min(k, side.elapsed), min(kc, side.cpu), min(kg, collector.seconds)
+            ratios.append(side.elapsed / wall)
         best_kernel[n], best_cpu[n], best_bare[n] = k, kc, b
         print(f"{n:>7} {b:>8.2f} {k:>9.2f} {k / b:>7.2f} {k / (n * steps) * 1e6:>12.2f} "
               f"{bc:>9.2f} {kc:>11.2f} {kc / bc:>6.2f} {bg:>10.2f} {kg:>12.2f} "
@@ -201,6 +210,12 @@ def scale(sizes: list[int], steps: int, repeat: int) -> None:
         trio_cpu, io_wait, rest = breakdown[n]
         print(f"{n:>7} runs: {best_kernel[n]:.2f} s = {trio_cpu:.2f} trio cpu + {io_wait:.2f} "
               f"idle + {rest:.2f} rest")
+    if repeat > 1:
+        print("each round's kernel time over the bare tasks run just before it (drift on a "
+              "shared machine moves both): median, and the rounds")
+        for n in sizes:
+            print(f"{n:>7} runs: {statistics.median(paired[n]):.2f}x  "
+                  f"({', '.join(f'{r:.2f}' for r in paired[n])})")
     if len(sizes) > 1:
         lo, hi = min(sizes), max(sizes)
         print(f"time for {hi} runs / time for {lo} runs: {best_kernel[hi] / best_kernel[lo]:.2f} "
