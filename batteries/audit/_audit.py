@@ -72,8 +72,8 @@ class JournalAudit:
         self.pid = os.getpid()
         # Payloads made of kernel values only, encoded and redacted once: a step's by
         # tool_calls * 2 + final, a run_end's (no reason, no error) by its status.
-        self._step_texts: dict[int | str, str] = {}
-        self._step_texts_redactor = self.redactor
+        self._kernel_texts: dict[int | str, str] = {}
+        self._texts_redactor = self.redactor
 
     def __repr__(self) -> str:
         return f"JournalAudit({str(self.journal.store.path)!r})"
@@ -97,10 +97,10 @@ class JournalAudit:
         the long way) for an unusual count, or if redaction left a private
         key's first line in it.
         """
-        if self._step_texts_redactor is not self.redactor:
-            self._step_texts, self._step_texts_redactor = {}, self.redactor
+        if self._texts_redactor is not self.redactor:  # `_fresh_texts`, written out: per step
+            self._kernel_texts, self._texts_redactor = {}, self.redactor
         key = tool_calls * 2 + bool(final)  # an int: no tuple made per step
-        text = self._step_texts.get(key)
+        text = self._kernel_texts.get(key)
         if text is None:
             if tool_calls > 64:
                 return None
@@ -110,12 +110,16 @@ class JournalAudit:
     def end_text(self, status: str) -> str | None:
         """The stored payload of a `run_end` event with no reason and no error, once per
         status (as `step_text`: a run's close costs no encoding or redaction of it)."""
-        if self._step_texts_redactor is not self.redactor:
-            self._step_texts, self._step_texts_redactor = {}, self.redactor
-        text = self._step_texts.get(status)
+        text = self._fresh_texts().get(status)
         if text is None:
             return self._kernel_text(status, {"status": status, "reason": None, "error": None})
         return text
+
+    def _fresh_texts(self) -> dict[int | str, str]:
+        """The kept kernel-made texts, emptied if the redactor was replaced since."""
+        if self._texts_redactor is not self.redactor:
+            self._kernel_texts, self._texts_redactor = {}, self.redactor
+        return self._kernel_texts
 
     def _kernel_text(self, key: int | str, payload: dict[str, Any]) -> str | None:
         """`payload` encoded and redacted as `encode_payload` would, kept under `key`."""
@@ -123,7 +127,7 @@ class JournalAudit:
                               self.redactor)
         if KEY_START in text:
             return None
-        self._step_texts[key] = text
+        self._kernel_texts[key] = text
         return text
 
     @classmethod
