@@ -1039,6 +1039,9 @@ class _Run:
                 handle.stop()
             except Exception as exc:
                 self.fault("critic", "stop", exc)
+            # Not kept while the ports below wait (at 10,000 runs closing at once, the
+            # collector would carry every stopped handle through its passes).
+            del handle
         result.runtime_seconds = self.now() - self.started
         cp = self.checkpointer
         if cp is not None:

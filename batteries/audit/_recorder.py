@@ -232,8 +232,10 @@ class DuckDBRecorder:
         self.closed = True
         # Built in a plain call: nothing it makes stays referenced by this coroutine
         # while it waits (at 10,000 runs closing at once, every object a waiting
-        # close keeps is work for the collector).
-        await self.audit.close_run(self, self._end(stats))
+        # close keeps is work for the collector); nor does `stats`.
+        row = self._end(stats)
+        del stats
+        await self.audit.close_run(self, row)
         if self.dropped:
             raise AuditWriteError(
                 f"{self.dropped} events of run {self.run_id} were dropped: the audit buffer "

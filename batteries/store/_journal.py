@@ -59,6 +59,15 @@ YIELD_EVERY = 0.002
 INLINE_EVENTS = 256
 
 
+def _abort_parked(raise_cancel: trio.lowlevel.RaiseCancelT) -> trio.lowlevel.Abort:
+    """The abort function of a task parked in `Journal.commit_buffered`: it may go at once.
+
+    Its entry in `Journal._parked` stays until the next release, which skips it
+    (trio set the task's `custom_sleep_data` to None when it rescheduled it).
+    """
+    return trio.lowlevel.Abort.SUCCEEDED
+
+
 class _Waiter:
     """A caller of `Journal.transact`: its ops, and what their transaction gave back."""
 
@@ -122,9 +131,9 @@ class Journal:
         self._begun = 0
         self._durable = 0
         self._lock = trio.Lock()
-        # Set (and dropped) when the write lock is released: what `commit_buffered`
-        # callers wait on while a transaction is written (made by the first of them).
-        self._ended: trio.Event | None = None
+        # The `commit_buffered` callers waiting for the write lock's release, woken
+        # together by `_release` (see `commit_buffered`).
+        self._parked: list[trio.lowlevel.Task] = []
         self._queue: list[_Waiter] = []
         self._dirty = trio.Event()
         self._wake = trio.Event()
@@ -242,15 +251,22 @@ class Journal:
         """Make everything buffered so far durable, sharing transactions with other callers.
 
         Callers that arrive while a transaction is being written wait for it to
-        end, all woken at once (one `trio.Event`, not a hand-over of the lock
-        from each to the next: a task parked on a trio `Lock` keeps the
-        `WouldBlock` it caught and its tracebacks alive, and at 10,000 runs
-        closing together those are what sets off the collector's full
-        passes); those whose rows it carried return, and the first of the
-        others writes everything buffered meanwhile while the rest wait for
-        that (many runs closing at once cost a few transactions, not one
-        each). A caller no other task could join writes at once, as in
-        `transact`.
+        end, all woken at once (parked on the journal, not handed the lock from
+        each to the next: a task parked on a trio `Lock` keeps the `WouldBlock`
+        it caught and its tracebacks alive); those whose rows it carried
+        return, and the first of the others writes everything buffered
+        meanwhile while the rest wait for that (many runs closing at once cost
+        a few transactions, not one each). A caller no other task could join
+        writes at once, as in `transact`.
+
+        A waiting caller is the task itself in a list, parked with trio's
+        `wait_task_rescheduled` and a module-level abort function: three
+        objects while it waits, against eight for a `trio.Event.wait` (its
+        coroutine, abort closure and cells). At 10,000 runs closing together
+        each waits through a write of ~100,000 events, long enough for the
+        collector to move what it holds to the oldest generation, and those
+        objects were what set off its full passes over every live run
+        (BENCHMARKS.md, "The runs' close and the collector").
 
         Raises:
             StoreBusyError: The journal stayed locked past the lock timeout.
@@ -262,10 +278,10 @@ class Journal:
                 return
         need = self._begun + 1  # the first transaction to take its batch after this call
         while self._lock.locked():
-            ended = self._ended
-            if ended is None:
-                ended = self._ended = trio.Event()
-            await ended.wait()
+            task = trio.lowlevel.current_task()
+            task.custom_sleep_data = self  # trio resets it if the wait is cancelled
+            self._parked.append(task)
+            await trio.lowlevel.wait_task_rescheduled(_abort_parked)
             if self._durable >= need:
                 return
         await self._lock.acquire()
@@ -280,10 +296,15 @@ class Journal:
     def _release(self) -> None:
         """Release the write lock and wake every `commit_buffered` caller waiting for it."""
         self._lock.release()
-        ended = self._ended
-        if ended is not None:
-            self._ended = None
-            ended.set()
+        parked = self._parked
+        if parked:
+            self._parked = []
+            for task in parked:
+                # A task whose wait was cancelled was rescheduled by trio, which set its
+                # `custom_sleep_data` to None: it is not woken twice (nor in a later wait
+                # on something else).
+                if task.custom_sleep_data is self:
+                    trio.lowlevel.reschedule(task)
 
     def _alone(self) -> bool:
         """True when no other task could join a transaction started now (see `transact`)."""

@@ -9,17 +9,21 @@ import sqlite3
 import stat
 import subprocess
 import sys
+import threading
 from contextlib import closing
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
+from trio.testing import wait_all_tasks_blocked
 
 from batteries.audit import JournalAudit, Store, sync
 from batteries.audit import _schema as schema
 from batteries.store import JOURNAL_VERSION, Batch, Owner, RunStore, SQLiteStore, journal_path
-from batteries.store._journal import INLINE_EVENTS
+from batteries.store._journal import INLINE_EVENTS, Journal
+from batteries.store._sqlite import WouldBlock
 from kernel import Kernel, Ports, RunInfo, Status, Step
 from kernel.testing import ScriptedAgent
 
@@ -152,6 +156,68 @@ class TestJournal:
         durable, transactions = await _close_together(tmp_path, runs=runs, steps=steps)
         assert durable == [steps + 2] * runs  # run_start, the steps, run_end
         assert transactions <= 8, transactions
+
+    async def test_a_cancelled_wait_for_a_write_leaves_the_others_waiting(
+            self, tmp_path: Path) -> None:
+        """Callers waiting for a write in flight: one cancelled goes at once; the others
+        are woken when the write ends (the cancelled one is not woken again) and the
+        next of them writes what was buffered meanwhile."""
+        store = _GatedStore(SQLiteStore(journal_path(tmp_path / "k.duckdb")))
+        outcomes: dict[str, str] = {}
+        scopes: dict[str, trio.CancelScope] = {}
+
+        async def commit(name: str, journal: Journal) -> None:
+            with trio.CancelScope() as scopes[name]:
+                await journal.commit_buffered()
+                outcomes[name] = "returned"
+                return
+            outcomes[name] = "cancelled"
+
+        async with Journal.open(store=store, flush_interval=3600) as journal:
+            audit = JournalAudit(journal)
+            rec = await audit.start_run(RunInfo(name="gated"))
+            async with trio.open_nursery() as nursery:
+                try:
+                    nursery.start_soon(commit, "writer", journal)
+                    with trio.fail_after(60):  # the write holds the lock, in its thread
+                        await trio.to_thread.run_sync(store.blocked.wait)
+                    rec.log_event("meanwhile")
+                    nursery.start_soon(commit, "second", journal)
+                    nursery.start_soon(commit, "third", journal)
+                    await wait_all_tasks_blocked()
+                    assert journal._lock.locked() and outcomes == {}
+                    scopes["third"].cancel()
+                    await wait_all_tasks_blocked()
+                    assert outcomes == {"third": "cancelled"}
+                finally:
+                    store.gate.set()  # the write ends (at once if an assertion failed)
+        assert outcomes == {"third": "cancelled", "writer": "returned", "second": "returned"}
+        assert store.commits == 2  # the run's start; then "meanwhile", by the second caller
+        with closing(sqlite3.connect(store.path)) as con:
+            assert con.execute("SELECT kind FROM events ORDER BY seq").fetchall() == [
+                ("run_start",), ("meanwhile",)]
+
+
+class _GatedStore:
+    """A `SQLiteStore` whose commits go to a worker thread and wait there for `gate`."""
+
+    def __init__(self, inner: SQLiteStore) -> None:
+        self.inner = inner
+        self.gate = threading.Event()
+        self.blocked = threading.Event()
+        self.commits = 0
+
+    def commit(self, batch: Batch | None, ops: Any = (), *, wait: bool = True) -> list[Any]:
+        if not wait:
+            raise WouldBlock  # never on the trio thread
+        self.blocked.set()
+        if not self.gate.wait(60):
+            raise RuntimeError("the test never opened the gate")
+        self.commits += 1
+        return self.inner.commit(batch, ops)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
 
 async def _close_together(tmp_path: Path, *, runs: int, steps: int) -> tuple[list[int], int]:
