@@ -344,6 +344,35 @@ class _Rows:
 
 _INSERT_EVENTS = _Rows("INSERT INTO events (run_id, seq, ts, kind, iteration, name, "
                        "duration_ms, payload) VALUES ", "(?, ?, ?, ?, ?, ?, ?, ?)")
+
+
+class _UniformEvents:
+    """`_INSERT_EVENTS` for rows that share one kind, name and payload (`?1`-`?3`, bound
+    once a statement); each row binds its run id, seq, ts, iteration and duration.
+
+    With many runs stepping, most statements are of these: plain steps, whose payload
+    is one of a few texts the audit keeps (`JournalAudit.step_text`). A text
+    parameter costs the writer ~100-170 ns to bind, holding the GIL: three of them
+    bound once instead of per row take ~300 ns an event off the time the trio
+    thread waits for the writer (BENCHMARKS.md, "Shared parameters").
+    """
+
+    __slots__ = ("_sql",)
+    width = 5  # parameters a row
+
+    def __init__(self) -> None:
+        self._sql: dict[int, str] = {}
+
+    def sql(self, n: int) -> str:
+        text = self._sql.get(n)
+        if text is None:
+            rows = ", ".join([f"(?{4 + 5 * i}, ?{5 + 5 * i}, ?{6 + 5 * i}, ?1, ?{7 + 5 * i}, "
+                              f"?2, ?{8 + 5 * i}, ?3)" for i in range(n)])
+            text = self._sql[n] = _INSERT_EVENTS.head + rows
+        return text
+
+
+_INSERT_UNIFORM = _UniformEvents()
 # Raise a run's last_seq to `column1` where it is below `column3` (see `_write_batch`).
 _RAISE_LAST_SEQ = _Rows("UPDATE runs SET last_seq = v.column1 FROM (VALUES ", "(?, ?, ?)",
                         ") AS v WHERE runs.run_id = v.column2 AND runs.last_seq < v.column3")
@@ -453,6 +482,55 @@ def _execute_columns(con: sqlite3.Connection, kind: _Rows, columns: Sequence[Seq
     return changed
 
 
+def _insert_events(con: sqlite3.Connection, ids: Sequence[str], seqs: Sequence[int],
+                   batch: Batch) -> int:
+    """Insert the events of `batch` (`ids`, `seqs`: each event's run id and absolute seq).
+
+    Statements of many rows, as `_execute_columns`; one whose rows share kind,
+    name and payload binds those once (`_INSERT_UNIFORM`). Returns the rows
+    written that way.
+    """
+    kinds, iters, names, payloads = batch.kinds, batch.iters, batch.names, batch.payloads
+    ts, durs = batch.ts, batch.durs
+    total = len(ids)
+    spans: Any
+    if 0 < total <= _EXACT_ROWS or (total & (total - 1) == 0
+                                    and total * _INSERT_EVENTS.width <= _SMALL_PARAMS):
+        spans = ((None, 0, total),)  # one statement, as `_execute_columns`
+    else:
+        spans = _spans(con, _INSERT_EVENTS, total)
+    shared = 0
+    for _, at, size in spans:
+        end = at + size
+        kind, name, payload = kinds[at], names[at], payloads[at]
+        its = iters[at:end]
+        if None in its:
+            its = list(map(_nulls, its, its))
+        if (size > 1 and kinds[at:end].count(kind) == size
+                and names[at:end].count(name) == size
+                and payloads[at:end].count(payload) == size):
+            params: list[Any] = [None] * (3 + size * 5)
+            params[0], params[1], params[2] = kind, _NULL if name is None else name, payload
+            params[3::5] = ids[at:end]
+            params[4::5] = seqs[at:end]
+            params[5::5] = ts[at:end]
+            params[6::5] = its
+            params[7::5] = durs[at:end]
+            try:
+                con.execute(_INSERT_UNIFORM.sql(size), tuple(params))
+                shared += size
+                continue
+            except UnicodeEncodeError:
+                pass  # a lone surrogate: the general statement cleans the rows
+        names_at = names[at:end]
+        if None in names_at:
+            names_at = list(map(_nulls, names_at, names_at))
+        _execute_columns(con, _INSERT_EVENTS, (
+            ids[at:end], seqs[at:end], ts[at:end], kinds[at:end], its, names_at, durs[at:end],
+            payloads[at:end]), _clean_event)
+    return shared
+
+
 def _last_seqs(con: sqlite3.Connection, run_ids: list[str]) -> dict[str, int]:
     """The `last_seq` of each of `run_ids` that has a runs row."""
     found: dict[str, int] = {}
@@ -519,12 +597,15 @@ class StoreStats:
         wait_s: Total time spent waiting for the write lock.
         max_wait_s: The longest wait for the write lock.
         max_transaction_s: The longest transaction, wait included.
+        shared_rows: Events written by statements that bound their kind, name and
+            payload once for all rows (the rest bind each row's own).
     """
 
     transactions: int = 0
     wait_s: float = 0.0
     max_wait_s: float = 0.0
     max_transaction_s: float = 0.0
+    shared_rows: int = 0
 
     def as_dict(self) -> dict[str, float]:
         """JSON-ready, in milliseconds."""
@@ -1011,11 +1092,7 @@ class SQLiteStore:
             if raised != len(last):
                 self._seq_conflict(con, {rid: first[rid] for rid in last})
         if ids:
-            iters, names = batch.iters, batch.names
-            _execute_columns(con, _INSERT_EVENTS,
-                             (ids, seqs, batch.ts, batch.kinds, tuple(map(_nulls, iters, iters)),
-                              tuple(map(_nulls, names, names)), batch.durs, batch.payloads),
-                             _clean_event)
+            self.stats.shared_rows += _insert_events(con, ids, seqs, batch)
         self._write_closes(con, batch, rev)
         return bases
 

@@ -433,6 +433,53 @@ class TestJournalSchema:
         bad_rows = [p for rid, _, p in rows if rid == recs[runs // 2].run_id and "ok" not in p]
         assert bad_rows[1] == '{"n":19,"text":"?"}'  # after its run_start: replaced
 
+    async def test_rows_sharing_kind_name_and_payload_bind_them_once(
+            self, tmp_path: Path) -> None:
+        """A statement whose rows share kind, name and payload binds those once (plain
+        steps; equal texts of other events too); every field is stored as given (None
+        as NULL), and a lone surrogate in a shared payload is still replaced."""
+        runs, steps = 64, 32
+        db = tmp_path / "k.duckdb"
+        shared: list[int] = []
+        async with JournalAudit.open(db, flush_interval=3600) as audit:
+            await audit.journal.transact()  # the journal exists; connections are open
+            recs = [await audit.start_run(RunInfo(name=f"r{i}")) for i in range(runs)]
+            await audit.flush()  # the runs' rows and run_starts: events only from here
+            stats = audit.journal.store.stats
+
+            async def flush() -> None:
+                before = stats.shared_rows
+                await audit.flush()
+                shared.append(stats.shared_rows - before)
+
+            for n in range(steps):
+                for rec in recs:
+                    rec.on_step(n, Step(), n / 1000)
+            await flush()
+            for rec in recs:
+                rec.log_event("note", name="same", payload={"k": 1}, duration_ms=2.5)
+            await flush()
+            for rec in recs:
+                rec.log_event("tick", payload={"t": "\ud800"})
+            await flush()
+            for i, rec in enumerate(recs):  # kinds, names or payloads that differ
+                rec.log_event("mixed", name=f"n{i % 2}", payload={"k": 1}, iteration=i)
+            await flush()
+        assert shared == [runs * steps, runs, 0, 0]
+        with closing(sqlite3.connect(journal_path(db))) as con:
+            rows = con.execute("SELECT run_id, seq, kind, iteration, name, duration_ms, "
+                               "payload FROM events WHERE kind != 'run_start' "
+                               "ORDER BY run_id, seq").fetchall()
+        assert len(rows) == runs * (steps + 3)
+        plain = '{"final":false,"tool_calls":0}'
+        for i, rec in enumerate(recs):
+            mine = [row[1:] for row in rows if row[0] == rec.run_id]
+            assert mine == (
+                [(1 + n, "step", n, None, pytest.approx(float(n)), plain) for n in range(steps)]
+                + [(steps + 1, "note", None, "same", 2.5, '{"k":1}'),
+                   (steps + 2, "tick", None, None, None, '{"t":"?"}'),
+                   (steps + 3, "mixed", i, f"n{i % 2}", None, '{"k":1}')]), mine
+
     async def test_runs_starting_and_closing_together_keep_every_field(
             self, tmp_path: Path) -> None:
         """Runs opened in one transaction and closed in one (their rows written a column
