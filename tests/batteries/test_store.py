@@ -470,7 +470,11 @@ class TestJournalSchema:
             rows = con.execute("SELECT run_id, seq, kind, iteration, name, duration_ms, "
                                "payload FROM events WHERE kind != 'run_start' "
                                "ORDER BY run_id, seq").fetchall()
+            in_order = con.execute("SELECT run_id, seq FROM events ORDER BY id").fetchall()
         assert len(rows) == runs * (steps + 3)
+        for rec in recs:  # ids follow the buffer's order: each run's seqs rise with them
+            seqs = [seq for rid, seq in in_order if rid == rec.run_id]
+            assert seqs == sorted(seqs), seqs
         plain = '{"final":false,"tool_calls":0}'
         for i, rec in enumerate(recs):
             mine = [row[1:] for row in rows if row[0] == rec.run_id]
