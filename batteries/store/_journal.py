@@ -266,7 +266,7 @@ class Journal:
         each waits through a write of ~100,000 events, long enough for the
         collector to move what it holds to the oldest generation, and those
         objects were what set off its full passes over every live run
-        (BENCHMARKS.md, "The runs' close and the collector").
+        (BENCHMARKS.md, "The runs' close and the collector, shared parameters").
 
         Raises:
             StoreBusyError: The journal stayed locked past the lock timeout.

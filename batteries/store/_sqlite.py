@@ -354,7 +354,8 @@ class _UniformEvents:
     is one of a few texts the audit keeps (`JournalAudit.step_text`). A text
     parameter costs the writer ~100-170 ns to bind, holding the GIL: three of them
     bound once instead of per row take ~300 ns an event off the time the trio
-    thread waits for the writer (BENCHMARKS.md, "Shared parameters").
+    thread waits for the writer (BENCHMARKS.md, "The runs' close and the collector,
+    shared parameters").
     """
 
     __slots__ = ("_sql",)
