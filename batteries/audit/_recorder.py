@@ -20,6 +20,8 @@ from kernel import AuditWriteError, RunInfo, RunStats, Step, ToolResult
 
 from ._encode import EMPTY, encode_payload, tail, to_text
 
+_time_ns = time.time_ns
+
 #: After a private key's BEGIN line, at most this many events are blanked
 #: while waiting for its END line (a 4096-bit RSA key is ~50 lines).
 _KEY_LINES = 200
@@ -115,7 +117,7 @@ class DuckDBRecorder:
         recs.append(self)
         buf.seqs.append(self.count)
         self.count += 1
-        buf.ts.append(time.time_ns() // 1000)
+        buf.ts.append(_time_ns() // 1000)
         buf.kinds.append(kind)
         buf.iters.append(iteration)
         buf.names.append(name)
@@ -136,27 +138,23 @@ class DuckDBRecorder:
             # depends on nothing else, so the audit keeps it (see `JournalAudit.step_text`).
             text = self.audit.step_text(step.final, len(step.tool_calls))
             if text is not None:
-                # `_add`, written out: this is the per-step hot path.
                 journal = self.journal
                 buf = journal.pending
                 recs = buf.recs
-                n = len(recs)
-                if n + journal.retry_len >= journal.max_pending_events:
-                    self.dropped += 1
+                # `_add`, written out for the per-step hot path, with its three checks
+                # (buffer full, first event, batch full) as one: in between, none applies.
+                if 0 < len(recs) < journal.fast_until:
+                    recs.append(self)
+                    buf.seqs.append(self.count)
+                    self.count += 1
+                    buf.ts.append(_time_ns() // 1000)
+                    buf.kinds.append("step")
+                    buf.iters.append(iteration)
+                    buf.names.append(step.name)
+                    buf.durs.append(duration_s * 1000)
+                    buf.payloads.append(text)
                     return
-                recs.append(self)
-                buf.seqs.append(self.count)
-                self.count += 1
-                buf.ts.append(time.time_ns() // 1000)
-                buf.kinds.append("step")
-                buf.iters.append(iteration)
-                buf.names.append(step.name)
-                buf.durs.append(duration_s * 1000)
-                buf.payloads.append(text)
-                if n == 0:
-                    journal.poke()
-                if n + 1 == journal.batch_size:
-                    journal.poke(now=True)
+                self._add("step", step.name, text, duration_s * 1000, iteration)
                 return
         payload: dict[str, Any] = {"final": step.final, "tool_calls": len(step.tool_calls)}
         if step.output is not None:

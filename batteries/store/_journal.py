@@ -123,6 +123,10 @@ class Journal:
         #: The last write error, if the last write failed.
         self.last_error: str | None = None
         self.retry_len = 0
+        #: Below this many buffered events (and above none) a new event needs none of
+        #: the recorder's checks: the buffer is not full, the flush timer is running
+        #: and the batch is not yet `batch_size` (kept with `retry_len`).
+        self.fast_until = min(self.batch_size - 1, max_pending_events)
         self._deferred: list[Op] = []
         self._failures = 0
         # Group commit: transactions are numbered as they take the pending rows;
@@ -354,6 +358,7 @@ class Journal:
         self.last_error = None
         self._failures = 0
         self.retry_len = 0
+        self.fast_until = min(self.batch_size - 1, self.max_pending_events)
         for op, res in zip(deferred, results, strict=False):
             if isinstance(res, Exception):
                 _log.error("journal operation refused: %s: %s", type(op).__name__, res)
@@ -425,6 +430,7 @@ class Journal:
         batch.extend(self.pending)
         self.pending = batch
         self.retry_len = len(batch)
+        self.fast_until = min(self.batch_size - 1, self.max_pending_events - self.retry_len)
         self._deferred[:0] = deferred
 
     async def _flusher(self, scope: trio.CancelScope) -> None:

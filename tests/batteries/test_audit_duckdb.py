@@ -17,6 +17,7 @@ from batteries.audit._encode import encode_payload, tail
 from batteries.audit.queries import dicts
 from kernel import (
     AuditError,
+    AuditWriteError,
     Checkpoint,
     ConfigError,
     Kernel,
@@ -219,6 +220,48 @@ class TestBuffering:
             n = await _wait_for(db, "SELECT count(*) FROM events", 200)
             assert n >= 200
             await rec.close(RunStats(Status.OK))
+
+    async def test_plain_steps_fill_a_batch_and_start_the_timer(self, tmp_path: Path) -> None:
+        """Plain steps (the recorder's fast path) flush when a batch fills, and the
+        first one buffered starts the flush timer."""
+        db = tmp_path / "size.duckdb"
+        async with DuckDBAudit.open(db, batch_size=100, flush_interval=3600) as audit:
+            rec = await audit.start_run(RunInfo(name="size"))
+            for i in range(250):
+                rec.on_step(i, Step(), 0.001)
+            n = await _wait_for(db, "SELECT count(*) FROM events WHERE kind = 'step'", 200)
+            assert n >= 200
+            await rec.close(RunStats(Status.OK))
+        db = tmp_path / "timer.duckdb"
+        async with DuckDBAudit.open(db, flush_interval=0.05) as audit:
+            rec = await audit.start_run(RunInfo(name="live"))
+            await audit.flush()  # the run's start written: the buffer is empty again
+            with trio.fail_after(10):  # and the timer its poke started has run out
+                # (polled: the flusher clears the flag by replacing its event, which no
+                # one is told of)
+                while audit.journal._dirty.is_set():  # noqa: ASYNC110
+                    await trio.sleep(0.01)
+            rec.on_step(0, Step(), 0.001)
+            n = await _wait_for(db, "SELECT count(*) FROM events WHERE kind = 'step'", 1)
+            assert n == 1
+            await rec.close(RunStats(Status.OK))
+
+    async def test_events_past_a_full_buffer_are_dropped_and_reported(
+            self, tmp_path: Path) -> None:
+        """With `max_pending_events` buffered, more steps and events are refused and
+        counted, and the run's close says so; what was buffered is written."""
+        db = tmp_path / "full.duckdb"
+        async with DuckDBAudit.open(db, batch_size=10**6, flush_interval=3600,
+                                    max_pending_events=50) as audit:
+            rec = await audit.start_run(RunInfo(name="full"))
+            for i in range(60):
+                rec.on_step(i, Step(), 0.001)
+            rec.log_event("tick")
+            assert (len(audit.journal.pending), rec.dropped) == (50, 11)
+            with pytest.raises(AuditWriteError, match=r"11 events of run \w+ were dropped"):
+                await rec.close(RunStats(Status.OK))
+        assert query(db, "SELECT kind, count(*) AS n FROM events GROUP BY kind ORDER BY kind") == [
+            {"kind": "run_end", "n": 1}, {"kind": "run_start", "n": 1}, {"kind": "step", "n": 50}]
 
     async def test_the_timer_flushes_an_in_flight_run(self, tmp_path: Path) -> None:
         """With a short flush interval an analyst sees a run's events before it ends."""
