@@ -125,8 +125,9 @@ class Journal:
         self.retry_len = 0
         #: Below this many buffered events (and above none) a new event needs none of
         #: the recorder's checks: the buffer is not full, the flush timer is running
-        #: and the batch is not yet `batch_size` (kept with `retry_len`).
-        self.fast_until = min(self.batch_size - 1, max_pending_events)
+        #: and the batch is not yet `batch_size` (see `_retrying`).
+        self.fast_until = 0
+        self._retrying(0)
         self._deferred: list[Op] = []
         self._failures = 0
         # Group commit: transactions are numbered as they take the pending rows;
@@ -357,8 +358,7 @@ class Journal:
         of the caller's ops (a refused one raised unless `raw`)."""
         self.last_error = None
         self._failures = 0
-        self.retry_len = 0
-        self.fast_until = min(self.batch_size - 1, self.max_pending_events)
+        self._retrying(0)
         for op, res in zip(deferred, results, strict=False):
             if isinstance(res, Exception):
                 _log.error("journal operation refused: %s: %s", type(op).__name__, res)
@@ -429,9 +429,13 @@ class Journal:
         """Put rows and operations that were not written back in front of the pending ones."""
         batch.extend(self.pending)
         self.pending = batch
-        self.retry_len = len(batch)
-        self.fast_until = min(self.batch_size - 1, self.max_pending_events - self.retry_len)
+        self._retrying(len(batch))
         self._deferred[:0] = deferred
+
+    def _retrying(self, rows: int) -> None:
+        """Note the `rows` kept from a failed write (`retry_len`), and `fast_until` with them."""
+        self.retry_len = rows
+        self.fast_until = min(self.batch_size - 1, self.max_pending_events - rows)
 
     async def _flusher(self, scope: trio.CancelScope) -> None:
         # `_dirty`: something is buffered (start the timer); `_wake`: write now.

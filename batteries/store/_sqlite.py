@@ -359,7 +359,6 @@ class _UniformEvents:
     """
 
     __slots__ = ("_sql",)
-    width = 5  # parameters a row
 
     def __init__(self) -> None:
         self._sql: dict[int, str] = {}
