@@ -229,7 +229,8 @@ class WatchHandle:
         self._steps = self._tool_calls = self._activity = 0
         self._last_progress = now
         self._window_start = now
-        # The review window's counts: steps, tool calls, other progress.
+        # The review window's counts: tool calls, other progress; its steps are the
+        # run's since `_win_steps` (one count a step fewer on the per-step path).
         self._win_steps = self._win_tools = self._win_other = 0
         # Made at the first tool call, result and line of text: many runs have none.
         self._history = history
@@ -280,7 +281,6 @@ class WatchHandle:
         if self._stopped:
             return False
         self._steps += 1
-        self._win_steps += 1
         self._model_since = None
         if self._tool_since is not None and not self._reports_results:
             if self._pending:
@@ -574,7 +574,7 @@ class WatchHandle:
             max_steps=(None if self._base_max_steps is None
                        else self._base_max_steps + self._bonus),
             window=Window(self._window_start - self._start, now - self._window_start,
-                          self._win_steps, self._win_tools, self._win_other),
+                          self._steps - self._win_steps, self._win_tools, self._win_other),
             calls=() if self._calls is None else tuple(self._calls),
             intervention=None if op is None else Intervention(
                 op.reason, op.at - self._start, op.delivered, op.activity_since,
@@ -644,4 +644,5 @@ class WatchHandle:
 
     def _reset_window(self, now: float) -> None:
         self._window_start = now
-        self._win_steps = self._win_tools = self._win_other = 0
+        self._win_steps = self._steps
+        self._win_tools = self._win_other = 0
