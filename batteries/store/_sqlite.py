@@ -37,7 +37,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from itertools import chain
 from operator import add, attrgetter
@@ -421,6 +421,17 @@ def _spans(con: sqlite3.Connection, kind: _Rows, total: int
         at += size
 
 
+def _statements(con: sqlite3.Connection, kind: _Rows, total: int
+                ) -> Iterable[tuple[str, int, int]]:
+    """How `total` rows of `kind` are written, as (statement, first row, rows): one
+    statement of exactly that many up to `_EXACT_ROWS` rows or for a small power of two
+    (a save's events, a run's close: no chunking), else `_spans`."""
+    if 0 < total <= _EXACT_ROWS or (total & (total - 1) == 0
+                                    and total * kind.width <= _SMALL_PARAMS):
+        return ((kind.sql(total), 0, total),)
+    return _spans(con, kind, total)
+
+
 def _execute_rows(con: sqlite3.Connection, kind: _Rows, rows: list[tuple[Any, ...]],
                   clean: Callable[[tuple[Any, ...]], tuple[Any, ...]] | None = None) -> int:
     """Write `rows` with statements of `kind`, many rows each; return the rows changed.
@@ -428,15 +439,9 @@ def _execute_rows(con: sqlite3.Connection, kind: _Rows, rows: list[tuple[Any, ..
     `clean` rewrites a chunk's rows when binding them raised `UnicodeEncodeError`
     (a lone surrogate); binding fails before anything of the chunk is written.
     """
-    total = len(rows)
-    if 0 < total <= _EXACT_ROWS or (total & (total - 1) == 0
-                                    and total * kind.width <= _SMALL_PARAMS):
-        # One statement (a save's events, a run's close): no chunking.
-        chunks: Any = ((kind.sql(total), rows),)
-    else:
-        chunks = _chunks(con, kind, rows)
     changed = 0
-    for sql, chunk in chunks:
+    for sql, at, size in _statements(con, kind, len(rows)):
+        chunk = rows if size == len(rows) else rows[at:at + size]
         try:
             cur = con.execute(sql, tuple(chain.from_iterable(chunk)))
         except UnicodeEncodeError:
@@ -464,15 +469,8 @@ def _execute_columns(con: sqlite3.Connection, kind: _Rows, columns: Sequence[Seq
     """
     width = kind.width
     assert len(columns) == width, (len(columns), width)
-    total = len(columns[0])
-    spans: Any
-    if 0 < total <= _EXACT_ROWS or (total & (total - 1) == 0
-                                    and total * width <= _SMALL_PARAMS):
-        spans = ((kind.sql(total), 0, total),)  # one statement, as `_execute_rows`
-    else:
-        spans = _spans(con, kind, total)
     changed = 0
-    for sql, at, size in spans:
+    for sql, at, size in _statements(con, kind, len(columns[0])):
         params: list[Any] = [None] * (size * width)
         end = at + size
         for j, column in enumerate(columns):
@@ -498,15 +496,8 @@ def _insert_events(con: sqlite3.Connection, ids: Sequence[str], seqs: Sequence[i
     """
     kinds, iters, names, payloads = batch.kinds, batch.iters, batch.names, batch.payloads
     ts, durs = batch.ts, batch.durs
-    total = len(ids)
-    spans: Any
-    if 0 < total <= _EXACT_ROWS or (total & (total - 1) == 0
-                                    and total * _INSERT_EVENTS.width <= _SMALL_PARAMS):
-        spans = ((None, 0, total),)  # one statement, as `_execute_columns`
-    else:
-        spans = _spans(con, _INSERT_EVENTS, total)
     shared = 0
-    for _, at, size in spans:
+    for _, at, size in _statements(con, _INSERT_EVENTS, len(ids)):
         end = at + size
         kind, name, payload = kinds[at], names[at], payloads[at]
         its = iters[at:end]
