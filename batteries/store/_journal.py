@@ -6,9 +6,19 @@ The shape of it::
     recorder.on_step / log_event ...    pending Batch (column lists)
       -> append, no I/O                 pending ops (finish, settle)
     budget.check / checkpoint.save      transact(ops): swap pending,   store.commit(batch, ops):
-    recorder.close                      -> to_thread -------------->   one transaction
-    flusher task (while open)           timed: after flush_interval,
-                                        or at once when batch_size events wait
+    recorder.close                      -> start_thread_soon ------>   one transaction
+                                        _done <- run_sync_soon -----   (one write at a time)
+    the event that fills a batch        starts its write at once; a batch filled during a
+                                        write starts as that write ends (`_done`)
+    flusher task (while open)           after flush_interval: whatever is left
+
+A write starts from a plain call on the trio thread and its end comes back
+through trio's `run_sync_soon` queue, so no task is scheduled to start or to
+end a write: at 10,000 runs a trip through trio's scheduler takes ~0.1 s,
+and the three or four trips a write used to need (the flusher's wake-up, a
+lock, a thread's return) left the writer idle between transactions and the
+last rows to be written after the runs ended (BENCHMARKS.md, "Writes back to
+back").
 
 A transaction runs on the trio thread itself when it is small (at most
 `INLINE_EVENTS` events), this process's connection is open and the write
@@ -33,6 +43,7 @@ dropped and logged, so it cannot block every later run.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -41,6 +52,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import outcome
 import trio
 
 from ._protocol import RunStore
@@ -62,22 +74,30 @@ INLINE_EVENTS = 256
 def _abort_parked(raise_cancel: trio.lowlevel.RaiseCancelT) -> trio.lowlevel.Abort:
     """The abort function of a task parked in `Journal.commit_buffered`: it may go at once.
 
-    Its entry in `Journal._parked` stays until the next release, which skips it
+    Its entry in `Journal._parked` stays until the next write ends, which skips it
     (trio set the task's `custom_sleep_data` to None when it rescheduled it).
     """
     return trio.lowlevel.Abort.SUCCEEDED
 
 
-class _Waiter:
-    """A caller of `Journal.transact`: its ops, and what their transaction gave back."""
+def _abort_taken(raise_cancel: trio.lowlevel.RaiseCancelT) -> trio.lowlevel.Abort:
+    """The abort function of a caller whose write is in flight: it waits for the write's end
+    (as `trio.to_thread.run_sync` does) and sees its cancellation at its next checkpoint."""
+    return trio.lowlevel.Abort.FAILED
 
-    __slots__ = ("error", "ops", "results", "taken")
+
+class _Waiter:
+    """A caller waiting for a write: its ops, and what their transaction gave back."""
+
+    __slots__ = ("done", "error", "ops", "results", "taken", "task")
 
     def __init__(self, ops: tuple[Op, ...]) -> None:
         self.ops = ops
-        self.taken = False
+        self.taken = False  # a write carries its ops
+        self.done = False  # that write ended
         self.results: list[Any] = []
         self.error: BaseException | None = None
+        self.task: trio.lowlevel.Task | None = None  # parked until `done`
 
 
 class Journal:
@@ -93,7 +113,7 @@ class Journal:
         store: The store to write (default: `batteries.store.open_store(db)`: the
             PostgreSQL store chosen with `--store` / `$KERNEL_STORE`, else
             `SQLiteStore` on that journal).
-        batch_size: Buffered events that trigger a write without waiting for the timer.
+        batch_size: Buffered events that start a write without waiting for the timer.
         flush_interval: Seconds after which buffered events are written anyway.
         lock_timeout: Seconds to wait for the journal's write lock
             (None: `$KERNEL_AUDIT_LOCK_TIMEOUT`, else 10).
@@ -130,18 +150,19 @@ class Journal:
         self._retrying(0)
         self._deferred: list[Op] = []
         self._failures = 0
-        # Group commit: transactions are numbered as they take the pending rows;
-        # `_durable` is the number of the last one that committed. Rows buffered
-        # before transaction N took its batch are durable once `_durable >= N`.
+        # Group commit: writes are numbered as they take the pending rows; `_durable`
+        # is the number of the last one that committed. Rows buffered before write N
+        # took its batch are durable once `_durable >= N`.
         self._begun = 0
         self._durable = 0
-        self._lock = trio.Lock()
-        # The `commit_buffered` callers waiting for the write lock's release, woken
-        # together by `_release` (see `commit_buffered`).
+        # A write is in flight in a worker thread (one at a time: it owns the store).
+        self._writing = False
+        # The `commit_buffered` callers waiting for the write in flight, woken together
+        # when it ends (see `commit_buffered`).
         self._parked: list[trio.lowlevel.Task] = []
+        # `transact` callers whose ops no write has taken yet.
         self._queue: list[_Waiter] = []
         self._dirty = trio.Event()
-        self._wake = trio.Event()
         self._yielded_at = 0.0  # when `transact` last yielded to trio
         self.running = False
 
@@ -174,24 +195,32 @@ class Journal:
     # ------------------------------------------------------------- writing
 
     def poke(self, *, now: bool = False) -> None:
-        """Something was buffered: start the flush timer (or flush at once with `now`)."""
+        """Something was buffered: start the flush timer; with `now` (the batch is full),
+        start writing it at once unless a write is in flight (whose end starts the next).
+
+        Called on the trio thread by the recorders, so it never writes here: the write
+        goes to a worker thread (`_start`), with no trip through trio's scheduler.
+        """
         self._dirty.set()
-        if now:
-            self._wake.set()
+        if now and self.running and not self._writing:
+            self._start((), inline=False)
 
     async def transact(self, ops: Sequence[Op] = ()) -> list[Any]:
         """Write everything buffered, then `ops`, in one transaction; return the ops' results.
 
         Callers that are ready at the same moment share one transaction (group
-        commit of operations): each queues its ops, yields once, and whoever
-        takes the lock first writes every queued caller's ops in order; the
-        others find their results waiting. A caller with no other task ready to
-        run (nobody to share with) writes at once without yielding. Many runs
-        opening at once (a batch) cost a few transactions, not one each. An op
-        the store refuses (a save for a run never registered) raises its
-        `StoreError` here after the rest of the transaction was committed; it
-        never fails another caller's op.
-        A caller cancelled after its ops were taken leaves them to commit.
+        commit of operations): each queues its ops and yields once, and the
+        first to go on starts one write of every queued caller's ops in order;
+        the others find their results waiting. Callers arriving while a write
+        is in flight are taken together by the next write, which starts as that
+        one ends. A caller with no other task ready to run (nobody to share
+        with) writes at once without yielding. Many runs opening at once (a
+        batch) cost a few transactions, not one each. An op the store refuses
+        (a save for a run never registered) raises its `StoreError` here after
+        the rest of the transaction was committed; it never fails another
+        caller's op. A caller cancelled after a write took its ops waits for
+        that write to end and gets its results (as `trio.to_thread.run_sync`);
+        its cancellation is raised at its next checkpoint.
 
         Raises:
             StoreBusyError: The journal stayed locked past the lock timeout
@@ -208,27 +237,28 @@ class Journal:
             results = self._transact_now(ops)
             if results is not None:
                 return results
-            self._lock.acquire_nowait()  # it must wait for the write lock: in a thread
-            try:
-                return await self._transact(ops)
-            finally:
-                self._release()
-        me = _Waiter(tuple(ops))
-        self._queue.append(me)
-        try:
-            # Taking the lock yields once (trio's Lock checkpoints after acquiring), so
-            # callers ready now queue theirs too before this one takes the queue.
-            await self._lock.acquire()
-            try:
+            me = _Waiter(tuple(ops))  # it must wait for the write lock: in a thread
+            self._queue.append(me)
+            self._start((), inline=False)
+        else:
+            me = _Waiter(tuple(ops))
+            self._queue.append(me)
+            if not self._writing:
+                try:
+                    await trio.lowlevel.checkpoint()  # callers ready now queue theirs too
+                except BaseException:
+                    if not me.taken:
+                        self._queue.remove(me)
+                    raise
+                if not me.taken and not self._writing:
+                    self._yielded_at = time.perf_counter()
+                    self._start((), inline=True)
+        while not me.done:
+            if not me.taken and not self._writing:  # handed the next write by `_done`
                 self._yielded_at = time.perf_counter()
-                if not me.taken:
-                    await self._transact_queued()
-            finally:
-                self._release()
-        except BaseException:
-            if not me.taken:
-                self._queue.remove(me)
-            raise
+                self._start((), inline=True)
+            else:
+                await self._wait(me)
         if me.error is not None:
             raise me.error
         for res in me.results:
@@ -236,33 +266,29 @@ class Journal:
                 raise res
         return me.results
 
-    async def _transact_queued(self) -> None:
-        # Called holding `_lock`: one transaction for every queued caller's ops.
-        group, self._queue = self._queue, []
-        for w in group:
-            w.taken = True
-        try:
-            results = await self._transact([op for w in group for op in w.ops], raw=True)
-        except BaseException as exc:
-            for w in group:
-                w.error = exc
-            raise
-        at = 0
-        for w in group:
-            w.results = results[at:at + len(w.ops)]
-            at += len(w.ops)
+    async def _wait(self, me: _Waiter) -> None:
+        """Park until the write carrying `me` ends. Cancellable while no write took it."""
+        me.task = trio.lowlevel.current_task()
+
+        def abort(raise_cancel: trio.lowlevel.RaiseCancelT) -> trio.lowlevel.Abort:
+            if me.taken:
+                return trio.lowlevel.Abort.FAILED  # its write is in flight: wait for it
+            self._queue.remove(me)
+            me.task = None
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        await trio.lowlevel.wait_task_rescheduled(abort if not me.taken else _abort_taken)
 
     async def commit_buffered(self) -> None:
         """Make everything buffered so far durable, sharing transactions with other callers.
 
-        Callers that arrive while a transaction is being written wait for it to
-        end, all woken at once (parked on the journal, not handed the lock from
-        each to the next: a task parked on a trio `Lock` keeps the `WouldBlock`
-        it caught and its tracebacks alive); those whose rows it carried
-        return, and the first of the others writes everything buffered
-        meanwhile while the rest wait for that (many runs closing at once cost
-        a few transactions, not one each). A caller no other task could join
-        writes at once, as in `transact`.
+        Callers that arrive while a write is in flight wait for it to end, all
+        woken at once (parked on the journal: a task parked on a trio `Lock`
+        keeps the `WouldBlock` it caught and its tracebacks alive); those whose
+        rows it carried return, and the first of the others writes everything
+        buffered meanwhile while the rest wait for that (many runs closing at
+        once cost a few transactions, not one each). A caller no other task
+        could join writes at once, as in `transact`.
 
         A waiting caller is the task itself in a list, parked with trio's
         `wait_task_rescheduled` and a module-level abort function: three
@@ -281,26 +307,114 @@ class Journal:
             await trio.lowlevel.checkpoint_if_cancelled()
             if self._transact_now(()) is not None:
                 return
-        need = self._begun + 1  # the first transaction to take its batch after this call
-        while self._lock.locked():
+        need = self._begun + 1  # the first write to take its batch after this call
+        if not self._writing:
+            await trio.lowlevel.checkpoint()  # callers ready now buffer theirs too
+        while self._writing:
             task = trio.lowlevel.current_task()
             task.custom_sleep_data = self  # trio resets it if the wait is cancelled
             self._parked.append(task)
             await trio.lowlevel.wait_task_rescheduled(_abort_parked)
             if self._durable >= need:
                 return
-        await self._lock.acquire()
-        try:
-            self._yielded_at = time.perf_counter()
-            if self._durable >= need:
-                return
-            await self._transact(())
-        finally:
-            self._release()
+        if self._durable >= need:
+            return
+        self._yielded_at = time.perf_counter()
+        me = _Waiter(())
+        self._start((me,), inline=True)
+        if not me.done:
+            await self._wait(me)
+        if me.error is not None:
+            raise me.error
 
-    def _release(self) -> None:
-        """Release the write lock and wake every `commit_buffered` caller waiting for it."""
-        self._lock.release()
+    def _alone(self) -> bool:
+        """True when no other task could join a transaction started now (see `transact`)."""
+        return (not self._queue and not self._writing
+                and time.perf_counter() - self._yielded_at < YIELD_EVERY
+                and trio.lowlevel.current_statistics().tasks_runnable == 0)
+
+    def _start(self, extra: Sequence[_Waiter], *, inline: bool) -> None:
+        """Start one write of everything buffered, the deferred ops, the queued callers'
+        ops and `extra`'s. On the trio thread, with no write in flight.
+
+        With `inline`, a small write (at most `INLINE_EVENTS` events) that can take the
+        write lock at once commits here: tens of microseconds against two thread
+        switches (~100 us idle, milliseconds on a loaded machine). Otherwise it goes
+        to a worker thread, and `_done` runs on the trio thread when it ends (from
+        trio's `run_sync_soon` queue: no task is scheduled to start or end a write).
+        """
+        group = [*self._queue, *extra] if self._queue else list(extra)
+        self._queue = []
+        for w in group:
+            w.taken = True
+        self._begun += 1
+        number = self._begun
+        # Nothing buffered: the pending batch stays (no new Batch per write).
+        todo = None if self.pending.empty() else self.pending
+        if todo is not None:
+            self.pending = Batch()
+        deferred = self._deferred
+        if deferred:
+            self._deferred = []
+        ops = [*deferred, *(op for w in group for op in w.ops)]
+        if inline and (todo is None or len(todo) <= INLINE_EVENTS):
+            try:
+                results = self.store.commit(todo, ops, wait=False)
+            except WouldBlock:
+                pass
+            except BaseException as exc:
+                self._done(number, todo, deferred, group, outcome.Error(exc))
+                if not isinstance(exc, Exception):
+                    raise
+                return
+            else:
+                self._done(number, todo, deferred, group, outcome.Value(results))
+                return
+        self._writing = True
+        token = trio.lowlevel.current_trio_token()
+        commit = self.store.commit
+
+        def deliver(result: outcome.Outcome[list[Any]]) -> None:  # in the worker thread
+            with contextlib.suppress(trio.RunFinishedError):  # nobody is left to tell
+                token.run_sync_soon(self._done, number, todo, deferred, group, result)
+
+        trio.lowlevel.start_thread_soon(lambda: commit(todo, ops), deliver,
+                                        name=f"kernel journal write {number}")
+
+    def _done(self, number: int, todo: Batch | None, deferred: list[Op],
+              group: list[_Waiter], result: outcome.Outcome[list[Any]]) -> None:
+        """A write ended (on the trio thread): tell its callers and every parked caller,
+        then start the next write if callers are queued or a full batch is buffered."""
+        self._writing = False
+        ok = isinstance(result, outcome.Value)
+        if isinstance(result, outcome.Value):
+            self._durable = number
+            results = result.value
+            self._committed(deferred, results, True)
+            at = len(deferred)
+            for w in group:
+                w.results = results[at:at + len(w.ops)]
+                at += len(w.ops)
+        else:
+            assert isinstance(result, outcome.Error)
+            exc = result.error
+            batch = Batch() if todo is None else todo
+            if isinstance(exc, Exception):
+                self._failed(batch, deferred, exc)
+            else:
+                self._keep(batch, deferred)
+            for w in group:
+                w.error = exc
+            self._dirty.set()  # the flusher retries kept rows after its interval
+        if len(group) > 1 or self._parked:
+            # Other callers go on now, perhaps later in trio's current batch, which
+            # `_alone` cannot see: the next caller yields (and they may join it).
+            self._yielded_at = 0.0
+        for w in group:
+            w.done = True
+            if w.task is not None:
+                trio.lowlevel.reschedule(w.task)
+                w.task = None
         parked = self._parked
         if parked:
             self._parked = []
@@ -310,48 +424,15 @@ class Journal:
                 # on something else).
                 if task.custom_sleep_data is self:
                     trio.lowlevel.reschedule(task)
-
-    def _alone(self) -> bool:
-        """True when no other task could join a transaction started now (see `transact`)."""
-        return (not self._queue and not self._lock.locked()
-                and time.perf_counter() - self._yielded_at < YIELD_EVERY
-                and trio.lowlevel.current_statistics().tasks_runnable == 0)
-
-    async def _transact(self, ops: Sequence[Op], *, raw: bool = False) -> list[Any]:
-        # Called holding `_lock`. `raw`: return refused ops' errors instead of raising.
-        self._begun += 1
-        number = self._begun
-        # Nothing buffered: the pending batch stays (no new Batch per transaction).
-        todo = None if self.pending.empty() else self.pending
-        if todo is not None:
-            self.pending = Batch()
-        deferred = self._deferred
-        if deferred:
-            self._deferred = []
-        todo_ops = [*deferred, *ops] if deferred else ops
-        try:
-            results = None
-            if todo is None or len(todo) <= INLINE_EVENTS:
-                # A small transaction that can start at once runs here: its commit
-                # (tens of us) is cheaper than two thread switches (~100 us idle,
-                # milliseconds on a loaded machine). One that would wait does not.
-                try:
-                    results = self.store.commit(todo, todo_ops, wait=False)
-                except WouldBlock:
-                    results = None
-            if results is None:
-                results = await trio.to_thread.run_sync(self.store.commit, todo, todo_ops)
-            # No checkpoint after an inline commit: a cancel there would put rows
-            # that are already committed back in the queue (callers checkpoint anyway).
-        except BaseException as exc:
-            batch = Batch() if todo is None else todo
-            if isinstance(exc, Exception):
-                self._failed(batch, deferred, exc)
-            else:  # cancelled before the write started (e.g. waiting for a thread)
-                self._keep(batch, deferred)
-            raise
-        self._durable = number
-        return self._committed(deferred, results, raw)
+        if ok and self.running and len(self.pending) >= self.batch_size:
+            self._start((), inline=False)  # the next full batch, at once (with the queue)
+        elif self._queue:
+            # Callers queued during the write: the first starts the next one when it runs,
+            # after the tasks ready now (which may queue theirs too, as with a lock).
+            first = self._queue[0]
+            if first.task is not None:
+                trio.lowlevel.reschedule(first.task)
+                first.task = None
 
     def _committed(self, deferred: list[Op], results: list[Any], raw: bool) -> list[Any]:
         """After a commit: the failure count reset, refused deferred ops logged; the results
@@ -369,11 +450,10 @@ class Journal:
         return mine
 
     def _transact_now(self, ops: Sequence[Op]) -> list[Any] | None:
-        """`_transact` on the trio thread, for a caller no other task could join: the
-        transaction if it can start at once, else None (nothing done: `_transact` then
-        runs it in a thread). Called with `_lock` free; it never awaits, so no other
-        task can start a transaction meanwhile and the lock is not taken (trio's Lock
-        costs a few microseconds of a checkpoint save)."""
+        """A write on the trio thread for a caller no other task could join, with no
+        `_Waiter` and no group: the ops' results if it can start at once, else None
+        (nothing done: the caller then `_start`s it in a thread). Called with no write
+        in flight; it never awaits, so none can start meanwhile."""
         todo = self.pending
         if len(todo) > INLINE_EVENTS:
             return None
@@ -438,23 +518,27 @@ class Journal:
         self.fast_until = min(self.batch_size - 1, self.max_pending_events - rows)
 
     async def _flusher(self, scope: trio.CancelScope) -> None:
-        # `_dirty`: something is buffered (start the timer); `_wake`: write now.
+        # `_dirty`: something is buffered (start the timer). A full batch does not wait
+        # for it: `poke(now=True)` and `_done` start those writes.
         with scope:
             while True:
                 await self._dirty.wait()
-                with trio.move_on_after(self.flush_interval) as timer:
-                    await self._wake.wait()
-                self._dirty, self._wake = trio.Event(), trio.Event()
+                await trio.sleep(self.flush_interval)
+                self._dirty = trio.Event()
                 if self.pending.empty() and not self._deferred:
                     continue
                 try:
                     await self.transact()
-                    if timer.cancelled_caught:
-                        self.timed_flushes += 1
+                    self.timed_flushes += 1
                 except Exception:
                     self._dirty.set()  # retry the kept rows after the interval
 
     async def _final_flush(self) -> None:
+        while self._writing:  # a write no caller waits for (a full batch): let it end
+            task = trio.lowlevel.current_task()
+            task.custom_sleep_data = self
+            self._parked.append(task)
+            await trio.lowlevel.wait_task_rescheduled(_abort_parked)
         if self.pending.empty() and not self._deferred:
             return
         try:

@@ -21,7 +21,16 @@ from trio.testing import wait_all_tasks_blocked
 
 from batteries.audit import JournalAudit, Store, sync
 from batteries.audit import _schema as schema
-from batteries.store import JOURNAL_VERSION, Batch, Owner, RunStore, SQLiteStore, journal_path
+from batteries.store import (
+    JOURNAL_VERSION,
+    Batch,
+    Owner,
+    RemoveBudget,
+    RunStore,
+    SetBudget,
+    SQLiteStore,
+    journal_path,
+)
 from batteries.store._journal import INLINE_EVENTS, Journal
 from batteries.store._sqlite import WouldBlock
 from kernel import Kernel, Ports, RunInfo, Status, Step
@@ -185,7 +194,7 @@ class TestJournal:
                     nursery.start_soon(commit, "second", journal)
                     nursery.start_soon(commit, "third", journal)
                     await wait_all_tasks_blocked()
-                    assert journal._lock.locked() and outcomes == {}
+                    assert journal._writing and outcomes == {}
                     scopes["third"].cancel()
                     await wait_all_tasks_blocked()
                     assert outcomes == {"third": "cancelled"}
@@ -198,6 +207,106 @@ class TestJournal:
                 ("run_start",), ("meanwhile",)]
 
 
+    async def test_full_batches_are_written_back_to_back(self, tmp_path: Path) -> None:
+        """The event that fills a batch starts its write, from the recorder's call; the
+        batch filled while that write is in flight starts as it ends. No task awaits
+        either (the flush timer is an hour away), so no trip through trio's scheduler
+        stands between one write and the next."""
+        store = _GatedStore(SQLiteStore(journal_path(tmp_path / "k.duckdb")))
+        async with Journal.open(store=store, batch_size=50, flush_interval=3600) as journal:
+            audit = JournalAudit(journal)
+            rec = await audit.start_run(RunInfo(name="full"))
+            for _ in range(49):
+                rec.log_event("first")
+            assert (journal._begun, journal._writing) == (0, False)
+            try:
+                rec.log_event("first")  # the 50th: its write starts here, in a thread
+                assert (journal._begun, journal._writing) == (1, True)
+                for _ in range(50):
+                    rec.log_event("second")
+                assert journal._begun == 1  # one write at a time
+            finally:
+                store.gate.set()
+            with trio.fail_after(60):  # readiness: both writes committed, in their thread
+                for _ in range(2):
+                    await trio.to_thread.run_sync(store.committed.acquire,
+                                                  abandon_on_cancel=True)
+            assert (journal._begun, journal.timed_flushes, store.commits) == (2, 0, 2)
+        with closing(sqlite3.connect(store.path)) as con:
+            assert con.execute("SELECT kind, count(*) FROM events GROUP BY kind ORDER BY "
+                               "min(seq)").fetchall() == [
+                ("run_start", 1), ("first", 50), ("second", 50)]
+
+    async def test_callers_queued_during_a_write_share_the_next(self, tmp_path: Path) -> None:
+        """Operations queued while a write is in flight in its thread go out together
+        in the next write, started when that one ends; each caller gets its results."""
+        store = _GatedStore(SQLiteStore(journal_path(tmp_path / "k.duckdb")))
+        results: dict[str, list[Any]] = {}
+
+        async def budget(journal: Journal, caller: str) -> None:
+            results[caller] = await journal.transact([
+                SetBudget(caller, 60, len(caller), None, None, None), RemoveBudget("none")])
+
+        async with Journal.open(store=store, flush_interval=3600) as journal:
+            audit = JournalAudit(journal)
+            rec = await audit.start_run(RunInfo(name="gated"))
+            rec.log_event("first")
+            # The whole wait is bounded: not forever if the queued callers are never woken.
+            with trio.fail_after(60):
+                async with trio.open_nursery() as nursery:
+                    try:
+                        nursery.start_soon(journal.commit_buffered)
+                        # The write is in its thread, at the gate.
+                        await trio.to_thread.run_sync(store.blocked.wait,
+                                                      abandon_on_cancel=True)
+                        for caller in ("a", "bb", "ccc"):
+                            nursery.start_soon(budget, journal, caller)
+                        await wait_all_tasks_blocked()
+                        assert results == {} and len(journal._queue) == 3
+                    finally:
+                        store.gate.set()
+        assert results == {"a": [None, False], "bb": [None, False], "ccc": [None, False]}
+        assert store.commits == 2
+        with closing(sqlite3.connect(store.path)) as con:
+            assert con.execute("SELECT caller_id, max_runs FROM budgets ORDER BY 1"
+                               ).fetchall() == [("a", 1), ("bb", 2), ("ccc", 3)]
+
+    async def test_a_caller_cancelled_while_its_write_is_in_flight_waits_for_it(
+            self, tmp_path: Path) -> None:
+        """A write took the caller's op and is in flight in its thread: cancelling the
+        caller does not let it leave before the write ends (as `trio.to_thread.run_sync`);
+        it gets its results, and its next checkpoint raises Cancelled."""
+        store = _GatedStore(SQLiteStore(journal_path(tmp_path / "k.duckdb")))
+        outcome: list[str] = []
+
+        async def budget(journal: Journal, scope: trio.CancelScope) -> None:
+            with scope:
+                await journal.transact([SetBudget("c", 60, 5, None, None, None)])
+                outcome.append("written")
+                await trio.lowlevel.checkpoint()
+                outcome.append("returned")
+                return
+            outcome.append("cancelled")
+
+        async with Journal.open(store=store, flush_interval=3600) as journal:
+            scope = trio.CancelScope()
+            async with trio.open_nursery() as nursery:
+                try:
+                    nursery.start_soon(budget, journal, scope)
+                    with trio.fail_after(60):  # the write is in its thread, at the gate
+                        await trio.to_thread.run_sync(store.blocked.wait,
+                                                      abandon_on_cancel=True)
+                    scope.cancel()
+                    await wait_all_tasks_blocked()
+                    assert outcome == [] and journal._writing
+                finally:
+                    store.gate.set()
+        assert outcome == ["written", "cancelled"]
+        with closing(sqlite3.connect(store.path)) as con:
+            assert con.execute("SELECT caller_id, max_runs FROM budgets").fetchall() == [
+                ("c", 5)]
+
+
 class _GatedStore:
     """A `SQLiteStore` whose commits go to a worker thread and wait there for `gate`."""
 
@@ -206,6 +315,7 @@ class _GatedStore:
         self.gate = threading.Event()
         self.blocked = threading.Event()
         self.commits = 0
+        self.committed = threading.Semaphore(0)  # released after each commit
 
     def commit(self, batch: Batch | None, ops: Any = (), *, wait: bool = True) -> list[Any]:
         if not wait:
@@ -214,7 +324,10 @@ class _GatedStore:
         if not self.gate.wait(60):
             raise RuntimeError("the test never opened the gate")
         self.commits += 1
-        return self.inner.commit(batch, ops)
+        try:
+            return self.inner.commit(batch, ops)
+        finally:
+            self.committed.release()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
