@@ -426,13 +426,17 @@ class Journal:
                     trio.lowlevel.reschedule(task)
         if ok and self.running and len(self.pending) >= self.batch_size:
             self._start((), inline=False)  # the next full batch, at once (with the queue)
-        elif self._queue:
-            # Callers queued during the write: the first starts the next one when it runs,
-            # after the tasks ready now (which may queue theirs too, as with a lock).
-            first = self._queue[0]
-            if first.task is not None:
-                trio.lowlevel.reschedule(first.task)
-                first.task = None
+        else:
+            # Callers queued during the write: the first of them parked starts the next
+            # one when it runs, after the tasks ready now (which may queue theirs too, as
+            # with a lock). Not one still running (in its yield, before it parks): it
+            # may yet be cancelled there and leave the others waiting. If it starts the
+            # write first, the woken one finds itself taken.
+            for w in self._queue:
+                if w.task is not None:
+                    trio.lowlevel.reschedule(w.task)
+                    w.task = None
+                    break
 
     def _committed(self, deferred: list[Op], results: list[Any], raw: bool) -> list[Any]:
         """After a commit: the failure count reset, refused deferred ops logged; the results
