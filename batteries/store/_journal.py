@@ -145,7 +145,8 @@ class Journal:
         self.retry_len = 0
         #: Below this many buffered events (and above none) a new event needs none of
         #: the recorder's checks: the buffer is not full, the flush timer is running
-        #: and the batch is not yet `batch_size` (see `_retrying`).
+        #: and the batch is not yet `batch_size`, or its fill was noted while a write
+        #: was in flight (`poke`; see `_retrying`).
         self.fast_until = 0
         self._retrying(0)
         self._deferred: list[Op] = []
@@ -202,8 +203,13 @@ class Journal:
         goes to a worker thread (`_start`), with no trip through trio's scheduler.
         """
         self._dirty.set()
-        if now and self.running and not self._writing:
-            self._start((), inline=False)
+        if now:
+            if self.running and not self._writing:
+                self._start((), inline=False)
+            else:
+                # The full batch is noted (the write in flight starts the next as it ends):
+                # until the next swap, the recorder's only check is the buffer's limit.
+                self.fast_until = self.max_pending_events - self.retry_len
 
     async def transact(self, ops: Sequence[Op] = ()) -> list[Any]:
         """Write everything buffered, then `ops`, in one transaction; return the ops' results.
@@ -353,6 +359,7 @@ class Journal:
         todo = None if self.pending.empty() else self.pending
         if todo is not None:
             self.pending = Batch()
+            self._retrying(self.retry_len)  # a new batch to fill: the recorder checks again
         deferred = self._deferred
         if deferred:
             self._deferred = []

@@ -211,9 +211,11 @@ class TestJournal:
         """The event that fills a batch starts its write, from the recorder's call; the
         batch filled while that write is in flight starts as it ends. No task awaits
         either (the flush timer is an hour away), so no trip through trio's scheduler
-        stands between one write and the next."""
+        stands between one write and the next. Past the noted fill, a plain step's one
+        check is the buffer's limit, which still drops what does not fit."""
         store = _GatedStore(SQLiteStore(journal_path(tmp_path / "k.duckdb")))
-        async with Journal.open(store=store, batch_size=50, flush_interval=3600) as journal:
+        async with Journal.open(store=store, batch_size=50, max_pending_events=80,
+                                flush_interval=3600) as journal:
             audit = JournalAudit(journal)
             rec = await audit.start_run(RunInfo(name="full"))
             for _ in range(49):
@@ -221,10 +223,12 @@ class TestJournal:
             assert (journal._begun, journal._writing) == (0, False)
             try:
                 rec.log_event("first")  # the 50th: its write starts here, in a thread
-                assert (journal._begun, journal._writing) == (1, True)
-                for _ in range(50):
-                    rec.log_event("second")
-                assert journal._begun == 1  # one write at a time
+                assert (journal._begun, journal._writing, journal.fast_until) == (1, True, 49)
+                for i in range(100):
+                    rec.on_step(i, Step(), 0.0)
+                # One write at a time; the second batch's fill is noted, and the steps
+                # past it were buffered up to the limit of 80 events, the rest dropped.
+                assert (journal._begun, journal.fast_until, rec.dropped) == (1, 80, 20)
             finally:
                 store.gate.set()
             with trio.fail_after(60):  # readiness: both writes committed, in their thread
@@ -235,7 +239,7 @@ class TestJournal:
         with closing(sqlite3.connect(store.path)) as con:
             assert con.execute("SELECT kind, count(*) FROM events GROUP BY kind ORDER BY "
                                "min(seq)").fetchall() == [
-                ("run_start", 1), ("first", 50), ("second", 50)]
+                ("run_start", 1), ("first", 50), ("step", 80)]
 
     async def test_callers_queued_during_a_write_share_the_next(self, tmp_path: Path) -> None:
         """Operations queued while a write is in flight in its thread go out together
