@@ -390,8 +390,9 @@ class Journal:
 
     def _done(self, number: int, todo: Batch | None, deferred: list[Op],
               group: list[_Waiter], result: outcome.Outcome[list[Any]]) -> None:
-        """A write ended (on the trio thread): tell its callers and every parked caller,
-        then start the next write if callers are queued or a full batch is buffered."""
+        """A write ended (on the trio thread): tell its callers and every parked caller;
+        then start the next write at once if a full batch is buffered, else wake a
+        queued caller to start it."""
         self._writing = False
         ok = isinstance(result, outcome.Value)
         if isinstance(result, outcome.Value):
