@@ -80,12 +80,6 @@ def _abort_parked(raise_cancel: trio.lowlevel.RaiseCancelT) -> trio.lowlevel.Abo
     return trio.lowlevel.Abort.SUCCEEDED
 
 
-def _abort_taken(raise_cancel: trio.lowlevel.RaiseCancelT) -> trio.lowlevel.Abort:
-    """The abort function of a caller whose write is in flight: it waits for the write's end
-    (as `trio.to_thread.run_sync` does) and sees its cancellation at its next checkpoint."""
-    return trio.lowlevel.Abort.FAILED
-
-
 class _Waiter:
     """A caller waiting for a write: its ops, and what their transaction gave back."""
 
@@ -278,12 +272,15 @@ class Journal:
 
         def abort(raise_cancel: trio.lowlevel.RaiseCancelT) -> trio.lowlevel.Abort:
             if me.taken:
-                return trio.lowlevel.Abort.FAILED  # its write is in flight: wait for it
+                # Its write is in flight: it waits for the write's end (as
+                # `trio.to_thread.run_sync` does) and sees the cancellation at its next
+                # checkpoint.
+                return trio.lowlevel.Abort.FAILED
             self._queue.remove(me)
             me.task = None
             return trio.lowlevel.Abort.SUCCEEDED
 
-        await trio.lowlevel.wait_task_rescheduled(abort if not me.taken else _abort_taken)
+        await trio.lowlevel.wait_task_rescheduled(abort)
 
     async def commit_buffered(self) -> None:
         """Make everything buffered so far durable, sharing transactions with other callers.
