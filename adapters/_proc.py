@@ -37,6 +37,7 @@ import contextlib
 import errno
 import functools
 import os
+import re
 import secrets
 import signal
 import socket
@@ -729,12 +730,37 @@ def decode_line(raw: bytes) -> str:
     return raw.decode("utf-8", errors="replace").rstrip("\r")
 
 
+# Where a text cut at its front may start: not inside a token.
+_TOKEN_END = re.compile(r"[\s\"',;<>()\[\]{}|`]")
+
+
+#: A cut text starting with a longer token than this keeps it: a blob of data
+#: (one long line of output), not a secret (a JSON web token is shorter).
+_LONGEST_TOKEN = 2048
+
+
+def from_boundary(text: str) -> str:
+    """`text`, which was cut at its front, from its first token boundary on.
+
+    The partial token before it is dropped: it may be the end of a secret
+    whose start, the part the redactor knows (`ghp_`, `-----BEGIN`), was cut off.
+    """
+    m = _TOKEN_END.search(text, 0, _LONGEST_TOKEN)
+    return text if m is None else text[m.start():]
+
+
+def last_chars(text: str, limit: int) -> str:
+    """The last `limit` characters of `text`, starting at a token boundary if cut."""
+    return text if len(text) <= limit else from_boundary(text[-limit:])
+
+
 class Tail:
     """The last `limit` characters of a stream, kept as lines.
 
     Whole lines go from the front first; when dropping the oldest line would
-    take more than needed, its head is trimmed instead, so a long line before
-    a short one is not lost whole. The newest line is always kept.
+    take more than needed, its head is trimmed instead (up to a token
+    boundary: `from_boundary`), so a long line before a short one is not lost
+    whole. The newest line is always kept.
     """
 
     def __init__(self, limit: int) -> None:
@@ -753,8 +779,9 @@ class Tail:
             if len(front) + 1 <= excess:
                 self.size -= len(self.lines.popleft()) + 1
             else:
-                self.lines[0] = front[excess:]
-                self.size -= excess
+                kept = from_boundary(front[excess:])
+                self.lines[0] = kept
+                self.size -= len(front) - len(kept)
 
     def text(self, trailing_newline: bool = False) -> str:
         body = "\n".join(self.lines)

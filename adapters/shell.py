@@ -27,7 +27,7 @@ import trio
 from kernel import Message, RunContext, Step
 from kernel._dataclass import dataclass
 
-from ._proc import Child, LineCounter, Tail, decode_line, pump_lines, spawn
+from ._proc import Child, LineCounter, Tail, decode_line, last_chars, pump_lines, spawn
 
 #: Called with ("stdout" | "stderr", line) for each line, e.g. to echo it.
 LineSink = Callable[[str, str], None]
@@ -146,13 +146,17 @@ class ShellAgent:
         payload = {
             "exit_code": exit_code, "lines": self._lines,
             "stdout_truncated": out.truncated, "stderr_truncated": err.truncated,
-            "stderr_tail": err.text()[-4096:],
+            "stderr_tail": last_chars(err.text(), 4096),
         }
         if rc == 0:
             return Step(output=out.text(), final=True, exit_code=0, name="command",
                         payload=payload)
         how = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
         last = err.lines[-1] if err.lines else ""
+        if last and _inside_private_key(err.text()):
+            # The error is stored and shown by itself, where no redactor can tell
+            # that its line belongs to a key whose BEGIN line came before it.
+            last = "(a line of a private key, not shown)"
         return Step(output=out.text(), final=True, exit_code=exit_code, name="command",
                     error=f"command {how}" + (f": {last}" if last else ""), payload=payload)
 
@@ -179,6 +183,8 @@ class ShellAgent:
     def _line(self, stream: str, raw: bytes, cut: bool, tail: Tail) -> None:
         line = decode_line(raw)
         tail.add(line)
+        if cut:  # a line longer than the cap: its head was kept
+            tail.truncated = True
         self._lines += 1
         ctx = self._ctx
         if ctx is not None:
@@ -208,3 +214,9 @@ class ShellAgent:
             ctx.event("steer_undeliverable", activity=False, payload={
                 "messages": [m.content for m in messages],
                 "why": "a plain command has no channel for nudges (stdin is not a pipe)"})
+
+
+def _inside_private_key(text: str) -> bool:
+    """True if `text` ends inside a private key block (its BEGIN line without an END after it)."""
+    begin = text.rfind("-----BEGIN")
+    return begin >= 0 and text.rfind("-----END") < begin and "PRIVATE KEY" in text[begin:begin + 80]

@@ -28,6 +28,7 @@ from batteries.audit import DuckDBAudit
 from batteries.audit._encode import encode_payload
 from batteries.audit._recorder import DuckDBRecorder
 from batteries.redact import Redactor
+from batteries.store import Journal
 from kernel import RunInfo
 
 ENV = {"GITHUB_TOKEN": "ghp_ZYXWVUTSRQPONMLKJIHGFEDCBA9876543210",
@@ -85,16 +86,19 @@ def main() -> None:
             for x in p:
                 encode_payload(x, 65536, 262144, redactor)
 
-        audit = DuckDBAudit(":memory:", batch_size=10 * n, redactor=off)
+        # Journals that never write here (no flusher; a batch larger than a round).
+        audit = DuckDBAudit(Journal(":memory:", batch_size=10 * n, max_pending_events=20 * n),
+                            redactor=off)
         rec_off = DuckDBRecorder(audit, RunInfo(name="bench"))
-        audit_on = DuckDBAudit(":memory:", batch_size=10 * n, redactor=redactor)
+        audit_on = DuckDBAudit(Journal(":memory:", batch_size=10 * n,
+                                       max_pending_events=20 * n), redactor=redactor)
         rec_on = DuckDBRecorder(audit_on, RunInfo(name="bench"))
 
         def record(rec: DuckDBRecorder, a: DuckDBAudit, p: list[dict[str, Any]]) -> None:
             log = rec.log_event
             for x in p:
                 log("output", payload=x)
-            a._pending = type(a._pending)()  # drop the buffered rows: no flusher here
+            a.journal.pending = type(a.journal.pending)()  # drop the buffered rows
 
         timings: dict[str, list[float]] = {"e": [], "r": [], "ro": [], "rn": []}
         for _ in range(k):  # alternate, so both see the same machine

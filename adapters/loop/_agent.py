@@ -34,6 +34,7 @@ import trio
 
 from kernel import ConfigError, Limits, RunContext, RunInfo, Status, Step
 
+from .._proc import last_chars
 from . import _evaluators as ev
 from . import _template as tpl
 from ._process import ActionResult, ChunkSink, LineSink, capture, run_process
@@ -223,7 +224,7 @@ class LoopAgent:
             "captured": self.captured, "prev": self.prev, "retries": self.retries,
             "prev_state": self.prev_state, "last_values": self.last_values,
             "diff_stalls": {k: list(v) for k, v in self.diff_stalls.items()},
-            "output": self.output[-_PREVIEW:], "elapsed_ms": self._elapsed_ms(),
+            "output": last_chars(self.output, _PREVIEW), "elapsed_ms": self._elapsed_ms(),
             "backoff_due": self._backoff_due,
         }
 
@@ -384,7 +385,7 @@ class LoopAgent:
         final = self._settle(ctx)
         if final is not None:
             return replace(final, name=name, payload={**info, **(final.payload or {})})
-        shown = self._step_output[-_PREVIEW:] if self._step_output is not None else None
+        shown = last_chars(self._step_output, _PREVIEW) if self._step_output is not None else None
         return Step(output=shown, name=name, payload=info)
 
     def _end(self, step: Step) -> Step:
@@ -530,8 +531,8 @@ class LoopAgent:
                 "total": self._lines_dropped, "cap": self.max_line_events})
         ctx.event("action_end", name=mode, duration_ms=result.duration_ms, payload={
             "state": st.name, "exit_code": result.exit_code, "signal": result.signal,
-            "timed_out": result.timed_out, "output_tail": result.output[-_PREVIEW:],
-            "stderr_tail": result.stderr[-_PREVIEW:],
+            "timed_out": result.timed_out, "output_tail": last_chars(result.output, _PREVIEW),
+            "stderr_tail": last_chars(result.stderr, _PREVIEW),
             **({"output_truncated": True} if result.truncated else {})})
         if st.capture:
             self.captured[st.capture] = capture(result)

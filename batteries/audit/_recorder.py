@@ -22,8 +22,9 @@ from ._encode import EMPTY, encode_payload, tail, to_text
 
 _time_ns = time.time_ns
 
-#: After a private key's BEGIN line, at most this many events are blanked
-#: while waiting for its END line (a 4096-bit RSA key is ~50 lines).
+#: After a private key's BEGIN line without its END, the body's lines are looked
+#: for (`Redactor.key_body`) in at most this many events, or up to the END line
+#: (a 4096-bit RSA key is ~50 lines); the rest of those events is kept.
 _KEY_LINES = 200
 
 if TYPE_CHECKING:
@@ -185,11 +186,12 @@ class DuckDBRecorder:
         audit = self.audit
         text = encode_payload(payload, audit.max_output_bytes, audit.max_payload_bytes,
                               audit.redactor)
-        if self.key_lines:  # inside a private key: its lines go whole, up to its END line
-            self.key_lines = 0 if "-----END" in text else self.key_lines - 1
-            return encode_payload({k: KEY_START if isinstance(v, str) else v
-                                   for k, v in payload.items()}, audit.max_output_bytes,
-                                  audit.max_payload_bytes)
+        if self.key_lines:  # inside a private key: its body's lines go, up to its END line
+            text, ended = audit.redactor.key_body(text)
+            if not ended:
+                self.key_lines -= 1
+                return text
+            self.key_lines = 0
         if KEY_START in text:
             self.key_lines = _KEY_LINES
         return text
@@ -205,7 +207,13 @@ class DuckDBRecorder:
                                  "error": stats.error})
         self._add("run_end", status, text, stats.runtime_seconds * 1000, None, force=True)
         cap = self.audit.max_output_bytes
-        redact = self.audit.redactor.text
+        redactor = self.audit.redactor
+        inside = self.key_lines > 0  # the run ended inside a private key: its lines may be here
+
+        def redact(text: str) -> str:
+            text = redactor.text(text)
+            return redactor.key_body(text)[0] if inside else text
+
         output, truncated = (None, False) if stats.output is None else tail(
             redact(to_text(stats.output)), cap)
         error = None if stats.error is None else tail(redact(stats.error), cap)[0]

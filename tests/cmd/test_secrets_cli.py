@@ -319,3 +319,83 @@ class TestResume:
         assert "cannot resume: its agent.path held a secret" in refused.stderr
         assert run_id not in kernel(kernel_exe, env, "recover", "--list", "--json").stdout
         assert os.path.isdir(sub)
+
+
+_KEY_BODY = ["MIIEvQIBADANBgkqhkiG9w0BAQEFAASCBKcwggSjAgEAAoIBAQC7KeyLine1",
+             "QWERTYLEAKKEYBODYLINETWO0123456789abcdefABCDEF+/KeyLine2==",
+             "ZmFrZUtleUJvZHlMaW5lVGhyZWUxMjM0NTY3ODkwYWJjZGVmZ2hpamtsbW5v"]
+_KEY = ("-----BEGIN PRIVATE KEY-----\n" + "\n".join(_KEY_BODY)
+        + "\n-----END PRIVATE KEY-----\n")
+
+
+class TestAttackCorpus:
+    """The shapes an adversarial review found stored in clear, through the real CLI."""
+
+    def test_cut_prefixed_escaped_and_argument_secrets_are_not_stored(
+            self, kernel_exe: str, cli_env: dict[str, str], tmp_path: Path) -> None:
+        env = dict(cli_env, DB_PASS="EnvDbPassValue77", MYSQL_PWD="MysqlPwdValue55")
+        db = Path(env["KERNEL_DB"])
+        (tmp_path / "key.pem").write_text(_KEY)
+        (tmp_path / "sa.json").write_text(json.dumps(
+            {"type": "service_account", "private_key": _KEY}, indent=1))
+        (tmp_path / "ssh").mkdir()
+        (tmp_path / "ssh" / "id_ed25519").write_text(_KEY)
+        token_body = "CutTokenBody0123456789abcdefXYZ"
+        jwt = ("eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiJKd3RTdWJqZWN0OTkifQ."
+               "JwtSignatureBody1234567890abcdef")
+        secrets = [token_body[3:], *(line[8:] for line in _KEY_BODY), "FlagTokenValue11",
+                   "FlagPasswordValue22", "RedisPasswordValue33", jwt[40:],
+                   "EnvDbPassValue77", "MysqlPwdValue55", "CtxDbPassValue88", "horse battery",
+                   "NameTokenValue44"]
+        runs = [
+            # A token cut by the 4 KiB stderr tail: its `ghp_` prefix is cut off.
+            ["--", "python3", "-c", f"import sys; sys.stderr.write('ghp_{token_body}\\n' + "
+                                    "'x' * 4060 + '\\n')"],
+            # A key whose BEGIN line the stderr tail cut off, followed by warnings.
+            ["--", "sh", "-c", "cat key.pem >&2; i=0; while [ $i -lt 85 ]; do "
+                               "echo \"warning: deprecated option $i in config file\" >&2; "
+                               "i=$((i+1)); done"],
+            # A key inside a JSON file; a key behind `grep -r` prefixes.
+            ["--", "cat", "sa.json"],
+            ["--", "grep", "-r", "", "ssh/"],
+            # A key's first lines on stderr, then a failure: runs.error holds a body line.
+            ["--", "sh", "-c", "head -3 key.pem >&2; exit 1"],
+            # Secrets as the argument after a flag, a URL with an empty user, a JWT, a quoted
+            # assignment, secret-named env vars and context keys.
+            ["--name", "deploy --token NameTokenValue44", "-c", "db_pass=CtxDbPassValue88",
+             "--", "sh", "-c", "echo \"$@\" $DB_PASS $MYSQL_PWD $KERNEL_CTX_DB_PASS; "
+                               "echo 'DB_PASSWORD=\"correct horse battery staple\"'",
+             "x", "--token", "FlagTokenValue11", "--password", "FlagPasswordValue22",
+             "redis://:RedisPasswordValue33@h", jwt],
+        ]
+        for args in runs:
+            proc = kernel(kernel_exe, env, "run", *args, cwd=tmp_path)
+            assert proc.returncode in (0, 1), proc.stderr
+        assert kernel(kernel_exe, env, "sync").returncode == 0
+        decoded = _db_text(db)
+        raw = (_journal_bytes(db) + db.read_bytes()).decode("latin-1")
+        assert _leaks(decoded, secrets) == []
+        assert _leaks(raw, secrets) == []
+        for kind in ("private_key", "flag", "url_credentials", "jwt", "secret", "literal",
+                     "context"):
+            assert f"[REDACTED:{kind}]" in decoded, kind
+
+    def test_a_key_header_without_its_end_keeps_the_rest_of_the_run(
+            self, kernel_exe: str, cli_env: dict[str, str]) -> None:
+        """A message naming a key's header line blanks no later line, nor the run's status."""
+        proc = kernel(kernel_exe, cli_env, "run", "--json", "--", "sh", "-c",
+                      "echo 'error: key file must start with -----BEGIN PRIVATE KEY-----'; "
+                      "echo building; echo 'tests passed: 42'")
+        assert proc.returncode == 0, proc.stderr
+        run_id = json.loads(proc.stdout)["run_id"]
+        rows = kernel(kernel_exe, cli_env, "query", "--format", "json",
+                      f"SELECT kind, payload FROM events WHERE run_id = '{run_id}' "
+                      "AND kind IN ('output', 'run_end') ORDER BY seq").stdout.splitlines()
+        stored = [(r["kind"], json.loads(r["payload"])) for r in map(json.loads, rows)]
+        assert [p.get("line") for k, p in stored if k == "output"] == [
+            "error: key file must start with [REDACTED:private_key_start]", "building",
+            "tests passed: 42"]
+        assert [p["status"] for k, p in stored if k == "run_end"] == ["ok"]
+        output = kernel(kernel_exe, cli_env, "query", "--format", "csv",
+                        f"SELECT output FROM runs WHERE run_id = '{run_id}'").stdout
+        assert "building" in output and "tests passed: 42" in output
