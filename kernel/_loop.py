@@ -209,14 +209,14 @@ class Kernel:
 class _Run:
     """The state of one run while `Kernel.run` executes it."""
 
-    __slots__ = ("agent", "artifacts", "audit", "backstop", "budget", "can",
-                 "capped", "caps", "checkpointer", "child_tool_calls", "child_usage", "critic",
-                 "ctx", "delivery", "error", "exit_code", "failures", "finalizing", "handle",
-                 "hooks", "immediate", "in_step", "info", "k", "last_save_steps",
-                 "last_save_time", "limits", "next_look", "now", "nursery", "on_steer", "output",
-                 "pending_steer", "reason", "recorder", "resume", "scope", "settled", "started",
-                 "status", "steering", "steps", "tb", "tick", "tick_offset", "tool_calls", "tools",
-                 "usage", "watch_entry")
+    __slots__ = ("agent", "artifacts", "audit", "backstop", "budget", "can", "capped", "caps",
+                 "checkpointer", "child_tool_calls", "child_usage", "critic", "ctx", "delivery",
+                 "error", "exit_code", "failures", "finalizing", "first_deadline", "handle",
+                 "hooks", "immediate", "in_step", "info", "k", "last_save_steps", "last_save_time",
+                 "limits", "next_look", "now", "nursery", "on_steer", "output", "pending_steer",
+                 "reason", "recorder", "resume", "scope", "settled", "started", "status",
+                 "steering", "steps", "tb", "tick", "tick_offset", "tool_calls", "tools", "usage",
+                 "watch_entry")
 
     def __init__(self, kernel: Kernel, agent: Agent, info: RunInfo, limits: Limits,
                  resume: Checkpoint | None) -> None:
@@ -269,6 +269,7 @@ class _Run:
         # Kept by the kernel's watcher (`_watch.Watched`).
         self.watch_entry: list[Any] | None = None
         self.immediate = 0  # looks in a row the handle asked for at once
+        self.first_deadline: float | None = None  # the critic's deadline at its first look
         self.next_look: Any = None  # the handle's `next_look`, if it has one
         self.on_steer: Any = None  # the agent's `on_steer`, when a critic may nudge mid-step
         self.steering = False  # a mid-step nudge is being delivered
@@ -894,7 +895,8 @@ class _Run:
         Order: `deadline()` first (a critic may judge and extend there), then
         `kill_cause()`, then, during a step, `steer()` for agents that take
         nudges mid-step. A kill cause or a passed deadline cancels the scope
-        and ends the watching (None).
+        and ends the watching (None); so does a passed backstop (trio has
+        cancelled the scope: the run is on its way out).
         """
         handle = self.handle
         if handle is None:
@@ -912,11 +914,17 @@ class _Run:
             self._end(Status.KILLED, reason=str(cause), error=f"killed by the critic: {cause}")
             scope.cancel()
             return None
+        if self.first_deadline is None:
+            self.first_deadline = dl
         if dl is not None and now >= dl and dl < self.backstop:
-            self._end(Status.TIMEOUT, reason=(
-                f"deadline expired after {now - self.started:.1f}s "
-                "(the critic did not extend it)"))
+            self._end(Status.TIMEOUT, reason=self.deadline_reason(dl))
             scope.cancel()
+            return None
+        if now >= self.backstop:
+            # The hard deadline has passed: trio has cancelled the run's scope, and the
+            # run is unwinding (a command that ignores SIGTERM gets its grace before
+            # SIGKILL). No look can change that, and a deadline already passed must not
+            # be looked at again "at once" (that was a busy loop for the whole grace).
             return None
         if self.on_steer is not None and self.in_step and not self.steering:
             self.steer_mid_step(handle)
@@ -932,16 +940,30 @@ class _Run:
                 self.critic_failed("next_look", exc)
                 return None
             wake = math.inf if nl is None else nl
-            if wake <= now:
-                # Asked to look again at once: allowed a few times in a row (a
-                # rounding hair before a clock rule), then it waits a poll.
-                self.immediate += 1
-                wake = now + (1e-6 if self.immediate <= 3 else self.limits.poll_interval)
-            else:
-                self.immediate = 0
-        if dl is not None:
-            wake = min(wake, max(dl, now))
+        if dl is not None and dl < wake:
+            wake = dl  # (after the checks above, a deadline still here is in the future)
+        if wake <= now:
+            # Asked to look again at once: allowed a few times in a row (a rounding
+            # hair before a clock rule), then it waits a poll.
+            self.immediate += 1
+            wake = now + (1e-6 if self.immediate <= 3 else self.limits.poll_interval)
+        else:
+            self.immediate = 0
         return wake
+
+    def deadline_reason(self, dl: float) -> str:
+        """Why the run ends `timeout` at the critic's deadline `dl` (before the backstop).
+
+        Only what the kernel saw: when the deadline fell, and whether it was
+        the one the critic first gave (a critic says why it stopped extending
+        in its own audit events).
+        """
+        first = self.first_deadline
+        at = f"the critic's deadline passed at {dl - self.started:.1f}s"
+        if first is None or dl <= first:
+            return f"{at} (the critic did not extend it)"
+        return (f"{at} (the critic had extended it from {first - self.started:.1f}s, "
+                "then let it stand)")
 
     def watch_failed(self, exc: Exception) -> None:
         """A look raised (a bug of ours or the critic's): drop the critic for this run."""

@@ -71,7 +71,8 @@ class CriticPolicy:
         io_busy: The same for bytes read and written per second (files,
             pipes, sockets through read/write calls).
         sample_interval: Seconds between process samples (the sampler may
-            space them further to stay within its CPU budget).
+            space them further to stay within its CPU budget, but never
+            further than a third of `idle_timeout`, which may be shorter).
     """
 
     soft_timeout: float | None = 600.0

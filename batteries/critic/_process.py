@@ -203,6 +203,9 @@ def _tree(root: int) -> list[int]:
 
 Sink = Callable[[Process], None]
 
+#: The sampler never samples more often than this (seconds), whatever `max_interval`.
+_MIN_PAUSE = 0.05
+
 
 class _Tree:
     """What the sampler remembers about one registered root."""
@@ -251,9 +254,10 @@ class ProcessSampler:
         io_busy: Bytes per second read+written above which a tree is working.
         budget: The most of one core the sampler may use; with many trees
             it spaces samples out to stay under it...
-        max_interval: ...but never further apart than this (the critic passes
-            a third of its idle timeout, so a working tree is always seen
-            working well within it, at the cost of the budget).
+        max_interval: ...but never further apart than this, even if it is
+            shorter than `interval` (the critic passes a third of its idle
+            timeout, so a working tree is always seen working well within it,
+            at the cost of the budget); never closer than 0.05 s.
     """
 
     def __init__(self, probe: ProcessProbe | None = None, *, interval: float = 1.0,
@@ -267,6 +271,8 @@ class ProcessSampler:
         self.max_interval = max_interval
         self._trees: dict[int, list[_Tree]] = {}
         self._running_in: object | None = None  # the trio token of the running task
+        self._fresh: list[int] = []  # roots registered since the last round
+        self._kick: trio.Event | None = None  # set to wake the task for fresh roots
         self.samples = 0  # sampling rounds done (for the bench and tests)
         self.cost_s = 0.0  # thread CPU seconds spent probing
 
@@ -284,6 +290,12 @@ class ProcessSampler:
         if self._running_in is not token:
             self._running_in = token
             trio.lowlevel.spawn_system_task(self._run, token, name="critic process sampler")
+        else:
+            # Its first reading (the baseline) now, not at the next round: a tree that
+            # joins mid-round would otherwise be first seen working up to a round later.
+            self._fresh.append(root)
+            if self._kick is not None:
+                self._kick.set()
 
     def unregister(self, root: int, sink: Sink) -> None:
         """Stop sampling `root` for `sink`."""
@@ -302,28 +314,49 @@ class ProcessSampler:
     async def _run(self, token: object) -> None:
         try:
             while self._trees and self._running_in is token:
-                roots = list(self._trees)
-                probe = self.probe
-                if probe.threaded:
-                    readings, cost = await trio.to_thread.run_sync(
-                        self._read, probe, roots, abandon_on_cancel=True)
-                else:
-                    readings, cost = self._read(probe, roots)
-                self.cost_s += cost
-                self.samples += 1
-                self._deliver(readings)
-                # Space samples out so probing stays under `budget` of one core.
+                self._fresh.clear()
+                cost = await self._round(list(self._trees), fresh=False)
+                # Space samples out so probing stays under `budget` of one core, but
+                # never past `max_interval`, even when that is shorter than `interval`:
+                # a tree's work is credited a sample late (and its first interval not at
+                # all), so samples a second apart under a 2 s idle timeout reported a
+                # busy shell loop working only after the idle clock had run out (a
+                # `stalled` nudge, then "recovered" at the next look, nothing changed).
                 pause = max(self.interval, cost / self.budget if self.budget > 0 else 0.0)
                 if self.max_interval is not None:
-                    pause = min(pause, max(self.interval, self.max_interval))
-                await trio.sleep(pause)
+                    pause = min(pause, max(self.max_interval, _MIN_PAUSE))
+                until = trio.current_time() + pause
+                while trio.current_time() < until and self._running_in is token:
+                    kick = self._kick = trio.Event()
+                    with trio.move_on_at(until):
+                        await kick.wait()
+                    self._kick = None
+                    fresh = [r for r in dict.fromkeys(self._fresh) if r in self._trees]
+                    self._fresh.clear()
+                    if fresh:
+                        await self._round(fresh, fresh=True)
         except trio.Cancelled:
             raise
         except Exception:
             _log.exception("process sampler failed")
         finally:
+            self._kick = None
             if self._running_in is token:
                 self._running_in = None
+
+    async def _round(self, roots: list[int], *, fresh: bool) -> float:
+        """Read `roots` (off the trio thread if the probe is threaded) and hand out the
+        figures; `fresh`: only to trees not read yet. Returns the probe's CPU cost."""
+        probe = self.probe
+        if probe.threaded:
+            readings, cost = await trio.to_thread.run_sync(
+                self._read, probe, roots, abandon_on_cancel=True)
+        else:
+            readings, cost = self._read(probe, roots)
+        self.cost_s += cost
+        self.samples += 1
+        self._deliver(readings, fresh=fresh)
+        return cost
 
     def _read(self, probe: ProcessProbe, roots: Sequence[int]
               ) -> tuple[dict[int, tuple[TreeSample | None, tuple[str, ...]]], float]:
@@ -346,10 +379,13 @@ class ProcessSampler:
             return False
         return sample.cpu_s - tree.cpu > 0 or sample.io_bytes - tree.io > 0
 
-    def _deliver(self, readings: dict[int, tuple[TreeSample | None, tuple[str, ...]]]) -> None:
+    def _deliver(self, readings: dict[int, tuple[TreeSample | None, tuple[str, ...]]], *,
+                 fresh: bool = False) -> None:
         now = trio.current_time()
         for root, (sample, waits) in readings.items():
             for tree in list(self._trees.get(root, ())):
+                if fresh and tree.t is not None:
+                    continue  # (read at its round, on the round's rhythm)
                 figures = self._update(tree, sample, waits, now)
                 if sample is None:
                     self.unregister(root, tree.sink)
