@@ -143,7 +143,10 @@ class JournalAudit:
         still buffered is written (shielded; bounded by the lock timeout).
 
         Raises:
-            ConfigError: An environment variable holds a bad value.
+            ConfigError: An environment variable holds a bad value, or `path`
+                cannot be the analysts' file (`resolve_db_path`: a directory, a
+                path ending in a slash, a file that is not a DuckDB database
+                with no journal beside it), checked before anything is recorded.
         """
         from batteries.store import Journal
 

@@ -134,6 +134,9 @@ def sync(db: str | Path, *, lock_timeout: float | None = None) -> SyncReport:
         AuditError: Neither exists, one of them cannot be read or written
             (`AuditBusyError` if the DuckDB file stayed locked past the lock
             timeout), or the file is fed from another store.
+        ConfigError: `db` is a directory or a file that is not a DuckDB
+            database (empty, or anything else): the message says how the
+            analysts' file is rebuilt from the store.
     """
     from batteries.store import StoreError, open_store
 
@@ -142,6 +145,7 @@ def sync(db: str | Path, *, lock_timeout: float | None = None) -> SyncReport:
     store = Store(db) if lock_timeout is None else Store(db, lock_timeout=lock_timeout)
     journal = open_store(store.path, lock_timeout=lock_timeout)
     source: str | None = getattr(journal, "source", None)
+    _check_file(store, journal, source)
     if not journal.exists():
         if not store.path.exists():
             raise AuditError(f"no audit database at {store.path}" if source is None
@@ -169,6 +173,34 @@ def sync(db: str | Path, *, lock_timeout: float | None = None) -> SyncReport:
         journal.close()
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _check_file(store: Store, journal: Any, source: str | None) -> None:
+    """Refuse an analysts' file that is not a DuckDB database, saying how to get one back.
+
+    Everything in the file comes from the store (a file from before the
+    journal aside, whose runs exist nowhere else; such a file is a DuckDB
+    database), so a file that is not one is rebuilt whole by moving it away
+    and syncing again. It is never removed here: it may be something else
+    the path was pointed at by mistake.
+    """
+    from kernel import ConfigError
+
+    from .paths import not_duckdb
+
+    if store.path.is_dir():
+        raise ConfigError(f"audit database {store.path} is a directory: give a file, "
+                          f"e.g. {store.path / 'kernel.duckdb'}")
+    problem = not_duckdb(store.path)
+    if problem is None:
+        return
+    feed = f"the journal {journal.path}" if source is None else f"store {source}"
+    if not journal.exists():
+        raise ConfigError(f"audit database {store.path} is not usable: {problem} (and there "
+                          f"is no {feed} to rebuild it from); give another path, or move the "
+                          "file away")
+    raise ConfigError(f"audit database {store.path} is not usable: {problem}; the analysts' "
+                      f"file is rebuilt from {feed}: move it away, then run `kernel sync`")
 
 
 def _fed_from(store: Store) -> str | None:

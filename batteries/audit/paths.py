@@ -19,14 +19,85 @@ def default_db_path() -> Path:
 def resolve_db_path(explicit: str | os.PathLike[str] | None = None) -> Path:
     """The database file to use: `explicit` if given, else `$KERNEL_DB`, else the default.
 
-    `~` is expanded; the path is not required to exist.
+    `~` is expanded; the path is not required to exist, but it must be able to
+    become the analysts' file (`check_db_path`). Every store beside a file
+    resolves it here (`batteries.store.open_store`, so `Journal`,
+    `JournalAudit.open` and `batteries.runner.open_ports` too): a bad path is
+    refused before any run starts, never found out when its audit is dropped.
+
+    Raises:
+        ConfigError: The path ends with a slash, is a directory or another
+            non-file, or is a file that is not a DuckDB database while no
+            journal exists beside it (the journal would be created by importing it).
     """
     if explicit is not None and str(explicit):
-        return Path(explicit).expanduser()
+        return check_db_path(explicit)
     env = os.environ.get(DB_ENV, "")
     if env:
-        return Path(env).expanduser()
-    return default_db_path()
+        return check_db_path(env, source=f"${DB_ENV}")
+    return check_db_path(default_db_path())
+
+
+#: Bytes 8-11 of every DuckDB database file (after the header block's checksum).
+DUCKDB_MAGIC = b"DUCK"
+
+
+def not_duckdb(path: str | os.PathLike[str]) -> str | None:
+    """Why the existing file `path` is not a DuckDB database (None: it is one, or is absent).
+
+    Reads the first 12 bytes only. An empty file is not a database: DuckDB
+    refuses to open one, and the kernel never replaces a file it did not make.
+    """
+    if not os.path.lexists(path):
+        return None  # nothing there (or no way there: that is the directory's problem)
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(12)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except IsADirectoryError:
+        return "it is a directory"
+    except OSError as exc:
+        return f"it cannot be read: {exc.strerror or exc}"
+    if not head:
+        return "it is empty (0 bytes)"
+    if head[8:12] != DUCKDB_MAGIC:
+        return "it is not a DuckDB database file"
+    return None
+
+
+def check_db_path(raw: str | os.PathLike[str], *, source: str | None = None,
+                  content: bool = True) -> Path:
+    """`raw` as the analysts' file's path, if it can be one (see `resolve_db_path`).
+
+    `source` names where `raw` came from (`$KERNEL_DB`) in the error. Without
+    `content` only the path's shape is checked, not what an existing file
+    holds (with a shared server as the store, no journal is made from it).
+
+    Raises:
+        ConfigError: As `resolve_db_path` says.
+    """
+    from kernel import ConfigError
+
+    text = os.fspath(raw)
+    where = f" ({source})" if source else ""
+    path = Path(text).expanduser()
+    if text.endswith(("/", os.sep)):
+        raise ConfigError(f"audit database {text!r}{where} ends with a slash: give a file, "
+                          f"e.g. {path / 'kernel.duckdb'}")
+    if path.is_dir():
+        raise ConfigError(f"audit database {path}{where} is a directory: give a file, "
+                          f"e.g. {path / 'kernel.duckdb'}")
+    if path.exists() and not path.is_file():
+        raise ConfigError(f"audit database {path}{where} is not a regular file")
+    from batteries.store.paths import journal_path
+
+    problem = not_duckdb(path) if content else None
+    if content and problem is not None and not journal_path(path).exists():
+        raise ConfigError(f"audit database {path}{where} is not usable: {problem} (and no "
+                          "journal exists beside it to record into); give another path, or "
+                          "move the file away")
+    return path
 
 
 # ------------------------------------------------------------ private files

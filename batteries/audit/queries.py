@@ -16,14 +16,15 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kernel import ConfigError, Status
 
-from ._schema import TABLES
+from ._schema import TABLES, migrate
 from .paths import make_private_dir, make_private_file
 
 if TYPE_CHECKING:
@@ -57,6 +58,41 @@ def dicts(cur: duckdb.DuckDBPyConnection, sql: str,
     """Run `sql` and return one dict per row."""
     names, data = rows(cur, sql, params)
     return [dict(zip(names, r, strict=True)) for r in data]
+
+
+@contextmanager
+def empty_reader(*, sealed: bool = False) -> Iterator[duckdb.DuckDBPyConnection]:
+    """A read-only session on an empty analysts' database: every table and view, no rows.
+
+    What the analysts' commands read when nothing was ever recorded (no
+    analysts' file, no journal): a query runs (`select count(*) from runs` is
+    0), an export writes empty tables. The database is made in a private
+    temporary directory, attached READ_ONLY like the real file (so a write
+    is refused the same way) and removed afterwards: reading creates no file
+    where the audit lives. `sealed`: as `Store.session`.
+    """
+    from ._store import _seal, _sealed_cursor
+
+    with tempfile.TemporaryDirectory(prefix=".kernel-empty-") as tmp:
+        path = "'" + str(Path(tmp) / "empty.duckdb").replace("'", "''") + "'"
+        cur = _sealed_cursor()  # an instance of its own: nothing attached, nothing shared
+        try:
+            cur.execute(f"ATTACH {path} AS {_EMPTY}")
+            cur.execute(f"USE {_EMPTY}")
+            migrate(cur)
+            cur.execute("USE memory")
+            cur.execute(f"DETACH {_EMPTY}")
+            cur.execute(f"ATTACH {path} AS {_EMPTY} (READ_ONLY)")
+            cur.execute(f"USE {_EMPTY}")
+            if sealed:
+                _seal(cur)
+            yield cur
+        finally:
+            cur.close()
+
+
+#: The alias `empty_reader` attaches its empty database as.
+_EMPTY = "kaudit_empty"
 
 
 # ------------------------------------------------------------------- runs
@@ -391,7 +427,21 @@ def read_only_query(cur: duckdb.DuckDBPyConnection,
     try:
         return rows(cur, sql)
     except duckdb.Error as exc:
-        raise ConfigError(f"query failed: {_first_line(exc)}") from exc
+        text = _first_line(exc)
+        if "read-only mode" in text:  # a write inside a SELECT (a CTE's DELETE ... RETURNING)
+            found = _WRITES.search(sql)
+            verb = found.group(1).upper() if found else "writing"
+            raise ConfigError(f"query is read-only: {verb} statements are refused") from exc
+        # The session's own name for the audit file means nothing to the analyst.
+        raise ConfigError(f"query failed: {_ALIAS.sub('the audit database', text)}") from exc
+
+
+#: The first writing keyword of a statement DuckDB refused for writing the read-only audit.
+_WRITES = re.compile(r"\b(INSERT|UPDATE|DELETE|MERGE|CREATE|DROP|ALTER|TRUNCATE|COPY)\b",
+                     re.IGNORECASE)
+#: The alias a session attaches the audit file as (`Store`: `kaudit_` and 16 hex digits;
+#: `empty_reader`: `kaudit_empty`).
+_ALIAS = re.compile(r'"?kaudit_(?:[0-9a-f]{16}|empty)"?')
 
 
 def _first_line(exc: BaseException) -> str:
@@ -402,8 +452,14 @@ def _first_line(exc: BaseException) -> str:
 # ------------------------------------------------------- purge and export
 
 
-def purge(cur: duckdb.DuckDBPyConnection, days: float) -> tuple[int, int]:
-    """Delete runs that ended (or, never ended, started) more than `days` ago, with their events.
+def purge(cur: duckdb.DuckDBPyConnection, days: float, *,
+          now: datetime | None = None) -> tuple[int, int]:
+    """Delete runs that ended more than `days` ago (before `now`), with their events.
+
+    The predicate is the journal's (`RunStore.purge`): only ended runs go. A
+    run still running (no `ended_at`) is kept whatever its age: the sync
+    copies each event once, so an event deleted here while its run is live
+    would never come back, and the run's timeline would start in the middle.
 
     Returns:
         (runs deleted, events deleted).
@@ -413,13 +469,13 @@ def purge(cur: duckdb.DuckDBPyConnection, days: float) -> tuple[int, int]:
     """
     if not days >= 0:
         raise ConfigError(f"--days must be >= 0, got {days:g}")
-    at = datetime.now(UTC) - timedelta(days=days)
-    old = "SELECT run_id FROM runs WHERE coalesce(ended_at, started_at) < ?"
+    at = (now or datetime.now(UTC)) - timedelta(days=days)
+    ended = "ended_at IS NOT NULL AND ended_at < ?"
     cur.execute("BEGIN TRANSACTION")
     try:
-        ev = cur.execute(f"DELETE FROM events WHERE run_id IN ({old})", [at]).fetchall()
-        rn = cur.execute("DELETE FROM runs WHERE coalesce(ended_at, started_at) < ?",
-                         [at]).fetchall()
+        ev = cur.execute(f"DELETE FROM events WHERE run_id IN (SELECT run_id FROM runs "
+                         f"WHERE {ended})", [at]).fetchall()
+        rn = cur.execute(f"DELETE FROM runs WHERE {ended}", [at]).fetchall()
         cur.execute("COMMIT")
     except BaseException:
         cur.execute("ROLLBACK")

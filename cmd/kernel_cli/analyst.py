@@ -10,10 +10,15 @@ imported inside the commands, so `kernel --help` stays light.
 
 Exit codes: 0 on success; 2 for bad input (a malformed `--since`, an unknown
 or ambiguous run id, a write statement given to `query`, a database that
-opens but is damaged inside, ...); 1 when the database cannot be opened
-(not an audit database, locked too long). No database at all is a fresh
-install: `runs`, `stats` and `query` say "no runs yet" and exit 0.
-Either way the error is one line on stderr.
+opens but is damaged inside, a `--db` that is a directory or a file that is
+not a DuckDB database, ...); 1 when the database cannot be opened (not an
+audit database, locked too long). No database at all is a fresh install,
+an empty store and a normal state: `runs` and `stats` say "no runs yet",
+`query` runs on the empty tables, `purge`, `sync` and `export` do nothing
+(export writes empty tables), `report` writes an empty page, all exit 0;
+`show` has nothing to show (exit 2, as for an unknown run id).
+Either way the error is one line on stderr. Human-readable output shows
+recorded control characters escaped (`output.visible`).
 """
 
 from __future__ import annotations
@@ -66,7 +71,8 @@ def runs(
     limit: int = typer.Option(20, "--limit", metavar="N", parser=numbers.count(minimum=1),
                               help="At most N runs."),
     ids_only: bool = typer.Option(
-        False, "--quiet", "-q", help="Print only the runs' short ids, one a line."),
+        False, "--quiet", "-q", help="Print only the runs' short ids, one a line (not with "
+                                     "--json or --format)."),
     json_out: bool = output.json_option(),
     fmt: str | None = output.format_option(),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
@@ -75,6 +81,9 @@ def runs(
     """List recent runs, newest first (RUN is the short id `kernel show` takes)."""
     from batteries.audit import queries
 
+    if ids_only and (json_out or fmt is not None):
+        _fail(f"-q/--quiet prints short ids only: give it or "
+              f"{'--json' if json_out else '--format ' + str(fmt)}, not both", 2)
     fmt = output.pick(fmt, json_out)
     if status is not None and status not in queries.STATUS_CHOICES:
         _fail(f"--status must be one of {', '.join(queries.STATUS_CHOICES)}, got {status!r}", 2)
@@ -109,7 +118,8 @@ def show(
     kind: list[str] | None = typer.Option(
         None, "--kind", metavar="KIND",
         help="Only events of this kind (repeatable, or comma-separated: "
-             "--kind tool_end,critic)."),
+             "--kind tool_end,critic). Adapters log kinds of their own, so any name is "
+             "taken; a note on stderr names the run's kinds when one matched nothing."),
     limit: int = typer.Option(
         200, "--limit", metavar="N", parser=numbers.count(),
         help="At most N rows, the first ones (0 = all); a note says how many were left "
@@ -158,6 +168,14 @@ def show(
     run.update(_totals(run, events))
     kinds = {k.strip() for spec in kind or [] for k in spec.split(",") if k.strip()}
     if kinds:
+        # Kinds are an open set (adapters log their own), so an unknown one is not an
+        # error; one that matched nothing gets a note naming the kinds the run has.
+        present = {e["kind"] for e in events}
+        unmatched = sorted(kinds - present)
+        if unmatched:
+            print(f"kernel show: note: no {', '.join(map(repr, unmatched))} event in run "
+                  f"{short_id(run['run_id'])} (its kinds: {', '.join(sorted(present))})",
+                  file=sys.stderr)
         events = [e for e in events if e["kind"] in kinds]
     if json_out:
         if limit:
@@ -194,7 +212,8 @@ def show(
         [(e["seq"], f"{e['offset_ms']:.0f}", e["kind"], _cell(e["name"]),
           _ms(e["duration_ms"]), e["summary"]) for e in rows],
         right=(0, 1, 4))
-    text = "\n".join(lines) + "\n\n" + table
+    # Recorded data may hold terminal control sequences: shown escaped, never acted on.
+    text = "\n".join(output.visible(line, layout=False) for line in lines) + "\n\n" + table
     if total > len(rows):
         text += (f"\n({total - len(rows)} more row(s) not shown: --limit 0 shows all, "
                  f"--kind picks some)")
@@ -350,7 +369,10 @@ def query(
     Only SELECT (or EXPLAIN [ANALYZE] of one) is accepted, and it runs in a
     DuckDB session that can neither write nor read any file but the audit:
     COPY, EXPORT, ATTACH, INSTALL/LOAD, SET, read_csv('/etc/...') all fail
-    with one line and exit 2.
+    with one line and exit 2, and so does a write inside a SELECT (a CTE's
+    DELETE ... RETURNING). With nothing recorded yet it runs on the empty
+    tables. JSON output is strict: NaN and Infinity are null, integers keep
+    every digit (HUGEINT too); CSV keeps them as they are.
     """
     from batteries.audit import queries
 
@@ -358,11 +380,12 @@ def query(
     with _errors():
         # Refuse a write before touching the database at all.
         queries.check_read_only(sql)
-        if _nothing_yet(db, quiet=False, stream=sys.stderr):
-            return
         # A sealed session: the audit attached read-only in an instance that
         # can open no file, so no statement can write (or read) anything else.
-        with _store(db).reader(sealed=True) as cur:
+        # Nothing recorded yet: the same tables, empty, in memory.
+        session = (queries.empty_reader(sealed=True) if _nothing_yet(db, quiet=True)
+                   else _store(db).reader(sealed=True))
+        with session as cur:
             names, data = queries.read_only_query(cur, sql)
     if fmt == "json":
         output.print_lines(dict(zip(_unique(names), r, strict=True)) for r in data)
@@ -376,16 +399,20 @@ def query(
 def purge(
     days: int | None = typer.Option(
         None, "--days", metavar="N", parser=numbers.days(),
-        help=f"Delete runs older than N days (default: ${RETENTION_ENV}, else "
-             f"{DEFAULT_RETENTION_DAYS})."),
+        help=f"Delete runs that ended more than N days ago (default: ${RETENTION_ENV}, else "
+             f"{DEFAULT_RETENTION_DAYS}); runs still running are kept, whatever their age."),
     json_out: bool = output.json_option(
         'Print {"runs": N, "events": N, "days": N} as one JSON document (one line).'),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
     shared_store: str | None = STORE_OPTION,
 ) -> None:
-    """Delete runs (and their events) that ended more than N days ago, from both files."""
-    import time
+    """Delete runs (and their events) that ended more than N days ago, from both files.
 
+    Only ended runs are deleted, in the journal and in the analysts' file
+    alike: a run still running keeps every event, however long ago it
+    started (`--days 0` deletes every ended run). Nothing recorded yet is
+    nothing to purge (exit 0).
+    """
     from batteries.audit import queries, resolve_db_path
     from batteries.store import open_store
 
@@ -393,12 +420,14 @@ def purge(
         keep = _retention_days() if days is None else days
         store = _store(db)
         journal = open_store(resolve_db_path(db))
-        if not store.path.exists() and not journal.exists():
-            raise _audit_error(f"no audit database at {store.path}")
-        _sync(db)
-        journal.purge(time.time_ns() // 1000 - int(keep * 86400 * 1e6))
-        with store.session(write=True) as cur:
-            n_runs, n_events = queries.purge(cur, keep)
+        n_runs = n_events = 0
+        if store.path.exists() or journal.exists():
+            _sync(db)
+            # One instant for both files, so both delete the same runs.
+            now = datetime.now(UTC)
+            journal.purge(int(now.timestamp() * 1_000_000) - int(keep * 86400 * 1_000_000))
+            with store.session(write=True) as cur:
+                n_runs, n_events = queries.purge(cur, keep, now=now)
     if json_out:
         output.print_doc({"runs": n_runs, "events": n_events, "days": keep})
         return
@@ -436,8 +465,12 @@ def export(
         _fail("--run and --since go with --otlp", 2)
     if directory is None:
         _fail("missing DIR (or --otlp URL)", 2)
-    with _errors(), _reader(db) as cur:
-        written = queries.export(cur, directory)
+    if not directory.strip():
+        _fail("DIR must not be empty (give . for the current directory)", 2)
+    with _errors():
+        session = queries.empty_reader() if _nothing_yet(db, quiet=True) else _reader(db)
+        with session as cur:
+            written = queries.export(cur, directory)
     for path in written:
         print(output.dumps({"path": str(path)}) if json_out else path)
 
@@ -451,8 +484,11 @@ def sync(
 ) -> None:
     """Bring the analysts' DuckDB file up to date from the journal (every analyst command
     does this first; run it before opening the file in another tool)."""
+    from batteries.audit import SyncReport
+
     with _errors():
-        report = _sync(db)
+        # Nothing recorded yet is nothing to copy: an empty report, no file created.
+        report = SyncReport() if _nothing_yet(db, quiet=True) else _sync(db)
     if json_out:
         output.print_doc(report)
         return
@@ -495,10 +531,10 @@ def report(
     start, end = now - (since or timedelta(hours=24)), now - (until or timedelta(0))
     if end <= start:
         _fail("--until must be more recent than --since (a smaller AGE)", 2)
-    if _nothing_yet(db, quiet=True):
-        _fail(f"no runs yet (no audit database at {_db_path(db)})", 2)
     batch_id = None
-    with _errors(), _reader(db) as cur:
+    # Nothing recorded yet: an empty range (or no such batch), as in an empty store.
+    with _errors(), (queries.empty_reader() if _nothing_yet(db, quiet=True)
+                     else _reader(db)) as cur:
         if batch is None:
             found, total = queries.runs_between(cur, start, end, limit=limit)
         else:
@@ -647,7 +683,7 @@ def _errors() -> Iterator[None]:
 def _fail(message: str, code: int) -> NoReturn:
     from .dberrors import error_prefix
 
-    print(f"{error_prefix()} {_one_line(message)}", file=sys.stderr)
+    print(f"{error_prefix()} {output.visible(_one_line(message))}", file=sys.stderr)
     raise typer.Exit(code)
 
 

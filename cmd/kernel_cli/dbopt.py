@@ -43,17 +43,47 @@ def db_help() -> str:
 DB_HELP = db_help()
 
 
-def _choose_store(value: str | None) -> str | None:
-    """`--store URL`: make it this process's store (a usage error, exit 2, if not a URL)."""
-    if value is None:
-        return None
-    if not value.strip().startswith(("postgresql://", "postgres://")):
-        raise typer.BadParameter("must be a postgresql:// URL (e.g. "
-                                 "postgresql://user@host:5432/db)")
-    from batteries.store import choose
+def _choose_store(ctx: typer.Context, value: str | None) -> str | None:
+    """`--store URL`: make it this process's store (a usage error, exit 2, if not a URL).
 
-    choose(value)
+    Then check the command's `--db` (or `$KERNEL_DB`) before the command runs
+    (`check_db`): every command that touches storage has this option, and
+    declares `--db` before it, so `--db` has been read by now unless `--store`
+    came first on the command line (then the store is a server and `--db`
+    is checked when used).
+    """
+    if value is not None:
+        if not value.strip().startswith(("postgresql://", "postgres://")):
+            raise typer.BadParameter("must be a postgresql:// URL (e.g. "
+                                     "postgresql://user@host:5432/db)")
+        from batteries.store import choose
+
+        choose(value)
+    if "db" in ctx.params and not ctx.params.get("no_audit"):
+        check_db(ctx.params["db"])
     return value
+
+
+def check_db(db: str | None) -> None:
+    """Refuse, with one line and exit 2, a `--db` / `$KERNEL_DB` that cannot be the audit
+    database (`batteries.audit.resolve_db_path`: a directory, a path ending in a slash, a
+    file that is not a DuckDB database with no journal beside it), before anything runs."""
+    import sys
+
+    from batteries.audit.paths import check_db_path, resolve_db_path
+    from batteries.store import store_url
+    from kernel import ConfigError
+
+    try:
+        if store_url() is None:
+            resolve_db_path(db)
+        else:  # a shared server: no journal is made from the file, so its shape only
+            check_db_path(db or default_path(), content=False)
+    except ConfigError as exc:
+        from .dberrors import error_prefix
+
+        print(f"{error_prefix()} {exc}", file=sys.stderr)
+        raise typer.Exit(2) from None
 
 
 STORE_HELP = ("Share runs, checkpoints, leases and budgets with a fleet through this "

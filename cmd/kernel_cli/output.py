@@ -11,11 +11,24 @@
   values as JSON text, times in ISO 8601.
 
 Times are ISO 8601 strings, decimals are numbers; nothing else is converted.
+JSON is strict (RFC 8259): a float that is not finite (NaN, +-Infinity) is
+`null`, and an integer keeps every digit (a DuckDB HUGEINT arrives as a
+whole Decimal and is printed as that integer); CSV keeps such values exact
+too (`nan`, `inf`, every digit).
+
+Human-readable output (tables, `kernel show`) prints recorded data, which
+may hold terminal control sequences (a command's output, a run's name).
+`visible` replaces every C0 and C1 control character with an escape a
+person can read (`\x1b`, `\x9b`), so nothing recorded can clear the screen,
+retitle the window or write the clipboard; `table` does it to every cell.
+JSON and CSV keep the data exact (JSON escapes the C0 characters itself).
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import date, datetime
@@ -55,11 +68,12 @@ def pick(fmt: str | None, json_out: bool) -> str:
 
 
 def jsonable(value: Any) -> Any:
-    """`json.dumps` default: ISO 8601 times, decimals as numbers, bytes as hex, else str."""
+    """`json.dumps` default: ISO 8601 times, decimals as numbers (a whole one as an exact
+    integer, a non-finite one as null), bytes as hex, else str."""
     if isinstance(value, (datetime, date)):
         return value.isoformat()
     if isinstance(value, Decimal):
-        return float(value)
+        return _decimal(value)
     if isinstance(value, bytes):
         return value.hex()
     if hasattr(value, "__dataclass_fields__"):
@@ -69,9 +83,38 @@ def jsonable(value: Any) -> Any:
     return str(value)
 
 
+def _decimal(value: Decimal) -> int | float | None:
+    if not value.is_finite():
+        return None
+    if value == value.to_integral_value():
+        return int(value)  # every digit: a HUGEINT is not rounded to a double
+    return float(value)
+
+
+def _finite(value: Any) -> Any:
+    """`value` with every non-finite float (at any depth) replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Decimal):
+        return _decimal(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    if hasattr(value, "__dataclass_fields__") and not isinstance(value, type):
+        from dataclasses import asdict
+
+        return _finite(asdict(value))
+    return value
+
+
 def dumps(value: Any) -> str:
-    """One JSON document on one line."""
-    return json.dumps(value, default=jsonable, ensure_ascii=False)
+    """One JSON document on one line, strict JSON: NaN and +-Infinity are null."""
+    try:
+        return json.dumps(value, default=jsonable, ensure_ascii=False, allow_nan=False)
+    except ValueError:  # a non-finite float somewhere: the rare case pays for a walk
+        return json.dumps(_finite(value), default=jsonable, ensure_ascii=False,
+                          allow_nan=False)
 
 
 def print_doc(value: Any) -> None:
@@ -102,8 +145,24 @@ def csv_cell(value: Any) -> Any:
     if isinstance(value, (dict, list)):
         return dumps(value)
     if isinstance(value, Decimal):
-        return float(value)
+        return str(int(value)) if value.is_finite() and value == value.to_integral_value() \
+            else format(value, "f")
     return value
+
+
+#: C0 controls (but tab and newline), DEL and C1 controls: what a terminal acts on.
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+_CONTROL_ALL = re.compile("[\x00-\x1f\x7f-\x9f]")
+
+
+def visible(text: str, *, layout: bool = True) -> str:
+    """`text` with each control character as a visible escape (`\x1b`), for a terminal.
+
+    With `layout`, tab and newline are kept (the caller's own layout uses
+    them); without, they are escaped too (a table cell is one line).
+    """
+    pattern = _CONTROL if layout else _CONTROL_ALL
+    return pattern.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 def print_records(fmt: str, records: Sequence[Mapping[str, Any]],
@@ -127,8 +186,8 @@ def print_records(fmt: str, records: Sequence[Mapping[str, Any]],
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *,
           right: Sequence[int] = ()) -> str:
     """Plain aligned columns (no box drawing), so the output pipes cleanly into grep/awk."""
-    cells = [[str(h) for h in headers]] + [["" if v is None else str(v) for v in r]
-                                          for r in rows]
+    cells = [[visible(str(h), layout=False) for h in headers]] + [
+        ["" if v is None else visible(str(v), layout=False) for v in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     last = len(headers) - 1
     lines = []

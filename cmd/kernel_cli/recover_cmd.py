@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from batteries.store import SavedRun
 
 
-from . import ids
+from . import ids, output
 from .dberrors import error_prefix, guard_database
 from .run_cmd import (
     REDACT_HELP,
@@ -107,7 +107,7 @@ def recover(
 
     try:
         rec = _recovery(db, json_out=json_out, context=context, redact=redact)
-        runs = rec.interrupted()
+        runs = _interrupted(rec)
     except (AuditError, ConfigError) as exc:
         _fail(str(exc))
     if list_only or not runs:
@@ -116,9 +116,9 @@ def recover(
                    "name": saved.spec["info"].get("name"), "steps": saved.checkpoint.steps,
                    "host": saved.host, "pid": saved.pid,
                    "updated_at": str(saved.updated_at)}
-            print(json.dumps(row) if json_out else
+            print(output.dumps(row) if json_out else
                   f"{ids.short_id(saved.run_id)}  {row['kind']:8} steps={row['steps']:<4} "
-                  f"{row['name']}")
+                  f"{output.visible(str(row['name']), layout=False)}")
         if not runs and not json_out:
             print("no interrupted runs", file=sys.stderr)
         raise typer.Exit(0)
@@ -165,7 +165,7 @@ def resume(
         want = run_id if run_id.strip().lower() == ids.LAST else ids.normalise(run_id)
         rec = _recovery(db, json_out=json_out, context=context, webhooks=webhook,
                         base_url=base_url, redact=redact)
-        waiting = rec.interrupted()
+        waiting = _interrupted(rec)
         if want == ids.LAST:  # the newest interrupted run
             matches = waiting[-1:]
             if not matches:
@@ -176,9 +176,12 @@ def resume(
             known = [r for r in rec.checkpointer.find("") if ids.matches(r.run_id, want)]
             if not known:
                 _fail(f"no run {run_id!r} with a checkpoint")
-            saved = known[-1]
-            if saved.status != "running":
-                _fail(f"run {ids.short_id(saved.run_id)} is {saved.status}; nothing to resume")
+            # Several runs: refused naming them, as `kernel show` does (never a guess).
+            full = ids.pick(run_id, [r.run_id for r in known])
+            saved = next(r for r in known if r.run_id == full)
+            status = _run_status(rec, saved)
+            if status != "running":
+                _fail(f"run {ids.short_id(saved.run_id)} ended {status}; nothing to resume")
             else:
                 _fail(f"run {ids.short_id(saved.run_id)} is still running (pid {saved.pid} on "
                       f"{saved.host})")
@@ -191,6 +194,40 @@ def resume(
         _fail(str(exc))
     assert claimed is not None  # _fail raised otherwise
     raise typer.Exit(_resume_one(rec, claimed, json_out=json_out))
+
+
+def _ended_status(rec: Recovery, run_id: str) -> str | None:
+    """The status the run's last `run_end` event recorded, or None if it never ended."""
+    ends = rec.checkpointer.store.payloads(run_id, "run_end")
+    for text in reversed(ends):
+        try:
+            doc = json.loads(text)
+        except (TypeError, ValueError):
+            continue
+        if isinstance(doc, dict) and doc.get("status"):
+            return str(doc["status"])
+    return None
+
+
+def _interrupted(rec: Recovery) -> list[SavedRun]:
+    """The runs to resume: `Recovery.interrupted`, less plain commands that ended.
+
+    A loop or agent run cancelled by a shutdown (SIGTERM) ends `cancelled` and
+    keeps its checkpoint, to be resumed. A plain command has nothing to
+    resume: if it ended with a status (a SIGTERM'd `kernel run -- CMD`), it
+    is not interrupted and is left as it ended, never marked `lost`.
+    """
+    return [r for r in rec.interrupted()
+            if not ((r.spec.get("agent") or {}).get("kind") == "command"
+                    and _ended_status(rec, r.run_id) is not None)]
+
+
+def _run_status(rec: Recovery, saved: SavedRun) -> str:
+    """The run's status in the words of `kernel runs` (not its checkpoint's)."""
+    ended = _ended_status(rec, saved.run_id)
+    if ended is not None:
+        return ended
+    return {"running": "running", "failed": "lost"}.get(saved.status, saved.status)
 
 
 #: The option that gives back each field a stored spec lost to redaction.
@@ -232,6 +269,14 @@ def _resume_one(rec: Recovery, saved: SavedRun, *, json_out: bool) -> int:
     stop_leftovers(saved.run_id, db=rec.db)
     got = rec.prepare(saved)
     if isinstance(got, Resumed):
+        if json_out:  # one document per run, as a resumed run's result
+            doc: dict[str, object] = {
+                "run_id": saved.run_id, "short_id": short, "resumed": False,
+                "status": "lost" if got.lost is not None else "running",
+                "reason": got.why, "steps": saved.checkpoint.steps}
+            if got.missing:
+                doc["give"] = give_back(got.missing)
+            output.print_doc(doc)
         return _not_resumed(got, short)
     print(f"kernel: resuming run {short} from step {saved.checkpoint.steps}", file=sys.stderr)
     result = trio.run(partial(_execute, got.spec, got.agent, resume=saved.checkpoint,
