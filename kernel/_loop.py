@@ -560,9 +560,22 @@ class _Run:
                                   None if cost is None else max(cost, 1e-12)))
 
     async def open_run(self) -> bool:
-        """The budget check, then the audit's start; True if the budget refused the run."""
+        """The audit's start, then the budget check; True if the budget refused the run.
+
+        The start first: with stores that share a journal, the run's row and
+        `run_start` then ride in the budget's reservation, durable before the
+        agent's first step (a supervisor killed in the run's first second
+        leaves the run on record), at no extra write.
+        """
         info, limits = self.info, self.limits
         refused = False
+        if self.audit is not None:
+            try:
+                rec = await self.audit.start_run(info)
+                if rec is not None:
+                    self.recorder = rec
+            except Exception as exc:
+                self.fault("audit", "start_run", exc)
         if self.budget is not None:
             try:
                 check_run = getattr(self.budget, "check_run", None)
@@ -587,14 +600,6 @@ class _Run:
                 self._end(Status.BUDGET_EXCEEDED,
                           error=f"budget check failed: {type(exc).__name__}: {exc}",
                           reason="budget check failed")
-
-        if self.audit is not None:
-            try:
-                rec = await self.audit.start_run(info)
-                if rec is not None:
-                    self.recorder = rec
-            except Exception as exc:
-                self.fault("audit", "start_run", exc)
         if self.resume is not None:
             # Saves happen after every step by default, so what runs next is
             # the step that was in flight when the process died: it runs again.
