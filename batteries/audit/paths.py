@@ -66,6 +66,30 @@ def not_duckdb(path: str | os.PathLike[str]) -> str | None:
     return None
 
 
+#: The first 16 bytes of every SQLite database file.
+SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+def not_a_journal(path: Path) -> str | None:
+    """Why the existing file `path` cannot be a journal (None: it may be one, or is absent).
+
+    Reads its header only: damage past the header is found when it is opened.
+    An empty file is a journal SQLite has not written yet.
+    """
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(16)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except IsADirectoryError:
+        return "it is a directory"
+    except OSError as exc:
+        return f"it cannot be read: {exc.strerror or exc}"
+    if head and head != SQLITE_MAGIC[:len(head)]:
+        return "it is not a SQLite file (damaged, or not a journal)"
+    return None
+
+
 def check_db_path(raw: str | os.PathLike[str], *, source: str | None = None,
                   content: bool = True) -> Path:
     """`raw` as the analysts' file's path, if it can be one (see `resolve_db_path`).
@@ -92,8 +116,12 @@ def check_db_path(raw: str | os.PathLike[str], *, source: str | None = None,
         raise ConfigError(f"audit database {path}{where} is not a regular file")
     from batteries.store.paths import journal_path
 
+    journal = journal_path(path)
+    if content and (damaged := not_a_journal(journal)) is not None:
+        raise ConfigError(f"journal {journal}{where} is not usable: {damaged}; move it away "
+                          "(a new one is started; the analysts' file keeps what was synced)")
     problem = not_duckdb(path) if content else None
-    if content and problem is not None and not journal_path(path).exists():
+    if content and problem is not None and not journal.exists():
         raise ConfigError(f"audit database {path}{where} is not usable: {problem} (and no "
                           "journal exists beside it to record into); give another path, or "
                           "move the file away")

@@ -105,9 +105,10 @@ class TestJournalUnusable:
         assert "cannot create" in result.port_failures[0].error
 
     async def test_a_corrupt_journal_refuses_the_run(self, tmp_path: Path) -> None:
-        """A journal that is not a database: the budget cannot be checked, so nothing runs."""
+        """A journal damaged past its header: the budget cannot be checked, so nothing runs.
+        (One that is not SQLite at all is refused before, `test_audit_paths.py`.)"""
         db = tmp_path / "k.duckdb"
-        journal_path(db).write_bytes(b"junk" * 4096)
+        journal_path(db).write_bytes(b"SQLite format 3\x00" + b"junk" * 4096)
         agent = ScriptedAgent([Step(output="hi", final=True)])
         async with open_ports(PortOptions(db=str(db), no_critic=True)) as p:
             result = await Kernel(p).run(agent, RunInfo(caller_id="ann"))

@@ -99,3 +99,22 @@ class TestLibraryUsers:
         with duckdb.connect(str(db), read_only=True) as con:
             assert con.execute("SELECT name FROM runs ORDER BY started_at").fetchall() == [
                 ("one",), ("two",)]
+
+
+class TestDamagedJournal:
+    def test_a_journal_that_is_not_sqlite_is_refused_before_any_run(self, tmp_path: Path) -> None:
+        """Garbage where the journal should be: one error naming it, not a run refused
+        `budget_exceeded` by a budget check that cannot read it."""
+        db = tmp_path / "k.duckdb"
+        journal_path(db).write_bytes(b"\x00garbage, not a journal" * 4)
+        with pytest.raises(ConfigError, match="is not a SQLite file"):
+            resolve_db_path(db)
+
+    def test_an_empty_or_real_journal_is_accepted(self, tmp_path: Path) -> None:
+        """An empty file (SQLite has not written it yet) and a real journal pass."""
+        db = tmp_path / "k.duckdb"
+        journal_path(db).write_bytes(b"")
+        assert resolve_db_path(db) == db
+        journal_path(db).unlink()
+        trio.run(_record, db, "real")
+        assert resolve_db_path(db) == db
