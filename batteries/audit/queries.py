@@ -16,6 +16,8 @@ import os
 import re
 import shutil
 import tempfile
+import threading
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
@@ -410,22 +412,62 @@ def _statements(sql: str) -> list[Any]:
         raise ConfigError(f"invalid SQL: {_first_line(exc)}") from exc
 
 
-def read_only_query(cur: duckdb.DuckDBPyConnection,
-                    sql: str) -> tuple[list[str], list[tuple[Any, ...]]]:
+class QueryInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped a query (DuckDB's own execution, interrupted)."""
+
+
+def read_only_query(cur: duckdb.DuckDBPyConnection, sql: str, *,
+                    timeout: float | None = None) -> tuple[list[str], list[tuple[Any, ...]]]:
     """Run one SELECT (or EXPLAIN of one) statement after `check_read_only`.
 
     Give it a cursor from `Store.reader(sealed=True)`: the check is the
-    friendly message, the sealed session the guard.
+    friendly message, the sealed session the guard. The statement runs in a
+    worker thread while this one waits, so Ctrl-C (and `timeout`, in seconds)
+    interrupts DuckDB's execution: a signal is only seen by the main thread
+    between bytecodes, never inside a long `execute`.
 
     Raises:
         ConfigError: The statement is refused, or DuckDB rejects it (writing
-            or reading a file in a sealed session, an unknown table, ...).
+            or reading a file in a sealed session, an unknown table, ...), or
+            it ran past `timeout`.
+        QueryInterrupted: Ctrl-C stopped it.
     """
     import duckdb
 
     check_read_only(sql)
+    done: list[tuple[list[str], list[tuple[Any, ...]]]] = []
+    failed: list[BaseException] = []
+    # An Event, not Thread.join: a join that Ctrl-C interrupts can leave the thread
+    # marked stopped while it still runs (CPython before 3.13), and the connection
+    # would then be closed under it.
+    finished = threading.Event()
+
+    def work() -> None:
+        try:
+            done.append(rows(cur, sql))
+        except BaseException as exc:  # handed to the waiting thread
+            failed.append(exc)
+        finally:
+            finished.set()
+
+    deadline = None if timeout is None else time.monotonic() + timeout
+    threading.Thread(target=work, name="kernel query", daemon=True).start()
     try:
-        return rows(cur, sql)
+        while not finished.is_set():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                cur.interrupt()
+                finished.wait()
+                raise ConfigError(f"query stopped after {timeout:g}s (--timeout)")
+            finished.wait(0.1 if left is None else min(0.1, left))
+    except KeyboardInterrupt:
+        cur.interrupt()
+        finished.wait()
+        raise QueryInterrupted from None
+    if done:
+        return done[0]
+    try:
+        raise failed[0]
     except duckdb.Error as exc:
         text = _first_line(exc)
         if "read-only mode" in text:  # a write inside a SELECT (a CTE's DELETE ... RETURNING)

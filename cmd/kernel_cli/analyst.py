@@ -363,6 +363,10 @@ def query(
     json_out: bool = output.json_option(),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
     shared_store: str | None = STORE_OPTION,
+    timeout: float | None = typer.Option(
+        None, "--timeout", metavar="DURATION", parser=numbers.duration(zero=False),
+        help="Stop the query after DURATION (one line, exit 2); default: no limit. "
+             "Ctrl-C stops it at any time (exit 130)."),
 ) -> None:
     """Run one read-only SQL query against the audit database.
 
@@ -386,7 +390,10 @@ def query(
         session = (queries.empty_reader(sealed=True) if _nothing_yet(db, quiet=True)
                    else _store(db).reader(sealed=True))
         with session as cur:
-            names, data = queries.read_only_query(cur, sql)
+            try:
+                names, data = queries.read_only_query(cur, sql, timeout=timeout)
+            except queries.QueryInterrupted:
+                _fail("interrupted (Ctrl-C): the query was stopped", 130)
     if fmt == "json":
         output.print_lines(dict(zip(_unique(names), r, strict=True)) for r in data)
     elif fmt == "csv":
