@@ -613,8 +613,8 @@ class _Parser:
                 self.error("states", "missing 'states' (a mapping of state name -> state)")
             return {}
         if not isinstance(data, Mapping) or not data:
-            self.error("states", "expected a non-empty mapping of state name -> state, "
-                                 f"got {_kind(data)}")
+            got = "an empty mapping" if isinstance(data, Mapping) else _kind(data)
+            self.error("states", f"expected a non-empty mapping of state name -> state, got {got}")
             return {}
         self.note_lines("states", data)
         out: dict[str, StateSpec] = {}

@@ -125,7 +125,8 @@ def validate(
         print(f"{p.severity}: {p}")
     errors, warnings = len(report.errors), len(report.warnings)
     if report.ok and report.spec is not None:
-        summary = f"{loop}: ok ({len(report.spec.states)} states, initial '{report.spec.initial}'"
+        n = len(report.spec.states)
+        summary = f"{loop}: ok ({n} state{'s' if n != 1 else ''}, initial '{report.spec.initial}'"
         summary += f", {warnings} warning{'s' if warnings != 1 else ''})" if warnings else ")"
     else:
         summary = (f"{loop}: {errors} error{'s' if errors != 1 else ''}"

@@ -49,6 +49,19 @@ class TestValidate:
         assert result.exit_code == 0, result.output
         assert result.output.strip().endswith("ok (5 states, initial 'toolchain')")
 
+    def test_one_state_and_an_empty_mapping_read_right(self, tmp_path: Path) -> None:
+        """`1 state`, not `1 states`; `states: {}` is "an empty mapping", not "a mapping"."""
+        one = tmp_path / "one.yaml"
+        one.write_text("name: x\ninitial: a\nstates:\n  a: {terminal: true}\n")
+        result = CliRunner().invoke(app, ["validate", str(one)])
+        assert result.output.strip().endswith("ok (1 state, initial 'a')"), result.output
+        empty = tmp_path / "empty.yaml"
+        empty.write_text("name: x\ninitial: a\nstates: {}\n")
+        result = CliRunner().invoke(app, ["validate", str(empty)])
+        assert result.exit_code == 2
+        assert "states: expected a non-empty mapping of state name -> state, got an empty " \
+               "mapping" in result.output
+
     def test_every_problem_is_listed_with_its_location(self, tmp_path: Path) -> None:
         """Errors and warnings each get a line with file:line and key path; exit 2."""
         path = write(tmp_path, BAD)
