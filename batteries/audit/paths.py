@@ -90,6 +90,35 @@ def not_a_journal(path: Path) -> str | None:
     return None
 
 
+#: The files whose headers this process has read (`_may_read`, where there is no /proc).
+_read_once: set[str] = set()
+
+
+def _may_read(*paths: Path) -> bool:
+    """True if the headers of `paths` may be read here: not while this process has one of
+    them open (where /proc cannot tell, only once per process, before any is opened).
+
+    SQLite and DuckDB lock their files with POSIX record locks, and closing *any*
+    descriptor of a file drops every such lock the process holds on it: opening a
+    journal to read its header while this process writes it (a batch resuming)
+    let another process write at the same time and corrupt it.
+    """
+    keys = {os.path.abspath(p) for p in paths}
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:  # no /proc: the first time only
+        fresh = not keys <= _read_once
+        _read_once.update(keys)
+        return fresh
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") in keys:
+                return False
+        except OSError:
+            continue
+    return True
+
+
 def check_db_path(raw: str | os.PathLike[str], *, source: str | None = None,
                   content: bool = True) -> Path:
     """`raw` as the analysts' file's path, if it can be one (see `resolve_db_path`).
@@ -117,6 +146,8 @@ def check_db_path(raw: str | os.PathLike[str], *, source: str | None = None,
     from batteries.store.paths import journal_path
 
     journal = journal_path(path)
+    if content and not _may_read(journal, path):
+        return path  # (this process has one open: it was checked before it was opened)
     if content and (damaged := not_a_journal(journal)) is not None:
         raise ConfigError(f"journal {journal}{where} is not usable: {damaged}; move it away "
                           "(a new one is started; the analysts' file keeps what was synced)")

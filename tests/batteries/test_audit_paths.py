@@ -118,3 +118,19 @@ class TestDamagedJournal:
         journal_path(db).unlink()
         trio.run(_record, db, "real")
         assert resolve_db_path(db) == db
+
+
+async def test_a_journal_this_process_has_open_is_not_read_again(tmp_path: Path) -> None:
+    """Reading a header opens and closes a descriptor, which drops every POSIX lock this
+    process holds on the file (SQLite's, DuckDB's): never while the file is open here. A
+    batch resuming corrupted its journal so ("database disk image is malformed")."""
+    from batteries.audit.paths import _may_read
+
+    db = tmp_path / "k.duckdb"
+    assert _may_read(journal_path(db), db)
+    async with JournalAudit.open(db) as audit:
+        rec = await audit.start_run(RunInfo(name="open"))
+        await rec.close(RunStats(Status.OK, steps=1))
+        assert not _may_read(journal_path(db), db)
+        assert resolve_db_path(db) == db  # (and resolving still works)
+    assert _may_read(journal_path(db), db)

@@ -99,11 +99,19 @@ class TestAtomicBudgets:
     def test_an_unreachable_budget_store_refuses_the_run(self, kernel_exe: str,
                                                          cli_env: dict[str, str],
                                                          tmp_path: Path) -> None:
-        """A journal that is not a database: the run is refused, exit 3, the reason on stderr."""
+        """A journal damaged past its header: the run is refused, exit 3, the reason on
+        stderr. (One that is not SQLite at all is refused before, exit 2.)"""
         journal = Path(cli_env["KERNEL_DB"] + ".journal")
-        journal.write_bytes(b"garbage" * 1000)
+        journal.write_bytes(b"SQLite format 3\x00" + b"garbage" * 1000)
         marker = tmp_path / "ran"
         proc = kernel(kernel_exe, cli_env, "run", "--", "touch", str(marker))
         assert proc.returncode == 3
         assert not marker.exists()
         assert "budget check failed" in proc.stderr and "Traceback" not in proc.stderr
+        journal.write_bytes(b"garbage" * 1000)
+        proc = kernel(kernel_exe, cli_env, "run", "--", "touch", str(marker))
+        assert proc.returncode == 2 and not marker.exists()
+        assert proc.stderr.strip().endswith("is not usable: it is not a SQLite file (damaged, "
+                                            "or not a journal); move it away (a new one is "
+                                            "started; the analysts' file keeps what was "
+                                            "synced)"), proc.stderr
