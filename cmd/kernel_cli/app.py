@@ -272,8 +272,34 @@ def _command(args: list[str]) -> Any:
     return typer.main.get_command(made)
 
 
+def _open_closed_stdio() -> None:
+    """Give a stdin, stdout or stderr that was closed (`kernel run -- CMD >&-`) /dev/null.
+
+    Python leaves `sys.stdout` None when file descriptor 1 was closed, and
+    the next file opened (the journal, a pipe to a command) would take the
+    free descriptor, to be written as stdout or read as a command's stdin.
+    /dev/null takes it instead, and every command runs as usual: what it
+    would have printed goes nowhere (a run's output is still audited), and
+    so do messages to a closed stderr.
+    """
+    import os
+
+    for fd, name, mode in ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w")):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:  # pragma: no cover - the lowest free descriptor is this one
+                os.dup2(null, fd)
+                os.close(null)
+            os.set_inheritable(fd, True)  # the command gets it, as it would get the original
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(os.devnull, mode, encoding="utf-8"))  # noqa: SIM115
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: run the app, turn usage errors into one line + exit 2."""
+    _open_closed_stdio()
     _configure_logging()
     try:
         command = _command(sys.argv[1:] if argv is None else argv)

@@ -101,8 +101,15 @@ class ProgressAudit:
 
 
 def wanted() -> bool:
-    """Progress is shown only when stderr is a terminal."""
-    return sys.stderr.isatty()
+    """Progress is shown only when stderr is a terminal (not when it is closed)."""
+    return _isatty(sys.stderr)
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return stream is not None and bool(stream.isatty())
+    except (OSError, ValueError):  # closed
+        return False
 
 
 async def show(progress: Progress, *, interval: float = 0.25) -> None:
@@ -117,7 +124,7 @@ async def show(progress: Progress, *, interval: float = 0.25) -> None:
         return Text(progress.render(), style="dim", no_wrap=True, overflow="ellipsis")
 
     with Live(line(), console=console, transient=True,
-              redirect_stdout=sys.stdout.isatty(), redirect_stderr=True,
+              redirect_stdout=_isatty(sys.stdout), redirect_stderr=True,
               auto_refresh=False) as live:
         while True:
             live.update(line(), refresh=True)

@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -21,17 +22,22 @@ if TYPE_CHECKING:
     from kernel import (
         Agent,
         AgentSpec,
+        Audit,
         Checkpoint,
         CommandSpec,
         Limits,
         LoopSpec,
         Result,
         RunInfo,
+        RunRecorder,
         RunSpec,
+        RunStats,
+        Step,
+        ToolResult,
     )
 
 
-from . import numbers
+from . import numbers, output
 from .ids import short_id
 
 RUN_HELP = """Run CMD (after --), a LOOP.yaml state machine, or an --agent, under supervision.
@@ -162,11 +168,17 @@ def run(
         rich_help_panel=_OUTPUT),
     json_out: bool = typer.Option(
         False, "--json", help="Print the final result as one JSON document (one line) on "
-                              "stdout (the command's output is not echoed).",
+                              "stdout, and nothing else there: what the command (a loop's "
+                              "actions) writes on stdout is not echoed (it is the result's "
+                              "output, and audited); what it writes on stderr still passes "
+                              "through to stderr. No summary line.",
         rich_help_panel=_OUTPUT),
     quiet: bool = typer.Option(
-        False, "--quiet", "-q", help="Print nothing on stdout (the output is still audited; "
-                                     "the summary line still goes to stderr).",
+        False, "--quiet", "-q", help="Print nothing on stdout: what the command (a loop's "
+                                     "actions) writes on stdout is not echoed (it is still "
+                                     "audited), nor is the final output printed; what it "
+                                     "writes on stderr still passes through to stderr, and "
+                                     "the summary line follows it there.",
         rich_help_panel=_OUTPUT),
     dry_run: bool = typer.Option(False, "--dry-run", help="Simulate: execute nothing.",
         rich_help_panel=_DRY),
@@ -231,7 +243,7 @@ def run(
                           prompt=prompt, cmd=cmd, api_key_env=api_key_env,
                           allow_shell=allow_shell, scenario=scenario, target=target,
                           max_turns=max_turns)
-        plan = plan_from_spec(spec, quiet=quiet or json_out)
+        plan = plan_from_spec(spec, quiet=quiet or json_out, echo_stderr=True)
     except ConfigError as exc:
         _fail(str(exc))
     info = plan.info
@@ -281,6 +293,8 @@ def run(
     _report(result, code, json_out=json_out,
             echo_output=not quiet and (not plan.echoes or dry_run), storage=_storage(journals),
             command=plan.is_command)
+    if code == 0 and "stdout" in _ECHO.gone:
+        code = 1  # what was meant for stdout was lost: like any failed write
     raise typer.Exit(code)
 
 
@@ -318,6 +332,7 @@ def parse_context(pairs: list[str]) -> dict[str, str]:
     from kernel import ConfigError
 
     out: dict[str, str] = {}
+    names: dict[str, str] = {}  # $KERNEL_CTX_... -> the key that makes it
     for pair in pairs:
         key, sep, value = pair.partition("=")
         key = key.strip()
@@ -325,6 +340,14 @@ def parse_context(pairs: list[str]) -> dict[str, str]:
             raise ConfigError(f"--context expects KEY=VALUE, got {pair!r}")
         if not (key.replace("_", "a").replace("-", "a").replace(".", "a").isalnum()):
             raise ConfigError(f"--context key {key!r} may hold only letters, digits, _ - .")
+        # Commands see KEY as $KERNEL_CTX_KEY (adapters.specs): upper case, - and . as _.
+        # Two keys that make one variable would leave one value unseen (the audit keeps
+        # both), so they are refused; the same key again replaces its value.
+        env = "KERNEL_CTX_" + key.upper().replace("-", "_").replace(".", "_")
+        other = names.setdefault(env, key)
+        if other != key:
+            raise ConfigError(f"--context keys {other!r} and {key!r} are both ${env}: "
+                              "use one of them")
         out[key] = value
     return out
 
@@ -357,15 +380,22 @@ def agent_spec(args: list[str], ctx_vars: dict[str, str], *, agent: str | None,
                         model=model, base_url=base_url, api_key_env=api_key_env)
     if scenario is not None:
         raise ConfigError("--scenario applies to loop files only")
+    if not args[0]:
+        raise ConfigError("the command is empty: give -- CMD [ARGS...]")
+    for arg in args:
+        if "\0" in arg:
+            raise ConfigError(f"the command's arguments cannot hold a NUL byte: {arg!r}")
     return CommandSpec(argv=tuple(args), context=ctx_vars)
 
 
-def plan_from_spec(spec: RunSpec | CommandSpec | LoopSpec | AgentSpec, *, quiet: bool) -> Plan:
+def plan_from_spec(spec: RunSpec | CommandSpec | LoopSpec | AgentSpec, *, quiet: bool,
+                   echo_stderr: bool = False) -> Plan:
     """Build the agent a spec describes (`adapters.agent_from_spec`; ConfigError if wrong).
 
     The CLI's terminal I/O goes in here: output echoed byte-exact unless
-    `quiet`, loop-file warnings on stderr, a command reading our stdin (as
-    under `timeout(1)`), a loop's dry run asking on the terminal.
+    `quiet` (with `echo_stderr`, a quiet run still echoes its stderr: `kernel
+    run -q/--json`), loop-file warnings on stderr, a command reading our stdin
+    (as under `timeout(1)`), a loop's dry run asking on the terminal.
     """
     from adapters import agent_from_spec
     from kernel import CommandSpec, LoopSpec, RunSpec
@@ -377,47 +407,107 @@ def plan_from_spec(spec: RunSpec | CommandSpec | LoopSpec | AgentSpec, *, quiet:
         from .loops import ask_on_terminal
 
         ask = ask_on_terminal
-    built = agent_from_spec(spec, on_output=None if quiet else _echo, warn=_stderr,
-                            inherit_stdin=True, ask=ask)
+    echo: Callable[[str, bytes], None] | None = _ECHO
+    if quiet:
+        echo = _ECHO.stderr_only if echo_stderr else None
+    built = agent_from_spec(spec, on_output=echo, warn=_say, inherit_stdin=True, ask=ask)
     return Plan(built.agent, built.info, is_command=isinstance(what, CommandSpec),
                 limits=built.limits,
                 echoes=not quiet and isinstance(what, (CommandSpec, LoopSpec)))
 
 
-def _stderr(line: str) -> None:
-    print(line, file=sys.stderr)
+# ------------------------------------------------------------- terminal I/O
+
+#: C0 controls but tab, DEL and C1 controls, as they are shown in a kernel message.
+def _say(line: str) -> None:
+    """Print one kernel message on stderr, control characters escaped; a stderr that is
+    gone (closed, its reader away) loses the message and nothing else."""
+    try:
+        print(output.visible(line, layout=False), file=sys.stderr)
+    except BrokenPipeError:
+        _to_devnull("stderr")
+    except (OSError, ValueError):
+        pass
 
 
-_DECODERS: dict[str, codecs.IncrementalDecoder] = {}
-_ECHO_GONE: set[str] = set()
-
-
-def _echo(stream: str, chunk: bytes) -> None:
-    """Echo a command's output as it came: the bytes, untouched, whatever the line length.
-
-    A reader that went away (a closed terminal, `| head`) ends the echo of that
-    stream, not the run: the audit still gets every line.
-    """
-    if stream in _ECHO_GONE:
+def _out(text: str) -> None:
+    """Write `text` on stdout; a stdout that is gone counts as lost output (`_ECHO.gone`)."""
+    if "stdout" in _ECHO.gone:
         return
     try:
-        _write(stream, chunk)
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _ECHO.gone.add("stdout")
+        _to_devnull("stdout")
     except (OSError, ValueError):
-        _ECHO_GONE.add(stream)
+        _ECHO.gone.add("stdout")
 
 
-def _write(stream: str, chunk: bytes) -> None:
-    out = sys.stdout if stream == "stdout" else sys.stderr
-    raw = None if hasattr(out, "rich_proxied_file") else getattr(out, "buffer", None)
-    if raw is None:
-        # The live progress display stands in for the terminal and takes text only.
-        decoder = _DECODERS.setdefault(stream, codecs.getincrementaldecoder("utf-8")("replace"))
-        out.write(decoder.decode(chunk))
-        return
-    out.flush()  # whatever was written as text before goes first
-    raw.write(chunk)
-    if out.isatty():
+def _to_devnull(name: str) -> None:
+    """Point our stdout or stderr (its file descriptor) at /dev/null.
+
+    Its reader is gone: what is still buffered, and anything written later
+    (a message, the flush at exit), then goes nowhere instead of failing
+    again (Python's advice for BrokenPipeError).
+    """
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        fd = getattr(sys, name).fileno()
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, fd)
+        os.close(null)
+
+
+class _Echo:
+    """A run's output echoed on our stdout and stderr as it came: the bytes, untouched.
+
+    A reader that went away (`| head`: EPIPE) ends the run, as it would end
+    the command had it written there itself (SIGPIPE): the stream goes to
+    /dev/null (`_to_devnull`) and `on_closed` is told which one (`_execute`
+    cancels the run). Any other failed write (a full disk, a terminal gone)
+    ends the echo of that stream only. Either way the audit gets every line.
+    """
+
+    def __init__(self) -> None:
+        self.gone: set[str] = set()
+        self.decoders: dict[str, codecs.IncrementalDecoder] = {}
+        self.on_closed: Callable[[str], None] | None = None
+
+    def __call__(self, stream: str, chunk: bytes) -> None:
+        if stream in self.gone:
+            return
+        try:
+            self.write(stream, chunk)
+        except BrokenPipeError:
+            self.gone.add(stream)
+            _to_devnull(stream)
+            if self.on_closed is not None:
+                self.on_closed(stream)
+        except (OSError, ValueError):
+            self.gone.add(stream)
+
+    def stderr_only(self, stream: str, chunk: bytes) -> None:
+        """Echo the stderr chunks alone (a quiet run: stdout is kept clean)."""
+        if stream == "stderr":
+            self(stream, chunk)
+
+    def write(self, stream: str, chunk: bytes) -> None:
+        out = sys.stdout if stream == "stdout" else sys.stderr
+        raw = None if hasattr(out, "rich_proxied_file") else getattr(out, "buffer", None)
+        if raw is None:
+            # The live progress display stands in for the terminal and takes text only.
+            decoder = self.decoders.setdefault(
+                stream, codecs.getincrementaldecoder("utf-8")("replace"))
+            out.write(decoder.decode(chunk))
+            return
+        out.flush()  # whatever was written as text before goes first
+        raw.write(chunk)
+        # At once, as the command wrote it: a reader sees each chunk when the command
+        # let it go, and one that went away is noticed at the next chunk, not at exit.
         raw.flush()
+
+
+_ECHO = _Echo()
 
 
 # ---------------------------------------------------------------- execution
@@ -432,31 +522,99 @@ def _storage(journals: list[Any]) -> dict[str, Any] | None:
 
 
 def _cancelling(sig: signal.Signals) -> None:
-    with contextlib.suppress(OSError, ValueError):  # the terminal may be gone
-        print(f"kernel: {sig.name}: cancelling the run", file=sys.stderr)
+    _say(f"kernel: {sig.name}: cancelling the run")
 
 
 async def _execute(spec: RunSpec, agent: Agent, *, resume: Checkpoint | None = None,
                    redactor: Any = None, journals: list[Any] | None = None) -> Result:
-    """`batteries.runner.run_spec` under the CLI's signal policy, with live progress."""
+    """`batteries.runner.run_spec` under the CLI's signal policy, with live progress.
+
+    The run is cancelled as for Ctrl-C (final: `recover` leaves it alone) when
+    a reader of its echoed output goes away (`_Echo`), recorded with that reason.
+    """
     import trio
 
-    from batteries.runner import SignalPolicy, run_spec
+    from batteries.runner import RunControl, SignalPolicy, run_spec
+    from kernel import Status
 
     from . import progress
 
     # No live line for dry runs: a loop simulation may ask questions on the terminal.
     live = (progress.Progress(spec.info.name, spec.limits.timeout)
             if progress.wanted() and not spec.limits.dry_run else None)
-    async with trio.open_nursery() as nursery:
-        if live is not None:
-            nursery.start_soon(progress.show, live)
-        result = await run_spec(
-            spec, agent, resume=resume, signals=SignalPolicy(on_signal=_cancelling),
-            redactor=redactor, journals=journals,
-            wrap_audit=None if live is None else partial(progress.ProgressAudit, progress=live))
-        nursery.cancel_scope.cancel()
+    control = RunControl()
+    why = _Reason()
+
+    def output_closed(stream: str) -> None:
+        reason = f"output pipe closed ({stream})"
+        if not control.cancelled:  # the first cancel says why (a signal may have come first)
+            why.reason = reason
+        control.cancel(final=True, reason=reason)
+
+    def wrap(audit: Audit | None) -> Audit | None:
+        audit = None if audit is None else _ReasonAudit(audit, why)
+        return audit if live is None else progress.ProgressAudit(audit, progress=live)
+
+    _ECHO.on_closed = output_closed
+    try:
+        async with trio.open_nursery() as nursery:
+            if live is not None:
+                nursery.start_soon(progress.show, live)
+            result = await run_spec(
+                spec, agent, resume=resume, control=control,
+                signals=SignalPolicy(on_signal=_cancelling), redactor=redactor,
+                journals=journals, wrap_audit=wrap)
+            nursery.cancel_scope.cancel()
+    finally:
+        _ECHO.on_closed = None
+    if why.reason is not None and result.status is Status.CANCELLED:
+        result.reason = why.reason
     return result
+
+
+class _Reason:
+    """Why `kernel run` itself cancelled a run (None: it did not)."""
+
+    reason: str | None = None
+
+
+class _ReasonAudit:
+    """The audit, with `kernel run`'s own reason for a run it cancelled.
+
+    The kernel records a run cancelled from outside as "cancelled by the
+    caller"; when `kernel run` cancelled it (its output pipe closed), the
+    run's row and `run_end` say why instead.
+    """
+
+    def __init__(self, inner: Audit, why: _Reason) -> None:
+        self.inner = inner
+        self.why = why
+
+    async def start_run(self, info: RunInfo) -> RunRecorder | None:
+        rec = await self.inner.start_run(info)
+        return None if rec is None else _ReasonRecorder(rec, self.why)
+
+
+class _ReasonRecorder:
+    """A recorder whose `close` carries `_Reason`; every other call is the inner one's own
+    (bound here once, so the hot path costs no extra call)."""
+
+    def __init__(self, inner: RunRecorder, why: _Reason) -> None:
+        self.inner = inner
+        self.why = why
+        self.on_step: Callable[[int, Step, float], None] = inner.on_step
+        self.on_tool: Callable[[ToolResult, int], None] = inner.on_tool
+        self.log_event: Callable[..., None] = inner.log_event
+        self.log_error: Callable[..., None] = inner.log_error
+
+    async def close(self, stats: RunStats) -> None:
+        from dataclasses import replace
+
+        from kernel import Status
+
+        if self.why.reason is not None and stats.status is Status.CANCELLED:
+            stats = replace(stats, reason=self.why.reason)
+        await self.inner.close(stats)
 
 
 def exit_code(result: Result, *, command: bool) -> int:
@@ -474,7 +632,7 @@ def _report(result: Result, code: int, *, json_out: bool, echo_output: bool,
     from kernel import Status
 
     for failure in result.port_failures:
-        print(f"kernel: warning: {failure}", file=sys.stderr)
+        _say(f"kernel: warning: {failure}")
     if json_out:
         doc = result.to_dict()
         doc["short_id"] = short_id(result.run_id)
@@ -482,25 +640,26 @@ def _report(result: Result, code: int, *, json_out: bool, echo_output: bool,
         doc["exit_code"] = code
         if storage is not None:
             doc["storage"] = storage
-        sys.stdout.write(json.dumps(doc, default=str) + "\n")
+        _out(json.dumps(doc, default=str) + "\n")
         return
     if echo_output and result.output is not None and result.status is not Status.ERROR:
         text = result.output if isinstance(result.output, str) else json.dumps(
             result.output, default=str)
         if text:
-            sys.stdout.write(text.rstrip("\n") + "\n")
+            _out(text.rstrip("\n") + "\n")
     # Always, terminal or not: the short id is how a person finds the run again.
     why = result.error or result.reason
     steps = f"{result.steps} step(s)"
     if command and result.steps == 0 and result.status in (
             Status.TIMEOUT, Status.KILLED, Status.CANCELLED):
         steps = "1 step (stopped)"  # a command is one step: it ran, and was stopped
-    print(f"kernel: run {short_id(result.run_id)} {result.status} after "
-          f"{result.runtime_seconds:.1f}s, {steps}"
-          + (f": {why}" if why and why != str(result.status) else "")
-          + f" (exit {code})", file=sys.stderr)
+    # Control characters a recorded error or reason holds are shown escaped (`_say`).
+    _say(f"kernel: run {short_id(result.run_id)} {result.status} after "
+         f"{result.runtime_seconds:.1f}s, {steps}"
+         + (f": {why}" if why and why != str(result.status) else "")
+         + f" (exit {code})")
 
 
 def _fail(message: str) -> None:
-    print(f"kernel run: error: {message}", file=sys.stderr)
+    _say(f"kernel run: error: {message}")
     raise typer.Exit(2)

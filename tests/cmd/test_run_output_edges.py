@@ -1,0 +1,227 @@
+"""`kernel run` at the edges of its output: a reader that goes away, closed stdio, quiet
+modes, bad commands and context keys, control characters in its messages (real time, the
+installed executable in a subprocess)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_run_cli import kernel, sleeps_with
+
+pytestmark = pytest.mark.realtime
+
+#: Far more than any of these runs takes, far less than the --timeout they are given:
+#: a run that goes on to its deadline fails the test, a loaded machine does not.
+BOUND = 60.0
+
+
+def runs(exe: str, env: dict[str, str]) -> list[dict[str, Any]]:
+    """Every recorded run (newest first), from the audit."""
+    proc = kernel(exe, env, "query", "--format", "json",
+                  "SELECT status, reason, error, output FROM runs ORDER BY started_at DESC")
+    assert proc.returncode == 0, proc.stderr
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def with_closed(fds: str, exe: str, env: dict[str, str], *args: str,
+                stdout: Any = subprocess.PIPE) -> subprocess.CompletedProcess[bytes]:
+    """`kernel ARGS` started with some of its standard descriptors closed (`>&-`, `2>&-`)."""
+    return subprocess.run(["sh", "-c", f'exec "$@" {fds}', "sh", exe, *args],
+                          stdin=subprocess.DEVNULL, stdout=stdout, stderr=subprocess.PIPE,
+                          env=env, timeout=BOUND)
+
+
+class TestReaderGone:
+    """A reader of the echo that goes away (`| head -1`) ends the run at once, `cancelled`."""
+
+    def test_yes_into_a_closed_pipe_is_cancelled_at_once(
+            self, kernel_exe: str, cli_env: dict[str, str], tmp_path: Path) -> None:
+        """`kernel run --timeout 120 -- yes | head -1`: 130 long before the deadline, the run
+        recorded cancelled with the reason, no traceback."""
+        err = tmp_path / "stderr"
+        t0 = time.monotonic()
+        with err.open("wb") as sink:
+            p = subprocess.Popen([kernel_exe, "run", "--timeout", "120", "--", "yes"],
+                                 stdout=subprocess.PIPE, stderr=sink,
+                                 stdin=subprocess.DEVNULL, env=cli_env)
+            assert p.stdout is not None
+            assert p.stdout.readline() == b"y\n"
+            p.stdout.close()  # what head does once it has its line
+            code = p.wait(timeout=BOUND * 2)
+        took = time.monotonic() - t0
+        text = err.read_text()
+        assert code == 130, text
+        assert took < BOUND, took
+        assert "Traceback" not in text and "Exception" not in text, text
+        summary = text.splitlines()[-1]
+        assert " cancelled after " in summary, text
+        assert summary.endswith(": output pipe closed (stdout) (exit 130)"), text
+        [row] = runs(kernel_exe, cli_env)
+        assert (row["status"], row["reason"]) == ("cancelled", "output pipe closed (stdout)")
+
+    def test_a_write_after_the_reader_left_stops_the_command(
+            self, kernel_exe: str, cli_env: dict[str, str], tmp_path: Path) -> None:
+        """`sh -c 'echo a; ...; echo b; sleep 300' | true`: the write of b ends the run, and
+        the command's process group (the sleep) with it."""
+        fifo = tmp_path / "go"
+        os.mkfifo(fifo)
+        marker = "sleep 300.417"
+        p = subprocess.Popen([kernel_exe, "run", "--timeout", "120", "--", "sh", "-c",
+                              f"echo a; read x < {fifo}; echo b; exec {marker}"],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                             stdin=subprocess.DEVNULL, env=cli_env)
+        assert p.stdout is not None
+        assert p.stdout.readline() == b"a\n"
+        p.stdout.close()
+        t0 = time.monotonic()
+        with fifo.open("w") as go:  # opens once the command waits on it
+            go.write("go\n")
+        assert p.wait(timeout=BOUND * 2) == 130
+        assert time.monotonic() - t0 < BOUND
+        assert sleeps_with(marker) == []
+        [row] = runs(kernel_exe, cli_env)
+        assert (row["status"], row["reason"]) == ("cancelled", "output pipe closed (stdout)")
+
+    def test_a_closed_stderr_pipe_is_the_same(self, kernel_exe: str,
+                                               cli_env: dict[str, str]) -> None:
+        """The echo of the command's stderr going to a reader that left ends the run too."""
+        p = subprocess.Popen([kernel_exe, "run", "--timeout", "120", "--", "sh", "-c",
+                              "yes err >&2"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             stdin=subprocess.DEVNULL, env=cli_env)
+        assert p.stderr is not None
+        assert p.stderr.readline() == b"err\n"
+        p.stderr.close()
+        assert p.wait(timeout=BOUND * 2) == 130
+        [row] = runs(kernel_exe, cli_env)
+        assert (row["status"], row["reason"]) == ("cancelled", "output pipe closed (stderr)")
+
+
+class TestClosedStdio:
+    """`kernel ... >&-`, `2>&-`, `<&-`: the command runs and is recorded as it should be."""
+
+    @pytest.mark.parametrize("json_out", [False, True], ids=["echo", "json"])
+    def test_closed_stdout(self, json_out: bool, kernel_exe: str,
+                           cli_env: dict[str, str]) -> None:
+        """With stdout closed the run still runs and is recorded ok; its output goes nowhere."""
+        flags = ["--json"] if json_out else []
+        proc = with_closed(">&-", kernel_exe, cli_env, "run", *flags, "--", "echo", "hi",
+                           stdout=None)
+        err = proc.stderr.decode()
+        assert proc.returncode == 0, err
+        assert "Traceback" not in err and "Error" not in err, err
+        [row] = runs(kernel_exe, cli_env)
+        assert (row["status"], row["output"], row["error"]) == ("ok", "hi", None)
+
+    def test_closed_stderr(self, kernel_exe: str, cli_env: dict[str, str]) -> None:
+        """With stderr closed the command runs, echoes its stdout, and is recorded ok."""
+        proc = with_closed("2>&-", kernel_exe, cli_env, "run", "--", "sh", "-c",
+                           "echo hi; echo err >&2")
+        assert proc.returncode == 0
+        assert proc.stdout == b"hi\n"
+        [row] = runs(kernel_exe, cli_env)
+        assert (row["status"], row["output"]) == ("ok", "hi")
+
+    def test_closed_stdin(self, kernel_exe: str, cli_env: dict[str, str]) -> None:
+        """With stdin closed the command reads an empty stdin (not a closed or foreign one)."""
+        proc = with_closed("<&-", kernel_exe, cli_env, "run", "--", "sh", "-c",
+                           "cat && echo done")
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout == b"done\n"
+
+    @pytest.mark.parametrize("args", [["runs"], ["show", "last"], ["--version"]],
+                             ids=["runs", "show", "version"])
+    def test_other_commands_with_stdout_closed(self, args: list[str], kernel_exe: str,
+                                               cli_env: dict[str, str]) -> None:
+        """Commands that print, with stdout closed: exit 0 and nothing on stderr."""
+        assert kernel(kernel_exe, cli_env, "run", "--", "true").returncode == 0
+        proc = with_closed(">&-", kernel_exe, cli_env, *args, stdout=None)
+        assert (proc.returncode, proc.stderr) == (0, b"")
+
+
+class TestQuietKeepsStderr:
+    """-q and --json keep stdout clean; the command's stderr still reaches ours."""
+
+    def test_quiet(self, kernel_exe: str, cli_env: dict[str, str]) -> None:
+        """`kernel run -q`: nothing on stdout; the command's stderr, then the summary line."""
+        proc = kernel(kernel_exe, cli_env, "run", "-q", "--", "sh", "-c",
+                      "echo out; echo err >&2")
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout == ""
+        first, summary = proc.stderr.splitlines()
+        assert first == "err" and summary.startswith("kernel: run ")
+
+    def test_json(self, kernel_exe: str, cli_env: dict[str, str]) -> None:
+        """`kernel run --json`: one JSON object on stdout; the command's stderr on stderr."""
+        proc = kernel(kernel_exe, cli_env, "run", "--json", "--", "sh", "-c",
+                      "echo out; echo err >&2")
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["output"] == "out" and proc.stdout.count("\n") == 1
+        assert proc.stderr == "err\n"
+
+    def test_help_says_so(self, kernel_exe: str, cli_env: dict[str, str]) -> None:
+        """`kernel run --help` says what -q and --json do with the command's stderr."""
+        text = " ".join(kernel(kernel_exe, cli_env, "run", "--help").stdout.split())
+        json_help = text.split("--json ", 1)[1].split(" -q, --quiet ", 1)[0]
+        quiet_help = text.split(" -q, --quiet ", 1)[1]
+        for said in (json_help, quiet_help):
+            assert "writes on stderr still passes through to stderr" in said, said
+
+
+class TestBadInput:
+    """Bad input: one line, exit 2, nothing run or recorded."""
+
+    @pytest.mark.parametrize("args", [["--", ""], [""], ["--", "", "x"]],
+                             ids=["after-dashes", "alone", "with-args"])
+    def test_empty_command(self, args: list[str], kernel_exe: str, cli_env: dict[str, str],
+                           tmp_path: Path) -> None:
+        """`kernel run -- ''` is refused before anything runs."""
+        proc = kernel(kernel_exe, cli_env, "run", *args)
+        assert proc.returncode == 2
+        assert proc.stderr == "kernel run: error: the command is empty: give -- CMD [ARGS...]\n"
+        assert not list(tmp_path.glob("kernel.duckdb*"))  # nothing opened, nothing recorded
+
+    @pytest.mark.parametrize(("first", "second", "var"), [
+        ("a-b", "a.b", "KERNEL_CTX_A_B"), ("a", "A", "KERNEL_CTX_A"),
+        ("x_y", "X-Y", "KERNEL_CTX_X_Y")])
+    def test_context_keys_that_make_one_variable(self, first: str, second: str, var: str,
+                                                 kernel_exe: str, cli_env: dict[str, str],
+                                                 tmp_path: Path) -> None:
+        """Two --context keys the command would see as one variable: exit 2, both named,
+        nothing recorded."""
+        proc = kernel(kernel_exe, cli_env, "run", "-c", f"{first}=1", "-c", f"{second}=2",
+                      "--", "true")
+        assert proc.returncode == 2
+        assert proc.stderr == (f"kernel run: error: --context keys {first!r} and {second!r} "
+                               f"are both ${var}: use one of them\n")
+        assert not list(tmp_path.glob("kernel.duckdb*"))
+        # The same key twice is one variable: the last value, as before.
+        proc = kernel(kernel_exe, cli_env, "run", "-c", f"{first}=1", "-c", f"{first}=2",
+                      "--", "sh", "-c", f'echo "${var}"')
+        assert (proc.returncode, proc.stdout) == (0, "2\n")
+
+
+class TestControlCharacters:
+    def test_summary_escapes_them_and_the_echo_keeps_them(
+            self, kernel_exe: str, cli_env: dict[str, str]) -> None:
+        """A command's last stderr line in the summary has its control characters escaped;
+        the same line echoed as the command's own output is byte for byte."""
+        line = b"\x1b]0;title\x07\x1b[31mred\x00 \xc2\x9b2J\ttab"
+        proc = subprocess.run(
+            [kernel_exe, "run", "--", "sh", "-c",
+             "printf '\\033]0;title\\007\\033[31mred\\000 \\302\\2332J\\ttab\\n' >&2; exit 3"],
+            capture_output=True, env=cli_env, timeout=BOUND, stdin=subprocess.DEVNULL)
+        assert proc.returncode == 3
+        echoed, summary = proc.stderr.split(b"\n", 1)
+        assert echoed == line
+        assert summary.endswith(
+            b": command exited with code 3: \\x1b]0;title\\x07\\x1b[31mred\\x00 \\x9b2J\ttab"
+            b" (exit 3)\n"), summary
+        assert not any((c < 0x20 and c not in b"\t\n") or c == 0x7F for c in summary)
+        assert b"\xc2\x9b" not in summary
