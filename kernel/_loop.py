@@ -125,6 +125,7 @@ class Kernel:
         # One task follows every watched run of this kernel (see `_watch.py`).
         self._watcher = Watcher()
         self._last_caps: tuple[Limits, UsageLimits, bool] | None = None
+        self._active: set[str] = set()  # the run ids running now (a second is refused)
         self._clock: tuple[trio.abc.Clock, Callable[[], float], Callable[[], float],
                            float] | None = None
 
@@ -209,14 +210,14 @@ class Kernel:
 class _Run:
     """The state of one run while `Kernel.run` executes it."""
 
-    __slots__ = ("agent", "artifacts", "audit", "backstop", "budget", "can", "capped", "caps",
-                 "checkpointer", "child_tool_calls", "child_usage", "critic", "ctx", "delivery",
-                 "error", "exit_code", "failures", "finalizing", "first_deadline", "handle",
-                 "hooks", "immediate", "in_step", "info", "k", "last_save_steps", "last_save_time",
-                 "limits", "next_look", "now", "nursery", "on_steer", "output", "pending_steer",
-                 "reason", "recorder", "resume", "scope", "settled", "started", "status",
-                 "steering", "steps", "tb", "tick", "tick_offset", "tool_calls", "tools", "usage",
-                 "watch_entry")
+    __slots__ = ("agent", "agent_stopped", "artifacts", "audit", "backstop", "budget", "can",
+                 "capped", "caps", "checkpointer", "child_tool_calls", "child_usage", "critic",
+                 "ctx", "delivery", "error", "exit_code", "failures", "finalizing",
+                 "first_deadline", "handle", "hooks", "immediate", "in_step", "info", "k",
+                 "last_save_steps", "last_save_time", "limits", "next_look", "now", "nursery",
+                 "on_steer", "output", "pending_steer", "reason", "recorder", "resume", "scope",
+                 "settled", "started", "status", "steering", "steps", "tb", "tick", "tick_offset",
+                 "tool_calls", "tools", "usage", "watch_entry")
 
     def __init__(self, kernel: Kernel, agent: Agent, info: RunInfo, limits: Limits,
                  resume: Checkpoint | None) -> None:
@@ -270,6 +271,7 @@ class _Run:
         self.watch_entry: list[Any] | None = None
         self.immediate = 0  # looks in a row the handle asked for at once
         self.first_deadline: float | None = None  # the critic's deadline at its first look
+        self.agent_stopped = False  # the agent ended the run `cancelled` itself (Step.stop)
         self.next_look: Any = None  # the handle's `next_look`, if it has one
         self.on_steer: Any = None  # the agent's `on_steer`, when a critic may nudge mid-step
         self.steering = False  # a mid-step nudge is being delivered
@@ -428,10 +430,18 @@ class _Run:
         self.ctx = RunContext(self, info, limits, started_at=self.started,
                               resumed_from=self.resume.state if self.resume else None)
         self.ctx.usage = self.usage
+        active = self.k._active
+        if info.run_id in active:
+            # Two runs writing one id would each corrupt the other's record.
+            self._end(Status.ERROR, error=f"run_id {info.run_id!r} is already running in this "
+                                          "kernel: a run id names one run")
+            return self.result()
+        active.add(info.run_id)
         try:
             refused = await self.open_run()
         except BaseException as exc:
             if not _only_cancelled(exc):
+                active.discard(info.run_id)
                 raise
             # Cancelled before the first step (in the budget check or audit start):
             # still close whatever was opened, then let the Cancelled go on.
@@ -493,8 +503,12 @@ class _Run:
                           reason=f"hard timeout of {limits.timeout:g}s expired")
         except BaseException as exc:
             if not _only_cancelled(exc):
-                # KeyboardInterrupt, or a bug of ours: still close the books.
-                self._end(Status.ERROR, error=f"{type(exc).__name__}: {exc}")
+                # Ctrl-C in the host (`cancelled`, as the CLI's), or a bug of ours (`error`):
+                # still close the books.
+                if _interrupted(exc):
+                    self._end(Status.CANCELLED, reason="interrupted (KeyboardInterrupt)")
+                else:
+                    self._end(Status.ERROR, error=f"{type(exc).__name__}: {exc}")
                 if not self.finalizing:
                     await self.finalize(commit_budget=True)
                 raise
@@ -514,8 +528,10 @@ class _Run:
         it uses counts against them once it ends (its own `runs` row keeps
         its own usage).
         """
-        info = dataclasses.replace(info, parent_run_id=self.info.run_id,
-                                   caller_id=info.caller_id or self.info.caller_id)
+        info = dataclasses.replace(
+            info, parent_run_id=self.info.run_id, caller_id=info.caller_id or self.info.caller_id,
+            # (the parent's own info passed on: the child is another run, with an id of its own)
+            run_id=info.run_id if info.run_id != self.info.run_id else RunInfo().run_id)
         if limits is None:
             remaining = self.effective_deadline() - trio.current_time()
             limits = self.limits if math.isinf(remaining) else dataclasses.replace(
@@ -638,6 +654,8 @@ class _Run:
                 ceiling = base_ceiling
                 try:
                     raised = handle.max_steps()
+                    if raised is not None and type(raised) is not int:
+                        raise TypeError(f"max_steps() returned {raised!r}, not an int or None")
                 except Exception as exc:
                     self.critic_failed("max_steps", exc)
                 else:
@@ -655,6 +673,10 @@ class _Run:
             if handle is not None and not self.settled:
                 try:
                     more = handle.steer()
+                    if more and not (isinstance(more, list)
+                                     and all(isinstance(m, Message) for m in more)):
+                        raise TypeError(f"steer() returned {type(more).__name__}, "
+                                        "not a list of Message")
                 except Exception as exc:
                     self.critic_failed("steer", exc)
                 else:
@@ -686,13 +708,25 @@ class _Run:
                 self._end(Status.ERROR, error=msg)
                 return
             self.steps += 1
-            if step.usage is not None:
-                self.usage = ctx.usage = self.usage + step.usage
-            if step.exit_code is not None:
-                self.exit_code = step.exit_code
-            if step.artifacts:
-                self.artifacts.update(step.artifacts)
+            if (step.usage is not None or step.exit_code is not None or step.artifacts
+                    or step.tool_calls):
+                problem = _malformed(step)
+                if problem is not None:
+                    msg = f"agent {type(agent).__name__} returned a malformed Step: {problem}"
+                    self.recorder_error(msg)
+                    self._end(Status.ERROR, error=msg)
+                    return
+                if step.usage is not None:
+                    self.usage = ctx.usage = self.usage + step.usage
+                if step.exit_code is not None:
+                    self.exit_code = step.exit_code
+                if step.artifacts:
+                    self.artifacts.update(step.artifacts)
             t1 = now()
+            if t1 + offset >= self.backstop:
+                # Past the hard deadline: a step that never awaits (or blocks the
+                # thread) gave trio no checkpoint to cancel it at. This one does.
+                await trio.lowlevel.checkpoint()
             if handle is not None and self.handle is not None:
                 try:
                     if step_ended is not None:
@@ -720,6 +754,8 @@ class _Run:
                 elif step.handoff is not None:
                     self._end(Status.HANDOFF, reason="handoff", output=step.handoff)
                 elif step.stop is not None:
+                    # The agent's own stop: over, not interrupted (nothing to resume).
+                    self.agent_stopped = True
                     self._end(Status.CANCELLED, reason=step.stop, output=step.output)
                 else:
                     self._end(Status.OK, output=step.output)
@@ -910,6 +946,8 @@ class _Run:
         try:
             dl = handle.deadline()
             cause = handle.kill_cause()
+            if dl is not None and (not isinstance(dl, (int, float)) or dl != dl):
+                raise TypeError(f"deadline() returned {dl!r}, not a time or None")
         except Exception as exc:
             self.critic_failed("deadline/kill_cause", exc)
             return None
@@ -1059,6 +1097,7 @@ class _Run:
     async def close_books(self, result: Result, *, commit_budget: bool) -> None:
         """The end of every run, under a shielded, bounded scope: the ports, in order."""
         self.finalizing = True
+        self.k._active.discard(self.info.run_id)
         status = result.status
         handle, self.handle = self.handle, None
         if handle is not None:
@@ -1070,10 +1109,34 @@ class _Run:
             # collector would carry every stopped handle through its passes).
             del handle
         result.runtime_seconds = self.now() - self.started
+        if (self.checkpointer is not None or self.delivery is not None
+                or (commit_budget and self.budget is not None)):
+            # Bounded to leave the recorder time to close: a port that hangs (a webhook,
+            # a budget store) must not leave the run's audit row open.
+            left = trio.current_effective_deadline() - trio.current_time()
+            with trio.move_on_after(left - min(left / 2, 5.0)) as ports:
+                await self.close_ports(result, status, commit_budget=commit_budget)
+            if ports.cancelled_caught:
+                self.fault("kernel", "finalize", TimeoutError(
+                    "the checkpointer, budget and delivery ports did not finish in their "
+                    "share of finalize_timeout"))
+        # Port failures go in the audit too, before the recorder closes.
+        for failure in self.failures:
+            if failure.port != "audit":
+                self.log_event("port_failure", name=f"{failure.port}.{failure.method}",
+                               payload={"port": failure.port, "method": failure.method,
+                                        "error": failure.error})
+        try:
+            await self.recorder.close(result.stats())
+        except Exception as exc:
+            self.fault("audit", "close", exc)
+
+    async def close_ports(self, result: Result, status: Status, *, commit_budget: bool) -> None:
+        """The checkpointer, the budget's commit and the delivery, in that order."""
         cp = self.checkpointer
         if cp is not None:
             try:
-                if status in _COMPLETE:
+                if status in _COMPLETE or self.agent_stopped:
                     await cp.complete(self.info.run_id)
                 elif status not in _RESUMABLE:
                     await cp.fail(self.info.run_id, self.error or self.reason or str(status))
@@ -1094,16 +1157,6 @@ class _Run:
                 await self.delivery.deliver(result)
             except Exception as exc:
                 self.fault("delivery", "deliver", exc)
-        # Port failures go in the audit too, before the recorder closes.
-        for failure in self.failures:
-            if failure.port != "audit":
-                self.log_event("port_failure", name=f"{failure.port}.{failure.method}",
-                               payload={"port": failure.port, "method": failure.method,
-                                        "error": failure.error})
-        try:
-            await self.recorder.close(result.stats())
-        except Exception as exc:
-            self.fault("audit", "close", exc)
 
 
 _NO_CAPS = UsageLimits()
@@ -1144,3 +1197,50 @@ def _only_cancelled(exc: BaseException) -> bool:
         _, rest = exc.split(trio.Cancelled)
         return rest is None
     return False
+
+
+def _interrupted(exc: BaseException) -> bool:
+    """True if `exc` is a KeyboardInterrupt, or a group holding one (Ctrl-C in the host)."""
+    if isinstance(exc, KeyboardInterrupt):
+        return True
+    if isinstance(exc, BaseExceptionGroup):
+        return exc.subgroup(KeyboardInterrupt) is not None
+    return False
+
+
+#: Largest token count or exit code a step may report (what a store's integer holds).
+_INT_MAX = 2**63 - 1
+
+
+def _malformed(step: Step) -> str | None:
+    """What is wrong with a step's usage, exit code, artifacts or tool calls (None: nothing).
+
+    Checked only for steps that carry any of them: a usage that is not a `Usage` of
+    whole, non-negative token counts and a finite, non-negative cost would disable
+    the usage caps (NaN is never over a limit) or fail the audit's write.
+    """
+    usage = step.usage
+    if usage is not None:
+        if not isinstance(usage, Usage):
+            return f"usage is {type(usage).__name__}, not Usage"
+        for name in ("input_tokens", "output_tokens", "thinking_tokens"):
+            n = getattr(usage, name)
+            if type(n) is not int or not 0 <= n <= _INT_MAX:
+                return f"usage.{name}={n!r} (a whole number of tokens >= 0)"
+        cost = usage.cost_usd
+        if type(cost) not in (int, float) or not math.isfinite(cost) or cost < 0:
+            return f"usage.cost_usd={cost!r} (a finite amount >= 0)"
+    code = step.exit_code
+    if code is not None and (type(code) is not int or not -_INT_MAX <= code <= _INT_MAX):
+        return f"exit_code={code!r} (an int)"
+    if step.artifacts and not isinstance(step.artifacts, Mapping):
+        return f"artifacts is {type(step.artifacts).__name__}, not a mapping"
+    calls = step.tool_calls
+    if calls:
+        if not isinstance(calls, (list, tuple)):
+            return f"tool_calls is {type(calls).__name__}, not a list of ToolCall"
+        for call in calls:
+            if not (isinstance(call, ToolCall) and isinstance(call.name, str)
+                    and isinstance(call.args, Mapping)):
+                return f"tool call {call!r} (a ToolCall with a str name and a mapping of args)"
+    return None

@@ -159,18 +159,51 @@ class TestPortFaultMatrix:
                                                           "on_step broke"]
 
     async def test_slow_finalization_is_bounded(self, autojump_clock: trio.abc.Clock) -> None:
-        """A delivery that hangs is cut off at finalize_timeout and reported."""
+        """A delivery that hangs is cut off at its share of finalize_timeout (half, at most
+        5 s before the end) and reported; the audit still closes the run's record."""
 
         class Stuck(RecordingDelivery):
             async def deliver(self, result: Any) -> None:
                 await trio.sleep_forever()
 
+        audit = MemoryAudit()
         start = trio.current_time()
-        result = await Kernel(Ports(delivery=Stuck())).run(
+        result = await Kernel(Ports(delivery=Stuck(), audit=audit)).run(
             ScriptedAgent(), RunInfo(), Limits(finalize_timeout=7))
         assert result.status is Status.OK
-        assert trio.current_time() - start == pytest.approx(7)
+        assert trio.current_time() - start == pytest.approx(3.5)
         assert [(f.port, f.method) for f in result.port_failures] == [("kernel", "finalize")]
+        assert audit.kinds(result.run_id)[-2:] == ["port_failure", "run_end"]
+
+    @pytest.mark.parametrize("port", ["budget", "checkpointer"])
+    async def test_a_hanging_port_leaves_the_recorder_its_time(
+            self, autojump_clock: trio.abc.Clock, port: str) -> None:
+        """A budget commit or a checkpoint that never returns cannot keep the run's
+        audit record open: the recorder closes it within finalize_timeout."""
+
+        class Hang:
+            async def check(self, caller_id: str) -> None:
+                return None
+
+            async def commit(self, *args: Any) -> None:
+                await trio.sleep_forever()
+
+            async def complete(self, run_id: str) -> None:
+                await trio.sleep_forever()
+
+            async def save(self, checkpoint: Any) -> None:
+                return None
+
+            async def fail(self, run_id: str, error: str) -> None:
+                await trio.sleep_forever()
+
+        audit = MemoryAudit()
+        ports = Ports(audit=audit, **{port: Hang()})  # type: ignore[arg-type]
+        start = trio.current_time()
+        result = await Kernel(ports).run(ScriptedAgent(), RunInfo(),
+                                         Limits(finalize_timeout=20))
+        assert trio.current_time() - start == pytest.approx(15)  # 20 less 5 s for the audit
+        assert audit.kinds(result.run_id)[-1] == "run_end"
 
     async def test_slow_finalization_of_a_killed_run_is_bounded(
             self, autojump_clock: trio.abc.Clock) -> None:
@@ -185,7 +218,7 @@ class TestPortFaultMatrix:
         result = await Kernel(ports).run(ScriptedAgent([Step()] * 3), RunInfo(),
                                          Limits(finalize_timeout=7))
         assert result.status is Status.KILLED
-        assert trio.current_time() - start == pytest.approx(7)
+        assert trio.current_time() - start == pytest.approx(3.5)
         assert [(f.port, f.method) for f in result.port_failures] == [("kernel", "finalize")]
 
     async def test_finalization_is_shielded_from_an_outer_cancel(
