@@ -7,8 +7,10 @@ who has used any of them up (`BudgetRefused`, the run ends
 same `BEGIN IMMEDIATE` transaction (a spend row of one run, nothing spent
 yet) and hands the kernel what is left as `UsageLimits`. `commit` settles
 the reservation with what the run really spent, deferred to the journal's
-next transaction (the run's close). The caller `*` holds the default budget
-for callers without a row of their own.
+next transaction (the run's close). A settled amount the journal could not
+keep is clamped to what it can: NaN or negative as 0, infinite or huge as
+`MAX_SETTLED_TOKENS` / `MAX_SETTLED_AMOUNT` (see `_amount`). The caller `*`
+holds the default budget for callers without a row of their own.
 
 Why this holds under concurrency: the journal's write lock serialises the
 check-and-reserve transactions of every process, and each sees the
@@ -35,6 +37,7 @@ Tables (in the journal; mirrored into the analysts' file by `sync`)::
 
 from __future__ import annotations
 
+import math
 import os
 from collections import deque
 
@@ -146,17 +149,34 @@ class JournalBudget:
         return found.reservation_id, found.budget.remaining()
 
     async def _settle(self, rid: int, runtime_seconds: float, usage: Usage) -> None:
-        await self.journal.later(SettleBudget(rid, runtime_seconds, usage.total_tokens,
-                                              usage.cost_usd))
+        try:
+            tokens = usage.total_tokens
+        except TypeError:  # a token count that is not a number
+            tokens = 0
+        await self.journal.later(SettleBudget(
+            rid, _amount(runtime_seconds, MAX_SETTLED_AMOUNT),
+            int(_amount(tokens, MAX_SETTLED_TOKENS)), _amount(usage.cost_usd,
+                                                              MAX_SETTLED_AMOUNT)))
 
     # ------------------------------------------------------------ management
 
     def set(self, caller_id: str, *, window_seconds: float = 86400,
             max_runs: int | None = None, max_runtime_seconds: float | None = None,
             max_tokens: int | None = None, max_cost_usd: float | None = None) -> None:
-        """Create or replace a caller's budget (blocking; for the CLI and hosts)."""
-        if window_seconds <= 0:
-            raise ValueError("the budget window must be > 0 seconds")
+        """Create or replace a caller's budget (blocking; for the CLI and hosts).
+
+        Raises:
+            ValueError: A window that is not a finite number > 0 seconds, or a
+                limit that is negative, NaN or infinite (None means no limit).
+        """
+        if not (_is_real(window_seconds) and 0 < window_seconds < math.inf):
+            raise ValueError(f"the budget window must be a finite number > 0 seconds, "
+                             f"got {window_seconds!r}")
+        for name, value in (("max_runs", max_runs), ("max_runtime_seconds", max_runtime_seconds),
+                            ("max_tokens", max_tokens), ("max_cost_usd", max_cost_usd)):
+            if value is not None and not (_is_real(value) and 0 <= value < math.inf):
+                raise ValueError(f"budget {name} must be a finite number >= 0 or None, "
+                                 f"got {value!r}")
         self.store.commit(None, [SetBudget(caller_id, window_seconds, max_runs,
                                            max_runtime_seconds, max_tokens, max_cost_usd)])
 
@@ -174,6 +194,41 @@ class JournalBudget:
         return self.store.budgets()
 
 
+
+
+#: The most tokens one run's settlement counts (2**48, ~2.8e14): far above any real
+#: run, and low enough that a window's sum of spend rows stays within the store's
+#: 64-bit integers.
+MAX_SETTLED_TOKENS = 2**48
+#: The most dollars, or runtime seconds, one run's settlement counts (1e12).
+MAX_SETTLED_AMOUNT = 1e12
+
+
+def _is_real(value: object) -> bool:
+    """True for an int or float (not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _amount(value: object, most: float) -> float:
+    """One settled amount the store can keep: `value` clamped to [0, `most`].
+
+    A settlement is what a run reports it spent, and the budget is a decider
+    that fails closed: an amount that is infinite or above `most` settles as
+    `most` (the caller's budget is spent), a negative one (no refund) as 0,
+    and one that is NaN or not a number (no amount at all) as 0. Such usage
+    never reaches a budget from the kernel, which ends a run that reports it
+    `error`; this keeps the journal's NOT NULL and 64-bit columns safe from
+    any other caller of `commit`.
+    """
+    if not _is_real(value):
+        return 0.0
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except OverflowError:  # an int too large for a float: far above `most`
+        return most
+    if number != number or number <= 0:  # NaN or nothing spent
+        return 0.0
+    return min(number, most)
 
 
 #: The budget's former name (it lived in the DuckDB file); kept for hosts.

@@ -71,20 +71,35 @@ class DirectoryDelivery:
     The run's folder is built under a temporary name in `root` and renamed
     into place, so it appears complete or not at all. Artifact names are
     confined to the folder: a name that climbs out of it (`../x`) is refused.
+    So is a run id that is not one plain folder name (empty, `.`, `..`, with a
+    `/`, a backslash or a control character): nothing is written for it. A
+    resumed run delivers again and replaces its folder, and only a folder that
+    resolves strictly inside `root` is ever removed.
     """
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
 
     async def deliver(self, result: Result) -> None:
-        """Write the run's folder in a worker thread."""
+        """Write the run's folder in a worker thread.
+
+        Raises:
+            DeliveryError: The run id is not one plain folder name, its folder
+                cannot be written, or an artifact's name leaves the folder.
+        """
         await trio.to_thread.run_sync(self._write, result)
 
     def _write(self, result: Result) -> None:
+        run_id = result.run_id
+        if (not isinstance(run_id, str) or run_id in ("", ".", "..") or "/" in run_id
+                or "\\" in run_id or not run_id.isprintable()):
+            raise DeliveryError(f"run id {run_id!r} is not a plain folder name: "
+                                f"nothing delivered to {self.root}")
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            final = self.root / result.run_id
-            tmp = Path(tempfile.mkdtemp(prefix=f".{result.run_id}.", dir=self.root))
+            root = self.root.resolve()
+            final = root / run_id
+            tmp = Path(tempfile.mkdtemp(prefix=f".{run_id}.", dir=root))
             try:
                 doc = json.dumps(result_document(result), default=str, indent=2)
                 (tmp / "result.json").write_text(doc + "\n")
@@ -98,13 +113,19 @@ class DirectoryDelivery:
                     if f.is_file():
                         with open(f, "rb") as fh:
                             os.fsync(fh.fileno())
-                if final.exists():  # a resumed run delivers again: replace the old folder
+                if final.exists() or final.is_symlink():
+                    # A resumed run delivers again: replace the old folder, but only
+                    # a real folder of this root (never a link out of it, never the
+                    # root or anything above it).
+                    if final.is_symlink() or final.resolve().parent != root:
+                        raise DeliveryError(f"{final} is not a folder inside {root}: "
+                                            "not replaced")
                     shutil.rmtree(final)
                 os.rename(tmp, final)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
-            dir_fd = os.open(self.root, os.O_RDONLY)
+            dir_fd = os.open(root, os.O_RDONLY)
             try:
                 os.fsync(dir_fd)
             finally:

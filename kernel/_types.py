@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import math
+import operator
 import os
 import time
 from collections.abc import Mapping
@@ -73,6 +74,12 @@ class RunInfo:
         channel_id: Where the request came from (a chat channel, a CI job, ...).
         parent_run_id: The run that started this one, for sub-runs.
         inputs: The run's inputs (JSON-serialisable), recorded in the audit.
+
+    Raises:
+        ConfigError: A `run_id` that is not one safe file name (ids name folders,
+            e.g. `DirectoryDelivery`'s): empty, `.` or `..`, containing `/`, a
+            backslash or an unprintable character (a control character, a line
+            break), or longer than `MAX_RUN_ID` characters.
     """
 
     name: str = ""
@@ -82,6 +89,42 @@ class RunInfo:
     channel_id: str = ""
     parent_run_id: str | None = None
     inputs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        rid = self.run_id
+        # One test for the usual id (a generated one: 32 hex digits); the rest is
+        # `run_id_problem`'s, only for an id that fails it.
+        if not (type(rid) is str and 2 < len(rid) <= MAX_RUN_ID and rid.isprintable()
+                and "/" not in rid and "\\" not in rid):
+            problem = run_id_problem(rid)
+            if problem is not None:
+                raise ConfigError(f"RunInfo.run_id {problem}")
+
+
+#: The longest run id `RunInfo` takes (a run id names files and folders).
+MAX_RUN_ID = 200
+
+
+def run_id_problem(run_id: object) -> str | None:
+    """What makes `run_id` unusable as a run id, as the end of a sentence; None if nothing.
+
+    A run id must be one safe path component: a non-empty string of at most
+    `MAX_RUN_ID` printable characters, not `.` or `..`, without `/` or a backslash.
+    """
+    if not isinstance(run_id, str):
+        return f"must be a string, got {type(run_id).__name__}"
+    if not run_id:
+        return "must not be empty"
+    if run_id in (".", ".."):
+        return f"must not be {run_id!r}"
+    if len(run_id) > MAX_RUN_ID:
+        return f"must be at most {MAX_RUN_ID} characters, got {len(run_id)}"
+    if "/" in run_id or "\\" in run_id:
+        return f"must not contain '/' or a backslash, got {run_id!r}"
+    if not run_id.isprintable():
+        return ("must not contain unprintable characters (control characters, line "
+                f"breaks), got {run_id!r}")
+    return None
 
 
 @dataclass(slots=True, frozen=True)
@@ -105,8 +148,9 @@ class Limits:
         dry_run: Simulate: the agent's `simulate(ctx)` is asked instead of `step(ctx)`.
 
     Raises:
-        ConfigError: A negative count, a bound that is not > 0, or any NaN or
-            infinite number (None, not infinity, means "no bound").
+        ConfigError: A count that is not a whole number >= 0 (a float, even 2.0, is
+            refused; `checkpoint_every_steps` >= 1), a bound that is not > 0, or any
+            NaN or infinite number (None, not infinity, means "no bound").
     """
 
     max_steps: int | None = 100
@@ -128,24 +172,24 @@ class Limits:
         for name in ("max_steps", "max_tool_calls", "max_input_tokens", "max_output_tokens",
                      "max_total_tokens"):
             value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ConfigError(f"Limits.{name} must be >= 0, got {value}")
-        for name in ("timeout", "soft_timeout", "tool_timeout", "max_cost_usd",
-                     "checkpoint_every_seconds", "poll_interval", "finalize_timeout"):
-            value = getattr(self, name)
-            if value is not None and not math.isfinite(value):
-                raise ConfigError(f"Limits.{name} must be a finite number, got {value}")
+            if value is not None and (type(value) is not int or value < 0):
+                _check_count("Limits", name, value, 0)
+        if type(self.checkpoint_every_steps) is not int or self.checkpoint_every_steps < 1:
+            _check_count("Limits", "checkpoint_every_steps", self.checkpoint_every_steps, 1)
         for name in ("timeout", "soft_timeout", "tool_timeout", "max_cost_usd"):
             value = getattr(self, name)
-            if value is not None and value <= 0:
+            if value is not None and not _positive(value):
+                _check_number("Limits", name, value)
                 raise ConfigError(f"Limits.{name} must be > 0 or None, got {value}")
-        if self.checkpoint_every_steps < 1 or self.checkpoint_every_seconds < 0:
-            raise ConfigError("Limits.checkpoint_every_steps must be >= 1 and "
-                              "checkpoint_every_seconds >= 0")
-        if self.poll_interval <= 0:
-            raise ConfigError(f"Limits.poll_interval must be > 0, got {self.poll_interval}")
-        if self.finalize_timeout <= 0:
-            raise ConfigError(f"Limits.finalize_timeout must be > 0, got {self.finalize_timeout}")
+        value = self.checkpoint_every_seconds
+        if not (_finite(value) and value >= 0):
+            _check_number("Limits", "checkpoint_every_seconds", value)
+            raise ConfigError(f"Limits.checkpoint_every_seconds must be >= 0, got {value}")
+        for name in ("poll_interval", "finalize_timeout"):
+            value = getattr(self, name)
+            if not _positive(value):
+                _check_number("Limits", name, value)
+                raise ConfigError(f"Limits.{name} must be > 0, got {value}")
 
 
 @dataclass(slots=True, frozen=True)
@@ -158,6 +202,10 @@ class UsageLimits:
     step ceiling, status `max_steps`) and `Limits.timeout` (the backstop,
     status `timeout`), `max_steps` and `max_runtime_seconds` here are budget
     caps: running out of them is `budget_exceeded`.
+
+    Raises:
+        ConfigError: A count that is not a whole number >= 0, or an amount that is
+            negative, NaN or infinite (0 is a cap: nothing left; None is no cap).
     """
 
     max_steps: int | None = None
@@ -167,6 +215,58 @@ class UsageLimits:
     max_total_tokens: int | None = None
     max_cost_usd: float | None = None
     max_runtime_seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_steps", "max_tool_calls", "max_input_tokens", "max_output_tokens",
+                     "max_total_tokens"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value < 0):
+                _check_count("UsageLimits", name, value, 0)
+        for name in ("max_cost_usd", "max_runtime_seconds"):
+            value = getattr(self, name)
+            # 0 is a cap (a budget used up), not "no cap": only None is.
+            if value is not None and not (_finite(value) and value >= 0):
+                _check_number("UsageLimits", name, value)
+                raise ConfigError(f"UsageLimits.{name} must be >= 0 or None, got {value}")
+
+
+def _check_count(owner: str, name: str, value: object, least: int) -> None:
+    """Raise `ConfigError` unless `value` is a whole number >= `least` (an `int`, or
+    anything with `__index__` but a bool: never a float, even 2.0, as the spec reader)."""
+    if not isinstance(value, bool) and not isinstance(value, float):
+        try:
+            number = operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            pass
+        else:
+            if number >= least:
+                return
+    raise ConfigError(f"{owner}.{name} must be a whole number >= {least}"
+                      f"{'' if least else ' or None'}, got {value!r}")
+
+
+def _check_number(owner: str, name: str, value: object) -> None:
+    """Raise `ConfigError` unless `value` is a finite real number."""
+    if not _finite(value):
+        shown = value if isinstance(value, (int, float)) else repr(value)
+        raise ConfigError(f"{owner}.{name} must be a finite number, got {shown}")
+
+
+def _finite(value: object) -> bool:
+    """True for a real number (not a bool) that is neither NaN nor infinite."""
+    if type(value) is float:
+        return value - value == 0.0  # False for NaN and for either infinity
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+def _positive(value: object) -> bool:
+    """True for a finite real number > 0."""
+    return _finite(value) and value > 0  # type: ignore[operator]
 
 
 @dataclass(slots=True, frozen=True)

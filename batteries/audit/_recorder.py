@@ -11,6 +11,8 @@ when its recorder is made, each payload as it is encoded, the roll-up at close.
 
 from __future__ import annotations
 
+import math
+import operator
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
@@ -29,6 +31,34 @@ _KEY_LINES = 200
 
 if TYPE_CHECKING:
     from batteries.store import Journal
+
+
+#: The range of a store's integer column (SQLite's and PostgreSQL's BIGINT).
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _int64(value: Any) -> int | None:
+    """`value` as an integer a store can keep; None (NULL) for anything else."""
+    if type(value) is not int:
+        if isinstance(value, (bool, float)):
+            return None
+        try:
+            value = operator.index(value)
+        except TypeError:
+            return None
+    return value if _INT64_MIN <= value <= _INT64_MAX else None
+
+
+def _real(value: Any) -> float | None:
+    """`value` as a finite float; None (NULL) for NaN, an infinity or a non-number."""
+    if type(value) is not float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return None
+        try:
+            value = float(value)
+        except OverflowError:  # an int too large for a float
+            return None
+    return value if math.isfinite(value) else None
 
 
 class RecorderHost(Protocol):
@@ -174,6 +204,11 @@ class DuckDBRecorder:
                   payload: Mapping[str, Any] | None = None, duration_ms: float | None = None,
                   iteration: int | None = None) -> None:
         """Buffer any event (tool_start, steer, critic, checkpoint, adapter kinds, ...)."""
+        if iteration is not None and (type(iteration) is not int
+                                      or not _INT64_MIN <= iteration <= _INT64_MAX):
+            iteration = _int64(iteration)  # (from a host: one a store cannot keep is NULL)
+        if duration_ms is not None and type(duration_ms) is not float:
+            duration_ms = _real(duration_ms)
         self._add(kind, name, self._encode(payload) if payload else EMPTY, duration_ms,
                   iteration)
 
@@ -205,7 +240,9 @@ class DuckDBRecorder:
         if text is None:
             text = self._encode({"status": status, "reason": stats.reason,
                                  "error": stats.error})
-        self._add("run_end", status, text, stats.runtime_seconds * 1000, None, force=True)
+        runtime = _real(stats.runtime_seconds)
+        self._add("run_end", status, text, None if runtime is None else _real(runtime * 1000),
+                  None, force=True)
         cap = self.audit.max_output_bytes
         redactor = self.audit.redactor
         inside = self.key_lines > 0  # the run ended inside a private key: its lines may be here
@@ -219,10 +256,15 @@ class DuckDBRecorder:
         error = None if stats.error is None else tail(redact(stats.error), cap)[0]
         reason = None if stats.reason is None else redact(stats.reason)
         usage = stats.usage
-        return (self.run_id, time.time_ns() // 1000, status, output, error, stats.steps,
-                stats.tool_calls, stats.runtime_seconds, usage.input_tokens,
-                usage.output_tokens, usage.thinking_tokens, usage.cost_usd, reason,
-                stats.exit_code, truncated)
+        # Every number as a store can keep it (an integer in int64, a finite float),
+        # else NULL: one run's impossible count must not fail the transaction that
+        # carries other runs' rows (the kernel refuses such usage from agents; a
+        # recorder is also driven by hosts directly).
+        return (self.run_id, time.time_ns() // 1000, status, output, error,
+                _int64(stats.steps), _int64(stats.tool_calls), runtime,
+                _int64(usage.input_tokens), _int64(usage.output_tokens),
+                _int64(usage.thinking_tokens), _real(usage.cost_usd), reason,
+                _int64(stats.exit_code), truncated)
 
     async def close(self, stats: RunStats) -> None:
         """Buffer `run_end` and the run's roll-up, then wait until the run's rows are durable.
