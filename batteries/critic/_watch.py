@@ -400,7 +400,13 @@ class WatchHandle:
         if self._stopped or kind.startswith(_ECHO_PREFIX):
             return
         if kind in (MODEL_REQUEST, MODEL_TOKEN):
+            fresh = self._model_since is None
             self._model_since = self._progress()
+            if fresh and self._wake is not None:
+                # A request's bound (`model_timeout`) may fall before the look the
+                # watcher planned (the idle clock): have it look, and plan again.
+                self._dirty = True
+                self._wake()
             return
         if kind == MODEL_REPLY:
             self._model_since = None

@@ -326,6 +326,21 @@ class TestInFlight:
         assert result.runtime_seconds == 30
         assert names(audit, result.run_id) == [("kill", MODEL_TIMEOUT)]
 
+    async def test_a_model_bound_shorter_than_the_idle_clock_fires_on_time(
+            self, autojump_clock: trio.abc.Clock) -> None:
+        """The request's start wakes the watcher: its bound (3 s) is sooner than the look it
+        had planned (the idle clock, 60 s), and a hung call is caught at 3 s, not at 60."""
+        async def turn(ctx: RunContext) -> Step:
+            await trio.sleep(1)
+            ctx.activity("model_request")
+            await trio.sleep_forever()
+            raise AssertionError("unreachable")
+
+        policy = CriticPolicy(idle_timeout=60, grace=1, soft_timeout=None, model_timeout=3)
+        result, _, _ = await run(ScriptedAgent(then=turn), policy)
+        assert result.status is Status.KILLED and result.reason == MODEL_TIMEOUT
+        assert result.runtime_seconds == 4
+
     async def test_streamed_tokens_keep_a_model_call_alive(
             self, autojump_clock: trio.abc.Clock) -> None:
         async def turn(ctx: RunContext) -> Step:
