@@ -293,6 +293,16 @@ class LoopAgent:
             ctx.event("loop_resumed", name=self.current,
                       payload={"state": self.current, "iteration": self.iteration})
             return None
+        if isinstance(resumed, Mapping) and isinstance(resumed.get("state"), str):
+            # Saved in a state this loop file no longer has (or under another loop's
+            # name): starting over would run finished, side-effecting states again.
+            where = resumed["state"]
+            why = (f"the loop is now named {self.spec.name!r}, not {resumed.get('loop')!r}"
+                   if resumed.get("loop") != self.spec.name
+                   else f"the loop file no longer has state {where!r}")
+            return Step(final=True, name="resume", error=(
+                f"cannot resume in state {where!r}: {why} (the file was edited since the "
+                "run was interrupted); nothing was run again"))
         return self._settle(ctx)
 
     def _settle(self, ctx: RunContext) -> Step | None:

@@ -586,3 +586,33 @@ class TestResume:
         enters = events(audit, result.run_id, "state_enter")
         assert [e.payload["iteration"] for e in enters] == [3, 4, 5]
         assert events(audit, result.run_id, "loop_resumed")
+
+    async def test_a_loop_edited_since_its_checkpoint_is_not_run_again_from_the_start(
+            self, tmp_path: Path, autojump_clock: trio.abc.Clock) -> None:
+        """The saved state is gone from the edited file: the run ends `error` saying so, and
+        no state runs again (starting over would repeat finished side effects)."""
+        text = """
+            initial: count
+            states:
+              count:
+                evaluate: {type: output_numeric, source: "${state.iteration}", operator: ge,
+                           target: 5}
+                on_yes: done
+                on_no: $current
+              done: {terminal: true}
+        """
+        spec = spec_of(tmp_path, text)
+        saver = RecordingCheckpointer()
+        info = RunInfo(name="resumable")
+        first, _, _ = await run(spec, ports=Ports(checkpointer=saver), info=info,
+                                limits=Limits(max_steps=2))
+        assert first.status is Status.MAX_STEPS
+        checkpoint = saver.saves[-1]
+        edited = spec_of(tmp_path, text.replace("count", "tally"))
+        result, audit, _ = await run(edited, resume=checkpoint,
+                                     info=RunInfo(name="resumable", run_id=info.run_id))
+        assert result.status is Status.ERROR
+        assert result.error == (
+            "cannot resume in state 'count': the loop file no longer has state 'count' (the "
+            "file was edited since the run was interrupted); nothing was run again")
+        assert events(audit, result.run_id, "state_enter") == []
