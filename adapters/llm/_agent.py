@@ -203,6 +203,11 @@ class LLMAgent:
         payload = {"model": self.model, "finish_reason": comp.finish_reason,
                    "calls": [c.name for c in comp.tool_calls]}
         text = comp.content or ""
+        if not comp.tool_calls and comp.refusal is not None and not text.strip():
+            # Declined: an answer of its own kind, not an empty one to ask again for.
+            return Step(output=comp.refusal, final=True, usage=usage, name="turn",
+                        payload={**payload, "refusal": comp.refusal[:4000]},
+                        error=f"the model refused: {comp.refusal[:500]}")
         if not comp.tool_calls:
             if text.strip():
                 self._empty = 0
@@ -224,8 +229,10 @@ class LLMAgent:
                 self._reject(ctx, c)
             else:
                 calls.append(ToolCall(c.name, c.args, c.id))
+        # A turn whose every call was rejected (arguments not JSON) still called tools:
+        # it is not an empty answer, and the model is told why each was not run.
         return Step(output=comp.content, tool_calls=calls, usage=usage, name="turn",
-                    payload=payload, message=text)
+                    payload=payload, message=text if calls or text.strip() else None)
 
     async def simulate(self, ctx: RunContext) -> str:
         """What a dry run reports: the model, the endpoint, the tools and the prompt."""

@@ -48,6 +48,7 @@ class Completion:
         input_tokens, output_tokens, thinking_tokens: From `usage`; reasoning
             tokens are split out of `completion_tokens` so totals are not doubled.
         model: The model that answered, as the server names it.
+        refusal: The model's refusal, when it declined to answer (`message.refusal`).
     """
 
     message: dict[str, Any]
@@ -58,6 +59,7 @@ class Completion:
     output_tokens: int = 0
     thinking_tokens: int = 0
     model: str | None = None
+    refusal: str | None = None
 
 
 def parse_completion(data: dict[str, Any], source: str) -> Completion:
@@ -84,18 +86,20 @@ def parse_completion(data: dict[str, Any], source: str) -> Completion:
     content = _content(message.get("content"), source)
     calls = _tool_calls(message.get("tool_calls"), source)
     finish = choice.get("finish_reason")
+    refusal = message.get("refusal")
+    refusal = refusal if isinstance(refusal, str) and refusal.strip() else None
     stored: dict[str, Any] = {"role": "assistant", "content": content}
     if calls:
         stored["tool_calls"] = [
             {"id": c.id, "type": "function",
              "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
-    elif content is None:
+    elif content is None and refusal is None:
         raise MalformedResponse(f"malformed response from {source}: the message has neither "
                                 f"content nor tool_calls (finish_reason={finish!r})")
     inp, out, think = _usage(data.get("usage"))
     model = data.get("model")
     return Completion(stored, content, calls, finish if isinstance(finish, str) else None,
-                      inp, out, think, model if isinstance(model, str) else None)
+                      inp, out, think, model if isinstance(model, str) else None, refusal)
 
 
 def _kind(value: Any) -> str:

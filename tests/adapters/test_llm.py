@@ -433,6 +433,39 @@ class TestLLMAgentRun:
             "error: tool 'read_file' not run: arguments are not valid JSON")
         assert "tool_rejected" in audit.kinds(result.run_id)
 
+    async def test_rejected_calls_are_not_an_empty_answer(self, chat_server: ChatServer,
+                                                          tmp_path: Path) -> None:
+        """A turn whose calls were all rejected (arguments not JSON) called tools: the real
+        critic neither nudges it as an empty answer nor kills it `empty_answer`."""
+        from batteries.critic import WatchCritic
+
+        bad = completion(None, call("c1", "read_file", '{"path": "a.txt"'))
+        chat_server.script(bad, bad, bad, completion("done at last"))
+        audit = MemoryAudit()
+        result = await Kernel(Ports(audit=audit, critic=WatchCritic())).run(
+            make_agent(chat_server, tmp_path), RunInfo(), FAST)
+        assert result.status is Status.OK and result.output == "done at last"
+        critic = [e.payload for e in audit.events(result.run_id) if e.kind == "critic"]
+        assert not any(p.get("reason") == "empty_answer" for p in critic), critic
+        assert audit.kinds(result.run_id).count("tool_rejected") == 3
+
+    @pytest.mark.parametrize("content", [None, ""])
+    async def test_a_refusal_ends_the_run_error_with_its_text(
+            self, chat_server: ChatServer, tmp_path: Path, content: str | None) -> None:
+        """A model that declines (`message.refusal`) ends `error` saying so: not a malformed
+        response, not an empty answer asked again, and its text is kept."""
+        refused = completion(content)
+        refused["choices"][0]["message"]["refusal"] = "I cannot help with that."
+        refused["choices"][0]["finish_reason"] = "content_filter" if content == "" else "stop"
+        chat_server.script(refused)
+        audit = MemoryAudit()
+        result = await Kernel(Ports(audit=audit)).run(make_agent(chat_server, tmp_path),
+                                                      RunInfo(), FAST)
+        assert result.status is Status.ERROR
+        assert result.error == "the model refused: I cannot help with that."
+        assert result.output == "I cannot help with that."
+        assert len(chat_server.requests) == 1
+
     async def test_tool_failures_reach_the_model(self, chat_server: ChatServer,
                                                  tmp_path: Path) -> None:
         """An unknown tool and a refused path come back to the model as error tool messages."""
