@@ -774,6 +774,12 @@ class _Run:
                                     f"{len(step.tool_calls)} more asked)",
                               reason="max_tool_calls")
                     return
+                if self.checkpointer is not None:
+                    # The turn that asked for the tools is saved before they run: a
+                    # run interrupted while they run resumes knowing it asked (its
+                    # agent can say they were interrupted), instead of asking again
+                    # for tools that may already have had their effect.
+                    await self.maybe_checkpoint(force=True, counts=False)
                 ctx.tool_results = await self.run_tools(step.tool_calls, iteration)
                 if self.status is not None:
                     return
@@ -863,7 +869,9 @@ class _Run:
         if self.checkpointer is not None and not self.limits.dry_run:
             await self.maybe_checkpoint(force=True)
 
-    async def maybe_checkpoint(self, *, force: bool = False) -> None:
+    async def maybe_checkpoint(self, *, force: bool = False, counts: bool = True) -> None:
+        """Save if one is due (or `force`); `counts`: the save resets the interval
+        (not for the save before a step's tools, which the step's own save follows)."""
         lim = self.limits
         now = self.now()
         due = self.steps - self.last_save_steps >= lim.checkpoint_every_steps and (
@@ -885,7 +893,8 @@ class _Run:
         except Exception as exc:
             self.fault("checkpointer", "save", exc)
             return
-        self.last_save_steps, self.last_save_time = self.steps, now
+        if counts:
+            self.last_save_steps, self.last_save_time = self.steps, now
         self.log_event("checkpoint", payload={"steps": self.steps}, iteration=self.steps - 1)
 
     async def dry_run(self) -> None:

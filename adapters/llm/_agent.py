@@ -42,8 +42,9 @@ _STATE_VERSION = 1
 #: Empty replies in a row (no text, no tool call) after which the run ends `killed`
 #: `empty_answer` even without a critic (the critic nudges at the first).
 _EMPTY_LIMIT = 3
-_INTERRUPTED = ("error: the run was interrupted before this tool call's result was saved; "
-                "call the tool again if you still need it")
+_INTERRUPTED = ("error: the run was interrupted while this tool call was running, before its "
+                "result was saved: it may have run, in part or in whole; check its effects "
+                "before calling it again")
 
 
 @dataclass(slots=True, frozen=True)
@@ -243,11 +244,18 @@ class LLMAgent:
     def snapshot(self) -> dict[str, Any]:
         """The checkpoint state: the conversation, with the latest tool results answered."""
         messages = _plain(self.messages)
-        if self._ctx is not None and _open_calls(messages):
+        open_calls = _open_calls(messages) if self._ctx is not None else []
+        if self._ctx is not None and open_calls:
             # The kernel saves after running a step's tools, before the next
             # step appends their results: put them in now, or a resumed run
-            # would lose them.
-            messages.extend(self._tool_messages(messages[-1], self._ctx.tool_results))
+            # would lose them. It also saves before running them (the results
+            # then are the last step's): the calls stay open, and a run resumed
+            # from there is told they were interrupted (`_INTERRUPTED`).
+            results = self._ctx.tool_results
+            ids = {c.get("id") for c in open_calls}
+            if any(r.call.id in ids for r in results) or not any(
+                    isinstance(c.get("id"), str) and c.get("id") for c in open_calls):
+                messages.extend(self._tool_messages(messages[-1], results))
         return {"version": _STATE_VERSION, "model": self.model, "messages": messages}
 
     # ------------------------------------------------------------- internals

@@ -533,6 +533,42 @@ class TestLLMAgentRun:
         assert chat_server.messages(1) == saved.state["messages"]
         assert second.steps == 2
 
+    async def test_a_run_interrupted_during_its_tools_resumes_told_so(
+            self, chat_server: ChatServer, tmp_path: Path) -> None:
+        """The turn that asked for a tool is saved before the tool runs: interrupted there,
+        the resumed run sends that turn with the call answered as interrupted (it may have
+        run), and does not ask the model to make the call anew."""
+        ran: list[str] = []
+        started = trio.Event()
+
+        async def charge(card: str) -> str:
+            """Charge the card."""
+            ran.append(card)
+            started.set()
+            await trio.sleep_forever()
+            return "charged"
+
+        chat_server.script(completion(None, call("c1", "charge", {"card": "4242"})),
+                           completion("checked: it was charged once"))
+        cp = RecordingCheckpointer()
+        info = RunInfo(name="charge once")
+        async with trio.open_nursery() as nursery:
+            async def first() -> None:
+                await Kernel(Ports(checkpointer=cp)).run(
+                    make_agent(chat_server, tmp_path, tools=[charge]), info, FAST)
+            nursery.start_soon(first)
+            with trio.fail_after(30):
+                await started.wait()
+            nursery.cancel_scope.cancel()
+        saved = cp.saves[-1]
+        assert saved.state["messages"][-1]["tool_calls"][0]["id"] == "c1"
+        second = await Kernel(Ports(checkpointer=cp)).run(
+            make_agent(chat_server, tmp_path, tools=[charge]), info, FAST, resume=saved)
+        assert second.status is Status.OK and ran == ["4242"]
+        sent = chat_server.messages(1)
+        assert [m["role"] for m in sent][-2:] == ["assistant", "tool"]
+        assert sent[-1]["tool_call_id"] == "c1" and "may have run" in sent[-1]["content"]
+
     async def test_pooled_client_reuses_one_connection_pool(self, chat_server: ChatServer,
                                                             tmp_path: Path) -> None:
         """Opened as a context manager, the agent keeps its client across turns and closes it."""
