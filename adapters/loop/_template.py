@@ -364,6 +364,9 @@ _DECLARERS = {"declare", "local", "typeset", "readonly", "export"}
 _PREFIX_WORDS = {"!", "then", "do", "else", "elif", "if", "while", "until", "time", "{", "}",
                  "command", "builtin"}
 _ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\[[^]]*\])?\+?=")
+_READ_VALUE_OPTIONS = {"-d", "-i", "-n", "-N", "-p", "-t", "-u"}
+_NAME_PART = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_NAME = re.compile(r"\s*[A-Za-z_][A-Za-z0-9_]*\s*", re.ASCII)
 _SUBSCRIPTED = re.compile(r"(?:^|[\s;&|(])[A-Za-z_][A-Za-z0-9_]*$")
 _INTEGER = re.compile(r"\s*[-+]?[0-9]+\s*", re.ASCII)
 
@@ -380,11 +383,15 @@ class Hole:
             `a[$(cmd)]` would run `cmd`.
         body: For a quoted heredoc ("heredoc_q"), which body it is in (an index
             into `Scan.bodies`).
+        name: True when bash reads the text there as a variable's name (`[[ -v ]]`,
+            `test -v`, `printf -v`, `read`, `unset`, a `declare`/`local`/`export`
+            name, `declare -n`'s target), where `a[$(cmd)]` would run `cmd` too.
     """
 
     kind: str
     arith: bool = False
     body: int | None = None
+    name: bool = False
 
 
 def shell_contexts(segments: list[Segment]) -> list[str]:
@@ -483,7 +490,46 @@ class _Scanner:
                     for f in self.stack)
         if not arith:
             arith = self._arith_word(i)
-        return Hole(kind, arith)
+        return Hole(kind, arith, name=not arith and self._name_word(i))
+
+    def _name_word(self, i: int) -> bool:
+        """A hole where bash reads a variable's name (and evaluates its subscript)."""
+        for frame in reversed(self.stack):
+            if frame[0] == "cond":
+                before = self.text[frame[2]:i].split()
+                return bool(before) and before[-1] in ("-v", "-R") and \
+                    self.text[i - 1:i].isspace()
+            if frame[0] in _CODE:
+                return self._name_argument(frame[2], i)
+            if frame[0] not in ("dq", "sq", "ansi", "param"):
+                return False
+        return False
+
+    def _name_argument(self, start: int, i: int) -> bool:
+        left = self.text[start:i]
+        words = left.split()
+        while words and (words[0] in _PREFIX_WORDS or _ASSIGNMENT.match(words[0])):
+            words.pop(0)
+        if not words:
+            return False
+        at_start = not left or left[-1].isspace()  # the hole starts a word
+        word = "" if at_start else words[-1]  # the part of its word before the hole
+        prev = words[-1] if at_start else (words[-2] if len(words) > 1 else "")
+        if word and not word.lstrip("\"'"):  # only an opening quote: it starts the word
+            at_start, word = True, ""
+        cmd, args = words[0], words[1:] if at_start else words[1:-1]
+        if cmd in ("printf", "test", "[") and prev == "-v" and at_start:
+            return True
+        if cmd == "unset" and at_start:
+            return True
+        if cmd == "read" and at_start:
+            return prev not in _READ_VALUE_OPTIONS
+        if cmd in _DECLARERS:
+            if "=" not in word:  # the name, before any `=`
+                return at_start or _NAME_PART.fullmatch(word) is not None
+            return word.endswith("=") and any(
+                a.startswith("-") and "n" in a[1:] for a in args)  # `declare -n ref=TARGET`
+        return False
 
     def _arith_word(self, i: int) -> bool:
         """A hole in a `[[` numeric test, or an argument of `let` / `declare -i`."""
@@ -603,7 +649,8 @@ class _Scanner:
         if kind == "subs" and ch == "[":
             frame[1] += 1
             return i + 1
-        if ch == "[" and kind in _CODE and self._assigns_subscript(i):
+        if ch == "[" and kind in _CODE and (self._assigns_subscript(i)
+                                            or self._compound_subscript(i)):
             self.stack.append(["subs", 1, i])
             return i + 1
         if ch == "#" and self._word_start(i):
@@ -623,6 +670,13 @@ class _Scanner:
     def _assigns_subscript(self, i: int) -> bool:
         """`name[...]=` or `name[...]+=`: the subscript of an indexed array assignment."""
         if not _SUBSCRIPTED.search(self.text[max(0, i - 200):i]):
+            return False
+        close = self.text.find("]", i)
+        return close > 0 and self.text.startswith(("=", "+="), close + 1)
+
+    def _compound_subscript(self, i: int) -> bool:
+        """`([...]=value ...)`: a subscript in an array's compound assignment."""
+        if i == 0 or self.text[i - 1] not in "( \t\n":
             return False
         close = self.text.find("]", i)
         return close > 0 and self.text.startswith(("=", "+="), close + 1)
@@ -747,6 +801,11 @@ def render_shell(template: str, ns: Namespaces, *, checked: bool = True) -> Shel
             raise UnsafeValue(
                 f"{seg.source} stands where bash evaluates arithmetic, and its value "
                 f"{_excerpt(value)} is not a plain integer; the action was not run")
+        if checked and hole.name and not _NAME.fullmatch(value):
+            raise UnsafeValue(
+                f"{seg.source} stands where bash reads a variable's name (and evaluates "
+                f"its subscript), and its value {_excerpt(value)} is not a plain name; "
+                "the action was not run")
         var = f"{ENV_PREFIX}{len(env) + 1}"
         env[var] = value
         command.append(_REFERENCE[context].format(var))

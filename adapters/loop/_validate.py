@@ -386,6 +386,13 @@ class _Checker:
                    "stands where bash evaluates arithmetic: a value that is not a plain "
                    "integer stops the run before the action runs")
             self.add("warning", where, f"{ph.source} {how}")
+        elif shell and spot.name:
+            how = ("is pasted unquoted (:raw) where bash reads a variable's name, which "
+                   "runs a value like a[$(cmd)]" if ph.raw else
+                   "stands where bash reads a variable's name (and evaluates its "
+                   "subscript): a value that is not a plain name stops the run before the "
+                   "action runs")
+            self.add("warning", where, f"{ph.source} {how}")
         fallback = ph.default is not None or ph.optional
         head = ph.path[0]
         if ph.namespace == "param":

@@ -281,7 +281,49 @@ ARITHMETIC = [
     "for (( i = 0; i < ${context.x}; i++ )); do :; done; echo $i",
     "cat <<EOF\n$(( ${context.x} + 1 ))\nEOF",
     "echo $(echo $(( ${context.x} )))",
+    "arr=([${context.x}]=1); echo $${arr[@]}",
+    "declare -a arr=([${context.x}]=1 [2]=2); echo $${arr[@]}",
 ]
+
+#: Where bash reads a value as a variable's name, and so evaluates its subscript.
+NAMES = [
+    "[[ -v ${context.x} ]] && echo set; echo done",
+    "test -v ${context.x} && echo set; echo done",
+    "[ -v ${context.x} ] && echo set; echo done",
+    "printf -v ${context.x} hi; echo done",
+    'printf -v "${context.x}" hi; echo done',
+    "read ${context.x} <<< hi; echo done",
+    "read -r -a ${context.x} <<< hi; echo done",
+    'declare "${context.x}=1"; echo done',
+    "declare -n ref=${context.x}; echo $${ref}",
+    "local_f() { local ${context.x}=1; echo done; }; local_f",
+    "unset ${context.x}; echo done",
+]
+
+
+class TestNames:
+    @pytest.mark.parametrize("template", NAMES)
+    def test_a_value_that_is_not_a_name_never_reaches_bash(self, tmp_path: Path,
+                                                           template: str) -> None:
+        """`a[$(touch INJECTED)]` where bash reads a name is refused before bash sees it."""
+        assert tpl.shell_holes(tpl.parse(template))[0].name
+        with pytest.raises(tpl.UnsafeValue, match="not a plain name"):
+            tpl.render_shell(template, namespaces(context={"x": ARITH_PAYLOAD}))
+
+    @pytest.mark.realtime
+    @pytest.mark.parametrize("template", NAMES)
+    def test_a_plain_name_works(self, tmp_path: Path, template: str) -> None:
+        cmd = tpl.render_shell(template, namespaces(context={"x": "my_var"}))
+        got = subprocess.run(["bash", "-c", cmd.command], cwd=tmp_path, capture_output=True,
+                             text=True, timeout=10, env={**os.environ, **cmd.env})
+        assert got.returncode == 0, got.stderr
+
+    @pytest.mark.parametrize("template", [
+        "read -p ${context.x} y <<< hi", "declare x=${context.x}", "export X=${context.x}",
+        "printf %s ${context.x}", "git commit -m ${context.x}", "echo [${context.x}]"])
+    def test_values_there_are_not_names(self, template: str) -> None:
+        hole = tpl.shell_holes(tpl.parse(template))[0]
+        assert not hole.name and not hole.arith
 
 
 class TestArithmetic:

@@ -232,6 +232,10 @@ class TestWarnings:
          "  b: {terminal: true}\n", "inserted unquoted (:raw)"),
         ("initial: a\nstates:\n  a: {action: 'echo $(( ${env.N} + 1 ))', next: b}\n"
          "  b: {terminal: true}\n", "evaluates arithmetic"),
+        ("initial: a\nstates:\n  a: {action: 'printf -v ${env.N} hi', next: b}\n"
+         "  b: {terminal: true}\n", "reads a variable's name"),
+        ("initial: a\nstates:\n  a: {action: 'arr=([${env.N}]=1)', next: b}\n"
+         "  b: {terminal: true}\n", "evaluates arithmetic"),
         ("initial: a\nstates:\n  a: {action: ls}\n", "no transition out"),
         ("initial: a\nstates:\n  a: {action: ls, max_retries: 2, on_yes: a}\n",
          "max_retries without on_retry_exhausted"),
