@@ -19,6 +19,7 @@ step and every output line as activity.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -664,8 +665,13 @@ class LoopAgent:
         assert spec is not None
         operator = spec.operator or "eq"
         if kind == "output_contains":
-            return ev.output_contains(text, tpl.render(spec.pattern or "", ns),
-                                      negate=spec.negate, error_patterns=spec.error_patterns)
+            # In a worker thread: a pattern that backtracks badly on this output would
+            # otherwise hold the trio thread, and with it the deadline and the signals
+            # (an abandoned search is left to finish on its own).
+            return await trio.to_thread.run_sync(
+                functools.partial(ev.output_contains, text, tpl.render(spec.pattern or "", ns),
+                                  negate=spec.negate, error_patterns=spec.error_patterns),
+                abandon_on_cancel=True)
         if kind == "output_numeric":
             return ev.output_numeric(text, operator, self._param(spec.target, ns))
         if kind == "output_json":

@@ -616,3 +616,23 @@ class TestResume:
             "cannot resume in state 'count': the loop file no longer has state 'count' (the "
             "file was edited since the run was interrupted); nothing was run again")
         assert events(audit, result.run_id, "state_enter") == []
+
+
+class TestSlowEvaluators:
+    async def test_a_backtracking_pattern_does_not_hold_the_deadline(
+            self, tmp_path: Path, autojump_clock: trio.abc.Clock) -> None:
+        """`output_contains` matches in a worker thread: a pattern that takes seconds on this
+        output leaves the trio thread free, and the run's deadline ends it on time (virtual
+        time moves on while the thread works; on the trio thread it could not)."""
+        spec = spec_of(tmp_path, """
+            initial: check
+            states:
+              check:
+                evaluate: {type: output_contains, source: "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa!",
+                           pattern: '^(a|aa)+$'}
+                on_yes: done
+                on_no: done
+              done: {terminal: true}
+        """)
+        result, _, _ = await run(spec, limits=Limits(timeout=600, max_steps=10))
+        assert result.status is Status.TIMEOUT
