@@ -212,6 +212,12 @@ class LLMAgent:
         if not comp.tool_calls:
             if text.strip():
                 self._empty = 0
+                if comp.finish_reason == "length":
+                    # A final answer cut short: still the answer, but said so in the
+                    # run's timeline (`kernel show`).
+                    ctx.event("warning", payload={
+                        "message": "the answer was cut at the model's length limit "
+                                   "(finish_reason=length): it may be incomplete"})
                 return Step(output=text, final=True, usage=usage, name="turn",
                             payload=payload, message=text)
             # An empty reply is not an answer: show it to the critic (which nudges,

@@ -449,6 +449,21 @@ class TestLLMAgentRun:
         assert not any(p.get("reason") == "empty_answer" for p in critic), critic
         assert audit.kinds(result.run_id).count("tool_rejected") == 3
 
+    async def test_an_answer_cut_at_the_length_limit_is_flagged(
+            self, chat_server: ChatServer, tmp_path: Path) -> None:
+        """finish_reason=length: the run is ok with the text it got, and a warning says the
+        answer may be incomplete."""
+        cut = completion("The three steps are: first, ")
+        cut["choices"][0]["finish_reason"] = "length"
+        chat_server.script(cut)
+        audit = MemoryAudit()
+        result = await Kernel(Ports(audit=audit)).run(make_agent(chat_server, tmp_path),
+                                                      RunInfo(), FAST)
+        assert result.status is Status.OK
+        [warning] = [e.payload["message"] for e in audit.events(result.run_id)
+                     if e.kind == "warning"]
+        assert "length limit" in warning
+
     @pytest.mark.parametrize("content", [None, ""])
     async def test_a_refusal_ends_the_run_error_with_its_text(
             self, chat_server: ChatServer, tmp_path: Path, content: str | None) -> None:
