@@ -182,6 +182,9 @@ class LoopAgent:
         self.captured: dict[str, Any] = {}
         #: The failure terminal the run ended in, if it did.
         self.failure_terminal: str | None = None
+        # The loop files of the runs above this one (a sub-loop chosen at run time
+        # must not be one of them: the file check sees only the static ones).
+        self.ancestors: tuple[str, ...] = ()
         self.prev: dict[str, Any] | None = None
         self.retries: dict[str, int] = {}
         self.prev_state: str | None = None
@@ -759,12 +762,19 @@ class LoopAgent:
                 raise _Fatal(f"sub-loop {st.loop}: {exc}") from None
             if "run_dir" in self.context:
                 context.setdefault("run_dir", self.context["run_dir"])
+        chain = (*self.ancestors, _resolved(self.spec.path))
+        target = _resolved(child_spec.path)
+        if target and target in chain:
+            names = " -> ".join(Path(p).name for p in (*chain[chain.index(target):], target))
+            raise _Fatal(f"sub-loops form a cycle: {names} (state {st.name!r} chose it at "
+                         "run time)")
         child = LoopAgent(
             child_spec, context=context, judge=self.judge, scenario=self.scenario, ask=self.ask,
             cwd=self.cwd, env=self.env, prompt_command=self.prompt_command,
             mcp_command=self.mcp_command, on_line=self.on_line,
             max_output_bytes=self.max_output_bytes, max_line_events=self.max_line_events,
             grace=self.grace, on_output=self.on_output)
+        child.ancestors = chain
         end = await self._mode.subloop(self, st, child, ctx)
         verdict, terminated_by, child_error = end.verdict, end.terminated_by, end.error
         if (st.context_passthrough or st.with_) and child.captured:
@@ -1015,3 +1025,8 @@ def _int(value: Any) -> int:
 
 def _mapping(value: Any) -> Mapping[Any, Any]:
     return value if isinstance(value, Mapping) else {}
+
+
+def _resolved(path: str) -> str:
+    """A loop file's path as one spelling (cycles are found by comparing them)."""
+    return str(Path(path).resolve()) if path else ""

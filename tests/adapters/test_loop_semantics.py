@@ -636,3 +636,26 @@ class TestSlowEvaluators:
         """)
         result, _, _ = await run(spec, limits=Limits(timeout=600, max_steps=10))
         assert result.status is Status.TIMEOUT
+
+
+class TestRunTimeSubloops:
+    @pytest.mark.realtime
+    async def test_a_loop_that_chooses_itself_at_run_time_is_a_cycle(
+            self, tmp_path: Path) -> None:
+        """A sub-loop chosen from a captured value is checked against the running chain:
+        choosing an ancestor ends the run error at once, not ~100 levels deep."""
+        spec = spec_of(tmp_path, """
+            initial: a
+            states:
+              a: {action: echo loop.yaml, capture: chosen, next: b}
+              b:
+                loop: "${captured.chosen.output}"
+                on_yes: done
+                on_no: done
+              done: {terminal: true}
+        """)
+        with trio.fail_after(60):
+            result, audit, _ = await run(spec)
+        assert result.status is Status.ERROR
+        assert "sub-loops form a cycle: loop.yaml -> loop.yaml" in (result.error or "")
+        assert audit.kinds(result.run_id).count("run_start") == 1
