@@ -6,6 +6,7 @@ import codecs
 import contextlib
 import json
 import os
+import shlex
 import signal
 import sys
 from collections.abc import Callable
@@ -378,6 +379,10 @@ def agent_spec(args: list[str], ctx_vars: dict[str, str], *, agent: str | None,
             raise ConfigError(f"loop file not found: {path}")
         return LoopSpec(path=str(Path(path).resolve()), context=ctx_vars, scenario=scenario,
                         model=model, base_url=base_url, api_key_env=api_key_env)
+    if (args[0].endswith((".yaml", ".yml")) and Path(args[0]).is_file()
+            and not os.access(args[0], os.X_OK)):
+        raise ConfigError(f"a loop file runs alone: {args[0]} was given with "
+                          f"{shlex.join(args[1:])!r} (context goes in -c KEY=VALUE)")
     if scenario is not None:
         raise ConfigError("--scenario applies to loop files only")
     if not args[0]:

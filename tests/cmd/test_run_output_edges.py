@@ -187,6 +187,19 @@ class TestBadInput:
         assert proc.stderr == "kernel run: error: the command is empty: give -- CMD [ARGS...]\n"
         assert not list(tmp_path.glob("kernel.duckdb*"))  # nothing opened, nothing recorded
 
+    def test_a_loop_file_with_a_command_is_refused(self, kernel_exe: str,
+                                                    cli_env: dict[str, str],
+                                                    tmp_path: Path) -> None:
+        """`kernel run loop.yaml -- echo hi` is one of two things by mistake: exit 2, saying
+        so, rather than trying to execute the YAML file (exit 127)."""
+        loop = tmp_path / "loop.yaml"
+        loop.write_text("initial: a\nstates:\n  a: {terminal: true}\n")
+        proc = kernel(kernel_exe, cli_env, "run", str(loop), "--", "echo", "hi")
+        assert proc.returncode == 2
+        assert proc.stderr == (f"kernel run: error: a loop file runs alone: {loop} was given "
+                               "with 'echo hi' (context goes in -c KEY=VALUE)\n")
+        assert not list(tmp_path.glob("kernel.duckdb*"))
+
     @pytest.mark.parametrize(("first", "second", "var"), [
         ("a-b", "a.b", "KERNEL_CTX_A_B"), ("a", "A", "KERNEL_CTX_A"),
         ("x_y", "X-Y", "KERNEL_CTX_X_Y")])
