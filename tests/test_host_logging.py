@@ -35,8 +35,10 @@ HOST = textwrap.dedent('''
     async def main(db, port):
         delivery = WebhookDelivery(f"http://127.0.0.1:{port}/hook", attempts=2,
                                    wait_initial=0.01, wait_max=0.01, timeout=10)
-        journal_path(db).mkdir()  # every write of the audit fails: its journal is a directory
         async with DuckDBAudit.open(db) as audit:
+            # Every write of the audit fails: its journal becomes a directory (made
+            # before the open, it is refused there, as a path that cannot be one).
+            journal_path(db).mkdir()
             result = await Kernel(Ports(audit=audit, delivery=delivery)).run(
                 Done(), RunInfo(name="host"), Limits(max_steps=3, timeout=30))
         return result

@@ -234,7 +234,7 @@ class TestControlCharacters:
         echoed, summary = proc.stderr.split(b"\n", 1)
         assert echoed == line
         assert summary.endswith(
-            b": command exited with code 3: \\x1b]0;title\\x07\\x1b[31mred\\x00 \\x9b2J\ttab"
+            b": command exited with code 3: \\x1b]0;title\\x07\\x1b[31mred\\x00 \\x9b2J\\x09tab"
             b" (exit 3)\n"), summary
         assert not any((c < 0x20 and c not in b"\t\n") or c == 0x7F for c in summary)
         assert b"\xc2\x9b" not in summary
