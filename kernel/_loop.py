@@ -113,7 +113,9 @@ class Kernel:
     Build one per host and reuse it. Each run resolves the ports once, when
     it starts, and keeps them to its end: assigning `kernel.ports` (or one of
     its fields) takes effect for the runs started afterwards, never for a
-    run in flight.
+    run in flight. A Kernel serves one `trio.run` at a time (its watcher is a
+    task of that run; one after another is fine): a host running trio in
+    several threads at once makes one Kernel per thread.
 
     Args:
         ports: The host's wiring. None (or `Ports()`) gives a bounded,

@@ -59,6 +59,9 @@ def set_budget(
     """Create or replace CALLER's budget."""
     from kernel import AuditError
 
+    if not caller.strip() or not caller.isprintable():
+        _fail(f"the caller id {caller!r} is empty or holds a control character: give the id "
+              "runs use (--caller, $KERNEL_CALLER, else $USER), or '*' for the default")
     if runs is None and runtime is None and tokens is None and cost is None:
         _fail("give at least one of --runs, --runtime, --tokens, --cost")
     try:

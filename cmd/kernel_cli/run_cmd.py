@@ -251,6 +251,9 @@ def run(
     if name:
         info.name = name
     info.caller_id = caller or os.environ.get("KERNEL_CALLER") or os.environ.get("USER", "")
+    if not info.caller_id.isprintable():
+        _fail(f"the caller id {info.caller_id!r} holds a control character (a line break?): "
+              "give a plain --caller ID")
     base = plan.limits or Limits()
     try:
         limits = Limits(

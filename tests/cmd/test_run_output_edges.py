@@ -187,6 +187,18 @@ class TestBadInput:
         assert proc.stderr == "kernel run: error: the command is empty: give -- CMD [ARGS...]\n"
         assert not list(tmp_path.glob("kernel.duckdb*"))  # nothing opened, nothing recorded
 
+    @pytest.mark.parametrize("args", [["run", "--caller", "a\nb", "--", "true"],
+                                      ["budget", "set", "", "--runs", "1"],
+                                      ["budget", "set", "x\ty", "--runs", "1"]])
+    def test_a_caller_id_that_cannot_be_one(self, args: list[str], kernel_exe: str,
+                                            cli_env: dict[str, str], tmp_path: Path) -> None:
+        """An empty caller id, or one with a line break or tab: one line, exit 2, nothing
+        recorded (a budget for it could never be matched, or would print as two lines)."""
+        proc = kernel(kernel_exe, cli_env, *args)
+        assert proc.returncode == 2
+        assert proc.stderr.count("\n") == 1 and "caller id" in proc.stderr
+        assert not list(tmp_path.glob("kernel.duckdb*"))
+
     def test_a_loop_file_with_a_command_is_refused(self, kernel_exe: str,
                                                     cli_env: dict[str, str],
                                                     tmp_path: Path) -> None:
