@@ -50,15 +50,9 @@ def not_duckdb(path: str | os.PathLike[str]) -> str | None:
     """
     if not os.path.lexists(path):
         return None  # nothing there (or no way there: that is the directory's problem)
-    try:
-        with open(path, "rb") as fh:
-            head = fh.read(12)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    except IsADirectoryError:
-        return "it is a directory"
-    except OSError as exc:
-        return f"it cannot be read: {exc.strerror or exc}"
+    head = _header(path, 12)
+    if head is None or isinstance(head, str):
+        return head
     if not head:
         return "it is empty (0 bytes)"
     if head[8:12] != DUCKDB_MAGIC:
@@ -76,18 +70,26 @@ def not_a_journal(path: Path) -> str | None:
     Reads its header only: damage past the header is found when it is opened.
     An empty file is a journal SQLite has not written yet.
     """
+    head = _header(path, 16)
+    if head is None or isinstance(head, str):
+        return head
+    if head and head != SQLITE_MAGIC[:len(head)]:
+        return "it is not a SQLite file (damaged, or not a journal)"
+    return None
+
+
+def _header(path: str | os.PathLike[str], size: int) -> bytes | str | None:
+    """The first `size` bytes of the file `path`; None if there is none; a str saying why
+    it cannot be read (a directory, no permission)."""
     try:
         with open(path, "rb") as fh:
-            head = fh.read(16)
+            return fh.read(size)
     except (FileNotFoundError, NotADirectoryError):
         return None
     except IsADirectoryError:
         return "it is a directory"
     except OSError as exc:
         return f"it cannot be read: {exc.strerror or exc}"
-    if head and head != SQLITE_MAGIC[:len(head)]:
-        return "it is not a SQLite file (damaged, or not a journal)"
-    return None
 
 
 #: The files whose headers this process has read (`_may_read`, where there is no /proc).

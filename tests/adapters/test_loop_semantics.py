@@ -557,20 +557,24 @@ class TestAudit:
         assert ev.payload["messages"] == ["try something else"]
 
 
+#: A loop that counts its iterations up to 5 in one state (resumable mid-way).
+_COUNTING = """
+    initial: count
+    states:
+      count:
+        evaluate: {type: output_numeric, source: "${state.iteration}", operator: ge,
+                   target: 5}
+        on_yes: done
+        on_no: $current
+      done: {terminal: true}
+"""
+
+
 class TestResume:
     async def test_a_resumed_run_continues_from_its_checkpoint(
             self, tmp_path: Path, autojump_clock: trio.abc.Clock) -> None:
         """snapshot() holds state, iteration and retries; a resumed run picks them up."""
-        text = """
-            initial: count
-            states:
-              count:
-                evaluate: {type: output_numeric, source: "${state.iteration}", operator: ge,
-                           target: 5}
-                on_yes: done
-                on_no: $current
-              done: {terminal: true}
-        """
+        text = _COUNTING
         spec = spec_of(tmp_path, text)
         saver = RecordingCheckpointer()
         info = RunInfo(name="resumable")
@@ -591,16 +595,7 @@ class TestResume:
             self, tmp_path: Path, autojump_clock: trio.abc.Clock) -> None:
         """The saved state is gone from the edited file: the run ends `error` saying so, and
         no state runs again (starting over would repeat finished side effects)."""
-        text = """
-            initial: count
-            states:
-              count:
-                evaluate: {type: output_numeric, source: "${state.iteration}", operator: ge,
-                           target: 5}
-                on_yes: done
-                on_no: $current
-              done: {terminal: true}
-        """
+        text = _COUNTING
         spec = spec_of(tmp_path, text)
         saver = RecordingCheckpointer()
         info = RunInfo(name="resumable")
