@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +44,6 @@ class TestReaderGone:
         """`kernel run --timeout 120 -- yes | head -1`: 130 long before the deadline, the run
         recorded cancelled with the reason, no traceback."""
         err = tmp_path / "stderr"
-        t0 = time.monotonic()
         with err.open("wb") as sink:
             p = subprocess.Popen([kernel_exe, "run", "--timeout", "120", "--", "yes"],
                                  stdout=subprocess.PIPE, stderr=sink,
@@ -54,10 +52,8 @@ class TestReaderGone:
             assert p.stdout.readline() == b"y\n"
             p.stdout.close()  # what head does once it has its line
             code = p.wait(timeout=BOUND * 2)
-        took = time.monotonic() - t0
         text = err.read_text()
-        assert code == 130, text
-        assert took < BOUND, took
+        assert code == 130, text  # (the 120 s deadline would have ended it 124)
         assert "Traceback" not in text and "Exception" not in text, text
         summary = text.splitlines()[-1]
         assert " cancelled after " in summary, text
@@ -79,11 +75,9 @@ class TestReaderGone:
         assert p.stdout is not None
         assert p.stdout.readline() == b"a\n"
         p.stdout.close()
-        t0 = time.monotonic()
         with fifo.open("w") as go:  # opens once the command waits on it
             go.write("go\n")
-        assert p.wait(timeout=BOUND * 2) == 130
-        assert time.monotonic() - t0 < BOUND
+        assert p.wait(timeout=BOUND * 2) == 130  # (not 124: its deadline is 120 s)
         assert sleeps_with(marker) == []
         [row] = runs(kernel_exe, cli_env)
         assert (row["status"], row["reason"]) == ("cancelled", "output pipe closed (stdout)")
