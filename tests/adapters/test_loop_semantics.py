@@ -12,8 +12,8 @@ import pytest
 import trio
 from loop_support import events, path_taken, routes, run, spec_of, verdicts, write
 
-from adapters.loop import check_loop
-from kernel import Limits, Ports, RunInfo, Status
+from adapters.loop import LoopAgent, check_loop
+from kernel import Checkpoint, Limits, Ports, RunInfo, Status
 from kernel.testing import MemoryAudit, RecordingCheckpointer, ScriptedCritic
 
 # A state whose verdict is "yes" when ${context.answer} is "yes", else "no".
@@ -570,19 +570,24 @@ _COUNTING = """
 """
 
 
+async def _stopped_after_two_steps(tmp_path: Path) -> tuple[RunInfo, Checkpoint, LoopAgent]:
+    """`_COUNTING` stopped by a step ceiling of 2: its info, last checkpoint and agent."""
+    saver = RecordingCheckpointer()
+    info = RunInfo(name="resumable")
+    first, _, agent = await run(spec_of(tmp_path, _COUNTING),
+                                ports=Ports(checkpointer=saver), info=info,
+                                limits=Limits(max_steps=2))
+    assert first.status is Status.MAX_STEPS
+    return info, saver.saves[-1], agent
+
+
 class TestResume:
     async def test_a_resumed_run_continues_from_its_checkpoint(
             self, tmp_path: Path, autojump_clock: trio.abc.Clock) -> None:
         """snapshot() holds state, iteration and retries; a resumed run picks them up."""
         text = _COUNTING
-        spec = spec_of(tmp_path, text)
-        saver = RecordingCheckpointer()
-        info = RunInfo(name="resumable")
-        first, _, agent = await run(spec, ports=Ports(checkpointer=saver), info=info,
-                                    limits=Limits(max_steps=2))
-        assert first.status is Status.MAX_STEPS
+        info, checkpoint, agent = await _stopped_after_two_steps(tmp_path)
         assert agent.snapshot()["state"] == "count"
-        checkpoint = saver.saves[-1]
         assert checkpoint.state["iteration"] == 2
         again = RunInfo(name="resumable", run_id=info.run_id)
         result, audit, _ = await run(spec_of(tmp_path, text), resume=checkpoint, info=again)
@@ -595,15 +600,8 @@ class TestResume:
             self, tmp_path: Path, autojump_clock: trio.abc.Clock) -> None:
         """The saved state is gone from the edited file: the run ends `error` saying so, and
         no state runs again (starting over would repeat finished side effects)."""
-        text = _COUNTING
-        spec = spec_of(tmp_path, text)
-        saver = RecordingCheckpointer()
-        info = RunInfo(name="resumable")
-        first, _, _ = await run(spec, ports=Ports(checkpointer=saver), info=info,
-                                limits=Limits(max_steps=2))
-        assert first.status is Status.MAX_STEPS
-        checkpoint = saver.saves[-1]
-        edited = spec_of(tmp_path, text.replace("count", "tally"))
+        info, checkpoint, _ = await _stopped_after_two_steps(tmp_path)
+        edited = spec_of(tmp_path, _COUNTING.replace("count", "tally"))
         result, audit, _ = await run(edited, resume=checkpoint,
                                      info=RunInfo(name="resumable", run_id=info.run_id))
         assert result.status is Status.ERROR
