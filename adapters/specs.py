@@ -50,6 +50,7 @@ from kernel import (
 from kernel._dataclass import dataclass
 
 if TYPE_CHECKING:
+    from adapters.llm import Price
     from adapters.loop import Asker, VerdictSource
 
 __all__ = ["KINDS", "PRESETS", "BuiltAgent", "agent_from_spec", "build_agent", "build_loop",
@@ -65,7 +66,8 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 def build_agent(kind: str, *, model: str | None, base_url: str | None, prompt: str | None,
                 cmd: str | None, api_key_env: str | None, allow_shell: bool,
                 context: Mapping[str, str], target: str | None = None,
-                max_turns: int | None = None, cwd: str | None = None) -> tuple[Agent, RunInfo]:
+                max_turns: int | None = None, cwd: str | None = None,
+                price: tuple[float, ...] | None = None) -> tuple[Agent, RunInfo]:
     """The agent and its `RunInfo` for `kernel run --agent KIND ...`.
 
     Args:
@@ -84,6 +86,7 @@ def build_agent(kind: str, *, model: str | None, base_url: str | None, prompt: s
         target: The tmux pane (pane; required), e.g. "dev" or "dev:0.1".
         max_turns: The agent's turn limit (claude only).
         cwd: The working directory the agent runs in (default: the current one).
+        price: (input, output) US dollars per million tokens (llm only).
 
     Raises:
         ConfigError: An unknown kind, a missing or inapplicable option, a
@@ -93,6 +96,8 @@ def build_agent(kind: str, *, model: str | None, base_url: str | None, prompt: s
     name = kind.strip().lower()
     if name != "pane" and target is not None:
         raise ConfigError("--target is for --agent pane")
+    if name != "llm" and price is not None:
+        raise ConfigError("--price is for --agent llm (an agent CLI reports its own cost)")
     if name not in PRESETS and max_turns is not None:
         raise ConfigError("--max-turns is for --agent claude")
     if name in PRESETS:
@@ -106,7 +111,7 @@ def build_agent(kind: str, *, model: str | None, base_url: str | None, prompt: s
     if name == "llm":
         return _build_llm(model=model, base_url=base_url, prompt=prompt, cmd=cmd,
                           api_key_env=api_key_env, allow_shell=allow_shell, context=context,
-                          cwd=cwd)
+                          cwd=cwd, price=price)
     if name == "agentcli":
         return _build_agentcli(model=model, base_url=base_url, prompt=prompt, cmd=cmd,
                                api_key_env=api_key_env, allow_shell=allow_shell,
@@ -157,7 +162,8 @@ def interpolate(text: str, context: Mapping[str, str], *, where: str) -> str:
 
 def _build_llm(*, model: str | None, base_url: str | None, prompt: str | None,
                cmd: str | None, api_key_env: str | None, allow_shell: bool,
-               context: Mapping[str, str], cwd: str | None = None) -> tuple[Agent, RunInfo]:
+               context: Mapping[str, str], cwd: str | None = None,
+               price: tuple[float, ...] | None = None) -> tuple[Agent, RunInfo]:
     from adapters.llm import DEFAULT_BASE_URL, ChatClient, LLMAgent, redact_url
 
     if cmd is not None:
@@ -182,12 +188,25 @@ def _build_llm(*, model: str | None, base_url: str | None, prompt: str | None,
     except ValueError as exc:
         source = "--base-url" if base_url else "$OPENAI_BASE_URL"
         raise ConfigError(f"{source}: {exc}") from None
-    agent = LLMAgent(model.strip(), text, client=client, allow_shell=allow_shell, cwd=cwd)
+    prices = {model.strip(): _price(price)} if price is not None else None
+    agent = LLMAgent(model.strip(), text, client=client, allow_shell=allow_shell, cwd=cwd,
+                     prices=prices)
     info = RunInfo(
         name=f"llm {model.strip()}", subject_id=f"llm:{model.strip()}",
         inputs={"agent": "llm", "model": model.strip(), "base_url": redact_url(url),
-                "prompt": text, "tools": list(agent.tools), "context": dict(context)})
+                "prompt": text, "tools": list(agent.tools), "context": dict(context),
+                **({"price_per_mtok": list(price)} if price is not None else {})})
     return agent, info
+
+
+def _price(price: tuple[float, ...]) -> Price:
+    """`(input, output)` US dollars per million tokens as a `Price` (ConfigError if not)."""
+    from adapters.llm import Price
+
+    if len(price) != 2:
+        raise ConfigError(f"a price is two amounts (input, output) in US dollars per "
+                          f"million tokens, got {list(price)!r}")
+    return Price(*price)
 
 
 def _build_agentcli(*, model: str | None, base_url: str | None, prompt: str | None,
@@ -406,7 +425,7 @@ def agent_from_spec(spec: RunSpec | CommandSpec | LoopSpec | AgentSpec, *,
             spec.agent, model=spec.model, base_url=spec.base_url, prompt=spec.prompt,
             cmd=spec.cmd, api_key_env=spec.api_key_env, allow_shell=spec.allow_shell,
             context=dict(spec.context), target=spec.target, max_turns=spec.max_turns,
-            cwd=cwd)
+            cwd=cwd, price=spec.price)
         return BuiltAgent(agent, info)
     if isinstance(spec, LoopSpec):
         path = spec.path
@@ -416,7 +435,8 @@ def agent_from_spec(spec: RunSpec | CommandSpec | LoopSpec | AgentSpec, *,
             from adapters.llm import llm_judge
 
             judge = llm_judge(model=spec.model, base_url=spec.base_url,
-                              api_key_env=spec.api_key_env)
+                              api_key_env=spec.api_key_env,
+                              price=_price(spec.price) if spec.price is not None else None)
         agent, info, limits = build_loop(path, spec.context, scenario=spec.scenario,
                                          judge=judge, warn=warn, on_output=on_output, cwd=cwd,
                                          ask=ask)

@@ -249,7 +249,8 @@ class Redactor:
 
     Args:
         literals: Secret values replaced wherever they appear (those shorter
-            than `MIN_LITERAL` are ignored).
+            than `MIN_LITERAL` are ignored); a value of several lines also line
+            by line.
         patterns: Extra regular expressions; each match is replaced whole.
         shapes: Recognise the built-in token shapes.
 
@@ -264,7 +265,12 @@ class Redactor:
     def __init__(self, *, literals: Iterable[str] = (), patterns: Iterable[str] = (),
                  shapes: bool = True) -> None:
         self._shapes = shapes
-        self._literals = tuple(sorted({v for v in literals if len(v) >= MIN_LITERAL},
+        # A multi-line secret is also replaced line by line: output is recorded a line
+        # per event, where the whole value never appears.
+        self._literals = tuple(sorted({v for lit in literals
+                                       for v in (lit, *(p.strip() for p in lit.splitlines()
+                                                        if "\n" in lit or "\r" in lit))
+                                       if len(v) >= MIN_LITERAL},
                                       key=lambda v: (-len(v), v)))
         self._patterns = tuple(patterns)
         self._user = tuple(_compile_user(p) for p in self._patterns)

@@ -57,15 +57,17 @@ async def open_ports(opts: PortSpec, *, delivery: Delivery | None = None,
     beside the analysts' DuckDB file), so a run's writes ride along in two
     transactions: one when it opens, one when it closes. Opening does no
     I/O. Budgets fail closed: if the journal cannot be reached the budget
-    check refuses the run. An audit that cannot be built (a bad
-    KERNEL_AUDIT_* variable) is left out with a one-line warning added to
-    `warnings`. `journals` receives the journal, for its statistics.
+    check refuses the run. An audit whose settings are bad (a
+    KERNEL_AUDIT_* variable) is a `ConfigError`, like the journal's: nothing
+    runs unaudited because of a typo. One that cannot be built for another
+    reason is left out with a one-line warning added to `warnings`.
+    `journals` receives the journal, for its statistics.
     `delivery` goes first, before the spec's directory and webhooks.
     `redactor` (None: `Redactor.from_env()`) is shared by the audit and the
     checkpointer: nothing they store holds a secret it knows.
 
     Raises:
-        ConfigError: A bad `$KERNEL_AUDIT_LOCK_TIMEOUT` or `$KERNEL_JOURNAL_SYNC`.
+        ConfigError: A bad `$KERNEL_AUDIT_*` setting or `$KERNEL_JOURNAL_SYNC`.
     """
     from kernel import Ports
 
@@ -93,11 +95,18 @@ async def open_ports(opts: PortSpec, *, delivery: Delivery | None = None,
 
 def _audit(journal: Any, warnings: list[PortFailure] | None,
            redactor: Redactor | None = None) -> Audit | None:
-    """The audit on `journal`; None (and an `audit.open` warning) if its settings are bad."""
+    """The audit on `journal`; None (and an `audit.open` warning) if it cannot be built.
+
+    Raises:
+        ConfigError: Its settings are bad (a `$KERNEL_AUDIT_*` variable).
+    """
     from batteries.audit import JournalAudit
+    from kernel import ConfigError
 
     try:
         return JournalAudit(journal, redactor=redactor)
+    except ConfigError:
+        raise
     except Exception as exc:
         if warnings is not None:
             message = " ".join(str(exc).split()) or type(exc).__name__

@@ -49,6 +49,7 @@ states:
 
 def prepare(db: Path, work: Path) -> tuple[RunSpec, Agent]:
     """The loop's spec (what, who, bounds, ports, where) and its agent."""
+    work.mkdir(parents=True, exist_ok=True)
     loop = work / "count.yaml"
     loop.write_text(LOOP)
     what = LoopSpec(str(loop.resolve()), context={"marker": str((work / "ticks").resolve())})

@@ -51,6 +51,7 @@ from .ports import Ports as Ports
 from .ports import RunRecorder as RunRecorder
 from .ports import SupportsAttach as SupportsAttach
 from .ports import SupportsNextLook as SupportsNextLook
+from .ports import SupportsPricing as SupportsPricing
 from .ports import SupportsProcesses as SupportsProcesses
 from .ports import SupportsRunBudget as SupportsRunBudget
 from .ports import SupportsSimulate as SupportsSimulate
@@ -122,6 +123,7 @@ __all__ = [
     "Step",
     "SupportsAttach",
     "SupportsNextLook",
+    "SupportsPricing",
     "SupportsProcesses",
     "SupportsRunBudget",
     "SupportsSimulate",

@@ -349,13 +349,15 @@ class _Run:
         return True
 
     def tool_started(self, call: ToolCall, payload: Mapping[str, Any] | None = None,
-                     iteration: int | None = None) -> None:
-        """A tool call is starting: count it, show it to the critic, audit `tool_start`.
+                     iteration: int | None = None, *, ours: bool = False) -> bool:
+        """A tool call is starting: show it to the critic, count it, audit `tool_start`.
 
-        Called for the tools the kernel runs and, through `ctx.tool_start`, for
-        tools an agent runs itself.
+        Called for the tools the kernel runs (`ours`) and, through
+        `ctx.tool_start`, for tools an agent runs itself (already started:
+        always counted and audited). A call of ours that the critic kills the
+        run on never starts: it is neither counted nor audited as started (the
+        critic's `kill` event carries it as evidence); False then.
         """
-        self.tool_calls += 1
         handle = self.handle
         if handle is not None:
             self.settled = False
@@ -363,11 +365,15 @@ class _Run:
                 handle.record_tool_start(call)
             except Exception as exc:
                 self.critic_failed("record_tool_start", exc)
+            if ours and self.handle is not None and self.kill_if_decided():
+                return False
+        self.tool_calls += 1
         self.log_event("tool_start", name=call.name,
                        payload={"args": dict(call.args), "id": call.id, **(payload or {})},
                        iteration=self.steps)
-        if handle is not None and self.handle is not None:
+        if not ours and handle is not None and self.handle is not None:
             self.kill_if_decided()
+        return True
 
     def agent_tool_ended(self, result: ToolResult) -> None:
         """An agent reports the outcome of a tool call it ran itself (`ctx.tool_end`)."""
@@ -452,7 +458,8 @@ class _Run:
             raise
 
         if refused:
-            return await self.finalize(commit_budget=False)
+            # A run the budget admitted is settled (at what it used: nothing).
+            return await self.finalize(commit_budget=refused == "admitted")
 
         if self.critic is not None:
             try:
@@ -577,8 +584,10 @@ class _Run:
             max_cost_usd=_tighter(limits.max_cost_usd,
                                   None if cost is None else max(cost, 1e-12)))
 
-    async def open_run(self) -> bool:
-        """The audit's start, then the budget check; True if the budget refused the run.
+    async def open_run(self) -> str | None:
+        """The audit's start, then the budget check; None when the run may go, else
+        "refused" (by the budget, or a check that failed) or "admitted" (the budget let
+        it in, but it cannot be held to its cost cap: its agent cannot price its calls).
 
         The start first: with stores that share a journal, the run's row and
         `run_start` then ride in the budget's reservation, durable before the
@@ -586,7 +595,8 @@ class _Run:
         leaves the run on record), at no extra write.
         """
         info, limits = self.info, self.limits
-        refused = False
+        refused: str | None = None
+        budget_cost: float | None = None  # the cost left in the caller's budget, if capped
         if self.audit is not None:
             try:
                 rec = await self.audit.start_run(info)
@@ -607,17 +617,27 @@ class _Run:
                                     f"{type(caps).__name__}, not UsageLimits or None")
                 self.caps = _merge_caps(limits, caps)
                 self.capped = self.caps != _NO_CAPS
+                budget_cost = None if caps is None else caps.max_cost_usd
             except BudgetRefused as exc:
-                refused = True
+                refused = "refused"
                 self._end(Status.BUDGET_EXCEEDED, error=str(exc) or "budget refused",
                           reason="budget refused")
             except Exception as exc:
                 # Deciders fail closed.
-                refused = True
+                refused = "refused"
                 self.fault("budget", "check", exc)
                 self._end(Status.BUDGET_EXCEEDED,
                           error=f"budget check failed: {type(exc).__name__}: {exc}",
                           reason="budget check failed")
+        if refused is None and self.caps.max_cost_usd is not None:
+            unpriced = getattr(self.agent, "unpriced", None)  # SupportsPricing
+            if isinstance(unpriced, str) and unpriced:
+                refused = "admitted"
+                cap = (f"its caller {info.caller_id!r} has a cost budget "
+                       f"(${budget_cost:.4g} left)" if budget_cost is not None else
+                       f"it has a cost cap (Limits.max_cost_usd ${self.caps.max_cost_usd:.4g})")
+                self._end(Status.BUDGET_EXCEEDED, reason="cost cannot be known", error=(
+                    f"this run cannot be bounded by cost: {cap}, and {unpriced}"))
         if self.resume is not None:
             # Saves happen after every step by default, so what runs next is
             # the step that was in flight when the process died: it runs again.
@@ -842,9 +862,10 @@ class _Run:
                 call = ToolCall(name=str(call))
             if self.status is not None:
                 return results  # killed while recording the previous call: start nothing
-            self.tool_started(call, iteration=iteration)
+            if not self.tool_started(call, iteration=iteration, ours=True):
+                return results  # killed on seeing it (a looping call): it never starts
             if self.status is not None:
-                return results  # e.g. a looping call: do not run it again
+                return results
             fn = self.tools.get(call.name)
             t0 = self.now()
             if fn is None:

@@ -31,7 +31,7 @@ from ._types import Limits, RunInfo
 from .errors import ConfigError
 
 #: The version of the stored shape this code writes (and the newest it reads).
-SPEC_VERSION = 1
+SPEC_VERSION = 2
 
 #: What an agent of kind "agent" may be (`AgentSpec.agent`).
 AGENT_KINDS = ("llm", "agentcli", "pane", "claude", "codex", "gemini")
@@ -61,6 +61,8 @@ class LoopSpec:
         scenario: Simulated verdicts for a dry run (None: a real run).
         model, base_url, api_key_env: What `llm_structured` evaluations ask
             (None: the file's `llm.model`, `$OPENAI_BASE_URL`, `OPENAI_API_KEY`).
+        price: What that model costs: (input, output) US dollars per million
+            tokens (None: what the server reports, else 0).
     """
 
     kind: ClassVar[str] = "loop"
@@ -70,6 +72,7 @@ class LoopSpec:
     model: str | None = None
     base_url: str | None = None
     api_key_env: str | None = None
+    price: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +90,8 @@ class AgentSpec:
         context: Values for `${context.KEY}` in the prompt and command.
         target: The tmux pane (pane).
         max_turns: The agent's own turn limit (claude).
+        price: What the model costs (llm): (input, output) US dollars per
+            million tokens (None: what the server reports, else 0).
     """
 
     kind: ClassVar[str] = "agent"
@@ -102,6 +107,7 @@ class AgentSpec:
     context: Mapping[str, str] = field(default_factory=dict)
     target: str | None = None
     max_turns: int | None = None
+    price: tuple[float, ...] | None = None
 
 
 #: What a run spec may say to run.
@@ -247,7 +253,9 @@ class RunSpec:
 
 
 #: version -> a function turning a spec of that version into the next version's shape.
-_UPGRADES: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
+#: 1 -> 2: `price` was added to loop and agent specs (absent: None), so a version-1
+#: spec already has the version-2 shape.
+_UPGRADES: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: lambda data: data}
 
 _KINDS: dict[str, type[CommandSpec] | type[LoopSpec] | type[AgentSpec]] = {
     "command": CommandSpec, "loop": LoopSpec, "agent": AgentSpec}

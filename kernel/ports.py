@@ -124,6 +124,24 @@ class SupportsSimulate(Protocol):
         """What a run would do, as the dry run's output."""
 
 
+@runtime_checkable
+class SupportsPricing(Protocol):
+    """An agent that knows whether it can price what its steps use (`Usage.cost_usd`).
+
+    **Protocol:** `unpriced` is None when every model call the agent makes is
+    priced, else a short text naming what is not ("model 'm' has no price").
+    The kernel reads it once, when a run opens, and only if the run has a
+    cost cap (`Limits.max_cost_usd`, or one its budget returns): an unpriced
+    agent's calls would cost 0 and the cap would not bound them, so the run
+    ends `budget_exceeded` before its first step, saying so. An agent
+    without it is taken at its word: its steps' `cost_usd` is what it costs.
+    """
+
+    @property
+    def unpriced(self) -> str | None:
+        """What this agent calls that it cannot price; None when it prices everything."""
+
+
 class RunRecorder(Protocol):
     """Records the events of one in-flight run, then its terminal roll-up.
 

@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kernel import AgentError, RunContext, Step, ToolCall, ToolResult, Usage
+from kernel import AgentError, ConfigError, RunContext, Step, ToolCall, ToolResult, Usage
 
 from ._client import ChatClient, Retry
 from ._errors import LLMError
@@ -57,10 +57,28 @@ class Price:
     input_per_mtok: float
     output_per_mtok: float
 
+    def __post_init__(self) -> None:
+        for name in ("input_per_mtok", "output_per_mtok"):
+            value = getattr(self, name)
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not 0 <= value < 1e9):
+                raise ConfigError(f"Price.{name} must be a finite amount >= 0 (USD per "
+                                  f"million tokens), got {value!r}")
+
     def cost(self, input_tokens: int, output_tokens: int) -> float:
         """The cost in USD of one call with these token counts."""
         return (input_tokens * self.input_per_mtok
                 + output_tokens * self.output_per_mtok) / 1_000_000
+
+
+def completion_usage(comp: Completion, price: Price | None) -> Usage:
+    """What one model call consumed: its tokens, and its cost by `price`, else by what
+    the server reported (`usage.cost`), else 0."""
+    if price is not None:
+        cost = price.cost(comp.input_tokens, comp.output_tokens + comp.thinking_tokens)
+    else:
+        cost = comp.cost_usd or 0.0
+    return Usage(comp.input_tokens, comp.output_tokens, comp.thinking_tokens, cost)
 
 
 class LLMAgent:
@@ -81,8 +99,10 @@ class LLMAgent:
             default: only turn it on for a model you would give your shell to.
         cwd: The working directory the built-in tools are confined to
             (default: the current directory when the agent is built).
-        prices: model name -> `Price`, for `Usage.cost_usd`; a model not in the
-            table costs 0.
+        prices: model name -> `Price`, for `Usage.cost_usd`. A model not in the
+            table costs what the server reports (`usage.cost`, as OpenRouter and
+            LiteLLM proxies send it), else 0: a cost cap cannot bound what it
+            cannot price (each `model_call` event says `cost_known`).
         temperature, max_tokens: Sent when given.
         extra_body: More request fields (e.g. `{"seed": 1}`), merged last.
         max_tool_output: Tool results longer than this many characters are cut
@@ -200,7 +220,8 @@ class LLMAgent:
             "waited_ms": round(call.waited_s * 1000, 1),
             "input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens,
             "thinking_tokens": usage.thinking_tokens, "cost_usd": usage.cost_usd,
-            "finish_reason": comp.finish_reason, "tool_calls": len(comp.tool_calls)})
+            "cost_known": self._priced(comp), "finish_reason": comp.finish_reason,
+            "tool_calls": len(comp.tool_calls)})
         payload = {"model": self.model, "finish_reason": comp.finish_reason,
                    "calls": [c.name for c in comp.tool_calls]}
         text = comp.content or ""
@@ -298,11 +319,21 @@ class LLMAgent:
         return body
 
     def _usage(self, comp: Completion) -> Usage:
-        price = self.prices.get(self.model) or (
-            self.prices.get(comp.model) if comp.model is not None else None)
-        cost = (price.cost(comp.input_tokens, comp.output_tokens + comp.thinking_tokens)
-                if price is not None else 0.0)
-        return Usage(comp.input_tokens, comp.output_tokens, comp.thinking_tokens, cost)
+        return completion_usage(comp, self.prices.get(self.model) or (
+            self.prices.get(comp.model) if comp.model is not None else None))
+
+    @property
+    def unpriced(self) -> str | None:
+        """`SupportsPricing`: None when `prices` has this agent's model, else why its
+        cost cannot be known (a cost cap then refuses the run before its first call)."""
+        if self.model in self.prices:
+            return None
+        return (f"model {self.model!r} has no price (give one: kernel run --price IN,OUT, "
+                f"or LLMAgent(prices=...))")
+
+    def _priced(self, comp: Completion) -> bool:
+        return (self.model in self.prices or comp.model in self.prices
+                or comp.cost_usd is not None)
 
     def _reject(self, ctx: RunContext, call: ModelToolCall) -> None:
         """Answer a call whose arguments are unusable ourselves; the model sees why."""

@@ -21,6 +21,8 @@ from kernel import ConfigError
 if TYPE_CHECKING:
     from adapters.loop import JudgeRequest, VerdictSource
 
+    from ._agent import Price
+
 _SYSTEM = (
     "You judge the output of one step of an automated loop. Answer with exactly one JSON "
     "object that follows this JSON schema, and nothing else:\n{schema}"
@@ -29,13 +31,18 @@ _FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.S)
 
 
 def llm_judge(*, model: str | None, base_url: str | None,
-              api_key_env: str | None) -> VerdictSource:
+              api_key_env: str | None, price: Price | None = None) -> VerdictSource:
     """A verdict source asking an OpenAI-compatible model (built lazily, used per call).
+
+    Each answer carries what the call consumed under `"usage"` (a `kernel.Usage`),
+    which the loop counts in the step's usage: the run's budgets bound the judge's
+    calls like any other model call.
 
     Args:
         model: The model to ask; the loop file's `llm.model` wins when it sets one.
         base_url: The API root (default `$OPENAI_BASE_URL`, then OpenAI's).
         api_key_env: The environment variable holding the key (default OPENAI_API_KEY).
+        price: What the model costs; None: what the server reports (`usage.cost`), else 0.
     """
     url = base_url or os.environ.get("OPENAI_BASE_URL") or None
     key_env = api_key_env or "OPENAI_API_KEY"
@@ -43,6 +50,7 @@ def llm_judge(*, model: str | None, base_url: str | None,
 
     async def judge(request: JudgeRequest) -> Mapping[str, Any]:
         nonlocal client
+        from ._agent import completion_usage
         from ._client import DEFAULT_BASE_URL, ChatClient
         from ._protocol import parse_completion
 
@@ -68,9 +76,26 @@ def llm_judge(*, model: str | None, base_url: str | None,
         }
         data, _ = await client.complete(body)
         completion = parse_completion(data, client.display_url)
-        return parse_answer(completion.content or "")
+        usage = completion_usage(completion, price)
+        try:
+            answer = parse_answer(completion.content or "")
+        except ValueError as exc:
+            raise JudgeError(str(exc), usage) from None
+        return {**answer, "usage": usage, "cost_known": price is not None
+                or completion.cost_usd is not None}
 
+    judge.unpriced = None if price is not None else (  # type: ignore[attr-defined]
+        "the model of its llm_structured evaluations has no price (give one: kernel run "
+        "--price IN,OUT, or llm_judge(price=...))")
     return judge
+
+
+class JudgeError(ValueError):
+    """The model answered, but not with a verdict; `usage` is what the call consumed."""
+
+    def __init__(self, message: str, usage: Any) -> None:
+        super().__init__(message)
+        self.usage = usage
 
 
 def parse_answer(text: str) -> Mapping[str, Any]:

@@ -49,6 +49,8 @@ class Completion:
             tokens are split out of `completion_tokens` so totals are not doubled.
         model: The model that answered, as the server names it.
         refusal: The model's refusal, when it declined to answer (`message.refusal`).
+        cost_usd: What the server says the call cost (`usage.cost`, as OpenRouter and
+            LiteLLM proxies report it); None when it says nothing.
     """
 
     message: dict[str, Any]
@@ -60,6 +62,7 @@ class Completion:
     thinking_tokens: int = 0
     model: str | None = None
     refusal: str | None = None
+    cost_usd: float | None = None
 
 
 def parse_completion(data: dict[str, Any], source: str) -> Completion:
@@ -96,10 +99,12 @@ def parse_completion(data: dict[str, Any], source: str) -> Completion:
     elif content is None and refusal is None:
         raise MalformedResponse(f"malformed response from {source}: the message has neither "
                                 f"content nor tool_calls (finish_reason={finish!r})")
-    inp, out, think = _usage(data.get("usage"))
+    usage = data.get("usage")
+    inp, out, think = _usage(usage)
     model = data.get("model")
     return Completion(stored, content, calls, finish if isinstance(finish, str) else None,
-                      inp, out, think, model if isinstance(model, str) else None, refusal)
+                      inp, out, think, model if isinstance(model, str) else None, refusal,
+                      _cost(usage))
 
 
 def _kind(value: Any) -> str:
@@ -164,6 +169,14 @@ def _tool_calls(value: Any, source: str) -> list[ModelToolCall]:
 
 def _int(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def _cost(usage: Any) -> float | None:
+    """`usage.cost` when it is a real amount in US dollars (finite, >= 0), else None."""
+    cost = usage.get("cost") if isinstance(usage, dict) else None
+    if isinstance(cost, (int, float)) and not isinstance(cost, bool) and 0 <= cost < 1e9:
+        return float(cost)
+    return None
 
 
 def _usage(value: Any) -> tuple[int, int, int]:

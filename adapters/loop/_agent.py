@@ -33,7 +33,7 @@ from typing import Any
 
 import trio
 
-from kernel import ConfigError, Limits, RunContext, RunInfo, Status, Step
+from kernel import ConfigError, Limits, RunContext, RunInfo, Status, Step, Usage
 
 from .._proc import last_chars
 from . import _evaluators as ev
@@ -53,6 +53,7 @@ from ._spec import (
 
 _DEFAULT_EVALUATOR = {"shell": "exit_code", "prompt": "llm_structured", "mcp_tool": "mcp_result"}
 _PREVIEW = 2000
+_NO_USAGE = Usage()
 
 
 @dataclass(slots=True)
@@ -205,6 +206,8 @@ class LoopAgent:
         # Who provides each state's results: live by default, a Simulation in a dry run.
         self._mode: _Live | Simulation = _LIVE
         self._step_output: str | None = None
+        # What this step's model calls (llm_structured verdicts) used: the step reports it.
+        self._step_usage = _NO_USAGE
 
     # ---------------------------------------------------------------- kernel
 
@@ -219,7 +222,29 @@ class LoopAgent:
         if self._backoff_due and self.spec.backoff > 0:
             await self._backoff(ctx)
         self._backoff_due = False
-        return await self._advance(ctx)
+        self._step_usage = _NO_USAGE
+        step = await self._advance(ctx)
+        if self._step_usage is not _NO_USAGE:
+            step = replace(step, usage=self._step_usage if step.usage is None
+                           else step.usage + self._step_usage)
+        return step
+
+    @property
+    def asks_model(self) -> bool:
+        """Whether a state of this loop (not its sub-loops) asks a model for its verdict
+        (`llm_structured`, the default of a prompt state): what a cost budget needs priced."""
+        if not self.spec.llm.enabled:
+            return False
+        return any((st.evaluate.type if st.evaluate is not None
+                    else _DEFAULT_EVALUATOR.get(st.mode, "none")) == "llm_structured"
+                   for st in self.spec.states.values())
+
+    @property
+    def unpriced(self) -> str | None:
+        """`SupportsPricing`: why the cost of this loop's verdicts cannot be known (its
+        judge says so, and a state asks it), else None."""
+        unpriced = getattr(self.judge, "unpriced", None) if self.asks_model else None
+        return unpriced if isinstance(unpriced, str) else None
 
     def snapshot(self) -> dict[str, Any]:
         """The resumable state: where the loop is and what it has captured."""
@@ -635,6 +660,8 @@ class LoopAgent:
             verdict = ev.Evaluation("yes", {"reason": "no action and no evaluator"})
         else:
             verdict = await self._mode.verdict(self, kind, spec, st, result, ctx)
+            if verdict.usage is not None:
+                self._step_usage = self._step_usage + verdict.usage
         ctx.event("evaluate", name=st.name, payload={
             "state": st.name, "type": kind, "verdict": verdict.verdict,
             "details": verdict.details, **self._mode.marks})

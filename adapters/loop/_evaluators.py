@@ -18,15 +18,19 @@ from typing import Any, Protocol
 
 import trio
 
+from kernel import Usage
+
 from ._spec import EvaluateSpec, LLMSpec
 
 
 @dataclass(frozen=True, slots=True)
 class Evaluation:
-    """An evaluator's answer: the routing key and what it was based on."""
+    """An evaluator's answer: the routing key, what it was based on, and what it used
+    (a model's tokens and cost: counted in the step's usage, so budgets bound it)."""
 
     verdict: str
     details: dict[str, Any] = field(default_factory=dict)
+    usage: Usage | None = None
 
 
 _COMPARE: dict[str, Callable[[Any, Any], bool]] = {
@@ -220,10 +224,14 @@ class VerdictSource(Protocol):
     """Where `llm_structured` verdicts come from (the CLI wires the LLM adapter).
 
     **Protocol:** awaited once per evaluation on the trio thread; returns a
-    mapping with `verdict` (str) and optionally `confidence` (0..1) and
-    `reason`. It may take as long as it needs: the evaluation bounds it by
-    the loop's `llm.timeout` and cancels it after. Raising gives the state
-    the verdict `error` with the exception's text; it never ends the run.
+    mapping with `verdict` (str) and optionally `confidence` (0..1),
+    `reason`, and `usage` (a `kernel.Usage`: what the call consumed, counted
+    in the step's usage so the run's budgets bound it; `cost_known` False
+    says its cost could not be priced). It may take as long as it needs: the
+    evaluation bounds it by the loop's `llm.timeout` and cancels it after.
+    Raising gives the state the verdict `error` with the exception's text
+    (an exception with a `usage` attribute still has it counted); it never
+    ends the run.
     """
 
     def __call__(self, request: JudgeRequest) -> Awaitable[Mapping[str, Any]]: ...
@@ -245,12 +253,20 @@ async def llm_structured(text: str, spec: EvaluateSpec, llm: LLMSpec,
         try:
             answer = await judge(request)
         except Exception as exc:
-            return Evaluation("error", {"error": f"the model failed: {type(exc).__name__}: {exc}"})
+            usage = getattr(exc, "usage", None)
+            return _used(Evaluation("error", {
+                "error": f"the model failed: {type(exc).__name__}: {exc}"}),
+                usage if isinstance(usage, Usage) else None, None)
     if answer is None:
         return Evaluation("error", {"error": f"the model did not answer within {llm.timeout:g}s"})
+    usage = answer.get("usage") if isinstance(answer, Mapping) else None
+    usage = usage if isinstance(usage, Usage) else None
+    known = answer.get("cost_known") if isinstance(answer, Mapping) else None
     if not isinstance(answer, Mapping) or not isinstance(answer.get("verdict"), str):
-        why = f"the model's answer has no verdict: {answer!r}"[:300]
-        return Evaluation("error", {"error": why})
+        shown = ({k: v for k, v in answer.items() if k not in ("usage", "cost_known")}
+                 if isinstance(answer, Mapping) else answer)
+        why = f"the model's answer has no verdict: {shown!r}"[:300]
+        return _used(Evaluation("error", {"error": why}), usage, known)
     verdict = answer["verdict"].strip().lower()
     verdict = _ALIASES.get(verdict, verdict)
     confidence = _as_float(answer.get("confidence", 1.0))
@@ -258,8 +274,19 @@ async def llm_structured(text: str, spec: EvaluateSpec, llm: LLMSpec,
     confident = confidence >= spec.min_confidence
     if spec.uncertain_suffix and not confident:
         verdict += "_uncertain"
-    return Evaluation(verdict, {"confidence": confidence, "confident": confident,
-                             "reason": str(answer.get("reason", ""))[:1000]})
+    return _used(Evaluation(verdict, {"confidence": confidence, "confident": confident,
+                                      "reason": str(answer.get("reason", ""))[:1000]}),
+                 usage, known)
+
+
+def _used(evaluation: Evaluation, usage: Usage | None, cost_known: Any) -> Evaluation:
+    """`evaluation` carrying what the model call used (also in its audited details)."""
+    if usage is None:
+        return evaluation
+    return Evaluation(evaluation.verdict, {**evaluation.details, "usage": {
+        "input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens,
+        "thinking_tokens": usage.thinking_tokens, "cost_usd": usage.cost_usd,
+        **({"cost_known": cost_known} if isinstance(cost_known, bool) else {})}}, usage)
 
 
 def _as_float(value: Any) -> float | None:

@@ -51,8 +51,19 @@ def rows(cur: duckdb.DuckDBPyConnection, sql: str,
     if rel is None:
         return [], []
     tbl = rel.to_arrow_table()
-    cols = [c.to_pylist() for c in tbl.columns]
+    cols = [_utc(c).to_pylist() for c in tbl.columns]
     return list(tbl.column_names), list(zip(*cols, strict=True)) if cols else []
+
+
+def _utc(column: Any) -> Any:
+    """A TIMESTAMPTZ column in UTC: Arrow carries DuckDB's session zone (the local `$TZ`),
+    so one instant would print one way per analyst."""
+    import pyarrow as pa  # type: ignore[import-untyped, unused-ignore]
+
+    kind = column.type
+    if pa.types.is_timestamp(kind) and kind.tz is not None and kind.tz != "UTC":
+        return column.cast(pa.timestamp(kind.unit, tz="UTC"))
+    return column
 
 
 def dicts(cur: duckdb.DuckDBPyConnection, sql: str,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import field, replace
 from typing import Any, Protocol
 
@@ -342,6 +342,12 @@ Op = (RegisterRun | SaveCheckpoint | FinishRun | LoseRun | ClaimRun | ReleaseRun
 # -------------------------------------------------------------------- rows
 
 
+def dollars(amount: float) -> str:
+    """An amount of US dollars as people read it: cents from $1 up, else three significant
+    digits ($12.50, $0.0125, $0.007), so a small cap and its spend do not both read $0.01."""
+    return f"${amount:.2f}" if amount >= 1 or amount == 0 else f"${amount:.3g}"
+
+
 @dataclass(slots=True, frozen=True)
 class CallerBudget:
     """One caller's budget and what they spent (or reserved) in the current window."""
@@ -360,16 +366,16 @@ class CallerBudget:
     def refusal(self) -> str | None:
         """Why a new run must be refused, or None."""
         window = _window_text(self.window_seconds)
-        checks: list[tuple[str, float | None, float, str]] = [
-            ("runs", self.max_runs, self.runs, "{:g}"),
-            ("runtime", self.max_runtime_seconds, self.runtime_seconds, "{:.0f}s"),
-            ("tokens", self.max_tokens, self.tokens, "{:g}"),
-            ("cost", self.max_cost_usd, self.cost_usd, "${:.2f}"),
+        checks: list[tuple[str, float | None, float, Callable[[float], str]]] = [
+            ("runs", self.max_runs, self.runs, "{:g}".format),
+            ("runtime", self.max_runtime_seconds, self.runtime_seconds, "{:.0f}s".format),
+            ("tokens", self.max_tokens, self.tokens, "{:g}".format),
+            ("cost", self.max_cost_usd, self.cost_usd, dollars),
         ]
         for what, limit, used, fmt in checks:
             if limit is not None and used >= limit:
-                return (f"caller {self.caller_id!r} used {fmt.format(used)} of "
-                        f"{fmt.format(limit)} {what} {window}")
+                return (f"caller {self.caller_id!r} used {fmt(used)} of "
+                        f"{fmt(limit)} {what} {window}")
         return None
 
     def without(self, tokens: int, cost_usd: float) -> CallerBudget:

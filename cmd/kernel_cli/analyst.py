@@ -120,10 +120,11 @@ def show(
         help="Only events of this kind (repeatable, or comma-separated: "
              "--kind tool_end,critic). Adapters log kinds of their own, so any name is "
              "taken; a note on stderr names the run's kinds when one matched nothing."),
-    limit: int = typer.Option(
-        200, "--limit", metavar="N", parser=numbers.count(),
+    limit: int | None = typer.Option(
+        None, "--limit", metavar="N", parser=numbers.count(), show_default=False,
         help="At most N rows, the first ones (0 = all); a note says how many were left "
-             "out."),
+             "out. Default: 200 rows in the table, every event with --json (whose "
+             "document then says how many it left out: events_left_out)."),
     raw: bool = typer.Option(
         False, "--raw", help="Every event on a row of its own (a loop state's events are "
                              "otherwise one line: `test  exit 1 → no → fix`)."),
@@ -178,13 +179,17 @@ def show(
                   file=sys.stderr)
         events = [e for e in events if e["kind"] in kinds]
     if json_out:
-        if limit:
-            events = events[:limit]
+        doc: dict[str, Any] = {"run": run, "events": events[:limit] if limit else events}
+        if limit and len(events) > limit:
+            doc["events_left_out"] = len(events) - limit
+            print(f"kernel show: note: {len(events) - limit} more event(s) not in the "
+                  f"document (--limit {limit}; 0 gives all)", file=sys.stderr)
         run["short_id"] = short_id(run["run_id"])
-        output.print_doc({"run": run, "events": events})
+        output.print_doc(doc)
         return
     rows = events if raw or kinds else _one_row_per_state(events)
     total = len(rows)
+    limit = 200 if limit is None else limit
     if limit:
         rows = rows[:limit]
     status = run["status"] + _exit_note(run)
@@ -200,7 +205,9 @@ def show(
         runtime += (f" over {run['sessions']} sessions "
                     f"({_secs(run['runtime_seconds'])} in the last)")
     lines.append(f"started  {_when(run['started_at'])} UTC  runtime {runtime}"
-                 f"  steps {_num(run['total_steps'])}  tool calls {_num(run['total_tool_calls'])}")
+                 f"  steps {_num(run['total_steps'])}"
+                 + (" (the command was stopped)" if run["stopped_step"] else "")
+                 + f"  tool calls {_num(run['total_tool_calls'])}")
     for key in ("reason", "error"):
         if run.get(key):
             lines.append(f"{key:<8} {_one_line(run[key])}")
@@ -291,21 +298,22 @@ def _totals(run: dict[str, Any], events: list[dict[str, Any]]) -> dict[str, Any]
 
     A resumed run's row holds its last session's runtime; its timeline runs
     from the first start to the last event. Steps and tool calls are the
-    larger of the row's count and the events'. A command that was stopped
-    (timeout, kill, Ctrl-C) after it started still ran its one step.
+    larger of the row's count and the events' (completed steps, as `runs.steps`
+    counts them). A command that was stopped (timeout, kill, Ctrl-C) after it
+    started completed none: `stopped_step` says its one step was cut short.
     """
     sessions = 1 + sum(1 for e in events if e["kind"] == "resumed")
     span = max((float(e["offset_ms"]) for e in events), default=0.0) / 1000
     runtime = float(run.get("runtime_seconds") or 0.0)
     steps = max(int(run.get("steps") or 0), sum(1 for e in events if e["kind"] == "step"))
     inputs = run.get("inputs")
-    if (steps == 0 and isinstance(inputs, dict) and "argv" in inputs
-            and any(e["kind"] == "process_start" for e in events)):
-        steps = 1
+    stopped = (steps == 0 and isinstance(inputs, dict) and "argv" in inputs
+               and any(e["kind"] == "process_start" for e in events))
     tools = max(int(run.get("tool_calls") or 0), sum(1 for e in events
                                                      if e["kind"] == "tool_end"))
     return {"sessions": sessions, "timeline_seconds": max(span, runtime) if sessions > 1
-            else runtime, "total_steps": steps, "total_tool_calls": tools}
+            else runtime, "total_steps": steps, "total_tool_calls": tools,
+            "stopped_step": stopped}
 
 
 def _exit_note(run: dict[str, Any]) -> str:

@@ -307,6 +307,11 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         sys.exit(130)
     except Exception as exc:
+        bad = _config_error(exc)
+        if bad is not None:  # bad input found deep inside a command (a setting, a URL)
+            print(f"{_command_path(sys.argv[1:] if argv is None else argv)}: error: {bad}",
+                  file=sys.stderr)
+            sys.exit(2)
         # Usage errors (typer vendors click in some versions, so match by shape).
         fmt = getattr(exc, "format_message", None)
         if fmt is None:
@@ -327,6 +332,28 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{cmd}: error: {fmt()}{hint}", file=sys.stderr)
         sys.exit(code)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _config_error(exc: BaseException) -> str | None:
+    """The message of a `ConfigError`, also one wrapped in exception groups (raised in a
+    nursery); None if `exc` is anything else, or a group holding anything else."""
+    from kernel import ConfigError
+
+    if isinstance(exc, ConfigError):
+        return str(exc)
+    if isinstance(exc, BaseExceptionGroup):
+        found = [_config_error(e) for e in exc.exceptions]
+        if found and all(m is not None for m in found):
+            return found[0]
+    return None
+
+
+def _command_path(args: list[str]) -> str:
+    """`kernel COMMAND` from the command line (`kernel` when there is none)."""
+    for arg in args:
+        if not arg.startswith("-"):
+            return f"kernel {arg}" if arg.isidentifier() else "kernel"
+    return "kernel"
 
 
 def entry() -> None:

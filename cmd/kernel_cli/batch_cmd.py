@@ -48,7 +48,9 @@ with optional "id" (unique in the file), "name", "caller", "context" and the
 limits `kernel run` takes: "timeout", "soft_timeout", "idle_timeout",
 "model_timeout", "tool_timeout" (seconds or "90s", "5m", "2h"...),
 "max_steps", "checkpoint_interval", "no_critic"; agents also take "model",
-"base_url", "cmd", "api_key_env", "allow_shell", "target", "max_turns".
+"base_url", "cmd", "api_key_env", "allow_shell", "target", "max_turns", and
+loops and llm agents "price": [IN, OUT] US dollars per million tokens (a
+caller whose budget caps cost is refused an unpriced model).
 With --ray, "ray": {"num_cpus": 0.5, "resources": {"NAME": 1}, "memory": BYTES}
 is what the run holds on the cluster (default: one CPU).
 The whole file is checked first: a bad line is one error naming its line
@@ -81,9 +83,9 @@ _COMMON = frozenset({"id", "name", "caller", "context", "timeout", "soft_timeout
                      "idle_timeout", "model_timeout", "tool_timeout", "max_steps",
                      "checkpoint_interval", "no_critic", "ray"})
 _KIND_KEYS = {"command": frozenset(),
-              "loop": frozenset({"model", "base_url", "api_key_env"}),
+              "loop": frozenset({"model", "base_url", "api_key_env", "price"}),
               "agent": frozenset({"prompt", "model", "base_url", "cmd", "api_key_env",
-                                  "allow_shell", "target", "max_turns"})}
+                                  "allow_shell", "target", "max_turns", "price"})}
 _DURATIONS = ("timeout", "soft_timeout", "idle_timeout", "model_timeout", "tool_timeout",
               "checkpoint_interval")
 _MAX_ID = 200
@@ -272,6 +274,7 @@ def _task(obj: dict[str, Any], n: int, where: str, *, caller: str, cwd: str) -> 
     durations = {k: _duration(obj, k, bad) for k in _DURATIONS}
     max_steps = _count(obj, "max_steps", bad, minimum=0)
     max_turns = _count(obj, "max_turns", bad, minimum=1)
+    price = _price(obj, bad)
     flags = {k: _flag(obj, k, bad) for k in ("no_critic", "allow_shell")}
     try:
         if kind == "command":
@@ -287,7 +290,7 @@ def _task(obj: dict[str, Any], n: int, where: str, *, caller: str, cwd: str) -> 
             spec = agent_spec([str(Path(cwd) / path)], ctx, agent=None,
                               model=strings["model"], base_url=strings["base_url"],
                               prompt=None, cmd=None, api_key_env=strings["api_key_env"],
-                              allow_shell=False, scenario=None)
+                              allow_shell=False, scenario=None, price=price)
         else:
             if not isinstance(obj["agent"], str) or not obj["agent"]:
                 raise bad("agent", "expects an agent kind (llm, agentcli, pane, claude, "
@@ -296,7 +299,7 @@ def _task(obj: dict[str, Any], n: int, where: str, *, caller: str, cwd: str) -> 
                               base_url=strings["base_url"], prompt=strings["prompt"],
                               cmd=strings["cmd"], api_key_env=strings["api_key_env"],
                               allow_shell=flags["allow_shell"], scenario=None,
-                              target=strings["target"], max_turns=max_turns)
+                              target=strings["target"], max_turns=max_turns, price=price)
         plan = plan_from_spec(spec, quiet=True)
     except ConfigError as exc:
         raise bad(kind, str(exc)) from None
@@ -378,6 +381,21 @@ def _duration(obj: Mapping[str, Any], key: str, bad: Any) -> float | None:
         return numbers.parse_duration(value)
     except ValueError as exc:
         raise bad(key, str(exc)) from None
+
+
+def _price(obj: Mapping[str, Any], bad: Any) -> tuple[float, float] | None:
+    value = obj.get("price")
+    if value is None:
+        return None
+    if (not isinstance(value, list) or len(value) != 2
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)):
+        raise bad("price", "expects [IN, OUT]: US dollars per million input and output "
+                           "tokens, like [0.15, 0.6]")
+    try:
+        return (numbers.parse_amount(repr(float(value[0])), maximum=1e6),
+                numbers.parse_amount(repr(float(value[1])), maximum=1e6))
+    except ValueError:
+        raise bad("price", f"expects two amounts >= 0, got {value!r}") from None
 
 
 def _count(obj: Mapping[str, Any], key: str, bad: Any, *, minimum: int) -> int | None:

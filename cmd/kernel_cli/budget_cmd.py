@@ -46,8 +46,10 @@ def set_budget(
         help="Runtime per window: seconds, or 90m, 2h, 7d."),
     tokens: int | None = typer.Option(None, "--tokens", metavar="N", parser=numbers.count(),
                                       help="Tokens per window."),
-    cost: float | None = typer.Option(None, "--cost", metavar="USD", parser=numbers.amount(),
-                                      help="Dollars per window."),
+    cost: float | None = typer.Option(
+        None, "--cost", metavar="USD", parser=numbers.amount(),
+        help="US dollars per window. An --agent llm run, or a loop whose llm_structured "
+             "judge asks a model, needs its --price to be charged: without one it is refused."),
     window: float = typer.Option(
         "24h", "--window", metavar="DURATION", parser=numbers.duration(zero=False),
         help="The rolling window: 30m, 24h, 7d, 2w (or seconds)."),
@@ -110,8 +112,11 @@ def show_budget(
         print("no budget applies" if caller else "no budgets set")
         return
 
-    def cell(used: float, limit: float | None, fmt: str) -> str:
-        return "-" if limit is None else f"{fmt.format(used)}/{fmt.format(limit)}"
+    from batteries.store._types import dollars
+
+    def cell(used: float, limit: float | None, fmt: Any) -> str:
+        show = fmt if callable(fmt) else fmt.format
+        return "-" if limit is None else f"{show(used)}/{show(limit)}"
 
     print(f"{'caller':16} {'window':>8} {'runs':>10} {'runtime':>14} {'tokens':>16} "
           f"{'cost':>16}")
@@ -120,7 +125,7 @@ def show_budget(
               f"{cell(r.runs, r.max_runs, '{:g}'):>10} "
               f"{cell(r.runtime_seconds, r.max_runtime_seconds, '{:.0f}s'):>14} "
               f"{cell(r.tokens, r.max_tokens, '{:g}'):>16} "
-              f"{cell(r.cost_usd, r.max_cost_usd, '${:.2f}'):>16}")
+              f"{cell(r.cost_usd, r.max_cost_usd, dollars):>16}")
 
 
 @budget_app.command("rm")

@@ -111,6 +111,24 @@ def parse_amount(text: str, *, maximum: float | None = None) -> float:
     return value
 
 
+def parse_price(text: str) -> tuple[float, float]:
+    """`IN,OUT`: US dollars per million input and output tokens (`0.15,0.60`).
+
+    Raises:
+        ValueError: Not two amounts >= 0 separated by a comma.
+    """
+    parts = text.split(",")
+    if len(parts) != 2:
+        raise ValueError(f"expects IN,OUT: US dollars per million input and output tokens "
+                         f"(like 0.15,0.60), got {text!r}")
+    try:
+        return (parse_amount(parts[0].strip(), maximum=1e6),
+                parse_amount(parts[1].strip(), maximum=1e6))
+    except ValueError:
+        raise ValueError(f"expects IN,OUT: two amounts >= 0 in US dollars per million "
+                         f"tokens (like 0.15,0.60), got {text!r}") from None
+
+
 def from_env(name: str, parse: Callable[[str], T], default: T) -> T:
     """The environment variable `name` through `parse`; `default` when unset or empty.
 

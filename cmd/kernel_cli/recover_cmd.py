@@ -288,7 +288,8 @@ def _resume_one(rec: Recovery, saved: SavedRun, *, json_out: bool) -> int:
 
 
 def _not_resumed(got: Resumed, short: str) -> int:
-    """Say why a run was not resumed: 1 if it is lost for good, 2 if it stays resumable."""
+    """Say why a run was not resumed: `lost`'s exit code (6) if it is lost for good, 2 if
+    it stays resumable."""
     from kernel import Status
 
     for note in got.notes:
@@ -296,7 +297,7 @@ def _not_resumed(got: Resumed, short: str) -> int:
     if got.lost is not None:
         print(f"kernel: run {short} cannot resume: {got.lost}; run it again with `kernel run`; "
               f"marked {Status.LOST}", file=sys.stderr)
-        return 1
+        return Status.LOST.exit_code
     if got.missing:
         print(f"kernel: run {short} cannot resume: {got.refused}; give them again: "
               f"kernel resume {short} {give_back(got.missing)}", file=sys.stderr)

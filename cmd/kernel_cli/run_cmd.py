@@ -228,6 +228,13 @@ def run(
     allow_shell: bool = typer.Option(
         False, "--allow-shell", help="Give an llm agent the shell tool (off by default).",
         rich_help_panel=_AGENTS),
+    price_text: str | None = typer.Option(
+        None, "--price", metavar="IN,OUT", show_default=False,
+        help="What the model costs, in US dollars per million input,output tokens "
+             "(--agent llm and a loop's llm_structured evaluations): the run's cost, "
+             "which cost budgets bound. Without it a call costs what the server reports "
+             "(usage.cost), else 0, and a caller with a cost budget is refused.",
+        rich_help_panel=_AGENTS),
     redact: list[str] | None = typer.Option(
         None, "--redact", metavar="REGEX", help=REDACT_HELP,
         rich_help_panel=_STORAGE),
@@ -237,13 +244,17 @@ def run(
 
     # A scenario only decides simulated verdicts: it never runs a loop for real.
     dry_run = dry_run or scenario is not None
+    try:  # parsed here: a `parser=` of a tuple would cost typer's pydantic at start-up
+        price = None if price_text is None else numbers.parse_price(price_text)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="'--price'") from None
     try:
         ctx_vars = parse_context(context or [])
         redactor = make_redactor(ctx_vars, redact or [])
         spec = agent_spec(args or [], ctx_vars, agent=agent, model=model, base_url=base_url,
                           prompt=prompt, cmd=cmd, api_key_env=api_key_env,
                           allow_shell=allow_shell, scenario=scenario, target=target,
-                          max_turns=max_turns)
+                          max_turns=max_turns, price=price)
         plan = plan_from_spec(spec, quiet=quiet or json_out, echo_stderr=True)
     except ConfigError as exc:
         _fail(str(exc))
@@ -360,6 +371,7 @@ def agent_spec(args: list[str], ctx_vars: dict[str, str], *, agent: str | None,
                model: str | None, base_url: str | None, prompt: str | None, cmd: str | None,
                api_key_env: str | None, allow_shell: bool, scenario: str | None,
                target: str | None = None, max_turns: int | None = None,
+               price: tuple[float, float] | None = None,
                ) -> CommandSpec | LoopSpec | AgentSpec:
     """What to run, from the options (kept in the run spec, for `kernel resume`)."""
     from kernel import AgentSpec, CommandSpec, ConfigError, LoopSpec
@@ -369,7 +381,7 @@ def agent_spec(args: list[str], ctx_vars: dict[str, str], *, agent: str | None,
             raise ConfigError("--agent takes no command or loop file; use --prompt/--cmd")
         return AgentSpec(agent=agent, model=model, base_url=base_url, prompt=prompt, cmd=cmd,
                          api_key_env=api_key_env, allow_shell=allow_shell, context=ctx_vars,
-                         target=target, max_turns=max_turns)
+                         target=target, max_turns=max_turns, price=price)
     if target is not None:
         raise ConfigError("--target is for --agent pane")
     if max_turns is not None:
@@ -381,13 +393,16 @@ def agent_spec(args: list[str], ctx_vars: dict[str, str], *, agent: str | None,
         if not Path(path).exists():  # the loader refuses FIFOs, devices, directories
             raise ConfigError(f"loop file not found: {path}")
         return LoopSpec(path=str(Path(path).resolve()), context=ctx_vars, scenario=scenario,
-                        model=model, base_url=base_url, api_key_env=api_key_env)
+                        model=model, base_url=base_url, api_key_env=api_key_env, price=price)
     if (args[0].endswith((".yaml", ".yml")) and Path(args[0]).is_file()
             and not os.access(args[0], os.X_OK)):
         raise ConfigError(f"a loop file runs alone: {args[0]} was given with "
                           f"{shlex.join(args[1:])!r} (context goes in -c KEY=VALUE)")
     if scenario is not None:
         raise ConfigError("--scenario applies to loop files only")
+    if price is not None:
+        raise ConfigError("--price is for --agent llm and loop files (what their model "
+                          "calls cost); a command's cost is not known to the kernel")
     if not args[0]:
         raise ConfigError("the command is empty: give -- CMD [ARGS...]")
     for arg in args:
@@ -660,7 +675,9 @@ def _report(result: Result, code: int, *, json_out: bool, echo_output: bool,
     steps = f"{result.steps} step(s)"
     if command and result.steps == 0 and result.status in (
             Status.TIMEOUT, Status.KILLED, Status.CANCELLED):
-        steps = "1 step (stopped)"  # a command is one step: it ran, and was stopped
+        # A command is one step: it ran and was stopped, so none completed (as the
+        # audit's `steps` and --json say).
+        steps = "0 steps (the command was stopped)"
     # Control characters a recorded error or reason holds are shown escaped (`_say`).
     _say(f"kernel: run {short_id(result.run_id)} {result.status} after "
          f"{result.runtime_seconds:.1f}s, {steps}"

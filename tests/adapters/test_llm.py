@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from adapters.llm import (
     parse_retry_after,
     redact_url,
 )
-from kernel import Kernel, Limits, Ports, RunInfo, Status
+from kernel import ConfigError, Kernel, Limits, Ports, RunInfo, Status
 from kernel.testing import MemoryAudit, RecordingCheckpointer, ScriptedCritic
 
 SECRET = "sk-test-SECRET-0123456789"
@@ -675,6 +676,13 @@ class TestLLMAgentUnits:
         """Cost is tokens times the per-million price, input and output separately."""
         assert Price(3.0, 15.0).cost(1_000_000, 100_000) == pytest.approx(4.5)
 
+    @pytest.mark.parametrize("bad", [-1.0, math.nan, math.inf, "3", True])
+    def test_a_price_is_a_real_amount(self, bad: Any) -> None:
+        """A negative, NaN, infinite or non-number price is refused where it is made (it
+        would make every cost NaN or negative, and cost budgets meaningless)."""
+        with pytest.raises(ConfigError, match=r"Price\.output_per_mtok must be a finite amount"):
+            Price(1.0, bad)
+
 
 class TestParseCompletion:
     """Decoding chat-completion bodies."""
@@ -704,6 +712,15 @@ class TestParseCompletion:
         body = completion(None, call("c", "f", "[1, 2]"))
         (tc,) = parse_completion(body, "u").tool_calls
         assert tc.args is None and tc.error == "arguments must be a JSON object, got list"
+
+    @pytest.mark.parametrize(("cost", "read"), [
+        (0.0125, 0.0125), (0, 0.0), (-1, None), ("0.5", None), (True, None),
+        (math.inf, None), (None, None)])
+    def test_the_servers_cost(self, cost: Any, read: float | None) -> None:
+        """`usage.cost` (OpenRouter, LiteLLM proxies) is read when it is a real amount."""
+        body = completion("hi")
+        body["usage"]["cost"] = cost
+        assert parse_completion(body, "u").cost_usd == read
 
     def test_api_error_body_with_200(self) -> None:
         """An error object where a completion should be is reported with its message."""

@@ -14,7 +14,8 @@ from loop_support import events, run, spec_of
 from adapters.loop import JudgeRequest, LLMSpec
 from adapters.loop import _evaluators as ev
 from adapters.loop._spec import EvaluateSpec
-from kernel import Status
+from kernel import Ports, Status, Usage, UsageLimits
+from kernel.testing import RecordingBudget
 
 
 class TestExitCode:
@@ -218,3 +219,68 @@ class TestLlmStructured:
         assert evaluate.payload["verdict"] == "partial"
         assert evaluate.payload["details"]["reason"] == "half"
         assert judge.requests[0].output == "the diff"
+
+
+class TestJudgeUsage:
+    """What a judge's model calls use is the run's: counted in its usage and its budgets."""
+
+    LOOP = """
+        initial: review
+        states:
+          review:
+            evaluate: {type: llm_structured, source: "the diff"}
+            on_no: review
+            on_yes: done
+          done: {terminal: true}
+    """
+
+    async def test_the_judges_usage_is_the_runs(self, tmp_path: Path,
+                                                 autojump_clock: trio.abc.Clock) -> None:
+        """Each verdict's usage is in its `evaluate` event and summed in the run's usage."""
+        judge = Judge({"verdict": "no", "usage": Usage(10, 5, 0, 0.25), "cost_known": True},
+                      {"verdict": "yes", "usage": Usage(20, 1, 0, 0.5), "cost_known": True})
+        result, audit, _ = await run(spec_of(tmp_path, self.LOOP), judge=judge)
+        assert result.status is Status.OK
+        assert result.usage == Usage(30, 6, 0, 0.75)
+        details = [e.payload["details"] for e in events(audit, result.run_id, "evaluate")]
+        assert [d["usage"]["input_tokens"] for d in details] == [10, 20]
+        assert details[1]["usage"]["cost_usd"] == 0.5 and details[1]["usage"]["cost_known"]
+
+    async def test_a_failed_answer_still_counts(self, tmp_path: Path,
+                                                autojump_clock: trio.abc.Clock) -> None:
+        """A call that answered no verdict, or raised carrying `usage`, used tokens all the
+        same: they count, and the verdict is `error`."""
+        class Spent(ValueError):
+            usage = Usage(7, 3, 0, 0.1)
+
+        judge = Judge({"confidence": 1, "usage": Usage(4, 2, 0, 0.05)}, Spent("not JSON"))
+        spec = spec_of(tmp_path, """
+            initial: review
+            states:
+              review:
+                evaluate: {type: llm_structured}
+                on_error: again
+              again:
+                evaluate: {type: llm_structured}
+                on_error: done
+              done: {terminal: true}
+        """)
+        result, audit, _ = await run(spec, judge=judge)
+        assert result.usage == Usage(11, 5, 0, 0.15000000000000002)
+        errors = [e.payload["details"]["error"] for e in events(audit, result.run_id,
+                                                                 "evaluate")]
+        assert "no verdict" in errors[0] and "usage" not in errors[0]
+        assert "not JSON" in errors[1]
+
+    async def test_a_cost_cap_ends_a_loop_whose_judge_spends_it(
+            self, tmp_path: Path, autojump_clock: trio.abc.Clock) -> None:
+        """A budget's cost cap bounds the judge: the loop stops `budget_exceeded` once its
+        verdicts have cost more than the cap (it would have gone round forever)."""
+        judge = Judge(*[{"verdict": "no", "usage": Usage(10, 5, 0, 0.4)}] * 10)
+        budget = RecordingBudget(caps=UsageLimits(max_cost_usd=1.0))
+        result, _, _ = await run(spec_of(tmp_path, self.LOOP), judge=judge,
+                                 ports=Ports(budget=budget))
+        assert result.status is Status.BUDGET_EXCEEDED
+        assert "cost" in (result.error or "")
+        assert len(judge.requests) == 3
+        assert budget.commits[0][2].cost_usd == pytest.approx(1.2)

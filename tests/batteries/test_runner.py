@@ -39,13 +39,13 @@ def _spec(tmp_path: Path, **limits: Any) -> RunSpec:
 
 
 def test_a_run_registers_its_versioned_spec(tmp_path: Path) -> None:
-    """The spec is stored (version 1) before the run; it reads back equal; the run ends ok."""
+    """The spec is stored (version 2) before the run; it reads back equal; the run ends ok."""
     spec = _spec(tmp_path)
     result = trio.run(run_spec, spec, Stepper())
     assert result.status is Status.OK and result.output == 3 and not result.port_failures
     saved = JournalCheckpointer(tmp_path / "k.duckdb").load(spec.run_id)
     assert saved is not None and saved.status == "completed"
-    assert saved.spec["version"] == 1
+    assert saved.spec["version"] == 2
     assert RunSpec.from_dict(saved.spec) == spec
 
 

@@ -646,15 +646,16 @@ class TestShowReads:
 
     def test_a_stopped_command_shows_its_exit_code_and_its_step(
             self, kernel_exe: str, cli_env: dict[str, str]) -> None:
-        """A timed-out command: `1 step (stopped)` on the summary, `(exit 124)` in the header."""
+        """A timed-out command: `0 steps (the command was stopped)` on the summary and in
+        the header, as the `runs` row and --json count it; `(exit 124)` in the header."""
         ran = subprocess.run([kernel_exe, "run", "--timeout", "1", "--", "sleep", "60"],
                              capture_output=True, text=True, env=cli_env, timeout=120)
         assert ran.returncode == 124
-        assert ", 1 step (stopped): hard timeout" in ran.stderr, ran.stderr
+        assert ", 0 steps (the command was stopped): hard timeout" in ran.stderr, ran.stderr
         shown = subprocess.run([kernel_exe, "show", "last"], capture_output=True, text=True,
                                env=cli_env, timeout=60).stdout
         assert "status   timeout (exit 124)" in shown
-        assert "steps 1 " in shown, shown
+        assert "steps 0 (the command was stopped) " in shown, shown
 
     def test_a_resumed_runs_totals_cover_its_whole_timeline(self, _isolated_db: Path) -> None:
         """The row holds the last session (0.5 s, 2 steps); the header says 13.5 s, 2 sessions."""

@@ -268,6 +268,40 @@ class TestStrictJson:
         assert "kaudit" not in line
 
 
+class TestEveryoneSeesUTC:
+    def test_json_and_csv_times_are_utc_whatever_tz_is(self, kernel_exe: str,
+                                                       cli_env: dict[str, str]) -> None:
+        """One instant prints one way for every analyst: UTC in query's CSV and JSON,
+        runs --json and show --json, with $TZ far from UTC (it followed $TZ before)."""
+        env = {**cli_env, "TZ": "Asia/Kolkata"}
+        assert kernel(kernel_exe, env, "run", "-q", "--", "true").returncode == 0
+        got = kernel(kernel_exe, env, "query", "select started_at from runs", "--json")
+        assert json.loads(got.stdout)["started_at"].endswith("+00:00"), got.stdout
+        got = kernel(kernel_exe, env, "query", "select started_at from runs",
+                     "--format", "csv")
+        assert got.stdout.splitlines()[1].endswith("+00:00"), got.stdout
+        (row,) = json_lines(kernel(kernel_exe, env, "runs", "--json").stdout)
+        assert row["started_at"].endswith("+00:00") and row["ended_at"].endswith("+00:00")
+        doc = json.loads(kernel(kernel_exe, env, "show", "last", "--json").stdout)
+        assert doc["run"]["started_at"].endswith("+00:00")
+
+
+class TestShowJsonIsWhole:
+    def test_show_json_has_every_event_unless_limited_and_then_says_so(
+            self, kernel_exe: str, cli_env: dict[str, str]) -> None:
+        """`show --json` once cut a run at 200 events with no sign (no run_end)."""
+        assert kernel(kernel_exe, cli_env, "run", "-q", "--", "sh", "-c",
+                      "for i in $(seq 1 300); do echo line $i; done").returncode == 0
+        got = kernel(kernel_exe, cli_env, "show", "last", "--json")
+        doc = json.loads(got.stdout)
+        assert len(doc["events"]) > 300 and doc["events"][-1]["kind"] == "run_end"
+        assert "events_left_out" not in doc and got.stderr == ""
+        got = kernel(kernel_exe, cli_env, "show", "last", "--json", "--limit", "10")
+        doc = json.loads(got.stdout)
+        assert len(doc["events"]) == 10 and doc["events_left_out"] > 290
+        assert "more event(s) not in the document" in got.stderr
+
+
 class TestRecoverAndResume:
     def test_a_cancelled_command_is_left_alone_and_a_lost_one_is_reported_in_json(
             self, kernel_exe: str, cli_env: dict[str, str], tmp_path: Path) -> None:

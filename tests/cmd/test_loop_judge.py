@@ -117,6 +117,54 @@ class TestLoopJudge:
         assert "llm_structured needs a model" in shown
 
 
+class TestJudgeCost:
+    """The judge's calls are the run's spend: priced by --price, bounded by cost budgets."""
+
+    def run(self, kernel_exe: str, cli_env: dict[str, str], tmp_path: Path, url: str,
+            *extra: str) -> subprocess.CompletedProcess[str]:
+        loop = tmp_path / "judged.yaml"
+        loop.write_text(LOOP)
+        return subprocess.run(
+            [kernel_exe, "run", "--json", str(loop), "--model", "judge-1", "--base-url", url,
+             *extra], capture_output=True, text=True, env=cli_env, timeout=60)
+
+    def test_price_gives_the_judges_calls_a_cost(self, chat: type[ChatServer],
+                                                 kernel_exe: str, cli_env: dict[str, str],
+                                                 tmp_path: Path) -> None:
+        """With --price, the run's usage holds the judge's tokens and what they cost."""
+        server = chat('{"verdict": "yes"}')
+        proc = self.run(kernel_exe, cli_env, tmp_path, server.url, "--price", "1000,2000")
+        assert proc.returncode == 0, proc.stderr
+        usage = json.loads(proc.stdout)["usage"]
+        assert (usage["input_tokens"], usage["output_tokens"]) == (10, 5)
+        assert usage["cost_usd"] == pytest.approx((10 * 1000 + 5 * 2000) / 1e6)
+
+    def test_a_cost_budget_refuses_an_unpriced_judge(self, chat: type[ChatServer],
+                                                     kernel_exe: str, cli_env: dict[str, str],
+                                                     tmp_path: Path) -> None:
+        """A caller with a cost budget cannot run a loop whose judge has no price: its
+        calls would cost 0 and the budget would not bound them. Refused before any call
+        (budget_exceeded, exit 3, naming --price); with --price it runs and is charged."""
+        server = chat('{"verdict": "yes"}')
+        subprocess.run([kernel_exe, "budget", "set", "ci", "--cost", "5"], check=True,
+                       capture_output=True, env=cli_env, timeout=60)
+        proc = self.run(kernel_exe, cli_env, tmp_path, server.url, "--caller", "ci")
+        assert proc.returncode == 3, proc.stderr
+        doc = json.loads(proc.stdout)
+        assert doc["status"] == "budget_exceeded"
+        assert "cost budget" in doc["error"] and "--price" in doc["error"]
+        assert server.requests == []
+        proc = self.run(kernel_exe, cli_env, tmp_path, server.url, "--caller", "ci",
+                        "--price", "1000,2000")
+        assert proc.returncode == 0, proc.stderr
+        shown = subprocess.run([kernel_exe, "budget", "show", "--json"], capture_output=True,
+                               text=True, env=cli_env, timeout=60)
+        assert shown.returncode == 0, shown.stderr
+        (row,) = [json.loads(line) for line in shown.stdout.splitlines()]
+        assert row["runs"] == 2  # the refused run was admitted first: a run costing 0
+        assert row["cost_usd"] == pytest.approx(0.02)
+
+
 class TestParseAnswer:
     @pytest.mark.parametrize("text", [
         '{"verdict": "yes"}', '```json\n{"verdict": "yes"}\n```',

@@ -159,7 +159,8 @@ class TestRecover:
         with con:
             [(run_id, text)] = con.execute("SELECT run_id, spec FROM checkpoints").fetchall()
             stored = json.loads(text)
-            assert stored.pop("version") == 1
+            assert stored.pop("version") == 2
+            assert stored["agent"].pop("price") is None  # version 2 added it
             # Main's document: these keys, in this order, and nothing else.
             old = {"agent": stored["agent"], "info": stored["info"],
                    "limits": stored["limits"], "ports": stored["ports"],
@@ -178,8 +179,12 @@ class TestRecover:
                       "count(*) FILTER (WHERE kind = 'resumed') AS resumed FROM events")
         assert row["n"] == row["d"] == int(row["hi"]) + 1 and row["resumed"] == 1, row
 
-    def test_command_cannot_resume(self, kernel_exe: str, cli_env: dict[str, str]) -> None:
-        """A SIGKILLed plain command is reported as not resumable, clearly, and given up."""
+    @pytest.mark.parametrize(("how", "code"), [("recover", 1), ("resume", 6)])
+    def test_command_cannot_resume(self, kernel_exe: str, cli_env: dict[str, str], how: str,
+                                   code: int) -> None:
+        """A SIGKILLed plain command is reported as not resumable, clearly, and given up:
+        `kernel resume` exits with `lost`'s code (6), `kernel recover` with 1 (one of the
+        runs it took did not end ok)."""
         proc = subprocess.Popen([kernel_exe, "run", "--no-critic", "--", "sleep", "30.789"],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env)
         deadline = time.monotonic() + 120  # a readiness wait: the bound is only for a hang
@@ -189,9 +194,9 @@ class TestRecover:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
         subprocess.run(["pkill", "-f", "^sleep 30.789"], check=False)
-        rec = subprocess.run([kernel_exe, "recover"], capture_output=True, text=True,
-                             env=cli_env, timeout=60)
-        assert rec.returncode == 1
+        rec = subprocess.run([kernel_exe, how, *(["last"] if how == "resume" else [])],
+                             capture_output=True, text=True, env=cli_env, timeout=60)
+        assert rec.returncode == code, rec.stderr
         assert "cannot resume: a plain command has no resumable state" in rec.stderr
         assert "no interrupted runs" in subprocess.run(
             [kernel_exe, "recover"], capture_output=True, text=True, env=cli_env,

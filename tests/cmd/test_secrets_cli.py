@@ -315,7 +315,7 @@ class TestResume:
         out, _ = proc.communicate(timeout=60)
         run_id = json.loads(out)["run_id"]
         refused = kernel(kernel_exe, env, "resume", run_id[:12])
-        assert refused.returncode == 1
+        assert refused.returncode == 6  # lost
         assert "cannot resume: its agent.path held a secret" in refused.stderr
         assert run_id not in kernel(kernel_exe, env, "recover", "--list", "--json").stdout
         assert os.path.isdir(sub)
@@ -399,3 +399,16 @@ class TestAttackCorpus:
         output = kernel(kernel_exe, cli_env, "query", "--format", "csv",
                         f"SELECT output FROM runs WHERE run_id = '{run_id}'").stdout
         assert "building" in output and "tests passed: 42" in output
+
+    def test_a_multi_line_secret_is_not_stored_line_by_line(
+            self, kernel_exe: str, cli_env: dict[str, str]) -> None:
+        """A secret-named variable holding several lines: each output line is recorded
+        on its own, where the whole value never appears; every line is replaced."""
+        lines = ["firstpartABCDEF123", "secondpartXYZ98765"]
+        env = {**cli_env, "MY_SECRET": "\n".join(lines)}
+        proc = kernel(kernel_exe, env, "run", "--json", "--", "sh", "-c", 'echo "$MY_SECRET"')
+        assert proc.returncode == 0, proc.stderr
+        db = Path(cli_env["KERNEL_DB"])
+        assert _leaks(_journal_bytes(db).decode("utf-8", "replace"), lines) == []
+        assert kernel(kernel_exe, cli_env, "runs").returncode == 0  # feeds the DuckDB file
+        assert _leaks(_db_text(db), lines) == []

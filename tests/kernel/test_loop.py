@@ -453,9 +453,16 @@ class TestImmediateKill:
                                                 ToolCall("b", {"name": "b"}),
                                                 ToolCall("c", {"name": "c"})])],
                               tools={"a": tool, "b": tool, "c": tool})
-        result = await Kernel(Ports(critic=critic)).run(agent, RunInfo(), Limits())
+        audit = MemoryAudit()
+        result = await Kernel(Ports(critic=critic, audit=audit)).run(agent, RunInfo(),
+                                                                     Limits())
         assert result.status is Status.KILLED and ran == ["a"]
         assert [c.name for c in critic.handles[0].tool_starts] == ["a", "b"]
+        # The call killed on never started: not audited as started, not counted.
+        assert [e.name for e in audit.events(result.run_id) if e.kind == "tool_start"] == ["a"]
+        assert result.tool_calls == 1
+        stats = audit.runs[result.run_id].stats
+        assert stats is not None and stats.tool_calls == 1
 
     async def test_a_step_finishing_right_after_a_kill_verdict_still_ends_killed(
             self, autojump_clock: trio.abc.Clock) -> None:

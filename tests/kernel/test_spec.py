@@ -43,7 +43,8 @@ SPECS = [
             RunInfo(name="loop", inputs={"loop": "/x/loop.yaml"}),
             Limits(max_steps=7, dry_run=True),
             PortSpec(webhooks=("http://127.0.0.1:9/a", "http://127.0.0.1:9/b"))),
-    RunSpec(AgentSpec("llm", model="m", prompt="hi", allow_shell=True, max_turns=None),
+    RunSpec(AgentSpec("llm", model="m", prompt="hi", allow_shell=True, max_turns=None,
+                      price=(0.15, 0.6)),
             RunInfo(name="llm m", caller_id="me", parent_run_id="p"),
             ports=PortSpec(idle_timeout=0.0, otlp="http://127.0.0.1:4318")),
     RunSpec(AgentSpec("claude", prompt="fix it", max_turns=3), redacted=(("ports", "otlp"),)),
@@ -59,7 +60,7 @@ class TestRoundTrip:
         back = RunSpec.from_json(spec.to_json())
         assert back == spec
         assert back.to_dict() == spec.to_dict()
-        assert back.to_dict()["version"] == RunSpec.LATEST_VERSION == 1
+        assert back.to_dict()["version"] == RunSpec.LATEST_VERSION == 2
 
     def test_frozen(self) -> None:
         """A spec and what it runs cannot be changed in place."""
@@ -72,9 +73,10 @@ class TestRoundTrip:
 
 class TestOldSpecs:
     def test_spec_stored_by_main_loads(self) -> None:
-        """A spec with no version field (stored before versions were written) is version 1."""
+        """A spec with no version field (stored before versions were written) is version 1,
+        read as today's shape (version 2 added `price`, absent before: None)."""
         spec = RunSpec.from_dict(MAIN_STORED)
-        assert spec.version == 1
+        assert spec.version == 2
         assert spec.agent == LoopSpec("/tmp/spec_main/loop.yaml",
                                       {"api_token": "[REDACTED:context]", "dir": "src"})
         assert spec.info.run_id == "01a207300dff76ccad581353b10fdf4a"
@@ -82,23 +84,36 @@ class TestOldSpecs:
                                      poll_interval=0.25)
         assert spec.ports.webhooks == ("http://[REDACTED:url_credentials]@127.0.0.1:9/x",)
         assert spec.redacted == (("agent", "context", "api_token"), ("ports", "webhooks", 0))
-        # Written again, it is main's document plus the version.
-        assert spec.to_dict() == {**MAIN_STORED, "version": 1}
+        # Written again, it is main's document in today's shape.
+        assert spec.to_dict() == _today(MAIN_STORED)
 
     def test_batch_task_spec_stored_by_main_loads(self) -> None:
         """`kernel batch` on main stored its task specs with a `batch` object: version 1 too."""
         doc = {**MAIN_STORED, "batch": {"batch_id": "01b2", "task_id": "build"}}
         spec = RunSpec.from_dict(doc)
         assert spec.batch == {"batch_id": "01b2", "task_id": "build"}
-        assert spec.to_dict() == {**doc, "version": 1}
+        assert spec.to_dict() == _today(doc)
         assert "batch" not in RunSpec.from_dict(MAIN_STORED).to_dict()  # written only if set
 
     def test_a_newer_version_is_refused_clearly(self) -> None:
         """A spec from a newer kernel is refused with one line, never guessed at."""
         with pytest.raises(ConfigError) as err:
-            RunSpec.from_dict({**MAIN_STORED, "version": 2})
-        assert str(err.value) == ("run spec: version 2 is newer than this kernel reads (up to 1); "
+            RunSpec.from_dict({**MAIN_STORED, "version": 3})
+        assert str(err.value) == ("run spec: version 3 is newer than this kernel reads (up to 2); "
                                   "upgrade the kernel to use it")
+
+    def test_a_version_1_agent_spec_reads_without_a_price(self) -> None:
+        """Version 1 had no `price`: an llm agent stored then resumes unpriced."""
+        doc = {"version": 1, "agent": {"kind": "agent", "agent": "llm", "model": "m",
+                                       "prompt": "hi"}}
+        spec = RunSpec.from_dict(doc)
+        assert isinstance(spec.agent, AgentSpec) and spec.agent.price is None
+        assert spec.to_dict()["agent"]["price"] is None
+
+
+def _today(stored: dict[str, Any]) -> dict[str, Any]:
+    """A version-1 document as this kernel writes it back: version 2, `price` None."""
+    return {**stored, "version": 2, "agent": {**stored["agent"], "price": None}}
 
 
 def _with(path: str, value: Any) -> dict[str, Any]:

@@ -81,3 +81,49 @@ class TestUsageLimits:
         """Limits.max_steps is the step ceiling (max_steps), not a budget cap."""
         result = await Kernel().run(busy_agent(), RunInfo(), Limits(max_steps=4))
         assert result.status is Status.MAX_STEPS
+
+
+class _Unpriced(ScriptedAgent):
+    """`SupportsPricing`: an agent whose model calls it cannot price."""
+
+    unpriced: str | None = "model 'm' has no price"
+
+
+class TestUnpricedAgents:
+    """A cost cap cannot bound an agent that cannot price its calls: such a run is refused
+    before its first step, saying why (it would run with every call costing 0)."""
+
+    async def test_a_cost_cap_on_limits_refuses_it(self,
+                                                    autojump_clock: trio.abc.Clock) -> None:
+        agent = _Unpriced(then=Step(usage=STEP_USAGE, final=True))
+        result = await Kernel().run(agent, RunInfo(), Limits(max_cost_usd=1.0))
+        assert (result.status, result.steps, agent.calls) == (Status.BUDGET_EXCEEDED, 0, 0)
+        assert result.reason == "cost cannot be known"
+        assert result.error == ("this run cannot be bounded by cost: it has a cost cap "
+                                "(Limits.max_cost_usd $1), and model 'm' has no price")
+
+    async def test_a_budgets_cost_cap_refuses_it(self,
+                                                 autojump_clock: trio.abc.Clock) -> None:
+        budget = RecordingBudget(caps=UsageLimits(max_cost_usd=2.5))
+        agent = _Unpriced(then=Step(final=True))
+        result = await Kernel(Ports(budget=budget)).run(agent, RunInfo(caller_id="ann"),
+                                                         Limits())
+        assert result.status is Status.BUDGET_EXCEEDED and agent.calls == 0
+        assert "its caller 'ann' has a cost budget ($2.5 left)" in (result.error or "")
+        assert budget.commits == [("ann", 0.0, Usage())]  # admitted, so settled at 0
+
+    @pytest.mark.parametrize("caps", [None, UsageLimits(max_total_tokens=10**6)])
+    async def test_without_a_cost_cap_it_runs(self, caps: UsageLimits | None,
+                                              autojump_clock: trio.abc.Clock) -> None:
+        """Tokens caps and no caps need no price."""
+        agent = _Unpriced(then=Step(output="done", final=True))
+        result = await Kernel(Ports(budget=RecordingBudget(caps=caps))).run(
+            agent, RunInfo(), Limits())
+        assert (result.status, result.output) == (Status.OK, "done")
+
+    async def test_a_priced_agent_runs_under_a_cost_cap(
+            self, autojump_clock: trio.abc.Clock) -> None:
+        agent = _Unpriced(then=Step(output="done", final=True))
+        agent.unpriced = None
+        result = await Kernel().run(agent, RunInfo(), Limits(max_cost_usd=1.0))
+        assert result.status is Status.OK
