@@ -20,6 +20,7 @@ step and every output line as activity.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import math
 import os
@@ -246,10 +247,17 @@ class LoopAgent:
         unpriced = getattr(self.judge, "unpriced", None) if self.asks_model else None
         return unpriced if isinstance(unpriced, str) else None
 
+    @functools.cached_property
+    def definition(self) -> str:
+        """A digest of what the loop file defines (not its comments or layout): a resumed
+        run whose file was edited since its checkpoint says so."""
+        return hashlib.sha256(repr(self.spec.states).encode()).hexdigest()[:16]
+
     def snapshot(self) -> dict[str, Any]:
         """The resumable state: where the loop is and what it has captured."""
         return {
-            "loop": self.spec.name, "state": self.current, "iteration": self.iteration,
+            "loop": self.spec.name, "definition": self.definition,
+            "state": self.current, "iteration": self.iteration,
             "captured": self.captured, "prev": self.prev, "retries": self.retries,
             "prev_state": self.prev_state, "last_values": self.last_values,
             "diff_stalls": {k: list(v) for k, v in self.diff_stalls.items()},
@@ -321,6 +329,12 @@ class LoopAgent:
         if isinstance(resumed, Mapping) and self.restore(resumed):
             ctx.event("loop_resumed", name=self.current,
                       payload={"state": self.current, "iteration": self.iteration})
+            saved = resumed.get("definition")
+            if isinstance(saved, str) and saved != self.definition:
+                ctx.event("warning", payload={"message": (
+                    f"the loop file was edited since this run's checkpoint: it resumes in "
+                    f"state {self.current!r} of the edited file, with what it captured "
+                    "before")})
             return None
         if isinstance(resumed, Mapping) and isinstance(resumed.get("state"), str):
             # Saved in a state this loop file no longer has (or under another loop's

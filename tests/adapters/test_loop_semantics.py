@@ -611,6 +611,23 @@ class TestResume:
         assert events(audit, result.run_id, "state_enter") == []
 
 
+    async def test_a_loop_edited_in_place_says_so_on_resume(
+            self, tmp_path: Path, autojump_clock: trio.abc.Clock) -> None:
+        """The saved state is still there but the file changed: the run resumes in it (an
+        edit is how one fixes a loop), and a `warning` event says the file was edited."""
+        info, checkpoint, _ = await _stopped_after_two_steps(tmp_path)
+        again = RunInfo(name="resumable", run_id=info.run_id)
+        result, audit, _ = await run(spec_of(tmp_path, _COUNTING.replace("5", "4")),
+                                     resume=checkpoint, info=again)
+        assert result.status is Status.OK
+        (warning,) = events(audit, result.run_id, "warning")
+        assert "the loop file was edited since this run's checkpoint: it resumes in state " \
+            "'count'" in warning.payload["message"]
+        same, audit, _ = await run(spec_of(tmp_path, _COUNTING), resume=checkpoint,
+                                   info=RunInfo(name="resumable", run_id=info.run_id))
+        assert same.status is Status.OK and not events(audit, same.run_id, "warning")
+
+
 class TestSlowEvaluators:
     async def test_a_backtracking_pattern_does_not_hold_the_deadline(
             self, tmp_path: Path, autojump_clock: trio.abc.Clock) -> None:
