@@ -161,6 +161,9 @@ def _placeholder(source: str) -> Placeholder:
     while rest:
         if rest.startswith("default="):
             default = rest[len("default="):]
+            if "${" in default:
+                raise TemplateError(f"{source}: a default is literal text, it cannot hold "
+                                    "a ${...} reference (give the value in context: instead)")
             break
         mod, _, rest = rest.partition(":")
         if mod == "raw":

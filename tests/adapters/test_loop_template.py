@@ -57,6 +57,8 @@ class TestSyntax:
         ("${context..x}", "needs a path"),
         ("${context.x:upper}", "unknown modifier ':upper'"),
         ("${}", "empty variable"),
+        # Once printed as the literal text `${context.a}`, never expanded.
+        ("${env.X:default=${context.a}}", "a default is literal text"),
     ])
     def test_malformed_templates_are_rejected(self, template: str, message: str) -> None:
         """Each malformed template raises TemplateError saying what is wrong."""
