@@ -36,9 +36,18 @@ settlement) are deferred and ride along with the next transaction, which
 is why a `kernel run` touches the store twice: when its run opens and when
 it closes.
 
-A transaction that fails keeps the buffered rows for the next one (a busy
-journal is transient). A batch that fails twice for any other reason is
-dropped and logged, so it cannot block every later run.
+A transaction that fails keeps the buffered rows for the next one when the
+failure is transient (`StoreBusyError`: a journal locked past the lock
+timeout, and its subclass `StoreUnreachableError`, a PostgreSQL server that
+cannot be reached or closed the connection); the rows wait for the next
+transaction however long that takes (up to `max_pending_events`). A batch
+that fails twice in a row for any other reason (a value the store will never
+take, a disk I/O error) is dropped and logged, so it cannot block every
+later run. On exit (`Journal.open`) what is left is written with retries
+(pauses from `RETRY_FIRST` doubling to `RETRY_MAX`) while the failure is
+transient, for at most the store's lock timeout: a server back within it
+gets every row; one that is not loses them with an error logged, never
+silently.
 """
 
 from __future__ import annotations
@@ -69,6 +78,21 @@ YIELD_EVERY = 0.002
 #: Transactions carrying at most this many events may run on the trio thread when the
 #: write lock is free at once (see `Journal.transact`).
 INLINE_EVENTS = 256
+
+#: The exit flush retries a transient failure after this many seconds, the pause doubling
+#: up to `RETRY_MAX`, for at most the store's lock timeout (see `Journal._final_flush`).
+RETRY_FIRST = 0.05
+RETRY_MAX = 1.0
+
+#: The exit flush's bound when the store names no lock timeout of its own.
+DEFAULT_LOCK_TIMEOUT = 10.0
+
+
+def transient(exc: BaseException) -> bool:
+    """True for a failure the next transaction may not meet: the journal stayed locked
+    (`StoreBusyError`) or the server could not be reached (`StoreUnreachableError`, a
+    `StoreBusyError` too). Rows that failed so are kept, never dropped."""
+    return isinstance(exc, StoreBusyError)
 
 
 def _abort_parked(raise_cancel: trio.lowlevel.RaiseCancelT) -> trio.lowlevel.Abort:
@@ -500,10 +524,10 @@ class Journal:
 
     def _failed(self, batch: Batch, deferred: list[Op], exc: Exception) -> None:
         self.last_error = f"{type(exc).__name__}: {exc}"
-        # A busy journal is transient: keep the rows. Anything else that fails
-        # twice in a row is a batch the store will never take; drop it rather
-        # than block every later transaction behind it.
-        self._failures = 0 if isinstance(exc, StoreBusyError) else self._failures + 1
+        # A busy journal or an unreachable server is transient (`transient`): keep the
+        # rows. Anything else that fails twice in a row is a batch the store will never
+        # take; drop it rather than block every later transaction behind it.
+        self._failures = 0 if transient(exc) else self._failures + 1
         if self._failures >= 2:
             self.unwritten += len(batch)
             self._failures = 0
@@ -550,10 +574,25 @@ class Journal:
             await trio.lowlevel.wait_task_rescheduled(_abort_parked)
         if self.pending.empty() and not self._deferred:
             return
-        try:
-            await self.transact()
-        except Exception as exc:
-            self.last_error = f"{type(exc).__name__}: {exc}"
+        # A transient failure (a locked journal, a server restarting) is tried again,
+        # with growing pauses, until the store's lock timeout is spent since the exit
+        # began: a store whose commit already waited that long (SQLite's busy handler,
+        # `PostgresStore.commit`'s own retries) is not waited for twice as long.
+        bound = getattr(self.store, "lock_timeout", None)
+        deadline = trio.current_time() + (DEFAULT_LOCK_TIMEOUT if bound is None else bound)
+        pause = RETRY_FIRST
+        while True:
+            try:
+                await self.transact()
+            except Exception as exc:
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                left = deadline - trio.current_time()
+                if (transient(exc) and left > 0
+                        and (not self.pending.empty() or self._deferred)):
+                    await trio.sleep(min(pause, left))
+                    pause = min(pause * 2, RETRY_MAX)
+                    continue
+            break
         if not self.pending.empty() or self._deferred:
             self.unwritten += len(self.pending)
             _log.error("journal rows could not be written: %d events and %d operations for %s: %s",

@@ -47,13 +47,19 @@ until the partition ends: the lease must outlast the partitions a fleet
 expects to survive.
 
 An unreachable server is a `StoreError` on every call (never an empty
-answer): the budget fails closed and the run is refused (exit 3).
+answer): the budget fails closed and the run is refused (exit 3). A write
+(`commit`) first waits for it as it would for a taken lock, up to the lock
+timeout, so a server restarting (`pg_ctl restart`, a failover) costs a pause,
+not the rows: `StoreUnreachableError` is transient, like `StoreBusyError`.
+A URL libpq would not take is refused when it is chosen (`check_url`: a
+`ConfigError`, never an unreachable server).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import threading
 import time
@@ -105,6 +111,8 @@ from ._types import (
     StoreError,
     TaskRow,
 )
+
+_log = logging.getLogger("kernel.store")
 
 #: Env var: seconds after which a holder on another host whose heartbeat stopped may be
 #: taken over (default 60); heartbeats are sent every quarter of it.
@@ -193,13 +201,115 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2)
 
 
 class StoreUnreachableError(StoreBusyError):
-    """The server could not be reached. Transient, like a busy journal: the `Journal`
-    keeps its buffered rows for the next transaction instead of giving up on them."""
+    """The server could not be reached, or the connection to it was lost. Transient, like
+    a busy journal: a write waits for the server as long as it would for a taken lock
+    (see `PostgresStore.commit`), and the `Journal` keeps its buffered rows for the next
+    transaction instead of giving up on them.
+
+    `in_doubt` is True when the connection was lost while the transaction's COMMIT was
+    in flight: it may have been committed, so the store does not run it again itself.
+    """
+
+    in_doubt = False
+
+
+#: A write that finds the server unreachable tries again after this many seconds, the
+#: pause doubling up to `RETRY_MAX`, until the lock timeout is spent: a server that is
+#: restarting is waited for as a write lock is (`PostgresStore.commit`).
+RETRY_FIRST = 0.05
+RETRY_MAX = 1.0
+
+#: SQLSTATEs of a server going away or not taking connections yet (besides class 08,
+#: connection exceptions): admin_shutdown, crash_shutdown, cannot_connect_now.
+_GONE_STATES = frozenset({"57P01", "57P02", "57P03"})
+
+#: Connection options whose value libpq checks only when it connects (then the error
+#: looks like an unreachable server): checked when the URL is chosen instead.
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "sslmode": ("disable", "allow", "prefer", "require", "verify-ca", "verify-full"),
+    "gssencmode": ("disable", "prefer", "require"),
+    "channel_binding": ("disable", "prefer", "require"),
+    "target_session_attrs": ("any", "read-write", "read-only", "primary", "standby",
+                             "prefer-standby"),
+    "load_balance_hosts": ("disable", "random"),
+}
 
 
 def is_postgres_url(value: str) -> bool:
     """True for a `postgresql://` (or `postgres://`) URL."""
     return value.startswith(("postgresql://", "postgres://"))
+
+
+def shown_url(url: str) -> str:
+    """`url` as typed, without its password and its query (which may hold one): for
+    messages about a URL that may not even parse (`public_url` needs one that does)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return "?"
+    rest = rest.split("?", 1)[0].split("#", 1)[0]
+    user, at, host = rest.rpartition("@")
+    if at:
+        rest = f"{user.split(':', 1)[0]}@{host}"
+    return f"{scheme}://{rest}"
+
+
+def _passwords(url: str) -> set[str]:
+    """Every text of `url` that may be its password (as typed and percent-decoded)."""
+    from urllib.parse import unquote
+
+    rest = url.partition("://")[2]
+    found: set[str] = set()
+    for userinfo in (rest.partition("@")[0], rest.rpartition("@")[0]):
+        if ":" in userinfo:
+            found.add(userinfo.split(":", 1)[1])
+    for part in rest.partition("?")[2].split("&"):
+        key, _, value = part.partition("=")
+        if key == "password":
+            found.add(value)
+    return {s for text in found for s in (text, unquote(text)) if s}
+
+
+def check_url(url: str, what: str = "store URL") -> None:
+    """Refuse a `postgresql://` URL libpq would not take, before anything connects.
+
+    libpq parses the URL (`psycopg.conninfo.conninfo_to_dict`); a URL that names
+    neither a host nor a database (`postgresql://`) and a value libpq checks only
+    when it connects (`sslmode=bogus`, a port that is not a number) are refused
+    too. Messages never hold the password. Without psycopg nothing is checked
+    (`PostgresStore` says the extra is missing).
+
+    Raises:
+        ConfigError: What is wrong with it, in one line.
+    """
+    try:
+        import psycopg
+        from psycopg.conninfo import conninfo_to_dict
+    except ImportError:
+        return
+    shown = shown_url(url)
+    try:
+        params = conninfo_to_dict(url)
+    except (psycopg.Error, ValueError) as exc:
+        detail = " ".join(str(exc).replace(url, shown).split())
+        if any(secret in detail for secret in _passwords(url) if len(secret) >= 3):
+            detail = "libpq cannot parse it"
+        raise ConfigError(f"{what} is not a valid PostgreSQL URL: {detail}") from None
+    if not any(params.get(key) for key in ("host", "hostaddr", "dbname")):
+        raise ConfigError(f"{what} names no host and no database: {shown!r} "
+                          f"(e.g. postgresql://user@host:5432/db)")
+    for key, allowed in _CHOICES.items():
+        value = params.get(key)
+        if value is not None and value not in allowed:
+            raise ConfigError(f"{what}: {key} must be one of {', '.join(allowed)}, "
+                              f"got {value!r} (in {shown})")
+    for port in str(params.get("port") or "").split(","):
+        if port.strip() and not (port.strip().isdigit() and 0 < int(port) < 65536):
+            raise ConfigError(f"{what}: the port must be a number from 1 to 65535, "
+                              f"got {port.strip()!r} (in {shown})")
+    timeout = str(params.get("connect_timeout") or "").strip()
+    if timeout and not timeout.lstrip("-").isdigit():
+        raise ConfigError(f"{what}: connect_timeout must be a whole number of seconds, "
+                          f"got {timeout!r} (in {shown})")
 
 
 def lease_from_env() -> float:
@@ -275,8 +385,9 @@ class PostgresStore:
             over (None: `$KERNEL_LEASE_SECONDS`, else 60).
 
     Raises:
-        ConfigError: A bad `$KERNEL_AUDIT_LOCK_TIMEOUT` or `$KERNEL_LEASE_SECONDS`, or
-            the `postgres` extra (psycopg) is not installed.
+        ConfigError: A URL libpq would not take (`check_url`), a bad
+            `$KERNEL_AUDIT_LOCK_TIMEOUT` or `$KERNEL_LEASE_SECONDS`, or the `postgres`
+            extra (psycopg) is not installed.
     """
 
     legacy: Path | None = None
@@ -288,6 +399,7 @@ class PostgresStore:
         except ImportError:
             raise ConfigError("a postgresql:// store needs psycopg: "
                               "pip install 'run-kernel[postgres]'") from None
+        check_url(url)
         self.url = url
         self.source = public_url(url)
         #: Shown in messages (never holds the password).
@@ -308,17 +420,26 @@ class PostgresStore:
 
     # -------------------------------------------------------------- opening
 
-    def _error(self, what: str, exc: BaseException) -> StoreError:
+    def _error(self, what: str, exc: BaseException, *, lost: bool = False) -> StoreError:
+        """The `StoreError` for psycopg's `exc`; `lost`: the connection broke meanwhile.
+
+        No answer from a server at all, a connection lost (class 08) or a server
+        shutting down or starting up (57P01-57P03) is `StoreUnreachableError`;
+        another operational error (a deadlock, a lock timeout) `StoreBusyError`;
+        anything else (a value the server refused) a plain `StoreError`.
+        """
         import psycopg
 
         text = " ".join(str(exc).split()) or type(exc).__name__
         if isinstance(exc, psycopg.errors.LockNotAvailable):
             return StoreBusyError(f"store {self.source} stayed locked by other writers "
                                   f"(gave up after {self.lock_timeout:g}s)")
+        state = getattr(exc, "sqlstate", None)
+        if lost or (isinstance(exc, psycopg.OperationalError)
+                    and (state is None or state.startswith("08") or state in _GONE_STATES)):
+            return StoreUnreachableError(f"{what} store {self.source}: the server is "
+                                         f"unreachable: {text}")
         if isinstance(exc, psycopg.OperationalError):
-            if getattr(exc, "sqlstate", None) is None:  # no answer from a server at all
-                return StoreUnreachableError(f"{what} store {self.source}: the server is "
-                                             f"unreachable: {text}")
             return StoreBusyError(f"{what} store {self.source}: {text}")  # deadlock, ...
         return StoreError(f"{what} store {self.source}: {text}")
 
@@ -415,6 +536,7 @@ class PostgresStore:
             t0 = time.perf_counter()
             con = self._connect()
             waited = 0.0
+            committing = False
             try:
                 self._migrate(con)
                 with con.transaction():
@@ -425,10 +547,15 @@ class PostgresStore:
                                         (_LOCKS, caller))
                         waited = time.perf_counter() - t1
                     yield con
+                    committing = True  # the COMMIT is next: lost now, it may have landed
             except psycopg.Error as exc:
-                if isinstance(exc, psycopg.OperationalError) or con.broken:
+                lost = bool(con.broken or con.closed)
+                if isinstance(exc, psycopg.OperationalError) or lost:
                     self._drop()
-                raise self._error("cannot write to", exc) from exc
+                err = self._error("cannot write to", exc, lost=lost)
+                if committing and isinstance(err, StoreUnreachableError):
+                    err.in_doubt = True
+                raise err from exc
             finally:
                 self._account(t0, waited)
 
@@ -471,19 +598,40 @@ class PostgresStore:
 
         Same contract as `SQLiteStore.commit`. With `wait=False` this store
         always raises `WouldBlock`: a network round trip belongs in a worker
-        thread, never on the trio thread.
+        thread, never on the trio thread. A server that cannot be reached is
+        tried again until the lock timeout is spent (see the loop below).
 
         Raises:
             StoreBusyError: The write lock stayed taken past the lock timeout.
-            StoreError: The server cannot be reached or refused the write (nothing was written).
+            StoreUnreachableError: The server stayed unreachable past the lock timeout,
+                or the connection was lost during the COMMIT (`in_doubt`).
+            StoreError: The server refused the write (nothing was written).
             WouldBlock: `wait=False`.
         """
         if not wait:
             raise WouldBlock
         callers = [op.caller_id for op in ops if isinstance(op, ReserveBudget)]
-        with self._write(callers) as con:
-            bases = self._write_batch(con, batch) if batch is not None else {}
-            results = [self._apply_one(con, op) for op in ops]
+        # An unreachable server (refused connections while it restarts, a connection it
+        # closed as it shut down) is waited for as long as a taken lock would be: the
+        # transaction is run again, with pauses from RETRY_FIRST doubling to RETRY_MAX,
+        # until the lock timeout is spent. Not one whose COMMIT was in flight (it may
+        # have landed): that error goes to the caller, whose `Journal` keeps the rows.
+        deadline = time.monotonic() + self.lock_timeout
+        pause = RETRY_FIRST
+        while True:
+            try:
+                with self._write(callers) as con:
+                    bases = self._write_batch(con, batch) if batch is not None else {}
+                    results = [self._apply_one(con, op) for op in ops]
+                break
+            except StoreUnreachableError as exc:
+                left = deadline - time.monotonic()
+                if exc.in_doubt or left <= 0:
+                    raise
+                if pause == RETRY_FIRST:
+                    _log.warning("%s; trying again for up to %.3gs", exc, left)
+                time.sleep(min(pause, left))
+                pause = min(pause * 2, RETRY_MAX)
         for rec, base in bases.items():
             rec.base = base
         if not self._holding and any(isinstance(op, RegisterRun | ClaimRun | SaveCheckpoint

@@ -6,8 +6,9 @@ The rule, first match wins:
 2. `$KERNEL_STORE`, a `postgresql://` URL;
 3. the embedded journal beside the analysts' file (`SQLiteStore`).
 
-psycopg is imported only when a PostgreSQL store is opened, so the embedded
-default costs nothing at start-up.
+psycopg is imported only when a PostgreSQL store is chosen (its URL is parsed
+then, so a bad one is a `ConfigError` before anything runs) or opened, so the
+embedded default costs nothing at start-up.
 """
 
 from __future__ import annotations
@@ -32,8 +33,11 @@ def check_url(url: str, *, what: str = "--store") -> str:
     """`url` if it names a store this kernel can open.
 
     Raises:
-        ConfigError: Anything but a `postgresql://` (or `postgres://`) URL.
+        ConfigError: Anything but a `postgresql://` (or `postgres://`) URL, or one libpq
+            would not take (`_postgres.check_url`: it does not parse, names no host and
+            no database, a bad `sslmode`, ...); the message never holds the password.
     """
+    from ._postgres import check_url as check_postgres_url
     from ._postgres import is_postgres_url
 
     url = url.strip()
@@ -41,6 +45,7 @@ def check_url(url: str, *, what: str = "--store") -> str:
         shown = url if "@" not in url else url.split("@", 1)[-1]
         raise ConfigError(f"{what} must be a postgresql:// URL (e.g. "
                           f"postgresql://user@host:5432/db), got {shown!r}")
+    check_postgres_url(url, what)
     return url
 
 

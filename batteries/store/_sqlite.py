@@ -749,8 +749,17 @@ class SQLiteStore:
             con.execute(f"PRAGMA user_version = {version}")
 
     def _error(self, what: str, exc: BaseException) -> StoreError:
+        """The `StoreError` for SQLite's `exc`: `StoreBusyError` (transient: the `Journal`
+        keeps its rows) only for a journal locked by another writer (SQLITE_BUSY,
+        SQLITE_LOCKED and their extended codes); a disk I/O error, a full disk, a
+        read-only or damaged file is a plain `StoreError`."""
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        if isinstance(exc, sqlite3.OperationalError) and "locked" in text:
+        code = getattr(exc, "sqlite_errorcode", None)
+        if isinstance(code, int):
+            locked = (code & 0xFF) in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+        else:  # no code (an error raised by the sqlite3 module itself): its text
+            locked = "locked" in text
+        if isinstance(exc, sqlite3.OperationalError) and locked:
             return StoreBusyError(f"journal {self.path} is locked by another process "
                                   f"(gave up after {self.lock_timeout:g}s)")
         if isinstance(exc, sqlite3.DatabaseError) and not isinstance(
