@@ -28,11 +28,20 @@ every task's run:
   whose holder is still alive (the interrupted batch's own workers can
   outlive it by a moment: a Ray worker, a process not yet reaped) is tried
   again for up to `holder_wait` seconds before the task is reported
-  `running` (held by another process). A plain
+  `running` (held by another process; the batch stays unfinished). A plain
   command keeps no state: its one step (the command) runs again from the
   start, which is what a resumed loop does with the state it was in;
 - started but neither ended nor checkpointed: lost (`LoseRun`);
-- not started: run.
+- not started: run; but in a batch that had been `finished` every task had
+  run to its end, so a task whose run is gone from the journal (`kernel
+  purge` deletes ended runs) is reported `purged` and never run again.
+
+The batch is marked `finished` only once every task's run has ended. A
+task whose dispatch failed (a batch worker process died while it ran the
+task, the journal could not be written) is reported as its run stands in
+the journal (`running`: started and unfinished, or `pending`: never
+started) and leaves the batch unfinished: held by this process, so it is
+interrupted once this process is gone and `run` (a resume) finishes it.
 
 Dispatching one task is `Dispatch.__call__(task, resume) -> Result`: one
 task in, one result out, with no other state shared with the batch.
@@ -83,6 +92,8 @@ from .store import (
 )
 
 __all__ = [
+    "PURGED",
+    "UNFINISHED",
     "BatchBusyError",
     "BatchRunner",
     "BatchTask",
@@ -113,7 +124,9 @@ class TaskOutcome:
     """How one task of a batch ended (in this process, or before it for a skipped task).
 
     Attributes:
-        status: The run's status (a `Status` value, or `lost`).
+        status: The run's status (a `Status` value, or `lost`); for a task this `run`
+            did not finish, `running` or `pending` (`UNFINISHED`); for a task of a
+            finished batch whose run was purged since, `purged`.
         result: The run's result; None for a task skipped because it had finished.
         skipped: It had finished before this `run` (a resumed batch).
         resumed: It was interrupted and continued from its checkpoint.
@@ -130,6 +143,11 @@ class TaskOutcome:
     error: str | None = None
 
     @property
+    def ended(self) -> bool:
+        """True when the task's run has ended (or is gone after it did): nothing left to run."""
+        return self.status not in UNFINISHED
+
+    @property
     def ok(self) -> bool:
         """True when the run ended `ok`."""
         return self.status == Status.OK
@@ -142,6 +160,13 @@ class TaskOutcome:
         if self.error is not None or "error" not in doc:
             doc["error"] = self.error
         return doc
+
+
+#: `TaskOutcome.status` of a task this `run` did not finish: its run started and has
+#: not ended (`running`), or it never started (`pending`); the batch stays unfinished.
+UNFINISHED = frozenset({"running", "pending"})
+#: `TaskOutcome.status` of a task of a finished batch whose run was purged meanwhile.
+PURGED = "purged"
 
 
 class Dispatch(Protocol):
@@ -260,6 +285,8 @@ class BatchRunner:
     Attributes:
         running: Tasks in flight: run id -> (task, trio time it started).
         outcomes: Every outcome of the current `run`, in the order they ended.
+        finished: The last `run` marked the batch `finished` (every task's run ended);
+            False when some task was left unfinished (see the module docstring).
     """
 
     journal: Journal
@@ -270,8 +297,10 @@ class BatchRunner:
     owner: Owner = field(default_factory=Owner.me)
     running: dict[str, tuple[BatchTask, float]] = field(default_factory=dict)
     outcomes: list[TaskOutcome] = field(default_factory=list)
+    finished: bool = field(default=False, init=False)
     _created: tuple[str, tuple[BatchTask, ...]] | None = field(default=None, init=False,
                                                                repr=False)
+    _batch_id: str = field(default="", init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -332,7 +361,8 @@ class BatchRunner:
         Finished tasks are reported as skipped, interrupted ones resumed (see
         the module docstring). `on_outcome` is called as each task ends (skipped
         ones first), `on_start` as each starts. The batch is marked `finished`
-        once every task has an outcome; if this is cancelled, it stays held by
+        once every task's run has ended (`finished`); if this is cancelled, or
+        a task was left unfinished (`TaskOutcome.ended` False), it stays held by
         this process and is resumable once the process is gone.
 
         Raises:
@@ -340,6 +370,13 @@ class BatchRunner:
             StoreError: No such batch, or the journal cannot be read or written.
         """
         store = self.store
+        self.finished = False
+        created, self._created = self._created, None
+        fresh = created is not None and created[0] == batch_id
+        # A batch that had finished ran every task to its end: a task of it without a
+        # run in the journal had one, purged since (claiming makes it `running` again).
+        before = None if fresh else await self.batch(batch_id)
+        was_finished = before is not None and before.status == "finished"
         [claimed] = await self.journal.transact([ClaimBatch(batch_id, self.owner)])
         if not claimed:
             held = await self.batch(batch_id)
@@ -347,13 +384,14 @@ class BatchRunner:
                 raise StoreError(f"no batch {batch_id}")
             raise BatchBusyError(f"batch {batch_id} is being run by pid {held.owner.pid} on "
                                  f"{held.owner.host}")
-        created, self._created = self._created, None
-        if created is not None and created[0] == batch_id:
+        if fresh:
+            assert created is not None
             # Created by this runner and claimed again by it: no run of it can exist.
             rows: list[TaskRow] = [TaskRow(i, t.task_id, t.run_id, dict(t.spec), None, False)
                     for i, t in enumerate(created[1])]
         else:
             rows = await self.journal.read(store.batch_tasks, batch_id)
+        self._batch_id = batch_id
         self.outcomes = []
         done: dict[int, TaskOutcome] = {}
 
@@ -374,6 +412,10 @@ class BatchRunner:
                                    skipped=True))
             elif row.started:
                 lose.append(row)
+            elif was_finished:
+                report(TaskOutcome(row.index, row.task_id, row.run_id, PURGED, skipped=True,
+                                   error="its run ended in this batch and was purged from "
+                                         "the journal since (kernel purge); not run again"))
             else:
                 todo.append(_Todo(row))
         if lose:
@@ -391,7 +433,9 @@ class BatchRunner:
         async with trio.open_nursery() as nursery:
             for _ in range(min(self.concurrency, len(todo))):
                 nursery.start_soon(worker)
-        await self.journal.transact([FinishBatch(batch_id, self.owner)])
+        if all(out.ended for out in done.values()):
+            await self.journal.transact([FinishBatch(batch_id, self.owner)])
+            self.finished = True
         return [done[r.index] for r in rows]
 
     async def _one(self, item: _Todo, on_start: Callable[[BatchTask], None] | None
@@ -403,7 +447,7 @@ class BatchRunner:
             saved = await self._claim(row.run_id)
             if not saved or saved[0].status != "running":
                 return TaskOutcome(row.index, row.task_id, row.run_id, "running",
-                                   error="held by another process (kernel recover?)")
+                                   error="held by another process that is still alive")
             checkpoint = saved[0].checkpoint
             task = BatchTask(row.task_id, row.run_id, saved[0].spec)
             if self.before_resume is not None:
@@ -413,14 +457,35 @@ class BatchRunner:
             on_start(task)
         try:
             result = await self.dispatch(task, checkpoint)
-        except Exception as exc:  # a dispatch that broke its contract: the task still ends
-            return TaskOutcome(row.index, row.task_id, row.run_id, str(Status.ERROR),
+        except Exception as exc:  # a dispatch that broke its contract (a worker died)
+            # Said as the journal has it; the batch stays unfinished, so a resume finishes it.
+            return TaskOutcome(row.index, row.task_id, row.run_id, await self._standing(row),
                                resumed=item.resume, error=f"{type(exc).__name__}: {exc}")
         finally:
             self.running.pop(row.run_id, None)
         return TaskOutcome(row.index, row.task_id, row.run_id, str(result.status), result,
                            resumed=item.resume, error=result.error or result.reason
                            if result.status is not Status.OK else None)
+
+    async def _standing(self, row: TaskRow) -> str:
+        """Where a task whose dispatch failed stands in the journal: `running` (its run
+        started and has not ended), `pending` (it never started: no checkpoint, which a
+        run registers before it starts), or its run's status (it ended after all).
+        `running` when the journal cannot tell."""
+        store = self.store
+        try:
+            saved = await self.journal.read(lambda: store.saved_runs(run_id=row.run_id))
+            if not saved or saved[0].status == "running":
+                # One read per task: a batch whose every worker is gone fails its
+                # remaining tasks at once, without a checkpoint each.
+                return "running" if saved else "pending"
+            rows: list[TaskRow] = await self.journal.read(store.batch_tasks, self._batch_id)
+        except StoreError:
+            return "running"
+        now = next((r for r in rows if r.run_id == row.run_id), None)
+        if now is None or now.run_status is None:
+            return "running" if now is None or now.started else "pending"
+        return now.run_status
 
     async def _claim(self, run_id: str) -> list[SavedRun]:
         """Take an interrupted run's lease; its saved state, or [] if another process holds

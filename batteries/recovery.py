@@ -24,6 +24,12 @@ the host's `build`, and resumes it under the same run id from its last
 checkpoint. A run that can never resume (a plain command, an agent that
 keeps no state, a secret in its command or prompt) is closed `lost`.
 
+A run of a stored batch (`kernel batch`: its spec names the batch, which
+the store still keeps) is its batch's: the batch resumes it (`kernel batch
+--resume ID`; a plain command runs again from the start there), so recovery
+neither resumes it nor closes it `lost`, in whatever order the two come
+(`batch_of`; `prepare` refuses it, giving its lease back).
+
 Batteries never import adapters, so the two things only adapters know
 come in as parameters: `build` (a spec -> its agent, e.g.
 `adapters.agent_from_spec(spec).agent`) and `stop_group` (a recorded
@@ -60,7 +66,7 @@ from .runner import RunControl, SignalPolicy, run_spec
 from .store import SavedRun
 
 __all__ = ["NotResumable", "Prepared", "Recovery", "Resumed", "Secrets", "SpecRunner",
-           "restore_secrets", "stop_leftovers"]
+           "batch_refusal", "restore_secrets", "stop_leftovers"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +116,12 @@ class Resumed:
     def why(self) -> str | None:
         """Why it was not resumed (`lost` or `refused`), or None."""
         return self.lost or self.refused
+
+
+def batch_refusal(batch_id: str) -> str:
+    """Why a run of a stored batch is not recovered on its own (`Resumed.refused`)."""
+    return (f"belongs to batch {batch_id}, which resumes it: "
+            f"kernel batch --resume {batch_id}")
 
 
 class SpecRunner(Protocol):
@@ -250,15 +262,39 @@ class Recovery:
         """
         return stop_leftovers(self.db, run_id, self.stop_group)
 
+    def batch_of(self, saved: SavedRun) -> str | None:
+        """The id of the stored batch this run is a task of (the batch resumes it), or None.
+
+        The run's spec names its batch (`kernel batch` writes `"batch":
+        {"batch_id": ...}` into every task's spec); a batch the store no longer
+        keeps (purged), or a store without batches, leaves the run to recovery.
+        A store that cannot be read is taken to keep it (never a guess that
+        closes a batch's run `lost`).
+        """
+        found = saved.spec.get("batch")
+        batch_id = found.get("batch_id") if isinstance(found, Mapping) else None
+        if not isinstance(batch_id, str) or not batch_id:
+            return None
+        batches = getattr(self.checkpointer.store, "batches", None)
+        if not callable(batches):
+            return None
+        try:
+            return batch_id if batches(batch_id=batch_id) else None
+        except KernelError:
+            return batch_id
+
     def prepare(self, saved: SavedRun) -> Prepared | Resumed:
         """Rebuild a claimed run for resuming; a `Resumed` saying why not when it cannot be.
 
         Reads the spec, gives its secrets back, builds the agent with
         `build`. A run that can never resume is closed `lost` here; one
-        refused for now (secrets missing, a build error) has its lease given
-        back, so it is interrupted again. Call `stop_leftovers` first
-        (`resume` does).
+        refused for now (secrets missing, a build error, a run its batch
+        resumes: `batch_of`) has its lease given back, so it is interrupted
+        again. Call `stop_leftovers` first (`resume` does).
         """
+        batch_id = self.batch_of(saved)
+        if batch_id is not None:
+            return self._refuse(saved, batch_refusal(batch_id))
         if (saved.spec.get("agent") or {}).get("kind") == "command":
             return self._lose(saved, "a plain command has no resumable state")
         try:
@@ -333,12 +369,21 @@ class Recovery:
 
         A run another recoverer holds (or finished meanwhile) is skipped, so
         several processes may recover one store at once and each run is
-        resumed by exactly one of them. A run that ends `cancelled` (a
-        signal under `signals`) stops the recovery there; the runs not
-        reached stay interrupted.
+        resumed by exactly one of them. A run of a stored batch is left to
+        its batch, untouched (a `Resumed` refused, saying which batch). A run
+        that ends `cancelled` (a signal under `signals`) stops the recovery
+        there; the runs not reached stay interrupted.
         """
         done: list[Resumed] = []
         for listed in await trio.to_thread.run_sync(self.interrupted):
+            batch_id = await trio.to_thread.run_sync(self.batch_of, listed)
+            if batch_id is not None:  # its batch resumes it: not claimed, left as it is
+                outcome = Resumed(listed.run_id, listed.checkpoint.steps,
+                                  refused=batch_refusal(batch_id))
+                done.append(outcome)
+                if on_done is not None:
+                    on_done(outcome)
+                continue
             try:
                 saved = await trio.to_thread.run_sync(self.claim, listed.run_id)
             except AuditError as exc:

@@ -66,16 +66,22 @@ number and field (exit 2), and nothing runs. Blank lines are skipped.
 
 The batch id is printed on stderr when the batch starts. A batch whose
 process died (or was stopped by SIGTERM, SIGHUP or Ctrl-C) is resumed with
---resume: finished runs are skipped, interrupted ones continue from their
-checkpoint (a plain command runs again), the rest run. A run still held by a
-live process (the dead batch's workers exiting, a kernel recover) is tried
-again for up to 10 s, then reported `running` (exit 1).
+--resume (-j N changes its concurrency): finished runs are skipped,
+interrupted ones continue from their checkpoint (a plain command runs
+again), the rest run; kernel recover leaves a batch's runs to it. A run
+still held by a live process (the dead batch's workers exiting) is tried
+again for up to 10 s. A task that did not end (held so, or its --workers
+process died while running it) is reported as the journal has it (`running`,
+or `pending` if it never started), exit 1, and leaves the batch unfinished:
+--resume finishes it. A finished batch runs no task again: one whose run was
+purged since (kernel purge) is reported `purged`. With --json, a reader that
+goes away (`| head -1`) stops the batch as a signal does (exit 130).
 
 \b
 Exit codes: 0 every run ended ok; 1 at least one did not (error, timeout,
 killed, budget_exceeded, max_steps, lost, ...); 2 bad input (a bad task
 line, an empty file, an unknown batch, a batch another process is running);
-130 interrupted by a signal (resumable).
+130 interrupted by a signal or by a --json reader gone (resumable).
 """
 
 #: Keys of a task line, by where they go.
@@ -89,6 +95,8 @@ _KIND_KEYS = {"command": frozenset(),
 _DURATIONS = ("timeout", "soft_timeout", "idle_timeout", "model_timeout", "tool_timeout",
               "checkpoint_interval")
 _MAX_ID = 200
+#: Runs at once when -j is not given (a resumed batch keeps its own).
+DEFAULT_CONCURRENCY = 8
 
 
 def register(app: typer.Typer) -> None:
@@ -100,9 +108,10 @@ def batch(
     tasks_file: str | None = typer.Argument(
         None, metavar="TASKS.jsonl", show_default=False,
         help="The runs, one JSON object per line ('-' reads stdin)."),
-    concurrency: int = typer.Option(
-        8, "--concurrency", "-j", metavar="N", parser=numbers.count(minimum=1),
-        help="Runs at once."),
+    concurrency: int | None = typer.Option(
+        None, "--concurrency", "-j", metavar="N", parser=numbers.count(minimum=1),
+        show_default=False,
+        help="Runs at once. [default: 8; with --resume: what the batch was started with]"),
     json_out: bool = typer.Option(
         False, "--json", help="One JSON object per finished run on stdout (with --list: "
                               "one per batch): JSON lines."),
@@ -130,8 +139,8 @@ def batch(
         None, "--workers", metavar="N", parser=numbers.count(minimum=1),
         show_default=False,
         help="Run the runs in N worker processes (the batch process hands them out and "
-             "reports). [default: one per CPU, at most one per 100 runs; 1 runs them "
-             "in this process]"),
+             "reports), never more than the tasks or -j. [default: one per CPU, at most "
+             "one per 100 runs; 1 runs them in this process]"),
     ray_address: str | None = typer.Option(
         None, "--ray", metavar="auto|ADDRESS",
         help="Run on a Ray cluster ('auto': $RAY_ADDRESS or the local one; else its head's "
@@ -150,10 +159,11 @@ def batch(
         raise typer.Exit(_list(db, fmt=output.pick(fmt, json_out)))
     try:
         if resume is not None:
-            runner_args = _prepare_resume(resume, db, context or [])
+            runner_args = _prepare_resume(resume, db, context or [], concurrency)
         else:
             assert tasks_file is not None
-            runner_args = _prepare_new(tasks_file, db, concurrency, name, redact or [])
+            runner_args = _prepare_new(tasks_file, db, concurrency or DEFAULT_CONCURRENCY,
+                                       name, redact or [])
     except (ConfigError, AuditError) as exc:
         _fail(str(exc))
     if ray_address is not None:
@@ -169,7 +179,9 @@ def batch(
     else:
         from .batch_workers import default_workers
 
-        runner_args.workers = workers or default_workers(runner_args.total)
+        # A worker more than the runs that can be at once (or than the tasks) idles.
+        runner_args.workers = max(1, min(workers or default_workers(runner_args.total),
+                                         runner_args.total, runner_args.concurrency))
     import trio
 
     from adapters._proc import own_fds
@@ -227,7 +239,10 @@ def read_tasks(text: str, where: str, *, caller: str, cwd: str) -> list[Parsed]:
         if not raw.strip():
             continue
         try:
-            obj = json.loads(raw)
+            obj = json.loads(raw, object_pairs_hook=_unique_keys)
+        except _RepeatedKey as exc:
+            raise TaskLineError(where, n, exc.key, "given twice (a key may appear once in "
+                                                   "an object)") from None
         except ValueError as exc:
             raise TaskLineError(where, n, None, f"not JSON ({exc.args[0].split(':')[0]})") \
                 from None
@@ -241,6 +256,24 @@ def read_tasks(text: str, where: str, *, caller: str, cwd: str) -> list[Parsed]:
         out.append(task)
     if not out:
         raise ConfigError(f"{where} holds no tasks")
+    return out
+
+
+class _RepeatedKey(Exception):
+    """A JSON object of a task line with a key given twice (JSON would keep the last)."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """`json.loads`' object hook: the object, refused if a key comes twice."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _RepeatedKey(key)
+        out[key] = value
     return out
 
 
@@ -534,7 +567,8 @@ def _find(db: str | None, wanted: str) -> BatchRow:
     return rows[0]
 
 
-def _prepare_resume(wanted: str, db: str | None, context: list[str]) -> _Args:
+def _prepare_resume(wanted: str, db: str | None, context: list[str],
+                    concurrency: int | None = None) -> _Args:
     from batteries.batch import run_spec_of
     from batteries.recovery import NotResumable, Secrets, restore_secrets
     from kernel import ConfigError, RunSpec
@@ -554,8 +588,10 @@ def _prepare_resume(wanted: str, db: str | None, context: list[str]) -> _Args:
         store.close()
     missing: set[str] = set()
     for t in tasks:
-        unfinished = t.run_status is None or (t.saved is not None
-                                              and t.saved.status == "running")
+        # What the resume runs: an interrupted run, or a task that never started (in a
+        # batch that had finished, a task without a run had one, purged since).
+        unfinished = (t.saved is not None and t.saved.status == "running") or (
+            t.run_status is None and not t.started and row.status != "finished")
         if unfinished and t.spec.get("redacted"):
             try:
                 _, lacking = restore_secrets(
@@ -571,8 +607,8 @@ def _prepare_resume(wanted: str, db: str | None, context: list[str]) -> _Args:
     redactor = make_redactor(parse_context(context), list(row.options.get("redact") or []))
 
     patterns = list(row.options.get("redact") or [])
-    return _Args(db, row.concurrency, row.batch_id, None, row.name, row.source, redactor,
-                 given, total=row.tasks, redact=patterns)
+    return _Args(db, concurrency or row.concurrency, row.batch_id, None, row.name,
+                 row.source, redactor, given, total=row.tasks, redact=patterns)
 
 
 #: Run id -> its task's run spec as read from the file, for the tasks of a batch this
@@ -654,6 +690,20 @@ def _ray_dispatch(args: _Args, journal: Any) -> Any:
                        call_for=call_for)
 
 
+#: What `ray.init` logs when it connects from a thread other than the main one (ours
+#: does, under trio): it sets no SIGTERM handler of its own, which `kernel batch` never
+#: wanted (it takes SIGTERM itself and stops the batch, resumable).
+RAY_SIGTERM_NOTE = "SIGTERM handler is not set because current thread is not the main thread"
+
+
+def _quiet_ray_sigterm_note() -> None:
+    """Drop Ray's `RAY_SIGTERM_NOTE` warning, which every `--ray` batch got on stderr."""
+    import logging
+
+    logging.getLogger("ray._private.worker").addFilter(
+        lambda record: RAY_SIGTERM_NOTE not in record.getMessage())
+
+
 @asynccontextmanager
 async def worker_ports(store: str, *, db: str | None, redactor: Any) -> AsyncIterator[Ports]:
     """A Ray worker's ports: the CLI's own (one journal on the shared store), on the worker."""
@@ -733,14 +783,29 @@ async def _execute(args: _Args, *, json_out: bool, results: TextIO) -> int:
     counts: Counter[str] = Counter()
     failed: list[TaskOutcome] = []
     t0 = time.monotonic()
+    #: The cancel scope to stop the batch with (set once the batch runs).
+    stop: list[trio.CancelScope] = []
+    #: The output pipe's reader went away (`| head`): the batch is stopped, resumable.
+    closed: list[str] = []
 
     def on_outcome(out: TaskOutcome) -> None:
         counts[out.status] += 1
-        if json_out:
+        if json_out and not closed:
             doc = out.to_dict()
             doc["batch_id"] = args.batch_id
-            results.write(json.dumps(doc, default=str) + "\n")
-            results.flush()
+            try:
+                results.write(json.dumps(doc, default=str) + "\n")
+                results.flush()
+            except BrokenPipeError:
+                # As a command is stopped by SIGPIPE (and `kernel run` by the same
+                # reader gone): the batch stops, interrupted and resumable.
+                closed.append("stdout")
+                _to_devnull(results)
+                print(f"kernel: output pipe closed (stdout): cancelling batch "
+                      f"{args.batch_id} (resume it with kernel batch --resume "
+                      f"{args.batch_id})", file=sys.stderr)
+                for scope in stop:
+                    scope.cancel()
         if not out.ok:
             failed.append(out)
             if live is None and not json_out:
@@ -760,6 +825,7 @@ async def _execute(args: _Args, *, json_out: bool, results: TextIO) -> int:
             given = args.given
             dispatch: Any
             if args.ray is not None:
+                _quiet_ray_sigterm_note()
                 dispatch = _ray_dispatch(args, journal)
                 try:
                     await dispatch.connect()
@@ -789,6 +855,9 @@ async def _execute(args: _Args, *, json_out: bool, results: TextIO) -> int:
             if batch_progress.wanted():
                 live = batch_progress.BatchProgress(runner, args.total)
             async with trio.open_nursery() as nursery:
+                stop.append(nursery.cancel_scope)
+                if closed:  # the pipe closed with the batch's first (skipped) outcomes
+                    nursery.cancel_scope.cancel()
                 if live is not None:
                     nursery.start_soon(batch_progress.show, live)
 
@@ -818,7 +887,7 @@ async def _execute(args: _Args, *, json_out: bool, results: TextIO) -> int:
             _print_failure(out)
     elapsed = time.monotonic() - t0
     summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items(), key=lambda kv: -kv[1]))
-    if got:
+    if got or closed:
         summary = summary or "nothing finished"
         print(f"kernel: batch {args.batch_id} interrupted after {elapsed:.1f}s ({summary}); "
               f"resume: kernel batch --resume {args.batch_id}", file=sys.stderr)
@@ -826,7 +895,25 @@ async def _execute(args: _Args, *, json_out: bool, results: TextIO) -> int:
     code = 0 if counts and set(counts) == {"ok"} else 1
     print(f"kernel: batch {args.batch_id}: {summary} in {elapsed:.1f}s (exit {code})",
           file=sys.stderr)
+    if not runner.finished:
+        from batteries.batch import UNFINISHED
+
+        left = sum(n for s, n in counts.items() if s in UNFINISHED)
+        print(f"kernel: batch {args.batch_id} is not finished: {left} task(s) did not end "
+              f"here; kernel batch --resume {args.batch_id} finishes them", file=sys.stderr)
     return code
+
+
+def _to_devnull(stream: TextIO) -> None:
+    """Point a stream whose reader went away at /dev/null: what is still buffered, and
+    the flush at exit, go nowhere instead of failing again (Python's advice for
+    BrokenPipeError)."""
+    import contextlib
+
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, stream.fileno())
+        os.close(null)
 
 
 def _print_failure(out: TaskOutcome) -> None:

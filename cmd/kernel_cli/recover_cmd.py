@@ -100,14 +100,17 @@ def recover(
     Several `kernel recover` may run at once: each run is resumed by exactly
     one of them (whoever takes its lease first). Any process the run started
     that is still alive is stopped first; a run that cannot be resumed (a
-    plain command) is closed with status `lost`. Exit status: 0 if every
-    run this process resumed ended ok (or there was nothing to do), 1 otherwise.
+    plain command) is closed with status `lost`. A run of a batch is left to
+    its batch, which resumes it (`kernel batch --resume ID`, said on stderr;
+    `--list` shows its batch). Exit status: 0 if every run this process
+    resumed ended ok (or there was nothing to do), 1 otherwise.
     """
     from kernel import AuditError, ConfigError
 
     try:
         rec = _recovery(db, json_out=json_out, context=context, redact=redact)
         runs = _interrupted(rec)
+        batch_of = {r.run_id: b for r in runs if (b := rec.batch_of(r)) is not None}
     except (AuditError, ConfigError) as exc:
         _fail(str(exc))
     if list_only or not runs:
@@ -115,15 +118,21 @@ def recover(
             row = {"run_id": saved.run_id, "kind": saved.spec["agent"].get("kind"),
                    "name": saved.spec["info"].get("name"), "steps": saved.checkpoint.steps,
                    "host": saved.host, "pid": saved.pid,
-                   "updated_at": str(saved.updated_at)}
+                   "updated_at": str(saved.updated_at),
+                   "batch_id": batch_of.get(saved.run_id)}
+            where = (f"  (batch {row['batch_id']}: kernel batch --resume {row['batch_id']})"
+                     if row["batch_id"] else "")
             print(output.dumps(row) if json_out else
                   f"{ids.short_id(saved.run_id)}  {row['kind']:8} steps={row['steps']:<4} "
-                  f"{output.visible(str(row['name']), layout=False)}")
+                  f"{output.visible(str(row['name']), layout=False)}{where}")
         if not runs and not json_out:
             print("no interrupted runs", file=sys.stderr)
         raise typer.Exit(0)
+    _leave_to_batches(runs, batch_of, json_out=json_out)
     worst = 0
     for listed in runs:
+        if listed.run_id in batch_of:
+            continue  # its batch resumes it
         try:
             claimed = rec.claim(listed.run_id)
         except AuditError as exc:
@@ -187,6 +196,11 @@ def resume(
                       f"{saved.host})")
         if len(matches) > 1:
             ids.pick(run_id, [r.run_id for r in matches])  # raises, naming the candidates
+        owner = rec.batch_of(matches[0])
+        if owner is not None:  # never claimed: its batch resumes it
+            from batteries.recovery import batch_refusal
+
+            _fail(f"run {ids.short_id(matches[0].run_id)} {batch_refusal(owner)}")
         claimed = rec.claim(matches[0].run_id)
         if claimed is None:
             _fail(f"run {ids.short_id(matches[0].run_id)} is being resumed by another process")
@@ -220,6 +234,26 @@ def _interrupted(rec: Recovery) -> list[SavedRun]:
     return [r for r in rec.interrupted()
             if not ((r.spec.get("agent") or {}).get("kind") == "command"
                     and _ended_status(rec, r.run_id) is not None)]
+
+
+def _leave_to_batches(runs: list[SavedRun], batch_of: dict[str, str], *,
+                      json_out: bool) -> None:
+    """Say which interrupted runs are left to their batch (one line per batch on stderr;
+    with --json, one not-resumed document per run, as for a run that was not resumed)."""
+    from collections import Counter
+
+    from batteries.recovery import batch_refusal
+
+    for saved in runs:
+        if json_out and saved.run_id in batch_of:
+            output.print_doc({"run_id": saved.run_id, "short_id": ids.short_id(saved.run_id),
+                              "resumed": False, "status": "running",
+                              "reason": batch_refusal(batch_of[saved.run_id]),
+                              "steps": saved.checkpoint.steps,
+                              "batch_id": batch_of[saved.run_id]})
+    for batch_id, n in Counter(batch_of.values()).items():
+        print(f"kernel: batch {batch_id}: {n} interrupted run(s) left to the batch, which "
+              f"resumes them: kernel batch --resume {batch_id}", file=sys.stderr)
 
 
 def _run_status(rec: Recovery, saved: SavedRun) -> str:
