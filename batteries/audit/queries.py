@@ -509,7 +509,8 @@ def purge(cur: duckdb.DuckDBPyConnection, days: float, *,
           now: datetime | None = None) -> tuple[int, int]:
     """Delete runs that ended more than `days` ago (before `now`), with their events.
 
-    The predicate is the journal's (`RunStore.purge`): only ended runs go. A
+    The predicate is the journal's (`RunStore.purge`): only ended runs go, and
+    not those of a batch that has not finished. A
     run still running (no `ended_at`) is kept whatever its age: the sync
     copies each event once, so an event deleted here while its run is live
     would never come back, and the run's timeline would start in the middle.
@@ -523,7 +524,10 @@ def purge(cur: duckdb.DuckDBPyConnection, days: float, *,
     if not days >= 0:
         raise ConfigError(f"--days must be >= 0, got {days:g}")
     at = (now or datetime.now(UTC)) - timedelta(days=days)
-    ended = "ended_at IS NOT NULL AND ended_at < ?"
+    # The runs of a batch that has not finished stay, as in the journal.
+    ended = ("ended_at IS NOT NULL AND ended_at < ? AND run_id NOT IN (SELECT t.run_id "
+             "FROM batch_tasks t JOIN batches b ON b.batch_id = t.batch_id "
+             "WHERE b.status != 'finished' AND t.run_id IS NOT NULL)")
     cur.execute("BEGIN TRANSACTION")
     try:
         ev = cur.execute(f"DELETE FROM events WHERE run_id IN (SELECT run_id FROM runs "

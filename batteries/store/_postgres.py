@@ -1125,7 +1125,8 @@ class PostgresStore:
 
     def purge(self, before_us: int) -> tuple[int, int]:
         """Delete closed runs that ended before `before_us`, their events, finished checkpoints
-        and finished batches.
+        and finished batches. The runs of a batch that has not finished stay, whatever their
+        age: its resume tells a task that ran from one that never did by its run.
 
         Returns:
             (runs deleted, events deleted).
@@ -1133,13 +1134,14 @@ class PostgresStore:
         if not self.exists():
             return 0, 0
         with self._write() as con:
-            old = "SELECT run_id FROM runs WHERE ended_at IS NOT NULL AND ended_at < %s"
+            old = ("SELECT run_id FROM runs WHERE ended_at IS NOT NULL AND ended_at < %s "
+                   f"AND run_id NOT IN ({_UNFINISHED_BATCH_RUNS})")
             ev = con.execute(f"DELETE FROM events WHERE run_id IN ({old})", (before_us,))
             n_events = ev.rowcount
-            con.execute("DELETE FROM checkpoints WHERE status != 'running' AND updated_at < %s",
-                        (before_us,))
-            rn = con.execute("DELETE FROM runs WHERE ended_at IS NOT NULL AND ended_at < %s",
-                             (before_us,))
+            con.execute("DELETE FROM checkpoints WHERE status != 'running' AND updated_at < %s "
+                        f"AND run_id NOT IN ({_UNFINISHED_BATCH_RUNS})", (before_us,))
+            rn = con.execute("DELETE FROM runs WHERE ended_at IS NOT NULL AND ended_at < %s "
+                             f"AND run_id NOT IN ({_UNFINISHED_BATCH_RUNS})", (before_us,))
             con.execute("DELETE FROM batch_tasks WHERE batch_id IN (SELECT batch_id FROM "
                         "batches WHERE status = 'finished' AND ended_at < %s)", (before_us,))
             con.execute("DELETE FROM batches WHERE status = 'finished' AND ended_at < %s",
@@ -1208,3 +1210,9 @@ class PgChanges:
         rows: list[tuple[Any, ...]] = self._con.execute(
             f"SELECT {', '.join(BUDGET_COLUMNS)} FROM budgets ORDER BY caller_id").fetchall()
         return rows
+
+
+#: The runs of the batches that have not finished: `purge` keeps them.
+_UNFINISHED_BATCH_RUNS = ("SELECT t.run_id FROM batch_tasks t JOIN batches b "
+                          "ON b.batch_id = t.batch_id WHERE b.status != 'finished' "
+                          "AND t.run_id IS NOT NULL")

@@ -1556,7 +1556,8 @@ class SQLiteStore:
 
     def purge(self, before_us: int) -> tuple[int, int]:
         """Delete closed runs that ended before `before_us`, their events, finished checkpoints
-        and finished batches.
+        and finished batches. The runs of a batch that has not finished stay, whatever their
+        age: its resume tells a task that ran from one that never did by its run.
 
         Returns:
             (runs deleted, events deleted).
@@ -1565,7 +1566,8 @@ class SQLiteStore:
             return 0, 0
         with self._write() as con:
             top = int(con.execute("SELECT coalesce(max(id), 0) FROM events").fetchone()[0])
-            old = ("SELECT run_id FROM runs WHERE ended_at IS NOT NULL AND ended_at < ?")
+            old = (f"SELECT run_id FROM runs WHERE ended_at IS NOT NULL AND ended_at < ? "
+                   f"AND run_id NOT IN ({_UNFINISHED_BATCH_RUNS})")
             ev = con.execute(f"DELETE FROM events WHERE run_id IN ({old})", (before_us,))
             n_events = ev.rowcount
             # The highest id stays handed out (SQLite numbers new rows after the highest
@@ -1576,10 +1578,10 @@ class SQLiteStore:
             if top and con.execute("SELECT 1 FROM events WHERE id = ?", (top,)).fetchone() is None:
                 con.execute("INSERT INTO events (id, run_id, seq, ts, kind) "
                             "VALUES (?, '', 0, ?, ?)", (top, now_us(), ID_MARK))
-            con.execute("DELETE FROM checkpoints WHERE status != 'running' AND updated_at < ?",
-                        (before_us,))
-            rn = con.execute("DELETE FROM runs WHERE ended_at IS NOT NULL AND ended_at < ?",
-                             (before_us,))
+            con.execute("DELETE FROM checkpoints WHERE status != 'running' AND updated_at < ? "
+                        f"AND run_id NOT IN ({_UNFINISHED_BATCH_RUNS})", (before_us,))
+            rn = con.execute("DELETE FROM runs WHERE ended_at IS NOT NULL AND ended_at < ? "
+                             f"AND run_id NOT IN ({_UNFINISHED_BATCH_RUNS})", (before_us,))
             con.execute("DELETE FROM batch_tasks WHERE batch_id IN (SELECT batch_id FROM "
                         "batches WHERE status = 'finished' AND ended_at < ?)", (before_us,))
             con.execute("DELETE FROM batches WHERE status = 'finished' AND ended_at < ?",
@@ -1642,3 +1644,9 @@ class Changes:
         """Every budget row (a small table: copied whole) (`BUDGET_COLUMNS`)."""
         return self._con.execute(
             f"SELECT {', '.join(BUDGET_COLUMNS)} FROM budgets ORDER BY caller_id").fetchall()
+
+
+#: The runs of the batches that have not finished: `purge` keeps them.
+_UNFINISHED_BATCH_RUNS = ("SELECT t.run_id FROM batch_tasks t JOIN batches b "
+                          "ON b.batch_id = t.batch_id WHERE b.status != 'finished' "
+                          "AND t.run_id IS NOT NULL")
