@@ -122,7 +122,7 @@ class TestPurgeKeepsLiveRuns:
                                                    cli_env: dict[str, str]) -> None:
         """`kernel purge --help` says only ended runs go."""
         text = " ".join(kernel(kernel_exe, cli_env, "purge", "--help").stdout.split())
-        assert "runs still running are kept" in text
+        assert "runs still running, and the runs of a batch that has not finished, are kept" in text
 
 
 def _no_controls(text: str) -> None:
