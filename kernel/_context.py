@@ -26,6 +26,8 @@ class RunHooks(Protocol):
     def tool_started(self, call: ToolCall, payload: Mapping[str, Any] | None = None,
                      iteration: int | None = None) -> bool: ...
 
+    def report_usage(self, usage: Usage) -> None: ...
+
     def agent_tool_ended(self, result: ToolResult) -> None: ...
 
     def process_started(self, pid: int) -> None: ...
@@ -123,6 +125,24 @@ class RunContext:
         caps, and what it uses counts against them once it ends.
         """
         return await self._run.run_child(agent, info, limits)
+
+    def report_usage(self, usage: Usage) -> None:
+        """Report usage the step has consumed and not yet returned (a CLI agent's model
+        turns as they stream), so the run's usage caps and budget bound it at once.
+
+        Added to the run's usage now (`ctx.usage`, the result, the budget's
+        settlement, even if the step never returns). If a usage cap is then
+        exceeded, the run ends `budget_exceeded` naming it and its scope is
+        cancelled, as for a critic kill: the step's next checkpoint raises
+        `trio.Cancelled`. A step's `Step.usage` is what it did *not* report:
+        usage reported here must not be returned again.
+
+        Raises:
+            TypeError: `usage` is not a `Usage`.
+            ValueError: A count that is not a whole number >= 0, or a cost that is
+                negative, NaN or infinite.
+        """
+        self._run.report_usage(usage)
 
     def tool_start(self, call: ToolCall, *, payload: Mapping[str, Any] | None = None) -> None:
         """Report a tool call the agent runs itself (a CLI agent's tool use).

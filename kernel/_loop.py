@@ -375,6 +375,26 @@ class _Run:
             self.kill_if_decided()
         return True
 
+    def report_usage(self, usage: Usage) -> None:
+        """`ctx.report_usage`: usage a step consumed before returning, counted now; a cap
+        it exceeds ends the run `budget_exceeded` and cancels its scope at once."""
+        if not isinstance(usage, Usage):
+            raise TypeError(f"report_usage takes a Usage, not {type(usage).__name__}")
+        problem = _malformed(Step(usage=usage))
+        if problem is not None:
+            raise ValueError(f"report_usage: {problem}")
+        self.usage = self.ctx.usage = self.usage + usage
+        if not self.capped or self.status is not None:
+            return
+        exceeded = self.usage_exceeded()
+        if exceeded is not None:
+            name, detail = exceeded
+            self._end(Status.BUDGET_EXCEEDED,
+                      error=f"usage limit {name} exceeded ({detail})", reason=name)
+            scope = self.scope
+            if scope is not None:
+                scope.cancel()
+
     def agent_tool_ended(self, result: ToolResult) -> None:
         """An agent reports the outcome of a tool call it ran itself (`ctx.tool_end`)."""
         record, handle = self.hooks.record_tool_end, self.handle

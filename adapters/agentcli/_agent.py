@@ -154,6 +154,10 @@ class CLIAgent:
         self._stdin_done = trio.Event()
         self._session_seen = trio.Event()
         self._resumed_session = ""
+        self._msgs: dict[str, tuple[int, int, int, int]] = {}
+        self._reported = Usage()  # what `ctx.report_usage` has been told this step
+        self._current_msg = ""
+        self._stdin_error = ""
 
     @property
     def command(self) -> str:
@@ -206,20 +210,22 @@ class CLIAgent:
         ctx.process_started(proc.pid)  # the critic samples the CLI's process tree
         finished = False
         try:
-            if first_input is not None:
-                await self._write_user(first_input)
-            if ctx.steer:
-                await self.on_steer(list(ctx.steer))
             async with trio.open_nursery() as nursery:
                 assert proc.stdout is not None and proc.stderr is not None
                 out_done, err_done = trio.Event(), trio.Event()
+                # The pumps and the watchdog first: a CLI that does not read its
+                # stdin (or exits at once) must not leave the step blocked in a
+                # write with no idle clock running and its stderr unread.
                 nursery.start_soon(self._pump, proc.stdout, self._stdout_line, out_done)
                 nursery.start_soon(self._pump, proc.stderr, self._stderr_line, err_done)
                 nursery.start_soon(self._watchdog, proc)
                 nursery.start_soon(self._stop_after_done, proc)
                 nursery.start_soon(self._save_session, ctx)
                 if piped:
+                    nursery.start_soon(self._send_first, first_input, list(ctx.steer))
                     nursery.start_soon(self._close_stdin_when_answered, proc)
+                elif ctx.steer:
+                    nursery.start_soon(self.on_steer, list(ctx.steer))
                 await proc.wait()
                 # The pipes may still hold the last lines, or be held open by
                 # children the CLI left behind: read briefly, then stop them.
@@ -243,6 +249,10 @@ class CLIAgent:
                               "exit_code": rc if rc >= 0 else 128 - rc,
                               "signal": -rc if rc < 0 else None, "state_at_exit": state_at_exit,
                               "stopped": True})
+            # What the model used, on record however the step ends: a run killed,
+            # timed out or cancelled mid-step returns no Step to carry it.
+            ctx.event("usage", name=self.client or argv[0], activity=False,
+                      payload={**self._usage_record(), "stopped": not finished})
         return self._outcome(ctx, proc, state_at_exit, trio.current_time() - t0)
 
     def _outcome(self, ctx: RunContext, proc: Child, state_at_exit: str,
@@ -260,11 +270,13 @@ class CLIAgent:
         payload: dict[str, Any] = {
             "exit_code": exit_code, "events": dict(self._counts), "session_id": self._session,
             "state_at_exit": state_at_exit, "client": self.client,
-            "cache_read_tokens": self._cache_read, "cache_write_tokens": self._cache_write,
+            "cache_read_tokens": self._cache_read + sum(m[2] for m in self._msgs.values()),
+            "cache_write_tokens": self._cache_write + sum(m[3] for m in self._msgs.values()),
             **self._views()}
         if self._resumed_session:
             payload["resumed_session"] = self._resumed_session
-        usage = self._usage if self._usage else None
+        rest = self._unreported()  # the rest was reported as it streamed
+        usage = rest if rest else None
         if self._approval_killed is not None:
             tool, waited = self._approval_killed
             return Step(final=True, name="agentcli", exit_code=exit_code, usage=usage,
@@ -288,14 +300,20 @@ class CLIAgent:
             return Step(output=self._text(), final=True, name="agentcli", exit_code=exit_code,
                         usage=usage, payload=payload,
                         error=f"agent CLI reported an error: {term.text or term.source}")
+        tail = " | ".join(list(self._stderr)[-3:])
+        if self._stdin_error:
+            # It never read its task: whatever its exit code, nothing was done.
+            return Step(output=self._text(), final=True, name="agentcli", exit_code=exit_code,
+                        usage=usage, payload=payload,
+                        error=f"agent CLI {how} before reading its input "
+                              f"({self._stdin_error})" + (f": {tail}" if tail else ""))
         if rc == 0:
             return Step(output=self._text(), final=True, name="agentcli", exit_code=0,
                         usage=usage, payload=payload)
-        last = self._stderr[-1] if self._stderr else ""
         return Step(output=self._text(), final=True, name="agentcli", exit_code=exit_code,
                     usage=usage, payload=payload,
                     error=f"agent CLI {how} mid-turn (state {state_at_exit}, no result event)"
-                          + (f": {last}" if last else ""))
+                          + (f": {tail}" if tail else ""))
 
     def _text(self) -> str:
         term = self._terminal
@@ -307,6 +325,83 @@ class CLIAgent:
 
     def _views(self) -> dict[str, str]:
         return {"state": str(self.machine.state), "lifecycle": str(self.machine.lifecycle)}
+
+    def _unreported(self) -> Usage:
+        """What the model used this step that `ctx.report_usage` was not told yet (a
+        closing report below what was streamed counts nothing back)."""
+        total, r = self._total_usage(), self._reported
+        return Usage(max(total.input_tokens - r.input_tokens, 0),
+                     max(total.output_tokens - r.output_tokens, 0),
+                     max(total.thinking_tokens - r.thinking_tokens, 0),
+                     max(total.cost_usd - r.cost_usd, 0.0))
+
+    def _report_usage(self) -> None:
+        """Tell the kernel what the model used since the last report, as it streams: the
+        run's usage caps and its caller's budget then stop a CLI agent mid-session."""
+        ctx = self._ctx
+        report = getattr(ctx, "report_usage", None)  # a host's own context may lack it
+        delta = self._unreported()
+        if report is None or not delta:
+            return
+        self._reported = self._reported + delta
+        report(delta)
+
+    def _streamed_usage(self) -> Usage:
+        """What the model messages streamed since the last closing usage report used."""
+        msgs = self._msgs.values()
+        return Usage(input_tokens=sum(m[0] for m in msgs),
+                     output_tokens=sum(m[1] for m in msgs)) if msgs else Usage()
+
+    def _total_usage(self) -> Usage:
+        """The closing reports' usage, plus what was streamed since the last of them."""
+        return self._usage + self._streamed_usage() if self._msgs else self._usage
+
+    def _usage_record(self) -> dict[str, Any]:
+        """The usage so far, for the audit: tokens, cache, cost and where they come from."""
+        total = self._total_usage()
+        return {"input_tokens": total.input_tokens, "output_tokens": total.output_tokens,
+                "cache_read_tokens": self._cache_read + sum(m[2] for m in self._msgs.values()),
+                "cache_write_tokens": self._cache_write + sum(m[3] for m in self._msgs.values()),
+                "cost_usd": total.cost_usd,
+                # Streamed figures are tokens only: a client reports its cost at the end.
+                "streamed_messages": len(self._msgs), "final_report": not self._msgs}
+
+    def _message_usage(self, ev: AgentEvent) -> bool:
+        """Take a model message's usage so far; True if it changed the figures."""
+        u = ev.message_usage
+        assert u is not None
+        if ev.message_id:
+            self._current_msg = ev.message_id
+        mid = ev.message_id or self._current_msg or "?"
+        old = self._msgs.get(mid, (0, 0, 0, 0))
+        new = (max(old[0], u.input_tokens), max(old[1], u.output_tokens),
+               max(old[2], ev.cache_read), max(old[3], ev.cache_write))
+        if new == old:
+            return False
+        self._msgs[mid] = new
+        return True
+
+    def _model_flight(self, ev: AgentEvent) -> None:
+        """Tell the critic when a model request is in flight, as the LLM adapter does.
+
+        A request goes out when the session starts, after a tool's result, after a
+        retry notice and after a prompt is echoed back; streamed tokens keep it alive;
+        it is over when the reply asks for a tool or approval, or the turn ends.
+        The critic's `model_timeout` then bounds a hung stream.
+        """
+        ctx = self._ctx
+        if ctx is None:
+            return
+        t, src = ev.type, ev.source
+        if t in (EventType.SESSION_START, EventType.TOOL_RESULT, EventType.RETRY) or src in (
+                "user/prompt", "message/user", "turn.started"):
+            ctx.activity("model_request")
+        elif t in (EventType.TOOL_USE, EventType.APPROVAL, EventType.DONE, EventType.ERROR) or (
+                src == "stream_event/message_stop"):
+            ctx.activity("model_call")
+        elif src.startswith("stream_event/") or t in (EventType.THINKING,
+                                                       EventType.TEXT_DELTA):
+            ctx.activity("model_token")
 
     # ---------------------------------------------------------------- events
 
@@ -371,12 +466,30 @@ class CLIAgent:
             self._usage = self._usage + ev.usage
             self._cache_read += ev.cache_read
             self._cache_write += ev.cache_write
+            self._msgs.clear()  # the closing report covers the messages streamed before it
+        elif ev.message_usage is not None and self._message_usage(ev):
+            mu = ev.message_usage
+            payload["message_usage"] = {"message_id": ev.message_id or self._current_msg,
+                                        "input_tokens": mu.input_tokens,
+                                        "output_tokens": mu.output_tokens,
+                                        "cache_read_tokens": ev.cache_read,
+                                        "cache_write_tokens": ev.cache_write}
+            payload["usage_so_far"] = self._usage_record()
+        report = ev.usage or ev.message_usage is not None
         if ev.type in (EventType.DONE, EventType.ERROR):
             self._terminal = ev
             self._ends += 1
             self._done.set()
             self._stdin_done.set()
-        self._audit(kind, name=name, payload=payload, duration_ms=duration_ms)
+        if ev.type is EventType.TOOL_USE:
+            self._model_flight(ev)  # the reply is over before the tool is in flight
+            self._audit(kind, name=name, payload=payload, duration_ms=duration_ms)
+        else:
+            self._audit(kind, name=name, payload=payload, duration_ms=duration_ms)
+            self._model_flight(ev)
+        if report:
+            # Last: a usage cap this exceeds ends the run here (its scope cancelled).
+            self._report_usage()
         if self.on_event is not None:
             self.on_event(ev, tr)
 
@@ -493,6 +606,24 @@ class CLIAgent:
                 with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                     await proc.stdin.aclose()
                 return
+
+    async def _send_first(self, first_input: str | None, steer: list[Message]) -> None:
+        """Write the task (and nudges already queued) to stdin, once the pumps run.
+
+        A CLI that exits, or closes its stdin, before reading it is not an error
+        of ours: the write failing is noted, and the step ends on the CLI's exit
+        code and stderr.
+        """
+        try:
+            if first_input is not None:
+                await self._write_user(first_input)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            self._stdin_error = (f"its stdin was closed before the task was written: "
+                                 f"{type(exc).__name__}")
+            self._stdin_open = False
+            return
+        if steer:
+            await self.on_steer(steer)
 
     async def _write_user(self, text: str) -> None:
         """Write one stream-json user message to the CLI's stdin."""

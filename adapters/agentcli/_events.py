@@ -74,6 +74,14 @@ class AgentEvent:
         session_id: The CLI's session or thread id (session_start, done).
         cache_read: Input tokens read from the prompt cache (part of `usage`).
         cache_write: Input tokens written to the prompt cache (part of `usage`).
+        message_id: The model message `message_usage` belongs to ("" on a Claude
+            `message_delta`: the message last started).
+        message_usage: Tokens one model message has used so far, as the stream
+            reports them while the turn goes on (Claude's `message_start`,
+            `message_delta` and `assistant` messages): each report of a message
+            supersedes its earlier ones, field by field. Input includes cache
+            reads and writes (`cache_read`/`cache_write` give them for the
+            message). The closing `usage` covers these messages and supersedes them.
 
     The types beyond the runtime's core: `approval` (the CLI asks a person to
     approve a tool; `is_error` when it was denied instead), `warning` (a
@@ -94,6 +102,8 @@ class AgentEvent:
     session_id: str = ""
     cache_read: int = 0
     cache_write: int = 0
+    message_id: str = ""
+    message_usage: Usage | None = None
 
 
 def parse_line(line: str) -> list[AgentEvent]:
@@ -175,8 +185,19 @@ _CLAUDE_INFO = frozenset({"status", "compact_boundary", "hook_started", "hook_re
                           "task_progress", "files_persisted", "local_command_output"})
 
 
+def _message_usage(u: Mapping[str, Any]) -> tuple[Usage | None, int, int]:
+    """A Messages API `usage` object: (usage with cache counted in the input, read, write)."""
+    if not u:
+        return None, 0, 0
+    read, write = _int(u.get("cache_read_input_tokens")), _int(
+        u.get("cache_creation_input_tokens"))
+    return Usage(input_tokens=_int(u.get("input_tokens")) + read + write,
+                 output_tokens=_int(u.get("output_tokens"))), read, write
+
+
 def _claude_assistant(obj: Mapping[str, Any]) -> list[AgentEvent]:
-    content = _dict(obj.get("message")).get("content")
+    message = _dict(obj.get("message"))
+    content = message.get("content")
     out: list[AgentEvent] = []
     for block in content if isinstance(content, list) else []:
         b = _dict(block)
@@ -195,6 +216,15 @@ def _claude_assistant(obj: Mapping[str, Any]) -> list[AgentEvent]:
                                   input=_dict(b.get("input"))))
         else:
             out.append(AgentEvent(EventType.UNKNOWN, source=f"assistant/{kind}"))
+    usage, read, write = _message_usage(_dict(message.get("usage")))
+    mid = _str(message.get("id"))
+    if out and usage is not None and mid:
+        # The message's usage so far rides on its first event.
+        first = out[0]
+        out[0] = AgentEvent(first.type, source=first.source, text=first.text, whole=first.whole,
+                            tool=first.tool, tool_id=first.tool_id, input=first.input,
+                            message_id=mid, message_usage=usage, cache_read=read,
+                            cache_write=write)
     return out
 
 
@@ -259,6 +289,16 @@ def _claude_stream(obj: Mapping[str, Any]) -> list[AgentEvent]:
         if dkind in ("input_json_delta", "citations_delta"):
             return [AgentEvent(EventType.INFO, source=f"stream_event/{dkind}")]
         return [AgentEvent(EventType.UNKNOWN, source=f"stream_event/{dkind}")]
+    if kind == "message_start":
+        message = _dict(ev.get("message"))
+        usage, read, write = _message_usage(_dict(message.get("usage")))
+        return [AgentEvent(EventType.INFO, source="stream_event/message_start",
+                           message_id=_str(message.get("id")) or "?", message_usage=usage,
+                           cache_read=read, cache_write=write)]
+    if kind == "message_delta":
+        usage, read, write = _message_usage(_dict(ev.get("usage")))
+        return [AgentEvent(EventType.INFO, source="stream_event/message_delta",
+                           message_usage=usage, cache_read=read, cache_write=write)]
     if kind in _STREAM_INFO:
         return [AgentEvent(EventType.INFO, source=f"stream_event/{kind}")]
     if kind == "error":

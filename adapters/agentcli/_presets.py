@@ -8,10 +8,13 @@ set up the way that client runs unattended::
             (the task and nudges as stdin messages; deltas stream as they come, so a
             slow model is not mistaken for a silent one)
             resume: ... --resume SESSION_ID
-    codex   codex exec --json --skip-git-repo-check [--model M] TASK
-            resume: codex exec resume --json --skip-git-repo-check [--model M] THREAD_ID PROMPT
-    gemini  gemini --output-format stream-json [--model M] --prompt TASK
-            resume: ... --resume SESSION_ID --prompt PROMPT
+    codex   codex exec --json --skip-git-repo-check [--model M] -- TASK
+            resume: codex exec resume --json --skip-git-repo-check [--model M] -- THREAD_ID PROMPT
+    gemini  gemini --output-format stream-json [--model M] --prompt=TASK
+            resume: ... --resume SESSION_ID --prompt=PROMPT
+
+A task is never read as an option, whatever it starts with: `--` ends
+Codex's options, and Gemini's takes its value in the same argument.
 
 Each client reads its model endpoint and key itself (ANTHROPIC_BASE_URL /
 ANTHROPIC_API_KEY; Codex's config.toml and its provider's key variable;
@@ -86,18 +89,20 @@ def preset(client: str, prompt: str, *, model: str | None = None,
             return [*base, "--resume", sid]
     elif client == "codex":
         flags = ["--json", "--skip-git-repo-check", *model_args]
-        argv = [exe, "exec", *flags, prompt]
+        # After `--`, a prompt starting with "-" is the prompt, not an option.
+        argv = [exe, "exec", *flags, "--", prompt]
         resume_prompt = str(options.get("resume_prompt") or _RESUME)
 
         def resume(sid: str) -> list[str]:
-            return [exe, "exec", "resume", *flags, sid, resume_prompt]
+            return [exe, "exec", "resume", *flags, "--", sid, resume_prompt]
     else:
         base = [exe, "--output-format", "stream-json", *model_args]
-        argv = [*base, "--prompt", prompt]
+        # `--prompt=TASK`: a task starting with "-" is the option's value, not an option.
+        argv = [*base, f"--prompt={prompt}"]
         resume_prompt = str(options.get("resume_prompt") or _RESUME)
 
         def resume(sid: str) -> list[str]:
-            return [*base, "--resume", sid, "--prompt", resume_prompt]
+            return [*base, "--resume", sid, f"--prompt={resume_prompt}"]
     return SessionCLIAgent(argv, cwd=cwd, env=env, client=client, resume_argv=resume,
                            stdin_prompt=prompt if stdin else None, stdin_steer=stdin,
                            **options)  # type: ignore[arg-type]

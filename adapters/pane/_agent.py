@@ -10,6 +10,8 @@ import trio
 from kernel import Kernel, Limits, Message, Result, RunContext, RunInfo, Step
 
 from ._engine import ActionContext, Attempt, PaneAction, failure_detail, run_attempt
+from ._errors import MultiplexerError
+from ._lock import PaneInUse, PaneLock
 from ._mux import Multiplexer
 
 #: Seconds the kernel's hard deadline allows beyond the attempt's own timeout
@@ -68,9 +70,27 @@ class ActionAgent:
     async def step(self, ctx: RunContext) -> Step:
         """Run the attempt, record it, and end the run with its outcome."""
         self._actx = ActionContext(self.agent, self.target, self.mux, typing_lock=self._typing)
-        attempt = await run_attempt(self.action, self._actx, timeout=self.timeout,
-                                    poll_interval=self.poll_interval,
-                                    skip_reason=self.skip_reason)
+        lock: PaneLock | None = None
+        pane_key = getattr(self.mux, "pane_key", None)
+        if pane_key is not None and self.skip_reason is None:
+            # One run at a time types into a pane (across processes): a pane that
+            # another run holds is a precondition failure, and nothing is typed.
+            try:
+                lock = PaneLock(await pane_key(self.target), self.target)
+                lock.acquire({"run_id": ctx.run_id,
+                              "what": f"kernel actions run {self.action.name}"})
+            except PaneInUse as exc:
+                lock = None
+                self._actx.in_use = str(exc)
+            except MultiplexerError:
+                lock = None  # the attempt's own snapshot reports the pane's trouble
+        try:
+            attempt = await run_attempt(self.action, self._actx, timeout=self.timeout,
+                                        poll_interval=self.poll_interval,
+                                        skip_reason=self.skip_reason)
+        finally:
+            if lock is not None:
+                lock.release()
         self.attempt = attempt
         ctx.event("attempt", name=attempt.action, duration_ms=attempt.elapsed_s * 1000,
                   payload=attempt.record(self.snapshot_chars))

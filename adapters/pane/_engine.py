@@ -7,6 +7,7 @@ the same for all of them::
 
     before = await action.snapshot(ctx)         raises      -> send_error
     skip_reason given                                       -> skipped_by_policy
+    another run holds the pane (ctx.in_use)                 -> precondition_fail
     action.precheck(before) is false (or raises)            -> precondition_fail
     await action.before_send(ctx); await action.send(ctx)
                                                 raises      -> send_error (no polling)
@@ -74,6 +75,8 @@ class ActionContext:
         self.target = target
         self.mux = mux
         self.extras: dict[str, Any] = {}
+        #: Why the pane may not be acted on (another run holds it), or None.
+        self.in_use: str | None = None
         self._typing = typing_lock if typing_lock is not None else trio.Lock()
 
     async def capture(self) -> str:
@@ -275,6 +278,10 @@ async def run_attempt(action: PaneAction, ctx: ActionContext, *, timeout: float 
     if skip_reason is not None:
         ctx.extras["skip_reason"] = skip_reason
         return finish(Outcome.SKIPPED_BY_POLICY, before, None)
+
+    if ctx.in_use is not None:
+        ctx.extras["precheck_error"] = ctx.in_use
+        return finish(Outcome.PRECONDITION_FAIL, before, None)
 
     try:
         allowed = action.precheck(before)

@@ -114,9 +114,11 @@ def env_seconds(name: str, default: float, env: Mapping[str, str] | None = None)
 class TmuxMultiplexer:
     """The `Multiplexer` over the tmux command line (every call through `trio.run_process`).
 
-    Targets are tmux target-panes: `session`, `session:window.pane`, `%7`.
-    tmux resolves them its own way, including unique-prefix matches of
-    session names.
+    Targets are tmux target-panes: `session`, `session:window`,
+    `session:window.pane`, `%7`. They are matched exactly (`exact_target`):
+    tmux on its own would take `dev` for a session `devprod` once `dev` is
+    gone (a prefix or pattern match), or for a window named `dev`, and type
+    into the wrong pane.
 
     Args:
         socket: The tmux server: a name (`tmux -L NAME`) or, if it holds a
@@ -181,7 +183,7 @@ class TmuxMultiplexer:
 
     async def capture(self, target: str) -> str:
         """Return the pane's visible text (`capture-pane -p -J`)."""
-        out = await self._check("capture-pane", "-p", "-J", "-t", target)
+        out = await self._check("capture-pane", "-p", "-J", "-t", exact_target(target))
         return out.rstrip("\n")
 
     async def send_text(self, target: str, text: str, *, submit: bool = True) -> None:
@@ -191,6 +193,7 @@ class TmuxMultiplexer:
         argument as a command separator and drop it.
         """
         text = " ".join(text.splitlines())
+        target = exact_target(target)
         if self.key_delay > 0:
             for i, key in enumerate(text):
                 if i:
@@ -216,6 +219,16 @@ class TmuxMultiplexer:
         if chunk:
             await self._check("send-keys", "-t", target, "-l", "--", "".join(chunk))
 
+    async def pane_key(self, target: str) -> str:
+        """What names the pane on this machine: the server's socket path and the pane id.
+
+        `dev`, `dev:0.0` and `%3` may be one pane: runs serialise on this key
+        (`PaneLock`), not on the text of the target.
+        """
+        out = await self._check("display-message", "-p", "-t", exact_target(target),
+                                "#{socket_path}|#{pane_id}")
+        return f"tmux:{out.strip()}"
+
     async def target_status(self, target: str) -> TargetStatus:
         """Check that the pane exists (strictly) and whether its program is still running.
 
@@ -223,11 +236,12 @@ class TmuxMultiplexer:
         fall back to another pane), so it decides existence; then
         `display-message` reads the pane's dead flag and exit status.
         """
-        code, _, err = await self._run("capture-pane", "-p", "-t", target, "-S", "0", "-E", "0")
+        exact = exact_target(target)
+        code, _, err = await self._run("capture-pane", "-p", "-t", exact, "-S", "0", "-E", "0")
         if code != 0:
             return TargetStatus(TargetState.UNKNOWN,
                                 err.splitlines()[-1] if err else f"no tmux pane {target!r}")
-        out = await self._check("display-message", "-p", "-t", target,
+        out = await self._check("display-message", "-p", "-t", exact,
                                 "#{pane_dead}|#{pane_dead_status}|#{pane_pid}")
         dead, _, rest = out.strip().partition("|")
         status, _, pid = rest.partition("|")
@@ -235,3 +249,33 @@ class TmuxMultiplexer:
             return TargetStatus(TargetState.DEAD,
                                 f"the pane's program exited (status {status or '?'})")
         return TargetStatus(TargetState.ALIVE, pid=int(pid) if pid.isdigit() else None)
+
+
+#: Window tokens tmux gives a meaning of their own (`session:!` is the last window).
+_WINDOW_TOKENS = frozenset({"^", "$", "!", "+", "-"})
+
+
+def exact_target(target: str) -> str:
+    """`target` in the form tmux matches exactly: names get tmux's `=` prefix.
+
+    `dev` -> `=dev:` (the session named exactly dev, its current window and
+    pane; a bare `=dev` would be looked up as a window first),
+    `dev:work.1` -> `=dev:=work.1`, `dev:2` -> `=dev:2` (a window index).
+    Ids (`%3`, `@2`, `$1`), special tokens (`{last}`, `!`) and names already
+    marked `=` are kept as they are. Without this, tmux resolves a name it
+    cannot find exactly as the start of another (`dev` -> `devprod`) or as
+    a pattern.
+    """
+    t = target.strip()
+    if not t or t[0] in "%@{":
+        return t
+    session, colon, rest = t.partition(":")
+    if session and session[0] not in "=$":
+        session = "=" + session
+    if not colon:
+        return session + ":"
+    window, dot, pane = rest.partition(".")
+    if (window and window[0] not in "=@{" and window not in _WINDOW_TOKENS
+            and not window.isdigit()):
+        window = "=" + window
+    return f"{session}:{window}{dot}{pane}"

@@ -124,6 +124,34 @@ def crash() -> None:
     sys.exit(3)
 
 
+def message(mid: str) -> None:
+    """One model message streamed with its usage (Claude Code's partial messages)."""
+    emit({"type": "stream_event", "session_id": SESSION, "event": {
+        "type": "message_start", "message": {
+            "id": mid, "type": "message", "role": "assistant", "content": [],
+            "usage": {"input_tokens": 1000, "output_tokens": 1,
+                      "cache_read_input_tokens": 200, "cache_creation_input_tokens": 100}}}})
+    delta("Looking.")
+    emit({"type": "stream_event", "session_id": SESSION, "event": {
+        "type": "message_delta", "delta": {"stop_reason": "end_turn"},
+        "usage": {"output_tokens": 70}}})
+    emit({"type": "stream_event", "session_id": SESSION, "event": {"type": "message_stop"}})
+
+
+def usage_loop() -> None:
+    init()
+    message("msg_u1")
+    message("msg_u2")
+    assistant({"type": "tool_use", "id": "toolu_h", "name": "Halt", "input": {}})
+    time.sleep(30)
+
+
+def usage_crash() -> None:
+    init()
+    message("msg_u1")
+    sys.exit(3)
+
+
 def hang(pidfile: str) -> None:
     init()
     assistant({"type": "thinking", "thinking": "Hmm.", "signature": "x"})
@@ -166,7 +194,8 @@ def main() -> None:
         return
     {"claude": claude, "codex": codex, "reordered": reordered, "crash": crash,
      "error-result": error_result, "linger": linger, "no-result": no_result,
-     "steer": steer, "transient-error": transient_error}[scenario]()
+     "steer": steer, "transient-error": transient_error, "usage_loop": usage_loop,
+     "usage_crash": usage_crash}[scenario]()
 
 
 if __name__ == "__main__":

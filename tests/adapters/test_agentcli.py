@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -360,10 +361,23 @@ class TestAgentCLIRun:
         from batteries.critic import CriticPolicy, WatchCritic
 
         pidfile = tmp_path / "child.pid"
-        critic = WatchCritic(CriticPolicy(idle_timeout=0.6, grace=0.3))
+        # model_timeout=None: the request the CLI has in flight is left to the idle rule.
+        critic = WatchCritic(CriticPolicy(idle_timeout=0.6, grace=0.3, model_timeout=None))
         result, events = await run(fake("hang", str(pidfile), grace=0.5), critic)
         assert result.status is Status.KILLED and result.reason == "stalled"
         assert [e.name for e in kinds(events, "critic")][-2:] == ["steer", "kill"]
+        assert await gone(int(pidfile.read_text()))
+
+    async def test_model_request_in_flight_is_bounded_by_model_timeout(
+            self, tmp_path: Path) -> None:
+        """A CLI silent mid-reply (a model request in flight, as its stream shows) is
+        judged by the critic's model_timeout, not its idle clock: killed model_timeout."""
+        from batteries.critic import CriticPolicy, WatchCritic
+
+        pidfile = tmp_path / "child.pid"
+        critic = WatchCritic(CriticPolicy(idle_timeout=5.0, grace=5.0, model_timeout=1.0))
+        result, _ = await run(fake("hang", str(pidfile), grace=0.5), critic)
+        assert (result.status, result.reason) == (Status.KILLED, "model_timeout"), result.error
         assert await gone(int(pidfile.read_text()))
 
     async def test_error_result_ends_error(self) -> None:
@@ -433,3 +447,60 @@ class TestAgentCLIRun:
         assert result.status is Status.DRY_RUN
         assert str(result.output).startswith("would run agent CLI: ")
         assert not kinds(events, "process_start")
+
+
+class TestStdinAndUsage:
+    """The task written on stdin, and usage reported as the stream goes (review fixes)."""
+
+    async def test_cli_exiting_before_reading_its_task_keeps_code_and_stderr(self) -> None:
+        """A CLI that exits before reading its stdin: its exit code and stderr are the
+        error, not a BrokenResourceError (the task is bigger than a pipe holds, so the
+        write is still waiting when the CLI exits)."""
+        agent = CLIAgent(["sh", "-c", "echo 'error: unknown option --frobnicate' >&2; exit 3"],
+                         stdin_prompt="x" * 200_000, stdin_steer=True)
+        result, events = await run(agent)
+        assert result.status is Status.ERROR and result.exit_code == 3
+        assert result.error is not None
+        assert "exited with code 3 before reading its input" in result.error
+        assert "unknown option --frobnicate" in result.error
+        assert "BrokenResourceError:" not in result.error.split("(")[0]
+        assert kinds(events, "process_exit")
+
+    async def test_cli_not_reading_its_task_is_still_watched(self) -> None:
+        """A big task to a CLI that never reads stdin does not block the step before the
+        watchdog runs: the start TTL stops it (`killed`, stalled)."""
+        agent = CLIAgent(["sleep", "30"], stdin_prompt="x" * 200_000, stdin_steer=True,
+                         idle_ttl=1.0, start_ttl=1.0, grace=0.5)
+        t0 = time.monotonic()
+        result, _ = await run(agent)
+        assert (result.status, result.reason) == (Status.KILLED, "stalled"), result.error
+        assert time.monotonic() - t0 < 15
+
+    async def test_streamed_usage_is_on_record_when_the_run_is_killed(self) -> None:
+        """Claude Code's per-message usage is counted as it streams: a run the critic
+        kills mid-step (no Step comes back) still has its tokens in a `usage` event."""
+        critic = ScriptedCritic(kill_at_tool="Halt", reason="looping")
+        result, events = await run(fake("usage_loop"), critic)
+        assert result.status is Status.KILLED
+        (usage,) = kinds(events, "usage")
+        assert usage.payload["stopped"] is True and usage.payload["final_report"] is False
+        assert usage.payload["input_tokens"] >= 2 * 1300  # two messages, cache included
+        assert usage.payload["output_tokens"] >= 2 * 70
+
+    async def test_a_token_cap_stops_the_cli_as_its_usage_streams(self) -> None:
+        """Usage reaches the kernel as it streams (`ctx.report_usage`): a run capped at
+        2,000 tokens ends `budget_exceeded` at the second message, long before the
+        session would end (it sleeps 30 s after it; before, the run's 20 s timeout
+        ended it, the cap unseen), with the tokens in its result."""
+        result, events = await run(fake("usage_loop"),
+                                   limits=dataclasses.replace(LIMITS, max_total_tokens=2000))
+        assert (result.status, result.reason) == (Status.BUDGET_EXCEEDED, "max_total_tokens")
+        assert result.usage.total_tokens > 2000
+        (usage,) = kinds(events, "usage")
+        assert usage.payload["stopped"] is True
+
+    async def test_usage_from_messages_when_the_cli_crashes(self) -> None:
+        """No closing result: the step's usage is what the messages streamed."""
+        result, _ = await run(fake("usage_crash"))
+        assert result.status is Status.ERROR
+        assert (result.usage.input_tokens, result.usage.output_tokens) == (1300, 70)

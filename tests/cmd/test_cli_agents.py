@@ -268,10 +268,11 @@ class TestBuildPresets:
         assert (info.subject_id, info.inputs["agent"]) == ("agentcli:claude", "claude")
 
     def test_codex(self, on_path: Path) -> None:
-        """Codex: exec --json with the task last; resume is `codex exec resume ID PROMPT`."""
+        """Codex: exec --json with the task last, after `--` (a task starting with `-` is
+        not an option); resume is `codex exec resume ... -- ID PROMPT`."""
         agent, _ = build_preset("codex", model="gpt-5")
         assert agent.argv == [str(on_path / "codex"), "exec", "--json",
-                              "--skip-git-repo-check", "--model", "gpt-5", "fix it"]
+                              "--skip-git-repo-check", "--model", "gpt-5", "--", "fix it"]
         assert agent.stdin_prompt is None and not agent.stdin_steer
         assert agent.resume_argv is not None
         assert list(agent.resume_argv("T1"))[:6] == [
@@ -280,10 +281,11 @@ class TestBuildPresets:
         assert list(agent.resume_argv("T1"))[-2] == "T1"
 
     def test_gemini(self, on_path: Path) -> None:
-        """Gemini CLI: stream-json output, the task as --prompt; resume by session id."""
+        """Gemini CLI: stream-json output, the task as --prompt=TASK (one argument: a task
+        starting with `-` is not an option); resume by session id."""
         agent, _ = build_preset("gemini")
         assert agent.argv == [str(on_path / "gemini"), "--output-format", "stream-json",
-                              "--prompt", "fix it"]
+                              "--prompt=fix it"]
         assert agent.resume_argv is not None
         assert list(agent.resume_argv("G1"))[3:5] == ["--resume", "G1"]
 

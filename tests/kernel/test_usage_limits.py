@@ -7,7 +7,18 @@ from typing import Any
 import pytest
 import trio
 
-from kernel import Kernel, Limits, Ports, RunInfo, Status, Step, ToolCall, Usage, UsageLimits
+from kernel import (
+    Kernel,
+    Limits,
+    Ports,
+    RunContext,
+    RunInfo,
+    Status,
+    Step,
+    ToolCall,
+    Usage,
+    UsageLimits,
+)
 from kernel.testing import RecordingBudget, ScriptedAgent
 
 STEP_USAGE = Usage(input_tokens=100, output_tokens=40, thinking_tokens=10, cost_usd=0.25)
@@ -127,3 +138,55 @@ class TestUnpricedAgents:
         agent.unpriced = None
         result = await Kernel().run(agent, RunInfo(), Limits(max_cost_usd=1.0))
         assert result.status is Status.OK
+
+
+class TestReportedUsage:
+    """`ctx.report_usage`: a long step (a CLI agent's whole session) reports what it uses
+    as it goes, and the caps stop it then, not when (if ever) the step returns."""
+
+    @staticmethod
+    def streaming(per_report: Usage, reports: int, then: Usage | None = None) -> Any:
+        async def step(ctx: RunContext) -> Step:
+            for _ in range(reports):
+                await trio.sleep(10)
+                ctx.report_usage(per_report)
+            return Step(output="done", final=True, usage=then)
+        return ScriptedAgent([step])
+
+    async def test_a_cap_stops_the_step_as_the_usage_comes(
+            self, autojump_clock: trio.abc.Clock) -> None:
+        budget = RecordingBudget(caps=UsageLimits(max_total_tokens=1000))
+        start = trio.current_time()
+        result = await Kernel(Ports(budget=budget)).run(
+            self.streaming(Usage(300, 100), reports=100), RunInfo(caller_id="c"),
+            Limits(timeout=None))
+        assert (result.status, result.reason) == (Status.BUDGET_EXCEEDED, "max_total_tokens")
+        assert trio.current_time() - start == pytest.approx(30)  # at the third report
+        assert result.usage == Usage(900, 300)
+        assert budget.commits[0][2] == Usage(900, 300)  # settled although no step returned
+
+    async def test_reported_and_returned_usage_add_up(
+            self, autojump_clock: trio.abc.Clock) -> None:
+        """What the step returns is what it did not report: the two are summed."""
+        result = await Kernel().run(self.streaming(Usage(10, 5), reports=3, then=Usage(1, 1)),
+                                    RunInfo(), Limits())
+        assert result.status is Status.OK and result.usage == Usage(31, 16)
+
+    @pytest.mark.parametrize(("bad", "error"), [
+        ({"tokens": 5}, TypeError), (Usage(-1, 0), ValueError),
+        (Usage(0, 0, 0, float("nan")), ValueError)])
+    async def test_a_bad_report_is_refused_where_it_is_made(
+            self, bad: Any, error: type[Exception], autojump_clock: trio.abc.Clock) -> None:
+        seen: list[BaseException] = []
+
+        async def step(ctx: RunContext) -> Step:
+            try:
+                ctx.report_usage(bad)
+            except Exception as exc:
+                seen.append(exc)
+            return Step(final=True)
+
+        result = await Kernel().run(ScriptedAgent([step]), RunInfo(),
+                                    Limits(max_total_tokens=10))
+        assert result.status is Status.OK and result.usage == Usage()
+        assert len(seen) == 1 and isinstance(seen[0], error)
