@@ -33,6 +33,7 @@ keeps the end of a stream.
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import errno
 import functools
@@ -690,16 +691,23 @@ def _inheritable_fds() -> list[int] | None:
 LineHandler = Callable[[bytes, bool], None]
 #: Called with each raw chunk exactly as read.
 ChunkHandler = Callable[[bytes], None]
+#: Called with the bytes of a line not ended yet that one read brought.
+PartialHandler = Callable[[bytes], None]
 
 
 async def pump_lines(stream: trio.abc.ReceiveStream, on_line: LineHandler, *,
-                     max_line: int, on_chunk: ChunkHandler | None = None) -> bool:
+                     max_line: int, on_chunk: ChunkHandler | None = None,
+                     on_partial: PartialHandler | None = None) -> bool:
     """Read `stream` to its end, calling `on_line` per line; True if it ended with a newline.
 
     `on_chunk` gets every byte untouched (for a byte-exact echo). A line
     longer than `max_line` bytes is handed on once, cut to `max_line` and
     flagged, and the rest of it is skipped up to its newline, so memory stays
     bounded whatever the stream holds and one long line stays one line.
+    `on_partial` gets, after each read that leaves a line unended, the bytes
+    of that line the read brought (a progress display redrawn with `\r`, dots
+    printed one by one: output that is not a line yet); lines are still
+    handed to `on_line` whole.
     """
     pending = bytearray()
     cutting = False  # inside a long line whose head was already handed on
@@ -720,9 +728,73 @@ async def pump_lines(stream: trio.abc.ReceiveStream, on_line: LineHandler, *,
                 on_line(bytes(pending[:max_line]), True)
                 cutting = True
             del pending[:]
+        if on_partial is not None and pending and not cutting:
+            on_partial(bytes(pending[-len(chunk):]))  # (all of it when the read had no newline)
     if pending and not cutting:
         on_line(bytes(pending), False)
     return not pending and not cutting
+
+
+class PartialLine:
+    """What a line being written shows before its newline, for the critic.
+
+    A progress display redraws one line with carriage returns (`\r3/12`,
+    tqdm) or backspaces, or adds to it (dots, one by one) and ends it much
+    later, if ever. `feed` takes the bytes of the line one read brought and
+    returns the text the critic should judge as new or not, like a line: after
+    a redraw, what the line shows now (a spinner's frames are the same text, a
+    counter's are not); after characters were added, what it shows with its
+    length (`12 chars: .........`: dots are progress, while a line written in
+    two pieces shows the same text each time it is written again). None when
+    nothing visible changed. `end` at its newline. Bounded: only the last
+    `limit` characters shown are kept.
+    """
+
+    __slots__ = ("_at_start", "_decoder", "_length", "_shown", "limit")
+
+    def __init__(self, limit: int = 512) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._shown = ""
+        self._length = 0  # characters the line shows (`_shown` keeps the last `limit`)
+        self._at_start = False  # the last byte was a `\r`: what comes next is drawn over
+        self.limit = limit
+
+    def end(self) -> None:
+        """The line ended: the next bytes start a new one."""
+        self._decoder.reset()
+        self._shown = ""
+        self._length = 0
+        self._at_start = False
+
+    def feed(self, data: bytes) -> str | None:
+        """The bytes `data` of the line: what it shows now, or None if nothing visible changed."""
+        text = self._decoder.decode(data)
+        if not text:
+            return None
+        if not self._at_start and "\r" not in text and "\b" not in text:
+            self._shown = (self._shown + text)[-self.limit:]
+            self._length += len(text)
+            return f"{self._length} chars: {self._shown}" if text.strip() else None
+        shown, length = self._shown, self._length
+        for i, segment in enumerate(text.split("\r")):
+            if not segment:
+                continue
+            # After a `\r` the line is drawn over from its start: what it shows is
+            # taken to be the new text (as `line_key` takes a line's last segment).
+            if i > 0 or self._at_start:
+                shown, length = segment, len(segment)
+            else:
+                shown, length = shown + segment, length + len(segment)
+            self._at_start = False
+        self._at_start = text.endswith("\r")
+        if "\b" in shown:  # a backspace takes back the character before it
+            pieces = shown.split("\b")
+            shown = pieces[0]
+            for piece in pieces[1:]:
+                shown = shown[:-1] + piece
+            length = len(shown)
+        self._shown, self._length = shown[-self.limit:], length
+        return self._shown if self._shown.strip() else None
 
 
 def decode_line(raw: bytes) -> str:

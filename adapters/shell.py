@@ -27,7 +27,16 @@ import trio
 from kernel import Message, RunContext, Step
 from kernel._dataclass import dataclass
 
-from ._proc import Child, LineCounter, Tail, decode_line, last_chars, pump_lines, spawn
+from ._proc import (
+    Child,
+    LineCounter,
+    PartialLine,
+    Tail,
+    decode_line,
+    last_chars,
+    pump_lines,
+    spawn,
+)
 
 #: Called with ("stdout" | "stderr", line) for each line, e.g. to echo it.
 LineSink = Callable[[str, str], None]
@@ -175,12 +184,29 @@ class ShellAgent:
 
     async def _pump(self, stream: trio.abc.ReceiveStream, name: str, tail: Tail) -> None:
         sink = self.on_output
+        partial = PartialLine()
         await pump_lines(
-            stream, lambda raw, cut: self._line(name, raw, cut, tail),
+            stream, lambda raw, cut: self._line(name, raw, cut, tail, partial),
             max_line=self.max_line_bytes,
-            on_chunk=None if sink is None else (lambda chunk: sink(name, chunk)))
+            on_chunk=None if sink is None else (lambda chunk: sink(name, chunk)),
+            on_partial=lambda data: self._partial(partial, data))
 
-    def _line(self, stream: str, raw: bytes, cut: bool, tail: Tail) -> None:
+    def _partial(self, partial: PartialLine, data: bytes) -> None:
+        """A line not ended yet changed: shown to the critic (audited once it ends).
+
+        The critic judges what the line shows now like a line: a counter
+        redrawn with `\r` is new each time, a spinner's frames are not, and
+        dots added one by one are (`PartialLine`).
+        """
+        text = partial.feed(data)
+        ctx = self._ctx
+        if text is not None and ctx is not None:
+            ctx.activity("output", text)
+
+    def _line(self, stream: str, raw: bytes, cut: bool, tail: Tail,
+              partial: PartialLine | None = None) -> None:
+        if partial is not None:
+            partial.end()
         line = decode_line(raw)
         tail.add(line)
         if cut:  # a line longer than the cap: its head was kept
@@ -211,7 +237,7 @@ class ShellAgent:
             else:
                 return
         if ctx is not None:
-            ctx.event("steer_undeliverable", activity=False, payload={
+            ctx.event("steer_undeliverable", payload={  # the critic: not delivered
                 "messages": [m.content for m in messages],
                 "why": "a plain command has no channel for nudges (stdin is not a pipe)"})
 

@@ -147,6 +147,18 @@ def quiet_build(c: Case) -> None:
     say(f"built {units} units")
 
 
+def cr_progress(c: Case) -> None:
+    """A counter redrawn in place with carriage returns, one a second, no newline until
+    the end (a download's `3/12`): each redraw is progress, though no line ends."""
+    n = max(1, round(c.s(12)))
+    for i in range(1, n + 1):
+        sys.stdout.write(f"\rdownloaded {i}/{n} parts")
+        sys.stdout.flush()
+        c.progress()
+        time.sleep(1)
+    say("")
+
+
 def long_quiet_build(c: Case) -> None:
     """A quiet build longer than the default idle timeout: 400 s, never a line.
 
@@ -229,6 +241,15 @@ def repeated_line(c: Case) -> None:
         time.sleep(0.5)
 
 
+def clock_line(c: Case) -> None:
+    """The same status line every second, stamped with the time: only the clock moves."""
+    say("waiting for the database to come up")
+    c.progress()
+    while True:
+        say(f"still waiting {time.strftime('%H:%M:%S')}")
+        time.sleep(1)
+
+
 def waiting_input(c: Case) -> None:
     """Asks a question and reads the answer from a terminal nobody types into.
 
@@ -250,8 +271,8 @@ def waiting_input(c: Case) -> None:
 
 CASES: dict[str, Callable[[Case], None]] = {f.__name__: f for f in (
     cpu_silent, io_writer, child_worker, _worker, steady_output, bursty_output, quiet_build,
-    long_quiet_build,
-    sleep_forever, fifo_read, deadlock, spinner, repeated_line, waiting_input)}
+    cr_progress, long_quiet_build,
+    sleep_forever, fifo_read, deadlock, spinner, repeated_line, clock_line, waiting_input)}
 
 
 def main(argv: list[str]) -> None:

@@ -142,6 +142,35 @@ class PollJob(Script):
         return completion("Job 7f3a finished: 8/8 steps done.")
 
 
+class GrowingPoll(Script):
+    """Polls a download with the same call; the byte count grows and the ETA shrinks."""
+
+    delay = 1.0
+    prompt = "Wait for the download to finish, then report."
+    files = {"download.txt": "downloaded 1000000000 of 1400000000 bytes, ETA 50 min\n"}
+
+    def turn(self, n: int) -> dict[str, Any]:
+        if n < 8:  # the download advances between two polls
+            done = 1_000_000_000 + (n + 1) * 50_000_000
+            (self.workdir / "download.txt").write_text(
+                f"downloaded {done} of 1400000000 bytes, ETA {45 - 5 * n} min\n")
+            return completion(None, tool_call(n, "read_file", {"path": "download.txt"}))
+        return completion("The download finished: 1400000000 bytes.")
+
+
+class SamePreamble(Script):
+    """Every turn opens with the same words ("Let me check.") and reads a different file."""
+
+    prompt = "Add up the totals in part0.txt to part5.txt."
+    files = {f"part{i}.txt": f"total: {i + 1}\n" for i in range(6)}
+
+    def turn(self, n: int) -> dict[str, Any]:
+        if n < 6:
+            return completion("Let me check.",
+                              tool_call(n, "read_file", {"path": f"part{n}.txt"}))
+        return completion("The totals add up to 21.")
+
+
 class LongTool(Script):
     """One tool call that runs 8 s silently (a test suite), then the answer."""
 
@@ -328,6 +357,12 @@ CASES: tuple[Case, ...] = (
          script=PollJob),
     Case("llm_long_tool", "healthy", "one silent 8 s tool call (a test suite)",
          script=LongTool),
+    Case("cr_progress", "healthy", "a counter redrawn with \\r, 1/12 ... 12/12, no newline",
+         proc="cr_progress"),
+    Case("llm_poll_growing", "healthy", "polls a download: the byte count grows, the ETA "
+         "shrinks", script=GrowingPoll),
+    Case("llm_same_preamble", "healthy", "\"Let me check.\" every turn, a different file "
+         "each time", script=SamePreamble),
     Case("sleep_forever", "stuck", "prints a line, then sleeps: silent, flat",
          proc="sleep_forever"),
     Case("fifo_read", "stuck", "blocked reading a FIFO nobody writes", proc="fifo_read"),
@@ -337,6 +372,8 @@ CASES: tuple[Case, ...] = (
          proc="spinner"),
     Case("repeated_line", "stuck", "the same status line printed every 0.5 s",
          proc="repeated_line"),
+    Case("clock_line", "stuck", "the same line every second, only a clock time changes",
+         proc="clock_line"),
     Case("waiting_input", "stuck", "prompts and blocks reading its terminal (a pty)",
          proc="waiting_input"),
     Case("llm_exact_loop", "stuck", "read_file(note.txt) again and again, same result",

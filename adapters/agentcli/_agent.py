@@ -658,7 +658,7 @@ class CLIAgent:
                         "messages": [m.content for m in messages], "via": "stdin"})
                 return
         if ctx is not None:
-            ctx.event("steer_undeliverable", activity=False, payload={
+            ctx.event("steer_undeliverable", payload={  # the critic: not delivered
                 "messages": [m.content for m in messages], "why": why})
 
 

@@ -208,7 +208,7 @@ class PaneAgent:
         """
         if self._pane_lock is None and getattr(self.mux, "pane_key", None) is not None:
             if self._ctx is not None:
-                self._ctx.event("steer_undeliverable", name=self.target, activity=False,
+                self._ctx.event("steer_undeliverable", name=self.target,  # critic: undelivered
                                 payload={"messages": [m.content for m in messages],
                                          "why": "this run does not hold the pane"})
             return

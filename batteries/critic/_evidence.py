@@ -5,15 +5,19 @@ tested without a kernel. Three questions are answered:
 
 - **Is this call the same as that one?** `masked_call_key` compares a call by
   its name and its arguments with the volatile values masked (timestamps,
-  UUIDs, hex ids, numbers, nonces, temp paths): `poll(job=1, at=12:00:01)`
-  and `poll(job=1, at=12:00:07)` are the same call.
+  UUIDs, hex ids, nonces, the random part of temp paths, counters such as
+  `"attempt": 3` or `"n": 3`, epoch-like numbers): `poll(job=1, at=12:00:01)`
+  and `poll(job=1, at=12:00:07)` are the same call; `poll(job=101)` and
+  `poll(job=102)` are not.
 - **Did the result change?** `result_key` masks only what changes without
-  meaning (timestamps, UUIDs, long hex ids, epoch-like numbers, temp paths,
-  durations) and keeps small numbers, so a poll answering `1/8` then `2/8`
-  is progress and one answering `pending (checked 12:00:07)` is not.
+  meaning (timestamps, UUIDs, long hex ids, nonces, the random part of temp
+  paths, sub-second timings, attempt counters) and keeps every other number,
+  so a poll answering `1/8` then `2/8`, a byte count that grew or an ETA that
+  shrank is progress, and one answering `pending (checked 12:00:07)` is not.
 - **Is this output line new?** `line_key` strips ANSI escapes, carriage-
-  return redraws and spinner frames; `Novelty` remembers recent lines, so the
-  same line again is not progress and a line whose numbers changed is.
+  return redraws, spinner frames and clock times; `Novelty` remembers recent
+  lines, so the same line again is not progress and a line whose numbers
+  changed is.
 """
 
 from __future__ import annotations
@@ -31,17 +35,30 @@ _UUID = re.compile(r"\b[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{
 _DATETIME = re.compile(r"\d{4}-\d{2}-\d{2}(?:[T ]\d{1,2}:\d{2}(?::\d{2})?(?:[.,]\d+)?"
                        r"(?:Z|[+-]\d{2}:?\d{2})?)?")
 _CLOCK = re.compile(r"\b\d{1,2}:\d{2}:\d{2}(?:[.,]\d+)?\b")
-_TEMP = re.compile(r"(?:/tmp|/var/tmp|/private/var/folders|/var/folders)/[^\s\"',;)]*"
-                   r"|\btmp[A-Za-z0-9_]{6,}\b")
+# The random part of a temp path, not the whole path: `/tmp/tmpa8f3k2x/out.txt` and
+# `/tmp/tmpzz01kk7/out.txt` are the same file of two runs, `/tmp/a.txt` and
+# `/tmp/b.txt` are two files. tempfile's `tmpXXXXXXXX`, mktemp's `tmp.XXXXXXXXXX`,
+# pytest's numbered base dirs, macOS's per-user folder under /var/folders.
+_TEMP = re.compile(r"\btmp[._]?[A-Za-z0-9_]{6,}\b|\bpytest-\d+\b"
+                   r"|(?<=/var/folders/)[^/\s\"']+/[^/\s\"']+")
 _HEX = re.compile(r"\b0x[0-9a-fA-F]+\b|\b(?=[0-9a-fA-F]*\d)(?=[0-9a-fA-F]*[a-fA-F])"
                   r"[0-9a-fA-F]{8,}\b")
 _NONCE = re.compile(r"\b(?=[A-Za-z0-9_-]*\d)(?=[A-Za-z0-9_-]*[A-Za-z])[A-Za-z0-9_-]{20,}\b")
-_LONG_NUMBER = re.compile(r"\b\d{9,}(?:\.\d+)?\b")
-_DURATION = re.compile(r"\b\d+(?:\.\d+)?\s?(?:ns|us|µs|ms|s|sec|secs|seconds?|m|mins?|"
-                       r"minutes?|h|hours?)\b")
-# A number standing on its own (a JSON value, `attempt 3`, `?page=2`), not digits
-# inside a name (`file_2.py`, `v2`, `sha256`): those name different things.
-_NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?(?![\w])")
+# A timing measured to a fraction of a second (`ok in 0.53s`, `12ms`): noise. Whole
+# seconds, minutes and hours (an ETA going from 50 min to 40 min) are kept.
+_TIMING = re.compile(r"\b\d+\.\d+\s?(?:ns|us|µs|ms|s|sec|secs|seconds?)\b"
+                     r"|\b\d+\s?(?:ns|us|µs|ms)\b")
+# A number that plainly counts attempts (`attempt 3`, `--retry=2`, `"attempt": 3`) or
+# stamps a time (`"ts": 1732345678`, `"checked_at": "..."`): masked wherever it is.
+_COUNTER_WORD = re.compile(
+    r"(?i)\b(attempts?|retry|retries|tries|try|iteration|iter|round|seq|nonce|seed|"
+    r"timestamp|ts|[a-z_]*_(?:at|ts|time))(\"?\s*[:=#]\s*\"?|\s+#?)(-?\d+(?:\.\d+)?)(?![\w.])")
+# In arguments only: JSON values of keys that name a counter (`"n": 3`, `"count": 4`),
+# and epoch-like numbers (9+ digits). In a result these are what changed (a growing
+# byte count), so they stay there.
+_COUNTER_KEY = re.compile(r"(\"(?:n|i|count|counter|time)\"\s*:\s*\"?)(-?\d+(?:\.\d+)?)"
+                          r"(?![\w.])")
+_LONG_NUMBER = re.compile(r"(?<![\w.])\d{9,}(?:\.\d+)?(?![\w.])")
 _SPACE = re.compile(r"\s+")
 
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]"          # CSI: colours, cursor moves
@@ -62,8 +79,11 @@ def mask_volatile(text: str) -> str:
     """`text` with values that change without meaning masked (results, errors).
 
     Timestamps and clock times, UUIDs, hex ids of 8+ digits, long random
-    tokens, epoch-like numbers (9+ digits), temp paths and durations become
-    placeholders. Small numbers stay: `2/8` is not `1/8`.
+    tokens, the random part of temp paths, timings to a fraction of a second
+    and numbers that plainly count attempts or stamp a time (`attempt 3`,
+    `"ts": 1732345678`) become placeholders. Every other number stays: `2/8`
+    is not `1/8`, `4 failed` is not `5 failed`, a byte count that grew and an
+    ETA that shrank are changes.
     """
     text = _UUID.sub("<uuid>", text)
     text = _DATETIME.sub("<time>", text)
@@ -71,14 +91,19 @@ def mask_volatile(text: str) -> str:
     text = _TEMP.sub("<tmp>", text)
     text = _HEX.sub("<hex>", text)
     text = _NONCE.sub("<id>", text)
-    text = _LONG_NUMBER.sub("<n>", text)
-    return _DURATION.sub("<dur>", text)
+    text = _TIMING.sub("<dur>", text)
+    return _COUNTER_WORD.sub(r"\1\2<n>", text)
 
 
 def mask_call_text(text: str) -> str:
-    """Arguments with every volatile value masked, free-standing numbers included
-    (counters, attempts, pages, seeds); digits inside a name (`file_2.py`) stay."""
-    return _NUMBER.sub("<n>", mask_volatile(text))
+    """Arguments with volatile values masked: what `mask_volatile` masks, plus the
+    values of counter keys (`"n": 3`, `"count": 4`) and epoch-like numbers.
+
+    Other numbers stay: `poll(job=101)` and `poll(job=102)` are two jobs, and
+    digits inside a name (`file_2.py`) name different things.
+    """
+    text = _COUNTER_KEY.sub(r"\1<n>", mask_volatile(text))
+    return _LONG_NUMBER.sub("<n>", text)
 
 
 def _args_json(args: Mapping[str, Any]) -> str:
@@ -152,8 +177,9 @@ def failure_text(result: ToolResult) -> str | None:
 
 
 def error_key(error: str) -> str:
-    """An error message with every volatile value (numbers included) masked."""
-    return _SPACE.sub(" ", mask_call_text(error)).strip()
+    """An error message with its volatile values masked (`mask_volatile`); numbers stay,
+    so `5 failed` then `4 failed`, or errors at different lines, are different errors."""
+    return _SPACE.sub(" ", mask_volatile(error)).strip()
 
 
 def message_key(text: str) -> str:
@@ -166,14 +192,18 @@ def line_key(text: str) -> str:
 
     A line redrawn with carriage returns shows its last segment; ANSI
     escapes and control characters go; spinner glyphs go, and so do the
-    `|/-\\` and dots at either end; whitespace is collapsed. Numbers stay, so
-    `1/8` and `2/8` differ. An empty key means the line showed nothing.
+    `|/-\\` and dots at either end; timestamps, clock times and UUIDs are
+    masked (`still waiting 12:00:07` again is the same line); whitespace is
+    collapsed. Other numbers stay, so `1/8` and `2/8` differ. An empty key
+    means the line showed nothing.
     """
     if "\r" in text:
         segments = [s for s in text.split("\r") if s.strip()]
         text = segments[-1] if segments else ""
     if "\x1b" in text or not text.isprintable():
         text = _ANSI.sub("", text)
+    if ":" in text or "-" in text:
+        text = _CLOCK.sub("<time>", _DATETIME.sub("<time>", _UUID.sub("<uuid>", text)))
     text = _SPINNER.sub("", text)
     text = _EDGE_SPIN.sub("", text)
     return _SPACE.sub(" ", text).strip()

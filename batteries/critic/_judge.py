@@ -134,7 +134,8 @@ class Intervention:
     Attributes:
         reason: The steer verdict's reason (`stalled`, `looping`, or a custom judge's).
         at: Seconds after the run started when the nudge was queued.
-        delivered: True once the kernel drained the nudge for the agent.
+        delivered: True once the kernel drained the nudge for the agent (False
+            again if the agent then reported it `steer_undeliverable`).
         activity_since: Progress events (steps, tool calls, new output,
             working samples) since the nudge was queued.
         calls_after_delivery: Tool calls the agent started after it got the nudge.
@@ -192,6 +193,8 @@ class RunView:
         empty_answers: Steps in a row that said nothing and called no tool.
         lines: Output lines seen; novel_lines: how many of them were new.
         process: The latest sample of the run's process trees, if it has any.
+        call_labels: The short human forms (`read_file(note.txt)`) of `calls`,
+            in the same order.
     """
 
     info: RunInfo
@@ -223,6 +226,7 @@ class RunView:
     lines: int = 0
     novel_lines: int = 0
     process: Process | None = None
+    call_labels: tuple[str, ...] = ()
 
     def counters(self) -> dict[str, Any]:
         """The run's counters as a JSON-ready dict, for verdict evidence."""
@@ -360,9 +364,11 @@ class RulesJudge:
        `error_repeats` times in a row (`repeated_error`); the same message
        `message_repeats` steps in a row (`repeating`); a reply with no text
        and no tool call (`empty_answer`).
-    4. `idle_timeout` without progress, nothing in flight: a nudge,
-       `waiting_input` when the process trees sit blocked reading a terminal
-       or stdin, else `stalled`.
+    4. `idle_timeout` without progress and no work in flight with a bound of
+       its own (a model request under `model_timeout=None`, a tool call under
+       `tool_timeout=None` fall under this clock): a nudge, `waiting_input`
+       when the process trees sit blocked reading a terminal or stdin fed
+       from outside them, else `stalled`.
     5. A due deadline: progress in the window extends it (`progressing`) and
        raises the step ceiling, up to `max_extensions` times; then it stands
        (`expire`) and the run ends `timeout`. A window without progress is
@@ -410,7 +416,7 @@ class RulesJudge:
         bound = self._flight_bound(view)
         if view.in_flight is not None and bound is not None:
             times.append(view.elapsed - view.in_flight_s + bound)
-        elif view.in_flight is None and p.idle_timeout is not None:
+        elif p.idle_timeout is not None:  # (work in flight without a bound of its own too)
             iv = view.intervention
             stalled = iv is not None and iv.reason in (STALLED, WAITING_INPUT)
             times.append(view.elapsed - view.idle + p.idle_timeout
@@ -438,7 +444,7 @@ class RulesJudge:
                                         "after the nudge",
                     evidence={"after": reason, "activity_since": iv.activity_since,
                               **view.counters()})
-            if (view.in_flight is None and p.idle_timeout is not None
+            if (self._flight_bound(view) is None and p.idle_timeout is not None
                     and view.idle >= p.idle_timeout + p.effective_grace):
                 what = ("blocked reading its terminal or stdin" if reason == WAITING_INPUT
                         else "no progress")
@@ -452,10 +458,15 @@ class RulesJudge:
             first = len(calls) - iv.calls_after_delivery
             block = list(iv.evidence.get("calls") or [])
             if 0 <= first < len(calls) and calls[first] in block:
+                labels = view.call_labels
+                after = labels[first] if len(labels) == len(calls) else None
+                evidence = {**iv.evidence, "nudged_at_s": round(iv.at, 3),
+                            "nudges": view.nudges.get(LOOPING, 0), **view.counters()}
+                if after is not None:
+                    evidence["call_after_nudge"] = after
                 return Decision.kill(
-                    LOOPING, detail=_loop_sentence(iv.evidence, iv.at, carried_on=True),
-                    evidence={**iv.evidence, "nudged_at_s": round(iv.at, 3),
-                              "nudges": view.nudges.get(LOOPING, 0), **view.counters()})
+                    LOOPING, detail=_loop_sentence(evidence, iv.at, carried_on=True),
+                    evidence=evidence)
             return Decision.resume(
                 "recovered", detail="the agent changed course after the loop nudge",
                 evidence={"after": LOOPING,
@@ -569,6 +580,12 @@ class RulesJudge:
         if with_results:
             evidence["result"] = results[-1]
             evidence["results"] = results
+        if period == 1:
+            recent = (view.call_labels if not with_results
+                      else tuple(o.label for o in outcomes))[-turns:]
+            if len(set(recent)) > 1:
+                # Masked-equal, not equal: the sentence must not claim one call ran N times.
+                evidence["distinct_calls"] = len(set(recent))
         nudged = view.nudges.get(LOOPING, 0)
         if nudged >= p.loop_nudges:
             return Decision.kill(LOOPING, detail=_loop_sentence(evidence, None) + (
@@ -587,7 +604,11 @@ class RulesJudge:
 
     def _stall(self, view: RunView, iv: Intervention | None) -> Decision | None:
         p = self.policy
-        if view.in_flight is not None or p.idle_timeout is None or view.idle < p.idle_timeout:
+        # Work in flight with a bound of its own is judged by it (`_hung`); without
+        # one (`model_timeout`/`tool_timeout` None) it is under the idle clock, where
+        # a working process tree or streamed tokens still count as progress.
+        if (p.idle_timeout is None or view.idle < p.idle_timeout
+                or self._flight_bound(view) is not None):
             return None
         if iv is not None and iv.reason in (STALLED, WAITING_INPUT):
             return None
@@ -603,8 +624,10 @@ class RulesJudge:
         message = (f"No progress for {view.idle:.0f}s: no step, tool call, new output or "
                    "working process. If you are stuck, say what is blocking you and try "
                    "another way; if you are done, finish now.")
+        during = {"model": " (a model request in flight)",
+                  "tool": " (a tool call in flight)"}.get(view.in_flight or "", "")
         return Decision.steer(
-            STALLED, message, detail=f"no progress for {view.idle:.1f}s",
+            STALLED, message, detail=f"no progress for {view.idle:.1f}s{during}",
             evidence={"idle_timeout": p.idle_timeout, "grace": p.effective_grace,
                       **view.counters()})
 
@@ -640,11 +663,18 @@ def _loop_sentence(evidence: Mapping[str, Any], nudged_at: float | None, *,
     if len(labels) == 1:
         what = (f"{labels[0]} returned the same result {turns} times" if with_results
                 else f"{labels[0]} called {turns} times in a row")
+        distinct = int(evidence.get("distinct_calls") or 0)
+        if distinct > 1:
+            what += " (near-duplicates)"  # masked-equal calls, not one call N times
     else:
         what = (f"the cycle {' -> '.join(labels)} turned {turns} times"
                 + (" with unchanged results" if with_results else ""))
     if carried_on:
-        what += ", and again after the nudge"
+        after = evidence.get("call_after_nudge")
+        if after is None or after in labels:
+            what += ", and again after the nudge"
+        else:  # a near-duplicate (only masked values differ): say which call it was
+            what += f", then {after} after the nudge"
     if nudged_at is not None:
         what += f", nudged at {nudged_at:.1f}s"
     return what

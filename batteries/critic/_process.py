@@ -8,8 +8,11 @@ worker thread), and hands each run's figures to its watch handle:
   policy's thresholds since the last sample. A working tree is progress,
   however silent it is.
 - **waiting for input**: the tree is flat and a process in it is blocked
-  reading a terminal or its stdin (`/proc/PID/wchan` is a tty or pipe read
-  and the read is on fd 0 or on a terminal).
+  reading a terminal, or its stdin when no process of the tree holds that
+  pipe open for writing (`sleep 10 | cat` waits for `sleep`, not for input),
+  or polls with a terminal on fd 0 and no socket open (curl polling its
+  socket waits for the network) (`/proc/PID/wchan`, `/proc/PID/syscall`,
+  `/proc/PID/fdinfo`).
 - **flat**: neither; the idle clock runs.
 
 The probe is a small Protocol so virtual-time tests hand-write one;
@@ -138,17 +141,24 @@ class PsutilProbe:
             self._procs.pop(pid, None)
 
     def input_waits(self, pids: Iterable[int]) -> tuple[str, ...]:
-        """Processes sleeping in a tty/pipe read of fd 0 or of a terminal."""
+        """Processes sleeping in a read of a terminal, or of stdin fed from outside the tree.
+
+        A read of fd 0 that is a pipe another process of the tree holds open for
+        writing (`sleep 10 | cat`) waits for that process, not for input; a
+        poll with a terminal on fd 0 and a socket open (curl waiting for a
+        server) waits for the network. Both are plain flat trees.
+        """
+        tree = pids if isinstance(pids, (set, frozenset)) else frozenset(pids)
         out: list[str] = []
-        for pid in pids:
+        for pid in tree:
             wchan = _read_text(f"/proc/{pid}/wchan")
             if not any(part in wchan for part in _READ_WAIT_PARTS):
                 continue
-            if self._reading_input(pid, wchan):
+            if self._reading_input(pid, wchan, tree):
                 out.append(f"{pid}:{wchan}")
-        return tuple(out)
+        return tuple(sorted(out))
 
-    def _reading_input(self, pid: int, wchan: str) -> bool:
+    def _reading_input(self, pid: int, wchan: str, tree: frozenset[int] | set[int]) -> bool:
         syscall = _read_text(f"/proc/{pid}/syscall").split()
         if len(syscall) >= 2 and syscall[0].isdigit():
             nr = int(syscall[0])
@@ -157,9 +167,14 @@ class PsutilProbe:
             except ValueError:
                 fd = -1
             if nr in self._reads:
-                return fd == 0 or _is_terminal(pid, fd)
+                if _is_terminal(pid, fd):
+                    return True
+                return fd == 0 and not _written_in_tree(pid, 0, tree)
             if nr in self._polls:
-                return _is_terminal(pid, 0)
+                # Which fds it polls is in its memory; a socket open says it may well
+                # be waiting for the network instead (curl, a client), so only a
+                # process with a terminal on stdin and no socket counts.
+                return _is_terminal(pid, 0) and not _has_socket(pid)
             return False
         # No syscall view (permissions): a terminal read with a terminal on stdin.
         return ("tty_read" in wchan or wchan == "wait_woken") and _is_terminal(pid, 0)
@@ -179,6 +194,54 @@ def _is_terminal(pid: int, fd: int) -> bool:
     except OSError:
         return False
     return target.startswith(("/dev/pts/", "/dev/tty", "/dev/console"))
+
+
+def _fd_targets(pid: int) -> list[tuple[str, str]]:
+    """`(fd, what it is open on)` for each open fd of `pid` (empty if unreadable)."""
+    base = f"/proc/{pid}/fd"
+    try:
+        fds = os.listdir(base)
+    except OSError:
+        return []
+    out = []
+    for fd in fds:
+        try:
+            out.append((fd, os.readlink(f"{base}/{fd}")))
+        except OSError:
+            continue
+    return out
+
+
+def _has_socket(pid: int) -> bool:
+    return any(target.startswith("socket:") for _, target in _fd_targets(pid))
+
+
+def _written_in_tree(pid: int, fd: int, tree: Iterable[int]) -> bool:
+    """True if `fd` of `pid` is a pipe that a process of `tree` holds open for writing.
+
+    A pipe's two ends share its inode (`pipe:[N]`); an fd open for writing has
+    O_WRONLY or O_RDWR in the `flags` of its `/proc/PID/fdinfo`.
+    """
+    try:
+        target = os.readlink(f"/proc/{pid}/fd/{fd}")
+    except OSError:
+        return False
+    if not target.startswith("pipe:"):
+        return False
+    for other in tree:
+        for ofd, otarget in _fd_targets(other):
+            if otarget != target:
+                continue
+            for line in _read_text(f"/proc/{other}/fdinfo/{ofd}").splitlines():
+                if line.startswith("flags:"):
+                    try:
+                        flags = int(line.split()[1], 8)
+                    except (IndexError, ValueError):
+                        break
+                    if flags & 3 in (os.O_WRONLY, os.O_RDWR):
+                        return True
+                    break
+    return False
 
 
 def _tree(root: int) -> list[int]:

@@ -19,6 +19,7 @@ handle from judging recursively.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import time
@@ -32,6 +33,7 @@ from kernel import ConfigError, EventSink, Message, RunInfo, Step, ToolCall, Too
 
 from ._evidence import (
     Novelty,
+    call_key,
     call_label,
     error_key,
     failure_text,
@@ -72,6 +74,8 @@ _ECHO_PREFIX = "steer"
 MODEL_REQUEST = "model_request"
 MODEL_TOKEN = "model_token"
 MODEL_REPLY = "model_call"
+#: An adapter could not pass a drained nudge on (the shell adapter without a stdin pipe).
+STEER_UNDELIVERABLE = "steer_undeliverable"
 
 _RESULT_KEY_LIMIT = 2048  # longer result keys are compared by digest
 
@@ -189,13 +193,13 @@ class WatchHandle:
     """
 
     __slots__ = ("_activity", "_backstop", "_base_max_steps", "_bonus", "_bonus_told",
-                 "_calls", "_deadline", "_dirty", "_empty", "_error_key", "_error_streak",
-                 "_error_text", "_events",
+                 "_call_labels", "_calls", "_deadline", "_dirty", "_empty", "_error_key",
+                 "_error_streak", "_error_text", "_events",
                  "_expired", "_extensions", "_figures", "_history", "_info", "_judge",
                  "_judge_quiet_until", "_judging", "_kill", "_last_progress", "_model_since",
                  "_msg_key", "_msg_streak", "_msg_text", "_novelty", "_now", "_nudges", "_open",
                  "_outcomes", "_pending", "_queue", "_quiet_until", "_reports_results", "_roots",
-                 "_sampler", "_soft", "_start", "_steps", "_stopped", "_tool_calls",
+                 "_sampled_at", "_sampler", "_soft", "_start", "_steps", "_stopped", "_tool_calls",
                  "_tool_since", "_wake", "_win_other", "_win_steps", "_win_tools",
                  "_window_start")
 
@@ -235,6 +239,7 @@ class WatchHandle:
         # Made at the first tool call, result and line of text: many runs have none.
         self._history = history
         self._calls: deque[str] | None = None
+        self._call_labels: deque[str] | None = None  # `_calls`' labels, for sentences
         self._outcomes: deque[Outcome] | None = None
         # Started, no result yet (made at the first tool call).
         self._pending: list[tuple[ToolCall, str, str]] | None = None
@@ -252,6 +257,7 @@ class WatchHandle:
         self._sampler = sampler
         self._roots: dict[int, Callable[[Process], None]] = {}
         self._figures: dict[int, Process] = {}
+        self._sampled_at = now  # when the latest figures were taken (trio time)
         self._queue: list[Message] | None = None  # nudges to deliver (made at the first)
         self._open: _Open | None = None
         self._nudges: dict[str, int] = {}
@@ -296,6 +302,10 @@ class WatchHandle:
         if message is not None:
             if message.strip():
                 key = message_key(message)
+                if step.tool_calls:
+                    # The same words with different tool calls is a preamble ("Let me
+                    # check."), not a repeat: the calls are part of what was said.
+                    key += "\x00" + "\x00".join(call_key(c) for c in step.tool_calls)
                 if key == self._msg_key:
                     self._msg_streak += 1
                 else:
@@ -321,16 +331,21 @@ class WatchHandle:
         self._tool_calls += 1
         self._win_tools += 1
         masked = masked_call_key(call)
+        label = call_label(call)
         calls = self._calls
         if calls is None:
             calls = self._calls = deque(maxlen=self._history)
+            self._call_labels = deque(maxlen=self._history)
         calls.append(masked)
+        assert self._call_labels is not None
+        self._call_labels.append(label)
         pending = self._pending
         if pending is None:
             pending = self._pending = []
         elif not self._reports_results:
             pending.clear()
-        pending.append((call, masked, call_label(call)))
+        pending.append((call, masked, label))
+        fresh = self._tool_since is None
         now = self._progress()
         self._tool_since = now
         op = self._open
@@ -338,6 +353,10 @@ class WatchHandle:
             op.calls_after_delivery += 1
         self._dirty = True
         self._look("tool_start")
+        if fresh and self._wake is not None and self._kill is None:
+            # A call's bound (`tool_timeout`) may fall before the look the watcher
+            # planned (the idle clock): have it plan again, as for a model request.
+            self._wake()
 
     def record_tool_end(self, result: ToolResult) -> None:
         """A tool call finished: its outcome is evidence for loops and repeated errors."""
@@ -397,7 +416,11 @@ class WatchHandle:
         No judging here: this is the hot path (every output line), and new
         progress only pushes the clock rules later.
         """
-        if self._stopped or kind.startswith(_ECHO_PREFIX):
+        if self._stopped:
+            return
+        if kind.startswith(_ECHO_PREFIX):
+            if kind == STEER_UNDELIVERABLE and self._open is not None:
+                self._open.delivered = False  # drained, but the agent never got it
             return
         if kind in (MODEL_REQUEST, MODEL_TOKEN):
             fresh = self._model_since is None
@@ -516,6 +539,7 @@ class WatchHandle:
         if self._stopped or root not in self._roots:
             return
         self._figures[root] = figures
+        self._sampled_at = trio.current_time()
         if figures.working:
             self._win_other += 1
             self._progress(trio.current_time() - figures.idle)
@@ -582,6 +606,7 @@ class WatchHandle:
             window=Window(self._window_start - self._start, now - self._window_start,
                           self._steps - self._win_steps, self._win_tools, self._win_other),
             calls=() if self._calls is None else tuple(self._calls),
+            call_labels=() if self._call_labels is None else tuple(self._call_labels),
             intervention=None if op is None else Intervention(
                 op.reason, op.at - self._start, op.delivered, op.activity_since,
                 op.calls_after_delivery, dict(op.evidence), op.steps_after_delivery,
@@ -595,7 +620,7 @@ class WatchHandle:
             empty_answers=self._empty,
             lines=0 if novelty is None else novelty.lines,
             novel_lines=0 if novelty is None else novelty.novel,
-            process=merge(self._figures.values()),
+            process=_aged(merge(self._figures.values()), now - self._sampled_at),
         )
 
     def _apply(self, verdict: Decision, now: float) -> None:
@@ -652,3 +677,11 @@ class WatchHandle:
         self._window_start = now
         self._win_steps = self._steps
         self._win_tools = self._win_other = 0
+
+
+def _aged(figures: Process | None, age: float) -> Process | None:
+    """`figures` as of `age` seconds after they were sampled: flat that much longer
+    (a decision quotes how long the trees had been flat when it was made)."""
+    if figures is None or age <= 0:
+        return figures
+    return dataclasses.replace(figures, idle=figures.idle + age)
