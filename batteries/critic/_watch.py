@@ -169,13 +169,17 @@ class _Open:
     """The mutable twin of `Intervention`, kept by the handle."""
 
     __slots__ = ("activity_since", "at", "calls_after_delivery", "delivered",
-                 "ends_after_delivery", "evidence", "reason", "steps_after_delivery")
+                 "ends_after_delivery", "evidence", "reason", "steps_after_delivery",
+                 "undeliverable")
 
     def __init__(self, reason: str, at: float, evidence: dict[str, Any]) -> None:
         self.reason = reason
         self.at = at
         self.evidence = evidence
         self.delivered = False
+        # The agent could not be given it (`steer_undeliverable`): said in the evidence;
+        # what it does next still follows the nudge up (it was drained, and tried).
+        self.undeliverable = False
         self.activity_since = 0
         self.calls_after_delivery = 0
         self.steps_after_delivery = 0
@@ -420,7 +424,7 @@ class WatchHandle:
             return
         if kind.startswith(_ECHO_PREFIX):
             if kind == STEER_UNDELIVERABLE and self._open is not None:
-                self._open.delivered = False  # drained, but the agent never got it
+                self._open.undeliverable = True  # drained, but the agent never got it
             return
         if kind in (MODEL_REQUEST, MODEL_TOKEN):
             fresh = self._model_since is None
@@ -608,7 +612,8 @@ class WatchHandle:
             calls=() if self._calls is None else tuple(self._calls),
             call_labels=() if self._call_labels is None else tuple(self._call_labels),
             intervention=None if op is None else Intervention(
-                op.reason, op.at - self._start, op.delivered, op.activity_since,
+                op.reason, op.at - self._start, op.delivered and not op.undeliverable,
+                op.activity_since,
                 op.calls_after_delivery, dict(op.evidence), op.steps_after_delivery,
                 op.ends_after_delivery),
             nudges=dict(self._nudges),

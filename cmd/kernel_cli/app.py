@@ -106,9 +106,14 @@ def _configure_logging() -> None:
 
     name = os.environ.get("KERNEL_LOG_LEVEL", "error").upper()
     level = logging.getLevelNamesMapping().get(name, logging.ERROR)
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(name)s: %(levelname)s: %(message)s"))
     logger = logging.getLogger("kernel")
+    # Once per process: `main` called again in process (tests) replaces its handler
+    # rather than stacking one more on a stderr that may since have been closed.
+    for old in [h for h in logger.handlers if getattr(h, "kernel_cli", False)]:
+        logger.removeHandler(old)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.kernel_cli = True  # type: ignore[attr-defined]
+    handler.setFormatter(logging.Formatter("%(name)s: %(levelname)s: %(message)s"))
     logger.addHandler(handler)
     logger.setLevel(level)
 

@@ -41,7 +41,6 @@ from batteries.critic import (
     RulesJudge,
     RunView,
     TreeSample,
-    WatchCritic,
     Window,
     line_key,
     mask_volatile,
@@ -50,18 +49,15 @@ from batteries.critic import (
 from batteries.critic._evidence import error_key, result_key
 from batteries.critic._judge import Intervention
 from batteries.critic._process import _tree
-from kernel import Kernel, Limits, Ports, RunContext, RunInfo, Status, Step, ToolCall, ToolResult
+from kernel import Limits, RunContext, RunInfo, Status, Step, ToolCall, ToolResult
 from kernel.testing import AuditEvent, MemoryAudit, ScriptedAgent
-
-IDLE = CriticPolicy(idle_timeout=3, grace=1, soft_timeout=None)
+from tests.batteries.test_critic_v2 import IDLE
+from tests.batteries.test_critic_v2 import run as _run
 
 
 async def run(agent: Any, policy: CriticPolicy = IDLE, limits: Limits | None = None,
               **critic_kw: Any) -> tuple[Any, MemoryAudit]:
-    audit = MemoryAudit()
-    critic = WatchCritic(policy, **critic_kw)
-    result = await Kernel(Ports(audit=audit, critic=critic)).run(
-        agent, RunInfo(name="t"), limits or Limits(timeout=3600))
+    result, audit, _ = await _run(agent, policy, limits, **critic_kw)
     return result, audit
 
 
@@ -610,6 +606,31 @@ class TestNudgeEvidence:
         assert (result.status, result.reason) == (Status.KILLED, STALLED)
         kill = decisions(audit, result.run_id)[-1]
         assert kill.payload["evidence"]["delivered"] is False
+
+    async def test_an_undeliverable_nudge_still_follows_the_loop_up(
+            self, autojump_clock: trio.abc.Clock) -> None:
+        """A loop nudged through an adapter that cannot pass nudges on (Codex, Gemini, a
+        plain command) is still killed when it carries on: undelivered is evidence, not a
+        reason to wait for a delivery that never comes (it ran to the timeout)."""
+        class DeafLooper:
+            """One long step (a CLI agent's session) repeating a call it runs itself."""
+
+            async def step(self, ctx: RunContext) -> Step:
+                self.ctx = ctx
+                while True:
+                    call = ToolCall("poll", {"job": "build"})
+                    ctx.tool_start(call)
+                    await trio.sleep(1)
+                    ctx.tool_end(ToolResult(call, "status: pending"))
+                    await trio.sleep(1)
+
+            async def on_steer(self, messages: list[Any]) -> None:
+                self.ctx.activity("steer_undeliverable")
+
+        result, audit = await run(DeafLooper(), limits=Limits(timeout=600))
+        assert (result.status, result.reason) == (Status.KILLED, "looping")
+        assert [e.name for e in decisions(audit, result.run_id)
+                if e.name in ("steer", "kill")] == ["steer", "kill"]
 
     async def test_flat_for_is_measured_at_the_decision(
             self, autojump_clock: trio.abc.Clock) -> None:

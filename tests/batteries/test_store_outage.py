@@ -48,9 +48,18 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[PgServer]:
+def module_server() -> Iterator[PgServer]:
     """A PostgreSQL server of this module's own: the tests stop and start it."""
     yield from server_or_skip()
+
+
+@pytest.fixture
+def server(module_server: PgServer) -> Iterator[PgServer]:
+    """The module's server, running again after each test, whatever the test did (a test
+    that failed while it was stopped must not fail the next ones)."""
+    yield module_server
+    if module_server.proc.poll() is not None:
+        resume(module_server)
 
 
 def halt(server: PgServer) -> None:
@@ -97,11 +106,18 @@ def retrying() -> Iterator[threading.Event]:
     """Set when the PostgreSQL store says it found the server unreachable and waits."""
     seen = _Seen("trying again")
     logger = logging.getLogger("kernel.store")
+    # Whatever an earlier test did to logging (the CLI's own set-up, run in process,
+    # raises the kernel's loggers to ERROR or disables loggers made before it), this
+    # logger must emit its warning here.
+    was = (logger.disabled, logger.level)
+    logger.disabled = False
+    logger.setLevel(logging.WARNING)
     logger.addHandler(seen)
     try:
         yield seen.event
     finally:
         logger.removeHandler(seen)
+        logger.disabled, logger.level = was
 
 
 def _query(url: str, sql: str) -> list[tuple[Any, ...]]:

@@ -23,17 +23,9 @@ from tests.cmd.test_batch_cli import (
     wait_for,
     write_tasks,
 )
+from tests.cmd.test_batch_workers import alive
 
 pytestmark = pytest.mark.realtime
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return False
-    return data[data.rfind(b")") + 2:].split()[0] != b"Z"
 
 
 def kernel(kernel_exe: str, env: dict[str, str], *args: str
