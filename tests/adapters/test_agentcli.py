@@ -468,13 +468,12 @@ class TestStdinAndUsage:
 
     async def test_cli_not_reading_its_task_is_still_watched(self) -> None:
         """A big task to a CLI that never reads stdin does not block the step before the
-        watchdog runs: the start TTL stops it (`killed`, stalled)."""
+        watchdog runs: the start TTL stops it (`killed`, stalled; blocked in the write, it
+        ran to the run's 20 s timeout, `timeout`)."""
         agent = CLIAgent(["sleep", "30"], stdin_prompt="x" * 200_000, stdin_steer=True,
                          idle_ttl=1.0, start_ttl=1.0, grace=0.5)
-        t0 = time.monotonic()
         result, _ = await run(agent)
         assert (result.status, result.reason) == (Status.KILLED, "stalled"), result.error
-        assert time.monotonic() - t0 < 15
 
     async def test_streamed_usage_is_on_record_when_the_run_is_killed(self) -> None:
         """Claude Code's per-message usage is counted as it streams: a run the critic
