@@ -362,7 +362,9 @@ class TestAgentCLIRun:
 
         pidfile = tmp_path / "child.pid"
         # model_timeout=None: the request the CLI has in flight is left to the idle rule.
-        critic = WatchCritic(CriticPolicy(idle_timeout=0.6, grace=0.3, model_timeout=None))
+        # An idle clock of seconds, not tenths: a loaded machine can pause the fake CLI's
+        # start-up longer than 0.6 s (it once failed so beside the critic corpus).
+        critic = WatchCritic(CriticPolicy(idle_timeout=3.0, grace=1.0, model_timeout=None))
         result, events = await run(fake("hang", str(pidfile), grace=0.5), critic)
         assert result.status is Status.KILLED and result.reason == "stalled"
         assert [e.name for e in kinds(events, "critic")][-2:] == ["steer", "kill"]
