@@ -18,7 +18,6 @@ import pty
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -51,6 +50,7 @@ from batteries.critic._judge import Intervention
 from batteries.critic._process import _tree
 from kernel import Limits, RunContext, RunInfo, Status, Step, ToolCall, ToolResult
 from kernel.testing import AuditEvent, MemoryAudit, ScriptedAgent
+from tests.batteries.test_critic_process import eventually
 from tests.batteries.test_critic_v2 import IDLE
 from tests.batteries.test_critic_v2 import run as _run
 
@@ -447,16 +447,6 @@ def wchan(pid: int) -> str:
             return f.read()
     except OSError:
         return ""
-
-
-def eventually(fn: Any, bound: float = 30.0) -> Any:
-    end = time.monotonic() + bound
-    while time.monotonic() < end:
-        value = fn()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError("never happened")
 
 
 @contextmanager

@@ -23,7 +23,7 @@ from tests.cmd.test_batch_cli import (
     wait_for,
     write_tasks,
 )
-from tests.cmd.test_batch_workers import alive
+from tests.cmd.test_batch_workers import alive, gated_tasks
 
 pytestmark = pytest.mark.realtime
 
@@ -172,10 +172,7 @@ def test_a_dead_worker_leaves_the_batch_interrupted_as_the_journal_has_it(
     interrupted (not `finished`) saying `kernel batch --resume ID`, which finishes them."""
     effects, gate, started = tmp_path / "effects", tmp_path / "go", tmp_path / "started"
     n = 8
-    tasks: list[dict[str, object]] = [
-        {"id": f"t{i}", "command": ["sh", "-c", f"echo t{i}:$PPID:$$ >> {started}; while "
-                                    f"[ ! -e {gate} ]; do sleep 0.05; done; echo {i} >> {effects}"]}
-        for i in range(n)]
+    tasks = gated_tasks(n, started, gate, effects)
     proc = subprocess.Popen([kernel_exe, "batch", str(write_tasks(tmp_path / "t.jsonl", tasks)),
                              "-j", "4", "--json", "--workers", "2"], env=cli_env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -32,6 +32,15 @@ def alive(pid: int) -> bool:
     return data[data.rfind(b")") + 2:].split()[0] != b"Z"
 
 
+def gated_tasks(n: int, started: Path, gate: Path, effects: Path) -> list[dict[str, object]]:
+    """`n` tasks that say `tI:WORKER_PID:PID` in `started`, wait for `gate` to exist, then
+    write their index to `effects` (each side effect once, if nothing runs twice)."""
+    return [{"id": f"t{i}", "command": ["sh", "-c", f"echo t{i}:$PPID:$$ >> {started}; while "
+                                        f"[ ! -e {gate} ]; do sleep 0.05; done; "
+                                        f"echo {i} >> {effects}"]}
+            for i in range(n)]
+
+
 def parents(path: Path) -> dict[str, int]:
     """task -> the pid of the process that ran its command (written by the command)."""
     return {line.split(":")[0]: int(line.split(":")[1]) for line in lines(path)}
@@ -146,10 +155,7 @@ def test_a_worker_that_dies_ends_its_runs_and_resume_finishes_them(
     other worker runs the rest, exit 1; --resume finishes the dead worker's runs once."""
     effects, gate, started = tmp_path / "effects", tmp_path / "go", tmp_path / "started"
     n = 12
-    tasks: list[dict[str, object]] = [
-        {"id": f"t{i}", "command": ["sh", "-c", f"echo t{i}:$PPID:$$ >> {started}; while "
-                                    f"[ ! -e {gate} ]; do sleep 0.05; done; echo {i} >> {effects}"]}
-        for i in range(n)]
+    tasks = gated_tasks(n, started, gate, effects)
     proc = subprocess.Popen([kernel_exe, "batch", str(write_tasks(tmp_path / "t.jsonl", tasks)),
                              "-j", "4", "--json", "--workers", "2"], env=cli_env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
