@@ -427,6 +427,157 @@ class QueryInterrupted(KeyboardInterrupt):
     """Ctrl-C stopped a query (DuckDB's own execution, interrupted)."""
 
 
+#: Rows a streamed query (`stream_query`) converts and hands over at a time.
+STREAM_ROWS = 10_000
+
+
+class QueryStream:
+    """A read-only query's result, fetched while it is read (`stream_query`).
+
+    `names` are the result's column names (duplicates kept); iterating gives
+    chunks of at most `STREAM_ROWS` rows, as tuples, in order. DuckDB
+    produces the chunks in a worker thread, at most two ahead of the reader,
+    so a result of any size takes the memory of a few chunks. A timeout,
+    Ctrl-C or a failure in DuckDB while reading raises as `read_only_query`
+    does, after the rows already handed out.
+    """
+
+    def __init__(self, cur: duckdb.DuckDBPyConnection, sql: str, timeout: float | None,
+                 rows_at_once: int) -> None:
+        import queue
+
+        self._cur, self._sql, self._timeout = cur, sql, timeout
+        self._rows_at_once = rows_at_once
+        self._queue: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=2)
+        self._stop = threading.Event()
+        # An Event, not Thread.join (see `read_only_query`).
+        self._finished = threading.Event()
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._thread: threading.Thread | None = None
+        self.names: list[str] = []
+
+    def _hand(self, item: tuple[str, Any]) -> bool:
+        """Put `item` for the reader; False once the reader has stopped the stream."""
+        import queue
+
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _work(self) -> None:
+        try:
+            rel = self._cur.sql(self._sql)
+            if rel is None:
+                self._hand(("names", []))
+                self._hand(("end", None))
+                return
+            reader = rel.fetch_arrow_reader(self._rows_at_once)
+            if not self._hand(("names", list(reader.schema.names))):
+                return
+            for chunk in reader:
+                cols = [_utc(c).to_pylist() for c in chunk.columns]
+                if not self._hand(("rows", list(zip(*cols, strict=True)) if cols else [])):
+                    return
+            self._hand(("end", None))
+        except BaseException as exc:  # handed to the reader
+            self._hand(("error", exc))
+        finally:
+            self._finished.set()
+
+    def _next(self) -> tuple[str, Any]:
+        """The worker's next item, waiting with the deadline and Ctrl-C in view."""
+        import queue
+
+        try:
+            while True:
+                left = None if self._deadline is None else self._deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    self.close()
+                    raise ConfigError(f"query stopped after {self._timeout:g}s (--timeout)")
+                try:
+                    return self._queue.get(timeout=0.1 if left is None else min(0.1, left))
+                except queue.Empty:
+                    continue
+        except KeyboardInterrupt:
+            self.close()
+            raise QueryInterrupted from None
+
+    def start(self) -> None:
+        """Run the statement; return once the column names are known."""
+        self._thread = threading.Thread(target=self._work, name="kernel query", daemon=True)
+        self._thread.start()
+        kind, value = self._next()
+        if kind == "error":
+            self.close()
+            _raise_query_error(value, self._sql)
+        self.names = value
+
+    def __iter__(self) -> Iterator[list[tuple[Any, ...]]]:
+        while True:
+            kind, value = self._next()
+            if kind == "end":
+                return
+            if kind == "error":
+                self.close()
+                _raise_query_error(value, self._sql)
+            yield value
+
+    def close(self) -> None:
+        """Stop the worker (DuckDB interrupted if still executing) and wait for it, so the
+        connection can be closed or used again. Idempotent."""
+        if not self._finished.is_set():
+            self._stop.set()
+            # Again until the worker is out: an interrupt that arrives between two of
+            # DuckDB's executions (building the relation, then running it) is not kept.
+            while True:
+                self._cur.interrupt()
+                if self._finished.wait(0.1):
+                    break
+        if self._thread is not None:
+            self._thread.join()  # it has finished its work: only its exit is left
+
+
+@contextmanager
+def stream_query(cur: duckdb.DuckDBPyConnection, sql: str, *, timeout: float | None = None,
+                 rows_at_once: int = STREAM_ROWS) -> Iterator[QueryStream]:
+    """`read_only_query`, its rows read as they are produced (`QueryStream`).
+
+    The statement is checked and started on entry (its failures raise there,
+    as `read_only_query`'s); leaving the block stops a result not read to
+    its end, so the cursor's connection is safe to close.
+    """
+    check_read_only(sql)
+    stream = QueryStream(cur, sql, timeout, rows_at_once)
+    try:
+        stream.start()
+        yield stream
+    finally:
+        stream.close()
+
+
+def _raise_query_error(exc: BaseException, sql: str) -> None:
+    """Raise a failure of the query's worker as the analyst should see it."""
+    import duckdb
+    import pyarrow as pa  # type: ignore[import-untyped, unused-ignore]
+
+    try:
+        raise exc
+    # DuckDB's failure while the Arrow reader pulls a chunk reaches us as Arrow's
+    # (an OSError, or ArrowException, carrying DuckDB's message).
+    except (duckdb.Error, pa.ArrowException, OSError) as err:
+        text = _first_line(err)
+        if "read-only mode" in text:  # a write inside a SELECT (a CTE's DELETE ... RETURNING)
+            found = _WRITES.search(sql)
+            verb = found.group(1).upper() if found else "writing"
+            raise ConfigError(f"query is read-only: {verb} statements are refused") from err
+        # The session's own name for the audit file means nothing to the analyst.
+        raise ConfigError(f"query failed: {_ALIAS.sub('the audit database', text)}") from err
+
+
 def read_only_query(cur: duckdb.DuckDBPyConnection, sql: str, *,
                     timeout: float | None = None) -> tuple[list[str], list[tuple[Any, ...]]]:
     """Run one SELECT (or EXPLAIN of one) statement after `check_read_only`.
@@ -443,50 +594,8 @@ def read_only_query(cur: duckdb.DuckDBPyConnection, sql: str, *,
             it ran past `timeout`.
         QueryInterrupted: Ctrl-C stopped it.
     """
-    import duckdb
-
-    check_read_only(sql)
-    done: list[tuple[list[str], list[tuple[Any, ...]]]] = []
-    failed: list[BaseException] = []
-    # An Event, not Thread.join: a join that Ctrl-C interrupts can leave the thread
-    # marked stopped while it still runs (CPython before 3.13), and the connection
-    # would then be closed under it.
-    finished = threading.Event()
-
-    def work() -> None:
-        try:
-            done.append(rows(cur, sql))
-        except BaseException as exc:  # handed to the waiting thread
-            failed.append(exc)
-        finally:
-            finished.set()
-
-    deadline = None if timeout is None else time.monotonic() + timeout
-    threading.Thread(target=work, name="kernel query", daemon=True).start()
-    try:
-        while not finished.is_set():
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                cur.interrupt()
-                finished.wait()
-                raise ConfigError(f"query stopped after {timeout:g}s (--timeout)")
-            finished.wait(0.1 if left is None else min(0.1, left))
-    except KeyboardInterrupt:
-        cur.interrupt()
-        finished.wait()
-        raise QueryInterrupted from None
-    if done:
-        return done[0]
-    try:
-        raise failed[0]
-    except duckdb.Error as exc:
-        text = _first_line(exc)
-        if "read-only mode" in text:  # a write inside a SELECT (a CTE's DELETE ... RETURNING)
-            found = _WRITES.search(sql)
-            verb = found.group(1).upper() if found else "writing"
-            raise ConfigError(f"query is read-only: {verb} statements are refused") from exc
-        # The session's own name for the audit file means nothing to the analyst.
-        raise ConfigError(f"query failed: {_ALIAS.sub('the audit database', text)}") from exc
+    with stream_query(cur, sql, timeout=timeout) as stream:
+        return stream.names, [row for chunk in stream for row in chunk]
 
 
 #: The first writing keyword of a statement DuckDB refused for writing the read-only audit.

@@ -385,6 +385,11 @@ def query(
     DELETE ... RETURNING). With nothing recorded yet it runs on the empty
     tables. JSON output is strict: NaN and Infinity are null, integers keep
     every digit (HUGEINT too); CSV keeps them as they are.
+
+    JSON lines and CSV are written as DuckDB produces the rows, so a result
+    of any size starts at once and takes little memory, and a reader that
+    stops early (`| head`) stops the query; a failure or --timeout partway
+    comes after the rows already written. The table waits for every row.
     """
     from batteries.audit import queries
 
@@ -399,16 +404,35 @@ def query(
                    else _store(db).reader(sealed=True))
         with session as cur:
             try:
-                names, data = queries.read_only_query(cur, sql, timeout=timeout)
+                if fmt == "table":  # column widths need every row
+                    names, data = queries.read_only_query(cur, sql, timeout=timeout)
+                else:  # JSON lines and CSV are written as DuckDB produces the rows
+                    with queries.stream_query(cur, sql, timeout=timeout) as stream:
+                        _stream_out(stream, fmt)
+                    return
             except queries.QueryInterrupted:
                 _fail("interrupted (Ctrl-C): the query was stopped", 130)
-    if fmt == "json":
-        output.print_lines(dict(zip(_unique(names), r, strict=True)) for r in data)
-    elif fmt == "csv":
-        output.print_csv(names, data)
-    else:
-        print(_table(names, [tuple(_cell(v) for v in r) for r in data],
-                     right=_numeric_columns(data)))
+    print(_table(names, [tuple(_cell(v) for v in r) for r in data],
+                 right=_numeric_columns(data)))
+
+
+def _stream_out(stream: Any, fmt: str) -> None:
+    """Write a streamed query's rows as JSON lines or CSV, a chunk at a time; a reader
+    gone (`| head`) stops the query, and the command ends as if it had finished."""
+    names = stream.names
+    try:
+        if fmt == "json":
+            keys = _unique(names)
+            for chunk in stream:
+                output.print_lines(dict(zip(keys, r, strict=True)) for r in chunk)
+        else:
+            write = output.csv_lines(names)
+            for chunk in stream:
+                write(chunk)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        stream.close()
+        output.stdout_to_devnull()
 
 
 def purge(

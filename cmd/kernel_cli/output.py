@@ -30,7 +30,7 @@ import json
 import math
 import re
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import date, datetime
 from decimal import Decimal
 from typing import Any, NoReturn
@@ -129,14 +129,39 @@ def print_lines(rows: Iterable[Any]) -> None:
 
 def print_csv(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
     """A header row, then one row a line; nested values as JSON, times in ISO 8601."""
+    csv_lines(headers)(rows)
+
+
+def csv_lines(headers: Sequence[str]) -> Callable[[Iterable[Sequence[Any]]], None]:
+    """`print_csv` in parts: writes the header row now, and returns a function that writes
+    rows (as `print_csv` does) each time it is called."""
     import csv
     import io
 
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
+
+    def write(rows: Iterable[Sequence[Any]]) -> None:
+        w.writerows([tuple(csv_cell(v) for v in r) for r in rows])
+        sys.stdout.write(buf.getvalue())
+        buf.seek(0)
+        buf.truncate()
+
     w.writerow(headers)
-    w.writerows([tuple(csv_cell(v) for v in r) for r in rows])
-    sys.stdout.write(buf.getvalue())
+    write(())
+    return write
+
+
+def stdout_to_devnull() -> None:
+    """Point stdout at /dev/null: its reader is gone (`| head`), and what is still
+    buffered, or written later, then goes nowhere instead of failing again."""
+    import contextlib
+    import os
+
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+        os.close(null)
 
 
 def csv_cell(value: Any) -> Any:
