@@ -202,8 +202,21 @@ class Kernel:
         # run (one per step) passes through one coroutine fewer, and a run keeps one
         # object fewer for the garbage collector (measured at 10,000 concurrent runs).
         try:
-            run = _Run(self, agent, info if info is not None else RunInfo(),
-                       limits if limits is not None else Limits(), resume)
+            if resume is not None and not isinstance(resume, Checkpoint):
+                raise TypeError(f"resume must be a Checkpoint, not {type(resume).__name__}")
+            if info is None:
+                # A resumed run is the checkpoint's run: its id, not a fresh one.
+                info = RunInfo() if resume is None else RunInfo(run_id=resume.run_id)
+            elif not isinstance(info, RunInfo):
+                raise TypeError(f"info must be a RunInfo, not {type(info).__name__}")
+            if limits is None:
+                limits = Limits()
+            elif not isinstance(limits, Limits):
+                raise TypeError(f"limits must be a Limits, not {type(limits).__name__}")
+            if resume is not None and resume.run_id != info.run_id:
+                raise ValueError(f"resume: the checkpoint is of run {resume.run_id!r}, not of "
+                                 f"{info.run_id!r}: a run resumes from its own checkpoint")
+            run = _Run(self, agent, info, limits, resume)
         except Exception as exc:
             return _raising(exc)  # raised when awaited, as from an `async def`
         return run.execute()
@@ -214,7 +227,7 @@ class _Run:
 
     __slots__ = ("agent", "agent_stopped", "artifacts", "audit", "backstop", "budget", "can",
                  "capped", "caps", "checkpointer", "child_tool_calls", "child_usage", "critic",
-                 "ctx", "delivery", "error", "exit_code", "failures", "finalizing",
+                 "ctx", "cut", "delivery", "error", "exit_code", "failures", "finalizing",
                  "first_deadline", "handle", "hooks", "immediate", "in_step", "info", "k",
                  "last_save_steps", "last_save_time", "limits", "next_look", "now", "nursery",
                  "on_steer", "output", "pending_steer", "reason", "recorder", "resume", "scope",
@@ -264,6 +277,9 @@ class _Run:
         # reached the handle since: the step loop skips `kill_cause`, `steer`, `max_steps`.
         self.settled = False
         self.backstop = math.inf
+        # When the run's scope is cut: the backstop, or sooner a runtime cap
+        # (`max_runtime_seconds`, from the limits or the caller's budget).
+        self.cut = math.inf
         self.last_save_steps = self.steps
         self.last_save_time = 0.0
         self.caps, self.capped = kernel._caps(limits)  # capped: False skips the per-step check
@@ -368,9 +384,11 @@ class _Run:
             if ours and self.handle is not None and self.kill_if_decided():
                 return False
         self.tool_calls += 1
+        # The step that asked for the call (during a step, `steps` is that step's index;
+        # the kernel's own tools run after it was counted, and pass it).
         self.log_event("tool_start", name=call.name,
                        payload={"args": dict(call.args), "id": call.id, **(payload or {})},
-                       iteration=self.steps)
+                       iteration=self.steps if iteration is None else iteration)
         if not ours and handle is not None and self.handle is not None:
             self.kill_if_decided()
         return True
@@ -494,10 +512,16 @@ class _Run:
                 if self.hooks.problem is not None:
                     self.critic_failed("monitor", TypeError(self.hooks.problem))
 
+        self.cut = self.backstop
+        runtime_cap = self.caps.max_runtime_seconds
+        if runtime_cap is not None and self.started + runtime_cap < self.cut:
+            # A runtime cap holds mid-step too (a step that runs for an hour), not only
+            # when the step returns: the scope is cut when it runs out.
+            self.cut = self.started + runtime_cap
         pending: BaseException | None = None
         result: Result | None = None
         try:
-            with trio.CancelScope(deadline=self.backstop) as scope:
+            with trio.CancelScope(deadline=self.cut) as scope:
                 self.scope = scope
                 if self.handle is not None:
                     self.start_watch()
@@ -527,9 +551,15 @@ class _Run:
                     self.finalize_timed_out()
                 return result
             if scope.cancelled_caught and self.status is None:
-                # Nobody recorded why: only the backstop cancels without a word.
-                self._end(Status.TIMEOUT,
-                          reason=f"hard timeout of {limits.timeout:g}s expired")
+                # Nobody recorded why: only the scope's deadline cancels without a word.
+                if self.cut < self.backstop:
+                    cap = self.caps.max_runtime_seconds
+                    self._end(Status.BUDGET_EXCEEDED, reason="max_runtime_seconds",
+                              error=f"usage limit max_runtime_seconds exceeded (limit {cap:g}, "
+                                    f"used {self.now() - self.started:.1f})")
+                else:
+                    self._end(Status.TIMEOUT,
+                              reason=f"hard timeout of {limits.timeout:g}s expired")
         except BaseException as exc:
             if not _only_cancelled(exc):
                 # Ctrl-C in the host (`cancelled`, as the CLI's), or a bug of ours (`error`):
@@ -765,7 +795,7 @@ class _Run:
                 if step.artifacts:
                     self.artifacts.update(step.artifacts)
             t1 = now()
-            if t1 + offset >= self.backstop:
+            if t1 + offset >= self.cut:
                 # Past the hard deadline: a step that never awaits (or blocks the
                 # thread) gave trio no checkpoint to cancel it at. This one does.
                 await trio.lowlevel.checkpoint()
@@ -799,6 +829,12 @@ class _Run:
                     # The agent's own stop: over, not interrupted (nothing to resume).
                     self.agent_stopped = True
                     self._end(Status.CANCELLED, reason=step.stop, output=step.output)
+                elif self.capped and (exceeded := self.usage_exceeded(final=True)) is not None:
+                    # Caps are checked after every step, the last one too: an answer that
+                    # cost more than the run was allowed is over budget (its output kept).
+                    name, detail = exceeded
+                    self._end(Status.BUDGET_EXCEEDED, output=step.output,
+                              error=f"usage limit {name} exceeded ({detail})", reason=name)
                 else:
                     self._end(Status.OK, output=step.output)
                 self.output = step.output if step.handoff is None else step.handoff
@@ -857,7 +893,12 @@ class _Run:
         except Exception as exc:
             self.fault("audit", "log_error", exc)
 
-    def usage_exceeded(self) -> tuple[str, str] | None:
+    def usage_exceeded(self, *, final: bool = False) -> tuple[str, str] | None:
+        """The first cap the run's usage is over, as (name, detail); None if none.
+
+        `final`: after the last step, where the step budget (`max_steps`, the
+        steps a run may take) used up exactly is not exceeded.
+        """
         caps, u = self.caps, self.usage + self.child_usage if self.child_usage else self.usage
         checks: tuple[tuple[str, float | None, float], ...] = (
             ("max_input_tokens", caps.max_input_tokens, u.input_tokens),
@@ -870,7 +911,8 @@ class _Run:
         for name, limit, used in checks:
             if limit is not None and used > limit:
                 return name, f"limit {limit:g}, used {used:g}"
-        if caps.max_steps is not None and self.steps >= caps.max_steps:
+        if caps.max_steps is not None and (
+                self.steps > caps.max_steps if final else self.steps >= caps.max_steps):
             return "max_steps", f"budget of {caps.max_steps} steps used up"
         return None
 
@@ -1015,11 +1057,12 @@ class _Run:
             self._end(Status.TIMEOUT, reason=self.deadline_reason(dl))
             scope.cancel()
             return None
-        if now >= self.backstop:
-            # The hard deadline has passed: trio has cancelled the run's scope, and the
-            # run is unwinding (a command that ignores SIGTERM gets its grace before
-            # SIGKILL). No look can change that, and a deadline already passed must not
-            # be looked at again "at once" (that was a busy loop for the whole grace).
+        if now >= self.cut:
+            # The hard deadline (or the runtime cap) has passed: trio has cancelled the
+            # run's scope, and the run is unwinding (a command that ignores SIGTERM gets
+            # its grace before SIGKILL). No look can change that, and a deadline already
+            # passed must not be looked at again "at once" (that was a busy loop for the
+            # whole grace).
             return None
         if self.on_steer is not None and self.in_step and not self.steering:
             self.steer_mid_step(handle)

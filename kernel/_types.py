@@ -137,8 +137,10 @@ class Limits:
         soft_timeout: When the critic first judges the run (None: the critic's default).
         tool_timeout: Per tool call; a slow tool returns an error result, the run goes on.
         max_tool_calls, max_input_tokens, max_output_tokens, max_total_tokens, max_cost_usd:
-            Per-run usage limits, checked after each step; exceeding one ends
-            `budget_exceeded` naming the limit.
+            Per-run usage limits, checked after each step (the final one too: an
+            answer over a cap ends `budget_exceeded`, its output kept) and when an
+            agent reports usage mid-step; exceeding one ends `budget_exceeded`
+            naming the limit.
         checkpoint_every_steps, checkpoint_every_seconds: Checkpoint throttle; a save
             happens once both that many steps and that many seconds have passed since
             the last one (the default: after every step).
@@ -196,9 +198,10 @@ class Limits:
 class UsageLimits:
     """Per-run usage caps a `Budget` hands the kernel for one run (None = no cap).
 
-    Exceeding any of them, checked after each step, ends the run
-    `budget_exceeded` naming the limit. They combine with the same-named
-    `Limits` fields: the tighter one wins. Unlike `Limits.max_steps` (the
+    Exceeding any of them, checked after each step (the final one too), ends
+    the run `budget_exceeded` naming the limit; `max_runtime_seconds` cuts
+    the run when it runs out, in the middle of a step if need be. They
+    combine with the same-named `Limits` fields: the tighter one wins. Unlike `Limits.max_steps` (the
     step ceiling, status `max_steps`) and `Limits.timeout` (the backstop,
     status `timeout`), `max_steps` and `max_runtime_seconds` here are budget
     caps: running out of them is `budget_exceeded`.

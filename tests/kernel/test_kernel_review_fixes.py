@@ -1,0 +1,125 @@
+"""Kernel fixes from the library review: caps after the last step, a runtime cap that
+cuts a step, tool events of one step sharing its iteration, and misuse of `Kernel.run`
+refused with a clear error (a checkpoint of another run, arguments of the wrong type)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+
+from kernel import (
+    Checkpoint,
+    Kernel,
+    Limits,
+    Ports,
+    RunContext,
+    RunInfo,
+    Status,
+    Step,
+    ToolCall,
+    Usage,
+    UsageLimits,
+)
+from kernel.testing import Hang, MemoryAudit, RecordingBudget, ScriptedAgent
+
+PRICEY = Usage(input_tokens=10, output_tokens=10, cost_usd=0.40)
+
+
+async def noop() -> str:
+    return "done"
+
+
+class TestCapsAfterTheLastStep:
+    async def test_a_final_answer_over_the_cost_cap_is_budget_exceeded(
+            self, autojump_clock: trio.abc.Clock) -> None:
+        """$0.40 a step, capped at $1: the third step (the answer) takes it to $1.20."""
+        agent = ScriptedAgent([Step(usage=PRICEY), Step(usage=PRICEY)],
+                              then=Step(usage=PRICEY, output="answer", final=True))
+        result = await Kernel().run(agent, RunInfo(), Limits(max_cost_usd=1.0))
+        assert (result.status, result.reason, result.steps) == (
+            Status.BUDGET_EXCEEDED, "max_cost_usd", 3)
+        assert result.output == "answer"  # what was bought is kept
+        assert result.error == "usage limit max_cost_usd exceeded (limit 1, used 1.2)"
+
+    async def test_a_callers_cap_holds_for_a_one_step_run(
+            self, autojump_clock: trio.abc.Clock) -> None:
+        budget = RecordingBudget(caps=UsageLimits(max_total_tokens=15))
+        result = await Kernel(Ports(budget=budget)).run(
+            ScriptedAgent(then=Step(usage=PRICEY, final=True)), RunInfo(caller_id="c"))
+        assert (result.status, result.reason) == (Status.BUDGET_EXCEEDED, "max_total_tokens")
+
+    async def test_using_the_step_budget_exactly_is_ok(
+            self, autojump_clock: trio.abc.Clock) -> None:
+        """Three steps allowed, the third one final: within the budget."""
+        budget = RecordingBudget(caps=UsageLimits(max_steps=3, max_cost_usd=1.2))
+        agent = ScriptedAgent([Step(), Step()], then=Step(output="x", final=True))
+        result = await Kernel(Ports(budget=budget)).run(agent, RunInfo(caller_id="c"))
+        assert (result.status, result.steps) == (Status.OK, 3)
+
+
+class TestRuntimeCapMidStep:
+    async def test_a_hung_step_is_cut_at_the_callers_runtime_cap(
+            self, autojump_clock: trio.abc.Clock) -> None:
+        budget = RecordingBudget(caps=UsageLimits(max_runtime_seconds=5))
+        result = await Kernel(Ports(budget=budget)).run(
+            ScriptedAgent([Hang()]), RunInfo(caller_id="c"), Limits(timeout=100))
+        assert (result.status, result.reason, result.steps) == (
+            Status.BUDGET_EXCEEDED, "max_runtime_seconds", 0)
+        assert result.error == "usage limit max_runtime_seconds exceeded (limit 5, used 5.0)"
+        assert result.runtime_seconds == pytest.approx(5)
+        assert budget.commits[0][1] == pytest.approx(5)
+
+    async def test_the_backstop_first_is_a_timeout(self, autojump_clock: trio.abc.Clock) -> None:
+        budget = RecordingBudget(caps=UsageLimits(max_runtime_seconds=50))
+        result = await Kernel(Ports(budget=budget)).run(
+            ScriptedAgent([Hang()]), RunInfo(caller_id="c"), Limits(timeout=10))
+        assert (result.status, result.reason) == (Status.TIMEOUT, "hard timeout of 10s expired")
+
+
+class TestToolEventsShareTheirStepsIteration:
+    async def test_kernel_run_tools(self, autojump_clock: trio.abc.Clock) -> None:
+        audit = MemoryAudit()
+        agent = ScriptedAgent([Step(), Step(tool_calls=[ToolCall("noop"), ToolCall("noop")])],
+                              tools={"noop": noop})
+        result = await Kernel(Ports(audit=audit)).run(agent)
+        assert result.status is Status.OK
+        seen = [(e.kind, e.iteration) for e in audit.events(result.run_id)
+                if e.kind in ("step", "tool_start", "tool_end")]
+        assert seen == [("step", 0), ("step", 1), ("tool_start", 1), ("tool_end", 1),
+                        ("tool_start", 1), ("tool_end", 1), ("step", 2)]
+
+    async def test_tools_an_agent_runs_itself(self, autojump_clock: trio.abc.Clock) -> None:
+        async def uses_a_tool(ctx: RunContext) -> Step:
+            ctx.tool_start(ToolCall("grep"))
+            return Step(final=True)
+
+        audit = MemoryAudit()
+        result = await Kernel(Ports(audit=audit)).run(ScriptedAgent([Step(), uses_a_tool]))
+        seen = [(e.kind, e.iteration) for e in audit.events(result.run_id)
+                if e.kind in ("step", "tool_start")]
+        assert seen == [("step", 0), ("tool_start", 1), ("step", 1)]
+
+
+class TestMisuseOfRun:
+    async def test_a_checkpoint_of_another_run_is_refused(self) -> None:
+        cp = Checkpoint("other-run", steps=7, state={}, usage=Usage(input_tokens=100))
+        with pytest.raises(ValueError, match="the checkpoint is of run 'other-run', not of "
+                                             "'mine': a run resumes from its own checkpoint"):
+            await Kernel().run(ScriptedAgent(), RunInfo(run_id="mine"), resume=cp)
+
+    async def test_resume_without_info_is_the_checkpoints_run(self) -> None:
+        cp = Checkpoint("job-42", steps=2, state={})
+        result = await Kernel().run(ScriptedAgent(), resume=cp)
+        assert (result.run_id, result.steps) == ("job-42", 3)
+
+    @pytest.mark.parametrize(("kwargs", "message"), [
+        ({"info": "job-1"}, "info must be a RunInfo, not str"),
+        ({"limits": {"timeout": 5}}, "limits must be a Limits, not dict"),
+        ({"resume": {"steps": 2}}, "resume must be a Checkpoint, not dict"),
+    ])
+    async def test_arguments_of_the_wrong_type(self, kwargs: dict[str, Any],
+                                               message: str) -> None:
+        with pytest.raises(TypeError, match=message):
+            await Kernel().run(ScriptedAgent(), **kwargs)
