@@ -201,10 +201,11 @@ class UsageLimits:
     Exceeding any of them, checked after each step (the final one too), ends
     the run `budget_exceeded` naming the limit; `max_runtime_seconds` cuts
     the run when it runs out, in the middle of a step if need be. They
-    combine with the same-named `Limits` fields: the tighter one wins. Unlike `Limits.max_steps` (the
-    step ceiling, status `max_steps`) and `Limits.timeout` (the backstop,
-    status `timeout`), `max_steps` and `max_runtime_seconds` here are budget
-    caps: running out of them is `budget_exceeded`.
+    combine with the same-named `Limits` fields: the tighter one wins.
+    Unlike `Limits.max_steps` (the step ceiling, status `max_steps`) and
+    `Limits.timeout` (the backstop, status `timeout`), `max_steps` and
+    `max_runtime_seconds` here are budget caps: running out of them is
+    `budget_exceeded`.
 
     Raises:
         ConfigError: A count that is not a whole number >= 0, or an amount that is
