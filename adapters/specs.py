@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from adapters.loop import Asker, VerdictSource
 
 __all__ = ["KINDS", "PRESETS", "BuiltAgent", "agent_from_spec", "build_agent", "build_loop",
-           "interpolate", "stop_leftover_group"]
+           "interpolate", "spec_secrets", "stop_leftover_group"]
 
 KINDS = AgentSpec.KINDS
 PRESETS = ("claude", "codex", "gemini")
@@ -180,14 +180,16 @@ def _build_llm(*, model: str | None, base_url: str | None, prompt: str | None,
     has_key = bool(os.environ.get(key_var))
     if api_key_env is not None and not has_key:
         raise ConfigError(f"--api-key-env {key_var}: the variable is not set")
-    if not has_key and (urlsplit(url).hostname or "").endswith("api.openai.com"):
-        raise ConfigError(f"{key_var} is not set ({redact_url(url)} needs an API key; "
-                          "for a local server give --base-url)")
     try:
+        # First: it checks the URL whole (a port out of range, a bad IPv6 literal),
+        # which every use of `url` below relies on.
         client = ChatClient(url, api_key_env=key_var)
     except ValueError as exc:
         source = "--base-url" if base_url else "$OPENAI_BASE_URL"
         raise ConfigError(f"{source}: {exc}") from None
+    if not has_key and (urlsplit(url).hostname or "").endswith("api.openai.com"):
+        raise ConfigError(f"{key_var} is not set ({redact_url(url)} needs an API key; "
+                          "for a local server give --base-url)")
     prices = {model.strip(): _price(price)} if price is not None else None
     agent = LLMAgent(model.strip(), text, client=client, allow_shell=allow_shell, cwd=cwd,
                      prices=prices)
@@ -197,6 +199,31 @@ def _build_llm(*, model: str | None, base_url: str | None, prompt: str | None,
                 "prompt": text, "tools": list(agent.tools), "context": dict(context),
                 **({"price_per_mtok": list(price)} if price is not None else {})})
     return agent, info
+
+
+def spec_secrets(spec: RunSpec | CommandSpec | LoopSpec | AgentSpec,
+                 environ: Mapping[str, str] | None = None) -> list[str]:
+    """The secret values the agent a spec describes will hold, for the run's redactor.
+
+    An llm agent's (and a loop's `llm_structured` judge's) API key, read from its
+    `--api-key-env` variable (default OPENAI_API_KEY), whatever that variable is
+    named: `batteries.redact` knows the values of variables whose *names* look
+    secret, and `MYLLM_CRED` does not. Give them to the redactor
+    (`Redactor.with_secrets`) so nothing stored holds the key even if a server or
+    a tool echoes it. Empty for other kinds, or when the variable is unset.
+    """
+    env = os.environ if environ is None else environ
+    what = spec.agent if isinstance(spec, RunSpec) else spec
+    if isinstance(what, AgentSpec):
+        if what.agent.strip().lower() != "llm":
+            return []
+        var = what.api_key_env
+    elif isinstance(what, LoopSpec):
+        var = what.api_key_env
+    else:
+        return []
+    value = env.get(var or "OPENAI_API_KEY") or ""
+    return [value] if value.strip() else []
 
 
 def _price(price: tuple[float, ...]) -> Price:

@@ -38,6 +38,7 @@ Tables (in the journal; mirrored into the analysts' file by `sync`)::
 from __future__ import annotations
 
 import math
+import operator
 import os
 from collections import deque
 
@@ -166,12 +167,22 @@ class JournalBudget:
         """Create or replace a caller's budget (blocking; for the CLI and hosts).
 
         Raises:
-            ValueError: A window that is not a finite number > 0 seconds, or a
-                limit that is negative, NaN or infinite (None means no limit).
+            ValueError: A window that is not a finite number > 0 seconds, a
+                limit that is negative, NaN or infinite (None means no limit),
+                or a count (`max_runs`, `max_tokens`) that is not a whole
+                number (an int; `1.5` runs is refused, as `kernel budget set` does).
         """
         if not (_is_real(window_seconds) and 0 < window_seconds < math.inf):
             raise ValueError(f"the budget window must be a finite number > 0 seconds, "
                              f"got {window_seconds!r}")
+        counts = {"max_runs": max_runs, "max_tokens": max_tokens}
+        for name, count in counts.items():
+            if count is not None and not (_is_whole(count) and 0 <= count < 2**63):
+                raise ValueError(f"budget {name} must be a whole number >= 0 or None, "
+                                 f"got {count!r}")
+            if count is not None:
+                counts[name] = operator.index(count)  # a numpy integer as an int
+        max_runs, max_tokens = counts["max_runs"], counts["max_tokens"]
         for name, value in (("max_runs", max_runs), ("max_runtime_seconds", max_runtime_seconds),
                             ("max_tokens", max_tokens), ("max_cost_usd", max_cost_usd)):
             if value is not None and not (_is_real(value) and 0 <= value < math.inf):
@@ -202,6 +213,17 @@ class JournalBudget:
 MAX_SETTLED_TOKENS = 2**48
 #: The most dollars, or runtime seconds, one run's settlement counts (1e12).
 MAX_SETTLED_AMOUNT = 1e12
+
+
+def _is_whole(value: object) -> bool:
+    """True for an integer (an int, or anything with `__index__`; not a bool)."""
+    if isinstance(value, bool):
+        return False
+    try:
+        operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return False
+    return True
 
 
 def _is_real(value: object) -> bool:

@@ -25,6 +25,8 @@ opentelemetry is imported only when an exporter is built (`pip install
 from __future__ import annotations
 
 import json
+import logging
+import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -35,7 +37,7 @@ from urllib.parse import urlsplit
 
 import trio
 
-from kernel import ConfigError, RunInfo, RunRecorder, RunStats, Step, ToolResult
+from kernel import ConfigError, PortFailure, RunInfo, RunRecorder, RunStats, Step, ToolResult
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -68,8 +70,96 @@ def _require_sdk() -> None:
         ) from exc
 
 
+#: Seconds one export request may take, retries included (the SDK's default is 10).
+EXPORT_TIMEOUT = 5.0
+#: Seconds to wait for the collector to accept a connection.
+CONNECT_TIMEOUT = 2.0
+
+_log = logging.getLogger("kernel.otel")
+#: The logger the SDK's OTLP/HTTP span exporter (and its HTTP client) logs to.
+_SDK_LOGGER = "opentelemetry.exporter.otlp.proto.http.trace_exporter"
+_quiet = threading.local()
+
+
+class CollectorUnreachable(Exception):
+    """The collector could not be connected to; no more requests are made to it."""
+
+
+class _SDKQuiet(logging.Filter):
+    """Drops the SDK exporter's log records made inside an `OTLPTraces` export.
+
+    The SDK logs each failed request (and each retry) as a warning or error of
+    its own, several lines each, whatever level the host or the CLI set for
+    the kernel: those are re-logged as one line under `kernel.otel` at DEBUG,
+    and the export's outcome is reported once (`OTLPTraces.failure`). Records
+    made by other exporters in the process pass untouched.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        owner = getattr(_quiet, "owner", None)
+        if owner is None:
+            return True
+        text = " ".join(record.getMessage().split())
+        owner.last_error = owner.last_error or text
+        _log.debug("otlp exporter: %s", text)
+        return False
+
+
+_FILTER = _SDKQuiet()
+
+
+def _reason(exc: BaseException) -> str:
+    """`connection refused` from requests' nested message about a failed connection."""
+    import re
+
+    text = str(exc)
+    found = re.search(r"\[Errno -?\d+\] ([^'\")\]]+)", text)
+    if found:
+        return found.group(1).strip().rstrip(".").lower()
+    if "timed out" in text.lower():
+        return "connection timed out"
+    return type(exc).__name__
+
+
+def _session(owner: OTLPTraces, connect_timeout: float) -> Any:
+    """A requests session that gives up on a collector after its first failed connection.
+
+    The SDK retries a refused connection with backoff until its timeout (and
+    every batch again); here the first one marks the collector unreachable
+    and every later request fails at once, with no retry (the SDK does not
+    retry an error it does not know as a connection error).
+    """
+    import requests
+
+    class GiveUp(requests.Session):
+        def request(self, method: Any, url: Any, *args: Any,
+                    **kwargs: Any) -> requests.Response:
+            if owner.unreachable is not None:
+                raise CollectorUnreachable(owner.unreachable)
+            timeout = kwargs.get("timeout")
+            if isinstance(timeout, (int, float)):
+                kwargs["timeout"] = (min(connect_timeout, max(float(timeout), 0.001)),
+                                     max(float(timeout), 0.001))
+            try:
+                return super().request(method, url, *args, **kwargs)
+            except requests.ConnectionError as exc:
+                if isinstance(exc, requests.exceptions.ReadTimeout):
+                    raise  # it answered the connection: the SDK's retries decide
+                owner.unreachable = f"collector unreachable ({_reason(exc)})"
+                raise CollectorUnreachable(owner.unreachable) from exc
+
+    return GiveUp()
+
+
 class OTLPTraces:
     """A tracer provider exporting to an OTLP/HTTP endpoint, counting failed exports.
+
+    An unreachable collector costs little: each request has `timeout` seconds
+    (retries included; `CONNECT_TIMEOUT` to connect), and the first connection
+    that fails (refused, no route, timed out) marks the collector unreachable:
+    nothing more is sent to it, each later export fails at once. The SDK's own
+    log lines about our exports go to `kernel.otel` at DEBUG; `failure` says
+    what went wrong in one line.
 
     Args:
         endpoint: The collector's base URL (`http://127.0.0.1:4318`) or its full
@@ -77,10 +167,18 @@ class OTLPTraces:
         exporter: A span exporter to use instead (tests, other protocols).
         batch: Export from a background thread in batches (live runs); False
             exports each span when it ends (`kernel export`).
+        timeout: Seconds one export request may take, retries included.
+
+    Attributes:
+        failed_exports: Export requests that failed (or were not made: the
+            collector was unreachable).
+        exported_spans: Spans the collector took.
+        unreachable: Why the collector is given up on, once it is.
+        last_error: The first error the exporter reported, as one line.
     """
 
     def __init__(self, endpoint: str | None = None, *, exporter: SpanExporter | None = None,
-                 batch: bool = True) -> None:
+                 batch: bool = True, timeout: float = EXPORT_TIMEOUT) -> None:
         _require_sdk()
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.resources import Resource
@@ -92,20 +190,33 @@ class OTLPTraces:
             SpanExportResult,
         )
 
-        if exporter is None:
-            if endpoint is None:
-                raise ConfigError("an OTLP endpoint or an exporter is needed")
-            exporter = OTLPSpanExporter(endpoint=traces_url(endpoint), timeout=10)
         self.endpoint = endpoint
         self.failed_exports = 0
         self.exported_spans = 0
+        self.unreachable: str | None = None
+        self.last_error: str | None = None
+        if exporter is None:
+            if endpoint is None:
+                raise ConfigError("an OTLP endpoint or an exporter is needed")
+            exporter = OTLPSpanExporter(endpoint=traces_url(endpoint), timeout=timeout,
+                                        session=_session(self, min(CONNECT_TIMEOUT, timeout)))
+        sdk_logger = logging.getLogger(_SDK_LOGGER)
+        if _FILTER not in sdk_logger.filters:
+            sdk_logger.addFilter(_FILTER)
         inner, owner = exporter, self
 
         class Counting(SpanExporter):
             """Delegates to the exporter and counts what it failed to export."""
 
             def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-                result = inner.export(spans)
+                if owner.unreachable is not None:  # given up on: no request, no log line
+                    owner.failed_exports += 1
+                    return SpanExportResult.FAILURE
+                _quiet.owner = owner
+                try:
+                    result = inner.export(spans)
+                finally:
+                    _quiet.owner = None
                 if result is SpanExportResult.SUCCESS:
                     owner.exported_spans += len(spans)
                 else:
@@ -128,6 +239,17 @@ class OTLPTraces:
     def shutdown(self) -> None:
         """Export what is still queued and stop (blocking: call it from a worker thread)."""
         self.provider.shutdown()
+
+    def failure(self) -> str | None:
+        """What went wrong, in one line (None if every export went through).
+
+        `3 export request(s) to URL failed: collector unreachable (connection refused)`.
+        """
+        if not self.failed_exports:
+            return None
+        why = self.unreachable or self.last_error
+        return (f"{self.failed_exports} export request(s) to {self.endpoint or 'the exporter'} "
+                f"failed" + (f": {why}" if why else ""))
 
 
 def _ns(value: Any) -> int:
@@ -350,14 +472,28 @@ class OTelAudit:
 
     @classmethod
     @asynccontextmanager
-    async def open(cls, endpoint: str) -> AsyncIterator[OTelAudit]:
-        """An audit exporting to `endpoint`; queued spans are sent when the block exits."""
+    async def open(cls, endpoint: str, *,
+                   warnings: list[PortFailure] | None = None) -> AsyncIterator[OTelAudit]:
+        """An audit exporting to `endpoint`; queued spans are sent when the block exits.
+
+        Exports that failed are reported once, when the block exits: as one
+        `PortFailure("otlp", "export", ...)` appended to `warnings` (what the
+        CLI prints as one warning line), else as one warning logged under
+        `kernel.otel`. An unreachable collector costs at most a few seconds
+        (`OTLPTraces`).
+        """
         traces = OTLPTraces(endpoint)
         try:
             yield cls(traces)
         finally:
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(traces.shutdown)
+            failure = traces.failure()
+            if failure is not None:
+                if warnings is not None:
+                    warnings.append(PortFailure("otlp", "export", failure))
+                else:
+                    _log.warning("otlp export: %s", failure)
 
     async def start_run(self, info: RunInfo) -> RunRecorder | None:
         """A recorder for `info`'s run (no I/O)."""

@@ -63,7 +63,7 @@ from kernel import (
 from .checkpoint import JournalCheckpointer
 from .redact import Redactor
 from .runner import RunControl, SignalPolicy, run_spec
-from .store import SavedRun
+from .store import RunStore, SavedRun
 
 __all__ = ["NotResumable", "Prepared", "Recovery", "Resumed", "Secrets", "SpecRunner",
            "batch_refusal", "restore_secrets", "stop_leftovers"]
@@ -184,27 +184,75 @@ def stop_leftovers(db: str | os.PathLike[str] | None, run_id: str,
                    stop_group: Callable[[Mapping[str, Any]], int]) -> int:
     """Stop every recorded process group of a run that is still alive; how many processes.
 
-    Normally there is none (the lifeline watcher killed them when the
-    supervisor died); this covers a watcher that was killed too. The groups
-    are the run's `process_start` events, read from the store runs write to
-    (the journal, without getting in a writer's way, or PostgreSQL);
-    `stop_group` is `adapters.stop_leftover_group`.
+    Call it once the run's supervisor is known to be gone (its lease claimed),
+    before the run resumes or is closed. Normally there is none (the lifeline
+    watcher killed them when the supervisor died); this covers a watcher that
+    was killed too. The groups are the run's `process_start` events, read
+    from the store runs write to (the journal, without getting in a writer's
+    way, or PostgreSQL); `stop_group` is `adapters.stop_leftover_group`.
+
+    The child runs it left open (a sub-loop in flight: a `child_start` with no
+    `child_end`, and theirs in turn) died with it: their groups are stopped
+    too, and their rows closed `lost`. A child run is never resumed on its own
+    (it keeps no checkpoint): a resumed parent runs the state that started it
+    again, with a new child run.
 
     Raises:
-        AuditError: The store cannot be read.
+        AuditError: The store cannot be read (or an orphan cannot be closed).
     """
     from batteries.audit import queries
-    from batteries.store import open_store
+    from batteries.store import LoseRun, open_store
 
     try:
         store = open_store(db)
         try:
             groups = queries.process_groups_from(store.payloads(run_id, "process_start"))
+            orphans = _open_children(store, run_id)
+            for child in orphans:
+                groups += queries.process_groups_from(store.payloads(child, "process_start"))
+            stopped = sum(stop_group(g) for g in groups)
+            if orphans:
+                why = (f"its parent run {run_id} was interrupted (its supervisor is gone); "
+                       "a child run is not resumed on its own: a resumed parent starts "
+                       "the state again with a new child run")
+                store.commit(None, [LoseRun(child, why) for child in orphans])
         finally:
             store.close()
     except KernelError as exc:
-        raise AuditError(f"cannot read its processes: {exc}") from exc
-    return sum(stop_group(g) for g in groups)
+        raise AuditError(f"cannot read its processes or close its child runs: {exc}") from exc
+    return stopped
+
+
+def _open_children(store: RunStore, run_id: str) -> list[str]:
+    """The child runs `run_id` started and saw no end of, and theirs, depth first."""
+    found: list[str] = []
+    todo = [run_id]
+    while todo:
+        parent = todo.pop()
+        ended = set(_child_ids(store.payloads(parent, "child_end")))
+        for child in _child_ids(store.payloads(parent, "child_start")):
+            if child not in ended and child not in found and child != run_id:
+                found.append(child)
+                todo.append(child)
+    return found
+
+
+def _child_ids(payloads: Iterable[Any]) -> list[str]:
+    """The `child_run_id`s of `child_start`/`child_end` payloads (JSON text or decoded)."""
+    import json
+
+    out: list[str] = []
+    for payload in payloads:
+        doc = payload
+        if isinstance(payload, (str, bytes)):
+            try:
+                doc = json.loads(payload)
+            except ValueError:
+                continue
+        child = doc.get("child_run_id") if isinstance(doc, Mapping) else None
+        if isinstance(child, str) and child:
+            out.append(child)
+    return out
 
 
 class Recovery:
@@ -220,6 +268,9 @@ class Recovery:
             they are gone.
         secrets: Secret values to give back to the runs resumed.
         redact: Extra patterns to redact from everything stored.
+        key_values: A spec -> secret values its agent will hold, redacted by
+            value from everything the resumed run stores whatever their
+            variables are called (`adapters.specs.spec_secrets`: an API key).
 
     `interrupted`, `claim`, `load` and `stop_leftovers` block (SQLite, a
     wait for processes); `resume` and `recover` run them in worker threads.
@@ -228,7 +279,8 @@ class Recovery:
     def __init__(self, db: str | os.PathLike[str] | None, *,
                  build: Callable[[RunSpec], Agent],
                  stop_group: Callable[[Mapping[str, Any]], int],
-                 secrets: Secrets | None = None, redact: Iterable[str] = ()) -> None:
+                 secrets: Secrets | None = None, redact: Iterable[str] = (),
+                 key_values: Callable[[RunSpec], Iterable[str]] | None = None) -> None:
         from batteries.audit import resolve_db_path
 
         self.db = str(resolve_db_path(None if db is None else os.fspath(db)))
@@ -236,6 +288,7 @@ class Recovery:
         self.stop_group = stop_group
         self.secrets = secrets or Secrets()
         self.redact = tuple(redact)
+        self.key_values = key_values
         self.checkpointer = JournalCheckpointer(self.db)
 
     def __repr__(self) -> str:
@@ -309,6 +362,8 @@ class Recovery:
             return self._refuse(saved, "its secrets are not stored", spec, missing)
         try:
             redactor = Redactor.from_env(context=spec.agent.context, patterns=self.redact)
+            if self.key_values is not None:  # its API key, by value
+                redactor = redactor.with_secrets(self.key_values(spec))
             agent = self.build(spec)
         except ConfigError as exc:
             return self._refuse(saved, f"cannot be rebuilt: {exc}", spec)

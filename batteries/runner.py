@@ -146,7 +146,7 @@ async def _with_otel(opts: PortSpec, audit: Audit | None, stack: AsyncExitStack,
     from kernel import ConfigError
 
     try:
-        otel = await stack.enter_async_context(OTelAudit.open(endpoint))
+        otel = await stack.enter_async_context(OTelAudit.open(endpoint, warnings=warnings))
     except ConfigError as exc:
         if opts.otlp is not None:
             raise ConfigError(f"--otlp: {exc}") from exc
@@ -164,6 +164,13 @@ def make_critic(opts: PortSpec) -> Critic:
     that rule off (no progress judgments / no stall detection / no bound of
     its own for work in flight); a negative value is a `ConfigError` naming
     the flag.
+
+    `--tool-timeout` is also `Limits.tool_timeout`, the kernel's bound on each
+    tool call it runs, whose answer is an error result and the run goes on.
+    The critic's bound on a tool call in flight is that plus `tool_grace`
+    (`tool_timeout_grace`), so the kernel's own timeout answers first; the
+    critic kills `tool_timeout` only a tool that outlives it (one that ignores
+    cancellation, or a CLI agent's tool, which the kernel does not time).
     """
     from batteries.critic import CriticPolicy, WatchCritic
     from kernel import ConfigError
@@ -180,10 +187,23 @@ def make_critic(opts: PortSpec) -> Critic:
             raise ConfigError(f"{flag} must be a number of seconds >= 0, got {value:g}")
         else:
             chosen[field] = value or None
+    tool = chosen["tool_timeout"]
+    if tool is not None:
+        chosen["tool_timeout"] = tool + tool_timeout_grace(tool)
     return WatchCritic(CriticPolicy(soft_timeout=chosen["soft_timeout"],
                                     idle_timeout=chosen["idle_timeout"],
                                     model_timeout=chosen["model_timeout"],
                                     tool_timeout=chosen["tool_timeout"]))
+
+
+def tool_timeout_grace(tool_timeout: float) -> float:
+    """How long past `Limits.tool_timeout` the critic waits before it kills `tool_timeout`.
+
+    A tenth of the timeout, at least 5 s and at most 60 s: room for the kernel
+    to cancel the call and for the tool to stop what it started (the shell
+    tool's process group gets SIGTERM, then SIGKILL 2 s later).
+    """
+    return min(max(tool_timeout * 0.1, 5.0), 60.0)
 
 
 # ------------------------------------------------------------------ one run

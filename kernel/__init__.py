@@ -50,6 +50,7 @@ from .ports import EventSink as EventSink
 from .ports import Ports as Ports
 from .ports import RunRecorder as RunRecorder
 from .ports import SupportsAttach as SupportsAttach
+from .ports import SupportsFixedCeiling as SupportsFixedCeiling
 from .ports import SupportsNextLook as SupportsNextLook
 from .ports import SupportsPricing as SupportsPricing
 from .ports import SupportsProcesses as SupportsProcesses
@@ -122,6 +123,7 @@ __all__ = [
     "Status",
     "Step",
     "SupportsAttach",
+    "SupportsFixedCeiling",
     "SupportsNextLook",
     "SupportsPricing",
     "SupportsProcesses",

@@ -714,6 +714,8 @@ class _Run:
             await self.dry_run()
             return
         base_ceiling = ceiling = limits.max_steps
+        # `SupportsFixedCeiling`: the agent's ceiling is not the critic's to raise.
+        raisable = getattr(agent, "fixed_max_steps", False) is not True
         step_ended = self.hooks.step_ended  # None: `record_step`, and ask after each step
         offset = self.tick_offset
         while True:
@@ -731,7 +733,7 @@ class _Run:
                 except Exception as exc:
                     self.critic_failed("max_steps", exc)
                 else:
-                    if raised is not None and raised > 0:
+                    if raised is not None and raised > 0 and raisable:
                         ceiling = raised
             elif handle is None:
                 ceiling = base_ceiling

@@ -42,13 +42,20 @@ class CommandSpec:
     """A plain command, run as one step (`kernel run -- CMD`).
 
     Attributes:
-        argv: The command and its arguments (not shell-split again).
+        argv: The command and its arguments (not shell-split again); a list
+            given here is kept as a tuple, so a spec equals its JSON round
+            trip and hashes (`context` takes no part in the hash).
         context: Variables the command sees as `$KERNEL_CTX_KEY`.
     """
 
     kind: ClassVar[str] = "command"
     argv: tuple[str, ...]
-    context: Mapping[str, str] = field(default_factory=dict)
+    context: Mapping[str, str] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        argv: Any = self.argv
+        if isinstance(argv, list):  # (anything else is for `RunSpec.from_dict` to name)
+            object.__setattr__(self, "argv", tuple(argv))
 
 
 @dataclass(frozen=True, slots=True)

@@ -125,6 +125,21 @@ class SupportsSimulate(Protocol):
 
 
 @runtime_checkable
+class SupportsFixedCeiling(Protocol):
+    """An agent whose step ceiling is a bound of its own, not the critic's to raise.
+
+    **Protocol:** `fixed_max_steps` True: the run's `Limits.max_steps` holds
+    as given; a critic's raised ceiling (`CriticHandle.max_steps()`, for a
+    run that is progressing) is not applied. Read once, when the run starts.
+    A loop file's `max_iterations` is such a bound (`LoopAgent`).
+    """
+
+    @property
+    def fixed_max_steps(self) -> bool:
+        """True when the step ceiling may not be raised."""
+
+
+@runtime_checkable
 class SupportsPricing(Protocol):
     """An agent that knows whether it can price what its steps use (`Usage.cost_usd`).
 

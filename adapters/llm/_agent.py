@@ -9,18 +9,34 @@ How a turn maps onto the kernel::
       the model called tools  -> Step(tool_calls=[ToolCall(name, args, id)], usage=...)
       the model answered      -> Step(output=text, final=True, usage=..., message=text)
       the reply was empty     -> Step(message="") (not final: the critic nudges, the
-                                 model is asked again; the 3rd in a row ends the run
-                                 `killed` `empty_answer`)
+                                 model is asked again; without a critic the 3rd in a
+                                 row ends the run `error`)
+      cut at the length limit -> with text: the answer, and a `warning` event; with
+      (finish_reason=length)     none: the run ends `error` saying so (never re-sent)
 
 Each step tells the critic what it needs: `ctx.activity("model_request")` before
 the request (a request in flight is judged by the critic's `model_timeout`,
 not its idle timeout) and the reply's text as `Step.message` (the same message
 over and over is a loop). Tool results reach the critic from the kernel,
-which runs the tools.
+which runs the tools; a call the agent refused to run (arguments that are not
+a JSON object) is shown to it as a call with an error result
+(`ctx.tool_start`/`ctx.tool_end`).
 
 The kernel runs the tool calls (with `Limits.tool_timeout`, audited as
 tool_start/tool_end) between two steps; the conversation (`messages`) is the
 whole state, so `snapshot()` returns it and a resumed run continues it.
+
+Connections: a run reuses one connection pool. A host that enters `async with
+agent` owns it; otherwise the first turn opens it and the turn that ends the
+run (or raises) closes it. A run ended between turns by the kernel (killed
+during a tool, `max_steps`) leaves its idle connections to the garbage
+collector; a host that wants them closed at once uses `async with agent`.
+
+Usage: a server that reports no token counts does not make a call free: the
+tokens are over-estimated from the bytes sent and received
+(`estimate_tokens`), its `model_call` event says `usage_known: false` and
+`cost_known: false`, and one `warning` event says so, so token and cost caps
+still bind.
 """
 
 from __future__ import annotations
@@ -39,9 +55,17 @@ from ._protocol import Completion, ModelToolCall, parse_completion
 from ._tools import Tool, as_tool, read_file_tool, shell_tool
 
 _STATE_VERSION = 1
-#: Empty replies in a row (no text, no tool call) after which the run ends `killed`
-#: `empty_answer` even without a critic (the critic nudges at the first).
+#: Empty replies in a row (no text, no tool call) after which the run ends `error` even
+#: without a critic (a critic nudges at the first and kills `empty_answer` before this).
 _EMPTY_LIMIT = 3
+#: The run's error when the model stopped at its length limit before writing anything.
+LENGTH_NO_TEXT = ("the answer was cut at the model's length limit (finish_reason=length) "
+                  "before it wrote any text: give the model more room (max_tokens) or a "
+                  "smaller task")
+#: The warning (once per run) when the server reports no token usage.
+USAGE_ESTIMATED = ("the server reported no token usage: tokens (and a cost by price) are "
+                   "estimated from the size of each request and reply, an over-estimate, "
+                   "so budgets still bind (cost_known: false)")
 _INTERRUPTED = ("error: the run was interrupted while this tool call was running, before its "
                 "result was saved: it may have run, in part or in whole; check its effects "
                 "before calling it again")
@@ -71,14 +95,35 @@ class Price:
                 + output_tokens * self.output_per_mtok) / 1_000_000
 
 
-def completion_usage(comp: Completion, price: Price | None) -> Usage:
+def completion_usage(comp: Completion, price: Price | None,
+                     request: Mapping[str, Any] | None = None) -> Usage:
     """What one model call consumed: its tokens, and its cost by `price`, else by what
-    the server reported (`usage.cost`), else 0."""
-    if price is not None:
-        cost = price.cost(comp.input_tokens, comp.output_tokens + comp.thinking_tokens)
-    else:
-        cost = comp.cost_usd or 0.0
-    return Usage(comp.input_tokens, comp.output_tokens, comp.thinking_tokens, cost)
+    the server reported (`usage.cost`), else 0.
+
+    A server that reported no token counts (`comp.usage_known` False) does not make
+    the call free: the tokens are estimated from `request` and the reply
+    (`estimate_tokens`), so token and cost caps still bind.
+    """
+    inp, out, think = comp.input_tokens, comp.output_tokens, comp.thinking_tokens
+    if not comp.usage_known:
+        est_in, est_out = estimate_tokens(request or {}, comp)
+        inp, out = max(inp, est_in), max(out + think, est_out) - think
+    cost = price.cost(inp, out + think) if price is not None else comp.cost_usd or 0.0
+    return Usage(inp, out, think, cost)
+
+
+def estimate_tokens(request: Mapping[str, Any], comp: Completion) -> tuple[int, int]:
+    """(input, output) tokens of a call whose server reported none: an over-estimate.
+
+    Each is the UTF-8 size in bytes of what was sent (the request's messages and
+    tools, as JSON) and of what came back (the assistant message, as JSON). A
+    token of a byte-level tokenizer covers at least one byte, so these bound the
+    visible text from above (typically 3-4 times over). Reasoning tokens the
+    server kept hidden cannot be seen and are not in the estimate.
+    """
+    sent = {k: request[k] for k in ("messages", "tools") if k in request}
+    got = json.dumps(comp.message, ensure_ascii=False, default=str).encode()
+    return len(json.dumps(sent, ensure_ascii=False, default=str).encode()), len(got)
 
 
 class LLMAgent:
@@ -161,6 +206,8 @@ class LLMAgent:
         self._started = False
         self._empty = 0  # replies in a row with no text and no tool call
         self._ctx: RunContext | None = None
+        self._own_pool = False  # the client's pool was opened by `step`, not by a host
+        self._usage_warned = False
 
     def __repr__(self) -> str:
         return f"LLMAgent(model={self.model!r}, client={self.client!r})"
@@ -186,6 +233,26 @@ class LLMAgent:
 
     async def step(self, ctx: RunContext) -> Step:
         """Take one model turn: answer tool results, deliver nudges, call the model."""
+        if not self.client.pooled:
+            # One connection pool for the whole run, though no host entered `async with
+            # agent`: opened at the first turn, closed when a turn ends the run or raises.
+            await self.client.__aenter__()
+            self._own_pool = True
+        try:
+            step = await self._turn(ctx)
+        except BaseException:
+            await self._close_own_pool()
+            raise
+        if step.final:
+            await self._close_own_pool()
+        return step
+
+    async def _close_own_pool(self) -> None:
+        if self._own_pool:
+            self._own_pool = False
+            await self.client.__aexit__(None, None, None)
+
+    async def _turn(self, ctx: RunContext) -> Step:
         self._ctx = ctx
         if not self._started:
             self._open(ctx.resumed_from)
@@ -200,19 +267,21 @@ class LLMAgent:
                 "attempt": r.attempt, "reason": r.reason, "status": r.status_code,
                 "wait_ms": round(r.wait_s * 1000, 1)})
 
+        request = self._request()
         ctx.activity("model_request")  # in flight: judged by the critic's model_timeout
         try:
-            data, call = await self.client.complete(self._request(), deadline=ctx.deadline,
+            data, call = await self.client.complete(request, deadline=ctx.deadline,
                                                     on_retry=on_retry)
             comp = parse_completion(data, self.client.display_url)
         except LLMError as exc:
+            exc.args = (self.client.scrub(str(exc)),)  # a server may echo the key
             ctx.event("model_call", name=self.model, payload={
                 "model": self.model, "url": self.client.display_url, "error": str(exc),
                 "status": getattr(exc, "status_code", None),
                 "attempts": getattr(exc, "attempts", None)})
             raise
         self.messages.append(comp.message)
-        usage = self._usage(comp)
+        usage = self._usage(comp, request)
         ctx.event("model_call", name=self.model, duration_ms=call.latency_s * 1000, payload={
             "model": self.model, "served_by": comp.model, "url": self.client.display_url,
             "status": call.status_code, "attempts": call.attempts, "retries": call.attempts - 1,
@@ -220,8 +289,11 @@ class LLMAgent:
             "waited_ms": round(call.waited_s * 1000, 1),
             "input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens,
             "thinking_tokens": usage.thinking_tokens, "cost_usd": usage.cost_usd,
-            "cost_known": self._priced(comp), "finish_reason": comp.finish_reason,
-            "tool_calls": len(comp.tool_calls)})
+            "cost_known": self._priced(comp), "usage_known": comp.usage_known,
+            "finish_reason": comp.finish_reason, "tool_calls": len(comp.tool_calls)})
+        if not comp.usage_known and not self._usage_warned:
+            self._usage_warned = True
+            ctx.event("warning", payload={"message": USAGE_ESTIMATED})
         payload = {"model": self.model, "finish_reason": comp.finish_reason,
                    "calls": [c.name for c in comp.tool_calls]}
         text = comp.content or ""
@@ -241,12 +313,18 @@ class LLMAgent:
                                    "(finish_reason=length): it may be incomplete"})
                 return Step(output=text, final=True, usage=usage, name="turn",
                             payload=payload, message=text)
+            if comp.finish_reason == "length":
+                # Cut before it wrote anything (a reasoning model that spent its
+                # max_tokens thinking): asking again would only be cut again.
+                return Step(output="", final=True, usage=usage, name="turn", payload=payload,
+                            message="", error=LENGTH_NO_TEXT)
             # An empty reply is not an answer: show it to the critic (which nudges,
-            # then kills `empty_answer`) and ask again; bounded here without a critic.
+            # then kills `empty_answer`) and ask again; bounded here without a critic
+            # (an `error`: `killed` is the critic's word).
             self._empty += 1
             if self._empty >= _EMPTY_LIMIT:
                 return Step(output="", final=True, usage=usage, name="turn", payload=payload,
-                            message="", kill="empty_answer",
+                            message="",
                             error=f"the model answered with an empty message {self._empty} "
                                   "times in a row")
             return Step(output="", usage=usage, name="turn", payload=payload, message="")
@@ -318,9 +396,9 @@ class LLMAgent:
         body.update(self.extra_body)
         return body
 
-    def _usage(self, comp: Completion) -> Usage:
+    def _usage(self, comp: Completion, request: Mapping[str, Any]) -> Usage:
         return completion_usage(comp, self.prices.get(self.model) or (
-            self.prices.get(comp.model) if comp.model is not None else None))
+            self.prices.get(comp.model) if comp.model is not None else None), request)
 
     @property
     def unpriced(self) -> str | None:
@@ -332,15 +410,26 @@ class LLMAgent:
                 f"or LLMAgent(prices=...))")
 
     def _priced(self, comp: Completion) -> bool:
-        return (self.model in self.prices or comp.model in self.prices
-                or comp.cost_usd is not None)
+        """True when the call's cost is known: priced from reported tokens (not an
+        estimate), or reported by the server (`usage.cost`) for a model with no price."""
+        if self.model in self.prices or comp.model in self.prices:
+            return comp.usage_known
+        return comp.cost_usd is not None
 
     def _reject(self, ctx: RunContext, call: ModelToolCall) -> None:
-        """Answer a call whose arguments are unusable ourselves; the model sees why."""
+        """Answer a call whose arguments are unusable ourselves; the model sees why.
+
+        The critic is shown it as a call with an error result (`ctx.tool_start`,
+        `ctx.tool_end`), so the same unusable call over and over is a loop it
+        nudges and kills like any other, not billed turns up to `max_steps`.
+        """
         error = f"error: tool {call.name!r} not run: {call.error}"
         self._rejected[call.id] = error
         ctx.event("tool_rejected", name=call.name, payload={
             "id": call.id, "error": call.error, "arguments": call.arguments[:1000]})
+        shown = ToolCall(call.name, {"_unparsed_arguments": call.arguments[:4000]}, call.id)
+        ctx.tool_start(shown, payload={"rejected": call.error})
+        ctx.tool_end(ToolResult(shown, error=f"not run: {call.error}"))
 
     def _answer_open_calls(self, results: Sequence[ToolResult]) -> None:
         if _open_calls(self.messages):

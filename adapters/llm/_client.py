@@ -6,6 +6,18 @@ httpx is imported inside the methods that use it, so importing the adapter
 The API key is read once, when the client is built, kept in a private
 attribute and sent only as the `Authorization: Bearer` header: it is not in
 `repr()`, in error messages, in log lines or in anything handed to the audit.
+A server that echoes it back (an "Incorrect API key provided: ..." body) is
+answered with an error whose text has it replaced by `[redacted]`, and so
+are the base URL's user info and query values (`?sig=...`): every message
+the client makes passes through `ChatClient.scrub`.
+
+Timeouts: a request has a connect timeout of its own and, by default, no
+read timeout. How long a request in flight may take is the run's business
+(the critic's `model_timeout`, `kernel run --model-timeout`, and the run's
+deadline), not a number hidden here. A host that sets `read_timeout` gets an
+`APIError` when it passes, and the request is *not* sent again: the server
+may have started on it (and will bill it), so a silent re-send would pay
+twice for one answer and count it once.
 """
 
 from __future__ import annotations
@@ -15,11 +27,12 @@ import logging
 import math
 import os
 import random
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import quote, quote_plus, unquote, urljoin, urlsplit, urlunsplit
 
 import trio
 
@@ -34,6 +47,13 @@ DEFAULT_BASE_URL = "https://api.openai.com/v1"
 
 #: Statuses worth another try: rate limits, timeouts and server-side failures.
 RETRY_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504})
+
+#: What replaces a secret (the API key, a URL credential) in the client's messages.
+REDACTED = "[redacted]"
+#: Shorter secrets are not replaced as substrings (they would mangle unrelated text):
+#: an API key, and a credential or query value of the base URL.
+_MIN_KEY = 4
+_MIN_URL_SECRET = 6
 
 
 @dataclass(slots=True, frozen=True)
@@ -64,12 +84,31 @@ class Retry:
 
 
 def redact_url(url: str) -> str:
-    """`url` without user info, query or fragment: safe to show and to audit."""
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
+    """`url` without user info, query or fragment: safe to show and to audit.
+
+    Never raises: a URL too malformed to parse (a port out of range, a bad
+    IPv6 literal) is cut by hand the same way.
+    """
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+        if parts.port is not None:
+            host = f"{host}:{parts.port}"
+    except ValueError:
+        head = re.split(r"[?#]", url, maxsplit=1)[0]
+        return re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/]*@", r"\1", head)
     return urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
+def check_base_url(url: str) -> None:
+    """Raise ValueError (one line, no credentials) unless `url` is http(s)://HOST[:PORT][/PATH]."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - parsing the port raises for one out of range
+    except ValueError as exc:
+        raise ValueError(f"base URL is malformed ({exc}): {redact_url(url)!r}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"base URL must be http(s)://HOST[/PATH], got {redact_url(url)!r}")
 
 
 def parse_retry_after(headers: Mapping[str, str], *, now: datetime | None = None) -> float | None:
@@ -104,7 +143,9 @@ class ChatClient:
     """Posts chat-completion requests, retrying what is worth retrying.
 
     Retried: statuses in `RETRY_STATUSES` and transport failures (refused
-    connections, connect/read timeouts, dropped connections). A `Retry-After`
+    connections, connect timeouts, dropped connections). A read timeout is
+    not retried (the server may be working on the request: see the module
+    docstring), nor is a redirect (its error names where it points). A `Retry-After`
     (or `retry-after-ms`) header sets the wait, capped at `max_retry_after`;
     otherwise the wait is exponential backoff with jitter. Any other 4xx fails
     at once. A wait that would end past the caller's deadline is not taken:
@@ -121,8 +162,12 @@ class ChatClient:
             `api_key_env`. With no key, no Authorization header is sent (local
             servers such as vLLM, llama.cpp or Ollama need none).
         api_key_env: The environment variable holding the key.
-        connect_timeout: Seconds to establish a connection.
-        read_timeout: Seconds to wait for each chunk of the answer.
+        connect_timeout: Seconds to establish a connection (a failed connect is
+            retried: the server never saw the request).
+        read_timeout: Seconds to wait for each chunk of the answer. None (the
+            default): no bound here; the run's critic (`model_timeout`) and
+            deadline bound a request in flight. When it passes, the call fails
+            with an `APIError` and is not sent again (see the module docstring).
         max_retries: Retries after the first attempt (0 = no retry).
         backoff: The first backoff wait in seconds; doubles each retry.
         max_backoff: Upper bound of one backoff wait.
@@ -142,7 +187,7 @@ class ChatClient:
         api_key: str | None = None,
         api_key_env: str = "OPENAI_API_KEY",
         connect_timeout: float = 10.0,
-        read_timeout: float = 120.0,
+        read_timeout: float | None = None,
         max_retries: int = 4,
         backoff: float = 0.5,
         max_backoff: float = 30.0,
@@ -151,10 +196,7 @@ class ChatClient:
         client: httpx.AsyncClient | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        parts = urlsplit(base_url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(
-                f"base URL must be http(s)://HOST[/PATH], got {redact_url(base_url)!r}")
+        check_base_url(base_url)
         if max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {max_retries}")
         self.base_url = base_url.rstrip("/")
@@ -167,6 +209,7 @@ class ChatClient:
         self.max_backoff = max_backoff
         self.max_retry_after = max_retry_after
         self._extra_headers = dict(headers or {})
+        self._secrets = _secrets(self._api_key, base_url)
         self._pool: httpx.AsyncClient | None = None
         self._given = client
         self._transport = transport
@@ -186,6 +229,23 @@ class ChatClient:
     def display_url(self) -> str:
         """The endpoint without credentials or query: what the audit and errors show."""
         return redact_url(self.url)
+
+    def scrub(self, text: str) -> str:
+        """`text` without the API key or the base URL's credentials and query values.
+
+        Applied to every message this client makes (errors, log lines, retry
+        reasons), since servers echo what they were sent ("Incorrect API key
+        provided: ...", a 404 naming the path and query).
+        """
+        for secret in self._secrets:
+            if secret in text:
+                text = text.replace(secret, REDACTED)
+        return text
+
+    @property
+    def pooled(self) -> bool:
+        """True when calls share one connection pool (entered, or a host's `client`)."""
+        return self._pool is not None or self._given is not None
 
     @property
     def has_key(self) -> bool:
@@ -229,6 +289,20 @@ class ChatClient:
         async with self._client() as client:
             return await client.post(self.url, json=body)
 
+    def _redirect(self, resp: httpx.Response) -> str:
+        """For a 3xx: where it points (credentials and query cut), and what that means."""
+        if not 300 <= resp.status_code < 400:
+            return ""
+        location = resp.headers.get("location")
+        if not location:
+            return " (a redirect with no Location; check the base URL)"
+        try:
+            target = redact_url(urljoin(self.url, location))
+        except ValueError:
+            target = redact_url(location)
+        return (f" to {target} (redirects are not followed: check the base URL, e.g. "
+                "https instead of http, or a missing /v1)")
+
     async def complete(
         self,
         body: Mapping[str, Any],
@@ -260,14 +334,27 @@ class ChatClient:
             server_wait: float | None = None
             try:
                 resp = await self._post(body)
+            except httpx.ReadTimeout:
+                # The request went out and the server may be working on it (and
+                # billing it): sending it again would pay twice for one answer.
+                within = ("" if self.read_timeout is None
+                          else f" of {self.read_timeout:g}s")
+                raise APIError(
+                    f"{self.display_url}: no answer within the read timeout{within}; the "
+                    "request was not sent again (the server may still be working on it)",
+                    attempts=attempt) from None
             except httpx.TransportError as exc:
-                reason = f"{type(exc).__name__}: {exc}".rstrip(": ")
+                reason = self.scrub(f"{type(exc).__name__}: {exc}".rstrip(": "))
             else:
                 status = resp.status_code
                 if 200 <= status < 300:
                     info = CallInfo(status, attempt, trio.current_time() - t0, waited)
-                    return _decode(resp, self.display_url), info
-                reason = f"HTTP {status} {resp.reason_phrase}".rstrip() + _error_detail(resp)
+                    try:
+                        return _decode(resp, self.display_url), info
+                    except MalformedResponse as exc:
+                        raise MalformedResponse(self.scrub(str(exc))) from None
+                reason = self.scrub(f"HTTP {status} {resp.reason_phrase}".rstrip()
+                                    + _error_detail(resp) + self._redirect(resp))
                 if status not in RETRY_STATUSES:
                     raise APIError(f"{self.display_url} answered {reason}",
                                    status_code=status, attempts=attempt)
@@ -292,6 +379,24 @@ class ChatClient:
                 on_retry(Retry(attempt, reason, wait, status))
             await trio.sleep(wait)
             waited += wait
+
+
+def _secrets(api_key: str | None, base_url: str) -> tuple[str, ...]:
+    """What `ChatClient.scrub` replaces: the key and the base URL's credentials and
+    query values, as given and as they would be quoted; longest first."""
+    found: set[str] = set()
+    raw: list[tuple[str, int]] = [(api_key or "", _MIN_KEY)]
+    parts = urlsplit(base_url)
+    raw += [(parts.query, _MIN_URL_SECRET), (parts.fragment, _MIN_URL_SECRET)]
+    if "@" in parts.netloc:
+        raw.append((parts.netloc.rpartition("@")[0], _MIN_URL_SECRET))
+    raw += [(parts.username or "", _MIN_URL_SECRET), (parts.password or "", _MIN_URL_SECRET)]
+    raw += [(pair.partition("=")[2], _MIN_URL_SECRET) for pair in re.split(r"[&;]", parts.query)]
+    for value, least in raw:
+        for form in (value, unquote(value), quote(value, safe=""), quote_plus(value)):
+            if len(form) >= least:
+                found.add(form)
+    return tuple(sorted(found, key=len, reverse=True))
 
 
 def _decode(resp: httpx.Response, url: str) -> dict[str, Any]:

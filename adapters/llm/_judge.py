@@ -6,11 +6,20 @@ met its goal. The loop adapter only knows the `VerdictSource` protocol;
 the same model, base URL and key variable that drive an LLM agent also
 judge loop states. A host passes it to `LoopAgent(judge=...)`;
 `adapters.agent_from_spec` does so for a `LoopSpec`.
+
+A judge call is a model call like the agent's: when the request carries the
+run's context (`request.ctx`, a `kernel.RunContext`), it is marked in flight
+(`ctx.activity("model_request")`: the critic's `model_timeout` judges it, not
+its idle timeout), its retries are audited as `model_retry` events and its
+outcome as a `model_call` event, and no retry wait may pass the run's
+deadline. Without one (an older loop adapter, a host calling it directly) it
+is the same call, unaudited.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -20,8 +29,10 @@ from kernel import ConfigError
 
 if TYPE_CHECKING:
     from adapters.loop import JudgeRequest, VerdictSource
+    from kernel import RunContext
 
     from ._agent import Price
+    from ._client import ChatClient
 
 _SYSTEM = (
     "You judge the output of one step of an automated loop. Answer with exactly one JSON "
@@ -31,7 +42,8 @@ _FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.S)
 
 
 def llm_judge(*, model: str | None, base_url: str | None,
-              api_key_env: str | None, price: Price | None = None) -> VerdictSource:
+              api_key_env: str | None, price: Price | None = None,
+              client: ChatClient | None = None) -> VerdictSource:
     """A verdict source asking an OpenAI-compatible model (built lazily, used per call).
 
     Each answer carries what the call consumed under `"usage"` (a `kernel.Usage`),
@@ -43,26 +55,46 @@ def llm_judge(*, model: str | None, base_url: str | None,
         base_url: The API root (default `$OPENAI_BASE_URL`, then OpenAI's).
         api_key_env: The environment variable holding the key (default OPENAI_API_KEY).
         price: What the model costs; None: what the server reports (`usage.cost`), else 0.
+        client: The client to call the model with (its base URL and key win over
+            `base_url` and `api_key_env`); None: one is made at the first call.
+
+    Raises:
+        ConfigError: `base_url` is given and is not an http(s) URL (checked now, so
+            `kernel run LOOP --base-url ...` refuses it before anything runs; one
+            from `$OPENAI_BASE_URL` is checked at the first call).
     """
+    from ._client import check_base_url
+
+    if base_url:
+        try:
+            check_base_url(base_url)
+        except ValueError as exc:
+            raise ConfigError(f"--base-url: {exc}") from None
     url = base_url or os.environ.get("OPENAI_BASE_URL") or None
     key_env = api_key_env or "OPENAI_API_KEY"
-    client: Any = None
+    made: Any = client
 
     async def judge(request: JudgeRequest) -> Mapping[str, Any]:
-        nonlocal client
+        nonlocal made
         from ._agent import completion_usage
-        from ._client import DEFAULT_BASE_URL, ChatClient
+        from ._client import DEFAULT_BASE_URL, ChatClient, Retry
+        from ._errors import LLMError
         from ._protocol import parse_completion
 
         chosen = request.model or model
         if not chosen:
             raise ConfigError("llm_structured needs a model: set llm.model in the loop file "
                               "or pass --model")
-        if client is None:
-            client = ChatClient(base_url=url or DEFAULT_BASE_URL, api_key_env=key_env)
-            if (url or DEFAULT_BASE_URL) == DEFAULT_BASE_URL and not client.has_key:
+        if made is None:
+            try:
+                made = ChatClient(base_url=url or DEFAULT_BASE_URL, api_key_env=key_env)
+            except ValueError as exc:
+                raise ConfigError(f"$OPENAI_BASE_URL: {exc}") from None
+            if (url or DEFAULT_BASE_URL) == DEFAULT_BASE_URL and not made.has_key:
                 raise ConfigError(f"llm_structured: no API key in ${key_env} for "
                                   f"{DEFAULT_BASE_URL} (or pass --base-url)")
+        chat: ChatClient = made
+        ctx: RunContext | None = getattr(request, "ctx", None)
         body = {
             "model": chosen,
             "max_tokens": request.max_tokens,
@@ -74,15 +106,45 @@ def llm_judge(*, model: str | None, base_url: str | None,
                  "content": f"{request.prompt}\n\nThe step's output:\n{request.output}"},
             ],
         }
-        data, _ = await client.complete(body)
-        completion = parse_completion(data, client.display_url)
-        usage = completion_usage(completion, price)
+        def on_retry(r: Retry) -> None:
+            if ctx is not None:
+                ctx.event("model_retry", name=chosen, payload={
+                    "attempt": r.attempt, "reason": r.reason, "status": r.status_code,
+                    "wait_ms": round(r.wait_s * 1000, 1), "judge": True})
+
+        if ctx is not None:
+            ctx.activity("model_request")  # in flight: judged by the critic's model_timeout
+        try:
+            data, call = await chat.complete(
+                body, deadline=ctx.deadline if ctx is not None else math.inf,
+                on_retry=on_retry)
+            completion = parse_completion(data, chat.display_url)
+        except LLMError as exc:
+            exc.args = (chat.scrub(str(exc)),)  # a server may echo the key
+            if ctx is not None:
+                ctx.event("model_call", name=chosen, payload={
+                    "model": chosen, "url": chat.display_url, "error": str(exc),
+                    "status": getattr(exc, "status_code", None),
+                    "attempts": getattr(exc, "attempts", None), "judge": True})
+            raise
+        usage = completion_usage(completion, price, body)
+        known = (completion.usage_known if price is not None
+                 else completion.cost_usd is not None)
+        if ctx is not None:
+            ctx.event("model_call", name=chosen, duration_ms=call.latency_s * 1000, payload={
+                "model": chosen, "served_by": completion.model, "url": chat.display_url,
+                "status": call.status_code, "attempts": call.attempts,
+                "retries": call.attempts - 1, "latency_ms": round(call.latency_s * 1000, 1),
+                "waited_ms": round(call.waited_s * 1000, 1),
+                "input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens,
+                "thinking_tokens": usage.thinking_tokens, "cost_usd": usage.cost_usd,
+                "cost_known": known, "usage_known": completion.usage_known,
+                "finish_reason": completion.finish_reason, "judge": True})
         try:
             answer = parse_answer(completion.content or "")
         except ValueError as exc:
             raise JudgeError(str(exc), usage) from None
-        return {**answer, "usage": usage, "cost_known": price is not None
-                or completion.cost_usd is not None}
+        return {**answer, "usage": usage, "cost_known": known}
 
     judge.unpriced = None if price is not None else (  # type: ignore[attr-defined]
         "the model of its llm_structured evaluations has no price (give one: kernel run "

@@ -6,6 +6,14 @@ proxy in between is broken and the run must end `error` with a message
 that says what was missing. A *model* mistake — tool-call arguments that are
 not a JSON object — is not malformed: the call is kept with an `error`, and
 the agent answers it with an error tool message so the model can retry.
+A message with no content at all is not malformed either when the model
+stopped at its length limit (`finish_reason: "length"`, a reasoning model
+that spent `max_tokens` thinking): the agent ends the run saying so.
+
+Tool-call ids are made unique within a turn: a server that repeats one
+(or sends none) gets `id`, `id~2`, ... (or `call_{i}`), in the assistant
+message kept in the conversation and in the tool messages answering it,
+so each result reaches the call it belongs to.
 """
 
 from __future__ import annotations
@@ -51,6 +59,9 @@ class Completion:
         refusal: The model's refusal, when it declined to answer (`message.refusal`).
         cost_usd: What the server says the call cost (`usage.cost`, as OpenRouter and
             LiteLLM proxies report it); None when it says nothing.
+        usage_known: False when the server did not report `usage.prompt_tokens` and
+            `usage.completion_tokens` (the token counts above are then 0, or what
+            little it said): the agent estimates them instead.
     """
 
     message: dict[str, Any]
@@ -63,6 +74,7 @@ class Completion:
     model: str | None = None
     refusal: str | None = None
     cost_usd: float | None = None
+    usage_known: bool = True
 
 
 def parse_completion(data: dict[str, Any], source: str) -> Completion:
@@ -96,7 +108,7 @@ def parse_completion(data: dict[str, Any], source: str) -> Completion:
         stored["tool_calls"] = [
             {"id": c.id, "type": "function",
              "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
-    elif content is None and refusal is None:
+    elif content is None and refusal is None and finish != "length":
         raise MalformedResponse(f"malformed response from {source}: the message has neither "
                                 f"content nor tool_calls (finish_reason={finish!r})")
     usage = data.get("usage")
@@ -104,7 +116,7 @@ def parse_completion(data: dict[str, Any], source: str) -> Completion:
     model = data.get("model")
     return Completion(stored, content, calls, finish if isinstance(finish, str) else None,
                       inp, out, think, model if isinstance(model, str) else None, refusal,
-                      _cost(usage))
+                      _cost(usage), _usage_known(usage))
 
 
 def _kind(value: Any) -> str:
@@ -130,6 +142,7 @@ def _tool_calls(value: Any, source: str) -> list[ModelToolCall]:
         raise MalformedResponse(f"malformed response from {source}: "
                                 f"choices[0].message.tool_calls is {_kind(value)}, not a list")
     calls: list[ModelToolCall] = []
+    taken: set[str] = set()
     for i, raw in enumerate(value):
         where = f"choices[0].message.tool_calls[{i}]"
         fn = raw.get("function") if isinstance(raw, dict) else None
@@ -143,6 +156,7 @@ def _tool_calls(value: Any, source: str) -> list[ModelToolCall]:
         call_id = raw.get("id")
         if not isinstance(call_id, str) or not call_id:
             call_id = f"call_{i}"
+        call_id = _unique(call_id, taken)
         arguments = fn.get("arguments")
         args: dict[str, Any] | None = None
         error: str | None = None
@@ -165,6 +179,24 @@ def _tool_calls(value: Any, source: str) -> list[ModelToolCall]:
                                     f"arguments is {_kind(arguments)}, not a JSON string")
         calls.append(ModelToolCall(call_id, name, arguments, args, error))
     return calls
+
+
+def _unique(call_id: str, taken: set[str]) -> str:
+    """`call_id`, or `call_id~N` for the first N >= 2 not taken yet; recorded as taken."""
+    chosen, n = call_id, 1
+    while chosen in taken:
+        n += 1
+        chosen = f"{call_id}~{n}"
+    taken.add(chosen)
+    return chosen
+
+
+def _usage_known(usage: Any) -> bool:
+    """True when `usage` has both token counts (whole numbers, 0 allowed)."""
+    if not isinstance(usage, dict):
+        return False
+    return all(isinstance(usage.get(k), int) and not isinstance(usage.get(k), bool)
+               for k in ("prompt_tokens", "completion_tokens"))
 
 
 def _int(value: Any) -> int:

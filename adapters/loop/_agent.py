@@ -50,11 +50,14 @@ from ._spec import (
     LoopSpec,
     StateSpec,
     bind,
+    with_context,
 )
 
 _DEFAULT_EVALUATOR = {"shell": "exit_code", "prompt": "llm_structured", "mcp_tool": "mcp_result"}
 _PREVIEW = 2000
 _NO_USAGE = Usage()
+#: Seconds between the signs of life a `backoff` wait gives the critic.
+_HEARTBEAT = 1.0
 
 
 @dataclass(slots=True)
@@ -119,7 +122,8 @@ class LoopAgent:
 
     Args:
         spec: The loop (from `load_loop`).
-        context: Variables on top of the file's `context` (the CLI's `--context`).
+        context: Variables on top of the file's `context` (the CLI's `--context`); a
+            dotted key (`cfg.depth`) sets a field of a mapping (`with_context`).
         judge: Where `llm_structured` verdicts come from; None gives `error` verdicts.
         scenario: For dry runs: all-pass | all-fail | all-error | first-fail |
             alternating. None asks `ask`, else all-pass.
@@ -147,7 +151,12 @@ class LoopAgent:
         captured: Captured action results by name (readable after the run).
         iteration: States executed so far.
         current: The state the next step executes.
+        fixed_max_steps: True (`kernel.SupportsFixedCeiling`): the file's
+            `max_iterations` (the run's step ceiling) is a bound the critic
+            does not raise, however well the loop is progressing.
     """
+
+    fixed_max_steps = True
 
     def __init__(self, spec: LoopSpec, *, context: Mapping[str, Any] | None = None,
                  judge: ev.VerdictSource | None = None, scenario: str | None = None,
@@ -164,7 +173,8 @@ class LoopAgent:
             raise ConfigError(f"loop {spec.name!r}: initial state {spec.initial!r} is not a state")
         self.spec = spec
         defaults = {k: p.default for k, p in spec.parameters.items() if p.default is not None}
-        self.context: dict[str, Any] = {**spec.context, **defaults, **(context or {})}
+        self.context: dict[str, Any] = with_context({**spec.context, **defaults},
+                                                    context or {})
         self.judge = judge
         self.scenario = scenario
         self.ask = ask
@@ -213,21 +223,30 @@ class LoopAgent:
     # ---------------------------------------------------------------- kernel
 
     async def step(self, ctx: RunContext) -> Step:
-        """Execute one state: enter, act, evaluate, route."""
+        """Execute one state: enter, act, evaluate, route.
+
+        A `backoff` wait comes first, in the same kernel step (the kernel times
+        the whole step): the step's payload says how long it was (`backoff_ms`),
+        so the state's own time is the step's less that.
+        """
         self._ctx = ctx
         if not self._begun:
             final = self._begin(ctx)
             if final is not None:
                 return final
         self._take_steer(ctx)
+        waited = 0.0
         if self._backoff_due and self.spec.backoff > 0:
-            await self._backoff(ctx)
+            waited = await self._backoff(ctx)
         self._backoff_due = False
         self._step_usage = _NO_USAGE
         step = await self._advance(ctx)
         if self._step_usage is not _NO_USAGE:
             step = replace(step, usage=self._step_usage if step.usage is None
                            else step.usage + self._step_usage)
+        if waited:
+            step = replace(step, payload={**(step.payload or {}),
+                                          "backoff_ms": round(waited * 1000, 3)})
         return step
 
     @property
@@ -649,20 +668,24 @@ class LoopAgent:
                 "messages": messages,
                 "why": f"state '{st.name}' runs {st.mode}, which has no channel for nudges"})
 
-    async def _backoff(self, ctx: RunContext) -> None:
-        """Sleep `backoff` seconds between iterations; any cancellation ends it at once.
+    async def _backoff(self, ctx: RunContext) -> float:
+        """Sleep `backoff` seconds between iterations; the seconds waited.
 
         The sleep is a plain trio sleep inside the run's cancel scope, so the
-        run's deadline, a critic kill or Ctrl-C interrupts it. It reports
-        activity every few seconds: waiting on purpose is not a stall.
+        run's deadline, a critic kill or Ctrl-C interrupts it at once.
+        Waiting on purpose is not a stall: the `backoff` event tells the
+        critic the run is alive as the wait starts, and activity every
+        `_HEARTBEAT` second after, so its idle clock (`--idle-timeout`, down
+        to about a second) never runs out during a wait however long.
         """
-        remaining = self.spec.backoff
-        ctx.event("backoff", name=self.current, payload={"seconds": remaining})
-        while remaining > 0:
-            chunk = min(remaining, 5.0)
-            await trio.sleep(chunk)
-            remaining -= chunk
+        seconds = self.spec.backoff
+        ctx.event("backoff", name=self.current, payload={"seconds": seconds})
+        start = trio.current_time()
+        end = start + seconds
+        while (now := trio.current_time()) < end:
+            await trio.sleep(min(end - now, _HEARTBEAT))
             ctx.activity("backoff")
+        return trio.current_time() - start
 
     # -------------------------------------------------------------- evaluate
 
@@ -705,7 +728,7 @@ class LoopAgent:
             return ev.mcp_result(text, code)
         if kind == "llm_structured":
             return await ev.llm_structured(text, spec or EvaluateSpec("llm_structured"),
-                                           self.spec.llm, self.judge)
+                                           self.spec.llm, self.judge, ctx)
         assert spec is not None
         operator = spec.operator or "eq"
         if kind == "output_contains":
@@ -809,12 +832,15 @@ class LoopAgent:
             names = " -> ".join(Path(p).name for p in (*chain[chain.index(target):], target))
             raise _Fatal(f"sub-loops form a cycle: {names} (state {st.name!r} chose it at "
                          "run time)")
-        child = LoopAgent(
-            child_spec, context=context, judge=self.judge, scenario=self.scenario, ask=self.ask,
-            cwd=self.cwd, env=self.env, prompt_command=self.prompt_command,
-            mcp_command=self.mcp_command, on_line=self.on_line,
-            max_output_bytes=self.max_output_bytes, max_line_events=self.max_line_events,
-            grace=self.grace, on_output=self.on_output)
+        try:
+            child = LoopAgent(
+                child_spec, context=context, judge=self.judge, scenario=self.scenario,
+                ask=self.ask, cwd=self.cwd, env=self.env, prompt_command=self.prompt_command,
+                mcp_command=self.mcp_command, on_line=self.on_line,
+                max_output_bytes=self.max_output_bytes, max_line_events=self.max_line_events,
+                grace=self.grace, on_output=self.on_output)
+        except ConfigError as exc:
+            raise _Fatal(f"sub-loop {st.loop}: {exc}") from None
         child.ancestors = chain
         end = await self._mode.subloop(self, st, child, ctx)
         verdict, terminated_by, child_error = end.verdict, end.terminated_by, end.error
@@ -852,6 +878,16 @@ class LoopAgent:
         self.output = res.output if isinstance(res.output, str) else tpl.to_text(res.output)
         self._step_output = self.output
         status = res.status
+        if status is Status.BUDGET_EXCEEDED:
+            # Not a verdict: the budget that refused the child (or the usage limit it
+            # ran out of, which it inherited) is this run's too, and every state after
+            # would meet it. A usage cap of this run that the child used up ends this
+            # run `budget_exceeded` now (`report_usage` checks the caps, the child's
+            # usage counted); a refusal of the child's start ends it `error`, naming
+            # the refusal (a step cannot end its run `budget_exceeded` itself).
+            ctx.report_usage(_NO_USAGE)
+            raise _Fatal(f"sub-loop '{child_spec.name}' was stopped by the budget "
+                         f"({res.reason or 'budget'}): {res.error or 'no reason given'}")
         terminated_by = ("terminal" if child.failure_terminal is not None else
                          _TERMINATED_BY.get(status, str(status)))
         if child.failure_terminal is not None:

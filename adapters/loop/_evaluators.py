@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import trio
 
-from kernel import Usage
+from kernel import RunContext, Usage
 
 from ._spec import EvaluateSpec, LLMSpec
 
@@ -211,6 +211,9 @@ class JudgeRequest:
         schema: The JSON schema the answer must follow (verdict, confidence, reason).
         model: The loop's `llm.model`, if set.
         max_tokens: The loop's `llm.max_tokens`.
+        ctx: The loop run's context, if the evaluation has one: a judge marks its
+            request in flight there (the critic's `model_timeout` bounds it, not
+            the idle timeout) and audits its retries and its call.
     """
 
     prompt: str
@@ -218,6 +221,7 @@ class JudgeRequest:
     schema: Mapping[str, Any]
     model: str | None = None
     max_tokens: int = 256
+    ctx: RunContext | None = field(default=None, compare=False, repr=False)
 
 
 class VerdictSource(Protocol):
@@ -238,7 +242,8 @@ class VerdictSource(Protocol):
 
 
 async def llm_structured(text: str, spec: EvaluateSpec, llm: LLMSpec,
-                         judge: VerdictSource | None) -> Evaluation:
+                         judge: VerdictSource | None, ctx: RunContext | None = None
+                         ) -> Evaluation:
     """Ask the configured model for a verdict; without one, `error` saying why."""
     if not llm.enabled:
         return Evaluation("error", {"error": "LLM evaluation is disabled (llm.enabled: false)"})
@@ -247,7 +252,7 @@ async def llm_structured(text: str, spec: EvaluateSpec, llm: LLMSpec,
                                           "(wire a VerdictSource into LoopAgent(judge=...))"})
     request = JudgeRequest(prompt=spec.prompt or DEFAULT_PROMPT, output=text[-MAX_JUDGED_CHARS:],
                            schema=spec.schema or DEFAULT_SCHEMA, model=llm.model,
-                           max_tokens=llm.max_tokens)
+                           max_tokens=llm.max_tokens, ctx=ctx)
     answer: Mapping[str, Any] | None = None
     with trio.move_on_after(llm.timeout):
         try:
@@ -267,8 +272,16 @@ async def llm_structured(text: str, spec: EvaluateSpec, llm: LLMSpec,
                  if isinstance(answer, Mapping) else answer)
         why = f"the model's answer has no verdict: {shown!r}"[:300]
         return _used(Evaluation("error", {"error": why}), usage, known)
-    verdict = answer["verdict"].strip().lower()
-    verdict = _ALIASES.get(verdict, verdict)
+    said = answer["verdict"].strip().lower()
+    verdict = _ALIASES.get(said, said)
+    enum = verdict_enum(request.schema)
+    if enum is not None and verdict not in enum and said not in enum:
+        # A malformed answer like any other: routable as `error`, never a verdict
+        # no route can take.
+        why = (f"the model's verdict {answer['verdict']!r} is not one of "
+               f"{', '.join(enum)}")[:300]
+        return _used(Evaluation("error", {"error": why, "answer": answer["verdict"][:100]}),
+                     usage, known)
     confidence = _as_float(answer.get("confidence", 1.0))
     confidence = 1.0 if confidence is None else confidence
     confident = confidence >= spec.min_confidence
@@ -277,6 +290,17 @@ async def llm_structured(text: str, spec: EvaluateSpec, llm: LLMSpec,
     return _used(Evaluation(verdict, {"confidence": confidence, "confident": confident,
                                       "reason": str(answer.get("reason", ""))[:1000]}),
                  usage, known)
+
+
+def verdict_enum(schema: Mapping[str, Any]) -> list[str] | None:
+    """The verdicts a judge's answer schema allows (`properties.verdict.enum`, lower-cased),
+    or None when it names no list (any verdict is taken as it comes)."""
+    props = schema.get("properties")
+    field_ = props.get("verdict") if isinstance(props, Mapping) else None
+    enum = field_.get("enum") if isinstance(field_, Mapping) else None
+    if not isinstance(enum, list) or not enum:
+        return None
+    return [str(v).strip().lower() for v in enum]
 
 
 def _used(evaluation: Evaluation, usage: Usage | None, cost_known: Any) -> Evaluation:

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from kernel import Limits
+from kernel import ConfigError, Limits
 
 from ._yaml import Located
 
@@ -183,6 +183,39 @@ def bind(params: Mapping[str, ParamSpec], given: Mapping[str, Any]) -> dict[str,
             why = spec.check(name, out[name])
             if why is not None:
                 raise ValueError(why)
+    return out
+
+
+def with_context(base: Mapping[str, Any], given: Mapping[str, Any]) -> dict[str, Any]:
+    """`base` (the file's context) with `given` (`--context`) on top; a dotted key sets a field.
+
+    `cfg.depth=9` sets `depth` inside the mapping `cfg` (made if absent, copied if
+    the file has one, its other fields kept), so `${context.cfg.depth}` reads it.
+    Plain keys are applied first, so `cfg=x` with `cfg.depth=9` is refused
+    whatever their order.
+
+    Raises:
+        ConfigError: A dotted key reaches into a value that is not a mapping.
+    """
+    out = dict(base)
+    dotted = [k for k in given if "." in k]
+    out.update({k: v for k, v in given.items() if "." not in k})
+    for key in dotted:
+        parts = key.split(".")
+        node = out
+        for depth, part in enumerate(parts[:-1]):
+            inner = node.get(part)
+            if inner is None:
+                inner = {}
+            elif isinstance(inner, Mapping):
+                inner = dict(inner)
+            else:
+                where = ".".join(parts[:depth + 1])
+                raise ConfigError(f"--context {key}: context '{where}' is a single value, "
+                                  "not a mapping with fields")
+            node[part] = inner
+            node = inner
+        node[parts[-1]] = given[key]
     return out
 
 

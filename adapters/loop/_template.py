@@ -10,9 +10,12 @@ Syntax::
                                   in a shell action, one word wherever words are read
     $${HOME}                      a literal `${HOME}` (for the shell)
     ${loop.started_at:0:19}       bash's own operators (`:N`, `:N:M`, `:-`, `:=`,
-                                  `:+`, `:?`) are not applied to loop variables, as
-                                  in little-loops: reaching one ends the run error
-                                  (a dry run shows a stand-in; validate warns)
+                                  `:+`, `:?`; `#`, `##`, `%`, `%%`, `/`, `//`,
+                                  `^`, `^^`, `,`, `,,`, `@Q`, `[i]` after the name;
+                                  `${#x}`, `${!x}`) are not applied to loop
+                                  variables, as in little-loops: reaching one ends
+                                  the run error (a dry run shows a stand-in;
+                                  validate warns)
 
 Namespaces: context, captured (NAME.output|stderr|exit_code|duration_ms),
 prev (output|stderr|exit_code|duration_ms|state), result (verdict|details.*),
@@ -72,6 +75,15 @@ BASH_OP_WHY = ("'{op}' is bash syntax, which loop variables do not take (as in "
                "(v=${{...}}; echo \"$${{v{op}}}\")")
 
 
+def bash_op_why(ph: Placeholder) -> str:
+    """`BASH_OP_WHY` for `ph`'s operator (a prefix one, `${#x}`, shown as `$${#v}`)."""
+    op = ph.bash_op or ""
+    if not ph.bash_prefix:
+        return BASH_OP_WHY.format(op=op)
+    return (f"'{op}' before the name is bash syntax, which loop variables do not take "
+            f"(as in little-loops); use the shell instead (v=${{...}}; echo \"$${{{op}v}}\")")
+
+
 class TemplateError(ValueError):
     """A template is malformed (unclosed `${`, unknown namespace or modifier)."""
 
@@ -100,9 +112,11 @@ class Placeholder:
     optional: bool = False
     raw: bool = False
     shell: bool = False
-    #: A bash parameter operator written after the variable (`:0:19`, `:-x`):
-    #: not applied, as in little-loops; looking the value up raises TemplateError.
+    #: A bash parameter operator written after the variable (`:0:19`, `:-x`, `%%.*`,
+    #: `^^`): not applied, as in little-loops; looking the value up raises TemplateError.
     bash_op: str | None = None
+    #: The operator stands before the name (`${#x}`: length, `${!x}`: indirection).
+    bash_prefix: bool = False
 
     @property
     def name(self) -> str:
@@ -148,15 +162,29 @@ def parse(template: str) -> list[Segment]:
 #: What follows `${name:` when it is bash's own operator: substring
 #: (`:0:19`, `:3`) or a default/assign/alternate/error form (`:-`, `:=`, `:+`, `:?`).
 _BASH_OP = re.compile(r"-?[0-9]+(?::-?[0-9]+)?|[-=+?].*", re.DOTALL)
+#: Where bash's operators written straight after a name begin: `#`/`##` and `%`/`%%`
+#: (trim), `/`, `//`, `/#`, `/%` (replace), `^`, `^^`, `,`, `,,` (case), `@Q` and kin
+#: (transform), `[` (a subscript). No loop variable's name holds one of these.
+_BASH_SUFFIX = re.compile(r"[#%/^,@\[]")
+#: A name after `${#` or `${!` (bash's length and indirection).
+_BASH_PREFIXED = re.compile(r"[#!][A-Za-z_]")
 
 
 def _placeholder(source: str) -> Placeholder:
     inner = source[2:-1]
+    bash_op: str | None = None
+    prefix = False
+    if _BASH_PREFIXED.match(inner.lstrip()):
+        inner = inner.lstrip()
+        bash_op, prefix, inner = inner[0], True, inner[1:]
+    colon = inner.find(":")
+    found = _BASH_SUFFIX.search(inner)
+    if found is not None and (colon < 0 or found.start() < colon) and bash_op is None:
+        bash_op, inner = inner[found.start():], inner[:found.start()]
     var, _, rest = inner.partition(":")
     default: str | None = None
     raw = shell = False
-    bash_op: str | None = None
-    if _BASH_OP.fullmatch(rest):
+    if bash_op is None and _BASH_OP.fullmatch(rest):
         bash_op, rest = ":" + rest, ""
     while rest:
         if rest.startswith("default="):
@@ -189,7 +217,7 @@ def _placeholder(source: str) -> Placeholder:
     if not path or any(not part for part in path.split(".")):
         raise TemplateError(f"{source} needs a path after '{namespace}.'")
     return Placeholder(source, namespace, tuple(path.split(".")), default, optional, raw,
-                       shell, bash_op)
+                       shell, bash_op, prefix)
 
 
 def placeholders(template: str) -> list[Placeholder]:
@@ -230,8 +258,9 @@ def lookup(ph: Placeholder, ns: Namespaces) -> Any:
     """
     if ph.bash_op is not None:
         if ns.dry:
-            return StandIn(f"{ph.name}{ph.bash_op}")
-        raise TemplateError(f"{ph.source}: {BASH_OP_WHY.format(op=ph.bash_op)}")
+            shown = f"{ph.bash_op}{ph.name}" if ph.bash_prefix else f"{ph.name}{ph.bash_op}"
+            return StandIn(shown)
+        raise TemplateError(f"{ph.source}: {bash_op_why(ph)}")
     if ph.namespace == "prev" and ns.prev is None:
         raise MissingVariable(ph.name, "no state has run an action yet")
     if ph.namespace == "result" and ns.result is None:

@@ -21,7 +21,17 @@ from kernel import ConfigError
 
 from . import _template as tpl
 from ._compose import Composer, find_loop_file
-from ._spec import CURRENT, LoopSpec, Problem, Severity, StateSpec, parse_loop
+from ._evaluators import DEFAULT_SCHEMA, verdict_enum
+from ._spec import (
+    CURRENT,
+    LEFT_OUT_EVALUATORS,
+    LoopSpec,
+    Problem,
+    Severity,
+    StateSpec,
+    parse_loop,
+    with_context,
+)
 from ._yaml import YamlError, load_yaml
 
 MAX_FILE_BYTES = 1 << 20
@@ -60,6 +70,9 @@ class Report:
     problems: list[Problem] = field(default_factory=list)
     #: Context variables the loop uses that neither the file nor the caller defines.
     missing_context: set[str] = field(default_factory=set)
+    #: The `${context.*}` paths the loop (and the sub-loops it passes its context to)
+    #: reads; None when that cannot be known (a sub-loop chosen at run time gets it).
+    used_context: set[tuple[str, ...]] | None = field(default_factory=set)
 
     @property
     def errors(self) -> list[Problem]:
@@ -128,8 +141,10 @@ def _check(path: Path, context: dict[str, Any], required: bool,
         return Report(None, problems)
     checker = _Checker(spec, problems, path, context, required, stack)
     checker.run()
+    if not stack:
+        checker.given_context()
     problems.sort(key=lambda p: (p.line or 0))
-    return Report(spec, problems, checker.missing)
+    return Report(spec, problems, checker.missing, checker.used)
 
 
 def _read_yaml(path: Path) -> tuple[Any, str | None]:
@@ -202,6 +217,10 @@ class _Checker:
         self.required = required
         self.stack = (*stack, path.resolve())
         self.missing: set[str] = set()
+        # A dotted --context key (cfg.depth) defines its head (cfg) for the checks.
+        self.context_heads = {k.split(".", 1)[0] for k in context}
+        #: The `${context.*}` paths read (None: unknowable, see `Report.used_context`).
+        self.used: set[tuple[str, ...]] | None = set()
         self.captures = {s.capture for s in spec.states.values() if s.capture}
         self.subloop_states = {s.name for s in spec.states.values() if s.loop is not None}
         self.subloop_states |= {s.capture for s in spec.states.values()
@@ -235,7 +254,10 @@ class _Checker:
         for key, target in st.targets():
             if target == CURRENT or "${" in target:
                 if "${" in target:
-                    self.template(target, f"{where}.{key}", shell=False)
+                    # The evaluation result is there when a verdict is routed (not for
+                    # `next`, or the moves that execute nothing).
+                    self.template(target, f"{where}.{key}", shell=False,
+                                  result=key not in _NO_RESULT_TARGETS)
                 continue
             if target not in self.spec.states:
                 self.add("error", f"{where}.{key}",
@@ -297,6 +319,45 @@ class _Checker:
             self.add("warning", f"{where}.with", "'with' binds parameters of a fragment or a "
                                                  "sub-loop; this state has neither")
         self.verdicts_routed(st, where)
+        self.route_keys(st, where)
+
+    def route_keys(self, st: StateSpec, where: str) -> None:
+        """An `on_<verdict>`/route key no evaluator gives (a typo) is an error, with the
+        closest key this state's evaluator does give; one that another evaluator gives,
+        but not this state's, is a warning (the route is never taken)."""
+        keys = [(f"on_{v}", v, f"{where}.on_{v}") for v in st.on]
+        if st.route is not None:
+            keys += [(v, v, f"{where}.route.{v}") for v in st.route.table]
+        if not keys:
+            return
+        kind = st.evaluate.type if st.evaluate else _DEFAULT_EVALUATOR.get(
+            st.mode, "none" if st.mode == "none" else None)
+        if kind in LEFT_OUT_EVALUATORS:
+            return  # judged `error` (validation says so already)
+        gives = _gives(st, kind)
+        if gives is None:
+            return  # a model schema without a verdict enum: any name may come back
+        for key, verdict, at in keys:
+            if verdict in _LEFT_OUT_ROUTES:
+                self.add("warning", at, f"'{key}': {_LEFT_OUT_ROUTES[verdict]} is not "
+                                        "supported here: this route is never taken")
+                continue
+            if verdict in gives or verdict == "error":
+                continue  # (`error` is every state's way out: never a dead route)
+            shorthand = key.startswith("on_")
+            given = sorted(gives)
+            if verdict not in _ALL_VERDICTS:
+                names = [f"on_{g}" for g in given] if shorthand else given
+                if shorthand and "yes" in gives:
+                    names += ["on_success", "on_failure"]
+                close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+                hint = (f"did you mean '{close[0]}'?" if close
+                        else f"{_what(kind)} gives: {', '.join(given)}")
+                self.add("error", at, f"'{key}' routes a verdict no evaluator gives "
+                                      f"('{verdict}'): {hint}")
+            elif st.next is None:
+                self.add("warning", at, f"{_what(kind)} never gives '{verdict}' (it gives "
+                                        f"{', '.join(given)}): this route is never taken")
 
     def verdicts_routed(self, st: StateSpec, where: str) -> None:
         """Warn when a state routes none of the verdicts its evaluator can give."""
@@ -355,7 +416,9 @@ class _Checker:
         except ValueError:
             self.add("error", where, f"expected a number, got {value!r}")
 
-    def template(self, text: str, where: str, *, shell: bool) -> None:
+    def template(self, text: str, where: str, *, shell: bool, result: bool = False) -> None:
+        """Check the placeholders of `text`; `result`: it is a route target, where
+        `${result.*}` (the evaluation) has a value."""
         try:
             segments = tpl.parse(text)
         except tpl.TemplateError as exc:
@@ -364,13 +427,13 @@ class _Checker:
         holes = [s for s in segments if isinstance(s, tpl.Placeholder)]
         spots = tpl.shell_holes(segments) if shell else [tpl.Hole("top")] * len(holes)
         for ph, spot in zip(holes, spots, strict=False):
-            self.placeholder(ph, where, shell=shell, spot=spot)
+            self.placeholder(ph, where, shell=shell, spot=spot, result=result)
 
     def placeholder(self, ph: tpl.Placeholder, where: str, *, shell: bool,
-                    spot: tpl.Hole) -> None:
+                    spot: tpl.Hole, result: bool = False) -> None:
         context = spot.kind
         if ph.bash_op is not None:
-            self.add("warning", where, f"{ph.source}: " + tpl.BASH_OP_WHY.format(op=ph.bash_op)
+            self.add("warning", where, f"{ph.source}: " + tpl.bash_op_why(ph)
                      + "; a run that reaches it ends error")
         if ph.raw and shell:
             self.add("warning", where, f"{ph.source} is inserted unquoted (:raw): a value "
@@ -404,8 +467,11 @@ class _Checker:
                                          f"'{head}' (its fragment's parameters and with: "
                                          f"bindings: {known})")
         elif ph.namespace == "context":
+            if self.used is not None:
+                self.used.add(ph.path)
             param_spec = self.spec.parameters.get(head)
-            if head not in self.spec.context and head not in self.context and not fallback \
+            if head not in self.spec.context and head not in self.context_heads \
+                    and not fallback \
                     and head not in RUNNER_CONTEXT \
                     and (param_spec is None or param_spec.default is None):
                 self.missing.add(head)
@@ -427,11 +493,20 @@ class _Checker:
             self.add("error", where, f"{ph.source}: loop has {', '.join(tpl.LOOP_FIELDS)}")
         elif ph.namespace == "result" and head not in ("verdict", "details"):
             self.add("error", where, f"{ph.source}: result has verdict, details")
+        elif ph.namespace == "result" and not result:
+            why = (f"{ph.source}: the evaluation result has a value only in a route target "
+                   "(route: or on_*), not here")
+            if fallback:
+                self.add("warning", where, f"{why}: it always reads its default")
+            else:
+                self.add("error", where, f"{why}; a run that reaches it ends error")
 
     def subloop(self, st: StateSpec, where: str) -> None:
         assert st.loop is not None
         if "${" in st.loop:
             self.template(st.loop, where, shell=False)
+            if st.context_passthrough:
+                self.used = None  # which context it reads is known only at run time
             self.add("warning", where, "the sub-loop is chosen at run time: it is checked "
                                        "when it starts (a dry run simulates it)")
             return
@@ -452,6 +527,11 @@ class _Checker:
         elif st.with_:
             given = dict.fromkeys(st.with_, "")
         report = _check(child_path, given, self.required, self.stack)
+        if st.context_passthrough and self.used is not None:
+            if report.used_context is None:
+                self.used = None
+            else:
+                self.used |= report.used_context
         for p in report.errors:
             self.add("error", where, f"in sub-loop: {p}")
         st.child = report.spec if report.ok else None
@@ -469,6 +549,35 @@ class _Checker:
         for key, value in st.with_.items():
             if isinstance(value, str):
                 self.template(value, f"states.{st.name}.with.{key}", shell=False)
+
+    # -- what the caller gives
+
+    def given_context(self) -> None:
+        """Check the caller's `--context` keys: a dotted one (`cfg.depth`) must reach into
+        a mapping; one the loop never reads is a warning naming it (a typo, most often)."""
+        spec = self.spec
+        defaults = {k: p.default for k, p in spec.parameters.items() if p.default is not None}
+        try:
+            with_context({**spec.context, **defaults}, self.context)
+        except ConfigError as exc:
+            self.problems.append(Problem("error", "", str(exc), spec.path))
+        used = self.used
+        if used is None or not self.context:
+            return
+        known = {*spec.context, *spec.parameters, *spec.required_inputs, spec.input_key,
+                 *RUNNER_CONTEXT}
+        names = sorted({".".join(path[:i + 1]) for path in used for i in range(len(path))}
+                       | known)
+        for key in self.context:
+            parts = tuple(key.split("."))
+            if parts[0] in known or any(p[:len(parts)] == parts or parts[:len(p)] == p
+                                        for p in used):
+                continue
+            close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            # (About the command line, not a line of the file: no line number.)
+            self.problems.append(Problem("warning", "", f"--context {key}: the loop never "
+                                         f"reads ${{context.{key}}}{hint}", spec.path))
 
     # -- the whole machine
 
@@ -496,7 +605,7 @@ class _Checker:
                          f"unreachable: no route from '{spec.initial}' leads here")
 
 
-# The verdicts each evaluator can give besides `error` (llm_structured: whatever the model says).
+# The verdicts each evaluator can give besides `error` (llm_structured: its schema's enum).
 _VERDICTS = {
     "exit_code": {"yes", "no"}, "output_contains": {"yes", "no"},
     "output_numeric": {"yes", "no"}, "output_json": {"yes", "no"},
@@ -504,7 +613,42 @@ _VERDICTS = {
     "mcp_result": {"yes", "no", "success", "tool_error", "not_found", "timeout"},
     "loop": {"yes", "no", "timeout"}, "diff_stall": {"yes", "no"},
 }
-_DEFAULT_EVALUATOR = {"shell": "exit_code", "mcp_tool": "mcp_result", "loop": "loop"}
+_DEFAULT_EVALUATOR = {"shell": "exit_code", "mcp_tool": "mcp_result", "loop": "loop",
+                      "prompt": "llm_structured"}
+#: Every verdict some evaluator gives (a route key outside these is a typo): a model's
+#: (and their `uncertain_suffix` forms) among them.
+_MODEL_VERDICTS = ("yes", "no", "partial", "blocked")
+_ALL_VERDICTS = frozenset({"error", *_MODEL_VERDICTS, *(f"{v}_uncertain" for v in _MODEL_VERDICTS),
+                           *(v for vs in _VERDICTS.values() for v in vs)})
+#: little-loops routes of features left out here (the key is read, the route never taken).
+_LEFT_OUT_ROUTES = {"rate_limit_exhausted": "little-loops' rate-limit ladder",
+                    "throttle_hard": "little-loops' tool-call throttle"}
+#: Route keys whose target is chosen without an evaluation result.
+_NO_RESULT_TARGETS = ("next", "on_retry_exhausted", "on_maintain")
+
+
+def _gives(st: StateSpec, kind: str | None) -> set[str] | None:
+    """The verdicts a state can be routed on (`error` included), or None when any name
+    may come (a model schema without a verdict enum)."""
+    if kind == "none":
+        return {"yes"}
+    if kind == "llm_structured":
+        ev = st.evaluate
+        enum = verdict_enum(ev.schema if ev is not None and ev.schema else DEFAULT_SCHEMA)
+        if enum is None:
+            return None
+        out = {*enum, "error"}
+        if ev is not None and ev.uncertain_suffix:
+            out |= {f"{v}_uncertain" for v in enum}
+        return out
+    gives = _VERDICTS.get(kind or "")
+    return None if gives is None else {*gives, "error"}
+
+
+def _what(kind: str | None) -> str:
+    """How a route warning names the evaluator."""
+    return {"none": "a state without an action or evaluate", "loop": "a sub-loop state",
+            None: "this state"}.get(kind, kind or "this state")
 
 
 def resolve_subloop(parent: Path, ref: str) -> Path | None:

@@ -10,15 +10,18 @@ first), so nothing an analyst does with that file can make a run wait.
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import re
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 from batteries.redact import KEY_START, Redactor
-from kernel import AuditError, AuditWriteError, RunInfo
+from kernel import AuditError, AuditWriteError, RunInfo, RunStats, Step, ToolResult
 
 from ._encode import (
     DEFAULT_MAX_OUTPUT_BYTES,
@@ -31,6 +34,97 @@ from ._encode import (
 from ._recorder import DuckDBRecorder
 
 _JOURNAL_OPTIONS = ("batch_size", "flush_interval", "lock_timeout", "max_pending_events")
+
+_log = logging.getLogger("kernel.audit")
+
+#: A run id the kernel made (`kernel.new_run_id`): 32 hex digits. Only this process's
+#: runs are checked for its reuse (a new one is never in the store).
+_KERNEL_ID = re.compile(r"[0-9a-f]{32}")
+#: How many run ids a `JournalAudit` remembers starting, to refuse their reuse
+#: without I/O (a few MB at most; older ones: a host's own ids are looked up).
+_REMEMBER_RUNS = 100_000
+
+
+def _reuse_message(run_id: str, seen: str) -> str:
+    """Why a fresh run under the id of run `seen` (its end status, or `running`) is refused."""
+    state = "is still open" if seen == "running" else f"ended {seen}"
+    return (f"run_id {run_id!r} already names a run that {state}: a run id names one run "
+            "(give the new run its own RunInfo, or resume= to continue an interrupted "
+            "one); this run was not recorded")
+
+
+class UnconfirmedRecorder:
+    """The recorder of a run whose id already names a run, until it says it resumes it.
+
+    A resumed run's first event is `resumed` (the kernel logs it before any
+    step): then a `DuckDBRecorder` is started for it and every call goes to
+    that, the run's seq continuing. Any other first call means a fresh run
+    reusing the id: nothing of it is recorded (the earlier run's row and
+    events stay as they were) and `close` raises the `ConfigError` saying so.
+
+    Attributes:
+        run_id: The run's id.
+        recorder: The run's `DuckDBRecorder` once it resumed (None before, or if refused).
+        refused: Why it is not recorded, once decided.
+    """
+
+    __slots__ = ("audit", "info", "recorder", "refused", "run_id", "seen")
+
+    def __init__(self, audit: JournalAudit, info: RunInfo, seen: str) -> None:
+        self.audit, self.info, self.seen = audit, info, seen
+        self.run_id = info.run_id
+        self.recorder: DuckDBRecorder | None = None
+        self.refused: str | None = None
+
+    def _verdict(self, kind: str) -> DuckDBRecorder | None:
+        if self.recorder is None and self.refused is None:
+            if kind == "resumed":
+                self.recorder = self.audit._begin(self.info)
+            else:
+                self.refused = _reuse_message(self.run_id, self.seen)
+                _log.warning("%s", self.refused)
+        return self.recorder
+
+    def on_step(self, iteration: int, step: Step, duration_s: float) -> None:
+        """As `DuckDBRecorder.on_step`, once the run resumed; else nothing."""
+        rec = self._verdict("step")
+        if rec is not None:
+            rec.on_step(iteration, step, duration_s)
+
+    def on_tool(self, result: ToolResult, iteration: int) -> None:
+        """As `DuckDBRecorder.on_tool`, once the run resumed; else nothing."""
+        rec = self._verdict("tool_end")
+        if rec is not None:
+            rec.on_tool(result, iteration)
+
+    def log_event(self, kind: str, *, name: str | None = None,
+                  payload: Mapping[str, Any] | None = None, duration_ms: float | None = None,
+                  iteration: int | None = None) -> None:
+        """As `DuckDBRecorder.log_event`; a first `resumed` confirms the resume."""
+        rec = self._verdict(kind)
+        if rec is not None:
+            rec.log_event(kind, name=name, payload=payload, duration_ms=duration_ms,
+                          iteration=iteration)
+
+    def log_error(self, message: str, *, payload: Mapping[str, Any] | None = None) -> None:
+        """As `DuckDBRecorder.log_error`, once the run resumed; else nothing."""
+        rec = self._verdict("error")
+        if rec is not None:
+            rec.log_error(message, payload=payload)
+
+    async def close(self, stats: RunStats) -> None:
+        """Close the resumed run's record.
+
+        Raises:
+            ConfigError: The run did not resume the run its id names: not recorded.
+            AuditWriteError: As `DuckDBRecorder.close`.
+        """
+        rec = self._verdict("run_end")
+        if rec is None:
+            from kernel import ConfigError
+
+            raise ConfigError(self.refused or _reuse_message(self.run_id, self.seen))
+        await rec.close(stats)
 
 
 class JournalAudit:
@@ -74,6 +168,9 @@ class JournalAudit:
         # tool_calls * 2 + final, a run_end's (no reason, no error) by its status.
         self._kernel_texts: dict[int | str, str] = {}
         self._texts_redactor = self.redactor
+        # The runs this audit started, newest last: run_id -> its open recorder, or the
+        # status it ended with (`start_run` refuses a fresh run under an id in use).
+        self._started: dict[str, DuckDBRecorder | str] = {}
 
     def __repr__(self) -> str:
         return f"JournalAudit({str(self.journal.store.path)!r})"
@@ -156,20 +253,98 @@ class JournalAudit:
 
     # ------------------------------------------------------------ the port
 
-    async def start_run(self, info: RunInfo) -> DuckDBRecorder:
+    async def start_run(self, info: RunInfo, *,
+                        resumed: bool | None = None) -> DuckDBRecorder | UnconfirmedRecorder:
         """Begin recording `info`'s run; its row and `run_start` go out with the next write.
 
         A run_id already in the journal is a resumed run: no second row or
         `run_start` is written and its seq continues after its last event.
+        A run id names one run, though: a *fresh* run under the id of an
+        earlier run would append to that run's events and overwrite its
+        roll-up, so it is not recorded:
+
+        - `resumed=True`: the caller says it resumes the run; nothing is checked.
+        - `resumed=False`: the caller says it is a fresh run; an id in use is
+          refused at once (`ConfigError`).
+        - `resumed=None` (not said; the kernel does not say yet): for an id in
+          use, an `UnconfirmedRecorder` is returned. The kernel logs `resumed`
+          before anything else in a resumed run: that confirms the resume;
+          any other first call refuses the run (nothing recorded, `close`
+          raises `ConfigError`).
+
+        An id is *in use* if this audit started a run under it (remembered
+        without I/O: a run's start costs no trip through trio's scheduler),
+        or, for an id a host chose (`RunInfo(run_id="job-42")`, not 32 hex
+        digits), if the store holds a run under it (looked up in a worker
+        thread; the kernel's own ids are new to the store). A run under the
+        id that is still open in this audit is refused at once, unless
+        `resumed=True`.
+
+        Raises:
+            AuditError: The journal is not open.
+            ConfigError: The id names a run still open in this audit, or one
+                in use with `resumed=False`.
         """
         if not self.journal.running:
             raise AuditError("the audit's journal is not open: use "
                              "`async with JournalAudit.open(path)`")
-        # No I/O and no checkpoint: a run's start costs no trip through trio's scheduler.
+        rid = info.run_id
+        if resumed is not True:
+            seen = self._started.get(rid)
+            if isinstance(seen, DuckDBRecorder):
+                seen = "running"
+                resumed = False  # two open recorders of one run: refused whatever is said
+            elif seen is None and not _KERNEL_ID.fullmatch(rid):
+                seen = await self._look_up(rid)
+            if seen is not None:
+                if resumed is False:
+                    from kernel import ConfigError
+
+                    raise ConfigError(_reuse_message(rid, seen))
+                return UnconfirmedRecorder(self, info, seen)
+        return self._begin(info)
+
+    def _begin(self, info: RunInfo) -> DuckDBRecorder:
+        """The run's recorder, its row and `run_start` (or its resume) queued (no I/O)."""
         rec = DuckDBRecorder(self, info)
+        self._remember(info.run_id, rec)
         self.journal.pending.new.append(rec)
         self.journal.poke()
         return rec
+
+    def _remember(self, run_id: str, value: DuckDBRecorder | str) -> None:
+        """Keep what this audit knows of `run_id` (its open recorder, or its end status)."""
+        started = self._started
+        started.pop(run_id, None)
+        started[run_id] = value
+        if len(started) > _REMEMBER_RUNS:  # the oldest first (insertion order)
+            del started[next(iter(started))]
+
+    async def _look_up(self, run_id: str) -> str | None:
+        """The status the store's run `run_id` ended with (`running`: none yet); None if
+        the store has no such run (a worker thread)."""
+        import trio
+
+        store = self.journal.store
+
+        def look() -> str | None:
+            if not store.exists() or not store.payloads(run_id, "run_start"):
+                return None
+            ends = store.payloads(run_id, "run_end")
+            if not ends:
+                return "running"
+            try:
+                doc = json.loads(ends[-1])
+            except ValueError:
+                return "ended"
+            status = doc.get("status") if isinstance(doc, dict) else None
+            return str(status) if status else "ended"
+
+        try:
+            return await trio.to_thread.run_sync(look)
+        except Exception as exc:  # the store's own failure: the write will say it again
+            _log.debug("run id %s not looked up: %s", run_id, exc)
+            return None
 
     async def flush(self) -> None:
         """Make every event buffered so far durable.
@@ -194,6 +369,8 @@ class JournalAudit:
             AuditError: The journal was closed before the run ended.
             AuditWriteError: The write failed (the rows stay buffered for a retry).
         """
+        if self._started.get(rec.run_id) is rec:
+            self._started[rec.run_id] = str(row[2])  # its status: what a reuse is judged by
         if not self.journal.running:
             raise AuditError(f"the audit's journal was closed before run {rec.run_id} ended")
         self.journal.pending.closes.append((rec, row))

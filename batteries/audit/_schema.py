@@ -1,8 +1,12 @@
 """The analysts' schema (DESIGN.md "Analysts' schema") and its forward migrations.
 
 The schema is a contract: analysts open the file in DuckDB, pandas or polars
-and query `runs`, `events` and the views directly. Columns analysts aggregate
-(durations, counts, tokens, cost) are typed columns, not JSON fields: a p95
+and query `runs`, `events` and the views directly. `runs.status` is the
+status a run *ended* with: NULL while it is open (running, or its
+supervisor died and `kernel recover` has not closed it yet); `kernel runs`,
+`stats`, `run_stats` and `critic_decisions.run_status` show it as
+`running`. Columns analysts aggregate (durations, counts, tokens, cost) are
+typed columns, not JSON fields: a p95
 over a typed DOUBLE is several times faster than over a value extracted from
 JSON. `payload` and `inputs` are DuckDB `JSON` for everything else.
 
@@ -21,7 +25,7 @@ if TYPE_CHECKING:
     import duckdb
 
 #: The schema version this code writes and expects.
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 #: Columns of `runs`, in insert order.
 RUN_COLUMNS: tuple[str, ...] = (
@@ -273,8 +277,32 @@ _V5 = Migration(5, "batches: batches, batch_tasks (which run each task became), 
     """,
 ))
 
+_V6 = Migration(6, "critic_decisions.run_status is 'running' for an open run, as in run_stats", (
+    # `runs.status` stays NULL while a run is open (it has no terminal status yet; the
+    # column is the run's end). The views say `running` for it, this one too now.
+    """
+    CREATE OR REPLACE VIEW critic_decisions AS
+    SELECT e.run_id,
+           e.seq,
+           e.ts,
+           e.iteration,
+           e.name                                                   AS decision,
+           coalesce(e.payload ->> 'reason', e.payload ->> 'message') AS reason,
+           e.payload -> 'evidence'                                  AS evidence,
+           e.payload,
+           r.subject_id,
+           r.name                                                   AS run_name,
+           CASE WHEN r.run_id IS NOT NULL
+                THEN coalesce(r.status, 'running') END              AS run_status
+    FROM events e
+    LEFT JOIN runs r USING (run_id)
+    -- `watch` only records the critic's thresholds: it is not a decision.
+    WHERE e.kind = 'critic' AND e.name IS DISTINCT FROM 'watch'
+    """,
+))
+
 #: Every migration, in order. Append; never edit one that has shipped.
-MIGRATIONS: tuple[Migration, ...] = (_V1, _V2, _V3, _V4, _V5)
+MIGRATIONS: tuple[Migration, ...] = (_V1, _V2, _V3, _V4, _V5, _V6)
 
 _VERSION_TABLE = """
 CREATE TABLE IF NOT EXISTS schema_version (

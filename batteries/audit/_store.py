@@ -110,6 +110,13 @@ def _sealed_cursor() -> duckdb.DuckDBPyConnection:
     return duckdb.connect(":memory:", config=dict(_SEALED_CONFIG))
 
 
+def pin_utc(cur: duckdb.DuckDBPyConnection) -> None:
+    """Run `cur`'s SQL in UTC, whatever `$TZ` is (DuckDB takes each connection's time zone
+    from it): `date_trunc('day', ts)`, `ts::date`, `hour(ts)` and a timestamp inside a
+    struct or list then mean the same on every machine. Before `_seal` (which locks it)."""
+    cur.execute("SET TimeZone = 'UTC'")
+
+
 def _seal(cur: duckdb.DuckDBPyConnection) -> None:
     """Make `cur`'s instance unable to open, write or read any file from now on."""
     for statement in _SEAL:
@@ -189,6 +196,7 @@ class Store:
             raise ValueError("a sealed session is read-only")
         cur = _sealed_cursor() if sealed else _cursor()
         try:
+            pin_utc(cur)
             with self._attached(cur, write=write) as alias:
                 cur.execute(f"USE {alias}")
                 if sealed:

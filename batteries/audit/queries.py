@@ -18,7 +18,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -84,12 +84,13 @@ def empty_reader(*, sealed: bool = False) -> Iterator[duckdb.DuckDBPyConnection]
     is refused the same way) and removed afterwards: reading creates no file
     where the audit lives. `sealed`: as `Store.session`.
     """
-    from ._store import _seal, _sealed_cursor
+    from ._store import _seal, _sealed_cursor, pin_utc
 
     with tempfile.TemporaryDirectory(prefix=".kernel-empty-") as tmp:
         path = "'" + str(Path(tmp) / "empty.duckdb").replace("'", "''") + "'"
         cur = _sealed_cursor()  # an instance of its own: nothing attached, nothing shared
         try:
+            pin_utc(cur)
             cur.execute(f"ATTACH {path} AS {_EMPTY}")
             cur.execute(f"USE {_EMPTY}")
             migrate(cur)
@@ -114,6 +115,13 @@ _RUN_FIELDS = ("run_id, parent_run_id, subject_id, name, caller_id, channel_id, 
                "ended_at, coalesce(status, 'running') AS status, steps, tool_calls, "
                "runtime_seconds, input_tokens, output_tokens, thinking_tokens, cost_usd, "
                "exit_code, reason, error")
+
+
+#: The keys of each run `list_runs` returns, in order (what a CSV header names).
+RUN_LIST_COLUMNS: tuple[str, ...] = (
+    "run_id", "parent_run_id", "subject_id", "name", "caller_id", "channel_id", "started_at",
+    "ended_at", "status", "steps", "tool_calls", "runtime_seconds", "input_tokens",
+    "output_tokens", "thinking_tokens", "cost_usd", "exit_code", "reason", "error")
 
 
 def list_runs(cur: duckdb.DuckDBPyConnection, *, status: str | None = None,
@@ -341,6 +349,15 @@ def _seconds(value: Any) -> str:
 # ------------------------------------------------------------------ stats
 
 
+#: The keys of each row `stats` returns for each `by`, in order (what a CSV header names).
+STATS_COLUMNS: dict[str, tuple[str, ...]] = {
+    "subject": ("subject", "status", "runs", "mean_s", "p95_s", "steps", "tool_calls",
+                "cost_usd"),
+    "status": ("status", "runs", "mean_s", "p95_s", "steps", "tool_calls", "cost_usd"),
+    "tool": ("tool", "calls", "errors", "mean_ms", "p50_ms", "p95_ms", "max_ms"),
+}
+
+
 def stats(cur: duckdb.DuckDBPyConnection, *, by: str = "subject",
           since: timedelta | None = None) -> list[dict[str, Any]]:
     """Counts and runtimes by subject and status, by status, or tool latencies by tool.
@@ -435,7 +452,9 @@ class QueryStream:
     """A read-only query's result, fetched while it is read (`stream_query`).
 
     `names` are the result's column names (duplicates kept); iterating gives
-    chunks of at most `STREAM_ROWS` rows, as tuples, in order. DuckDB
+    chunks of at most `STREAM_ROWS` rows, as tuples, in order. A DuckDB `JSON`
+    value (`inputs`, `payload`, `payload -> 'x'`) arrives as its text; `decode_json`
+    turns a row's into JSON values. DuckDB
     produces the chunks in a worker thread, at most two ahead of the reader,
     so a result of any size takes the memory of a few chunks. A timeout,
     Ctrl-C or a failure in DuckDB while reading raises as `read_only_query`
@@ -455,6 +474,9 @@ class QueryStream:
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self._thread: threading.Thread | None = None
         self.names: list[str] = []
+        #: Per column, what turns its values' JSON text into JSON values (None: the
+        #: column holds no DuckDB JSON; see `decode_json`). Set before `names`.
+        self.json_decoders: list[Callable[[Any], Any] | None] = []
 
     def _hand(self, item: tuple[str, Any]) -> bool:
         """Put `item` for the reader; False once the reader has stopped the stream."""
@@ -475,7 +497,10 @@ class QueryStream:
                 self._hand(("names", []))
                 self._hand(("end", None))
                 return
-            reader = rel.fetch_arrow_reader(self._rows_at_once)
+            self.json_decoders = [_json_decoder(t) for t in rel.types]
+            # `to_arrow_reader` from DuckDB 1.4 (the older name warns there).
+            open_reader = getattr(rel, "to_arrow_reader", None) or rel.fetch_arrow_reader
+            reader = open_reader(self._rows_at_once)
             if not self._hand(("names", list(reader.schema.names))):
                 return
             for chunk in reader:
@@ -505,6 +530,15 @@ class QueryStream:
         except KeyboardInterrupt:
             self.close()
             raise QueryInterrupted from None
+
+    def decode_json(self, row: tuple[Any, ...]) -> tuple[Any, ...]:
+        """`row` with the text of every DuckDB `JSON` value in it (a column, or inside a
+        struct, list or array column) parsed: what JSON output prints as nested JSON.
+        Text that does not parse stays text; NaN and Infinity parse (as floats)."""
+        decoders = self.json_decoders
+        if not any(decoders):
+            return row
+        return tuple(v if d is None else d(v) for d, v in zip(decoders, row, strict=True))
 
     def start(self) -> None:
         """Run the statement; return once the column names are known."""
@@ -539,6 +573,39 @@ class QueryStream:
                     break
         if self._thread is not None:
             self._thread.join()  # it has finished its work: only its exit is left
+
+
+def _json_decoder(kind: Any) -> Callable[[Any], Any] | None:
+    """What parses the JSON text in values of DuckDB type `kind`; None if it holds none."""
+    name = str(kind)
+    if "JSON" not in name:
+        return None
+    if name == "JSON":
+        return _json
+    try:
+        children = list(kind.children)
+    except Exception:  # not nested (a type whose name merely mentions JSON)
+        return None
+    if kind.id == "struct":
+        fields = [(str(key), _json_decoder(child)) for key, child in children]
+        if not any(d for _, d in fields):
+            return None
+
+        def struct(value: Any) -> Any:
+            if not isinstance(value, dict):
+                return value
+            out = dict(value)
+            for key, dec in fields:
+                if dec is not None and key in out:
+                    out[key] = dec(out[key])
+            return out
+        return struct
+    if kind.id in ("list", "array"):
+        item = _json_decoder(children[0][1])
+        if item is None:
+            return None
+        return lambda value: [item(v) for v in value] if isinstance(value, list) else value
+    return None  # a MAP keeps its values' text
 
 
 @contextmanager
@@ -616,13 +683,19 @@ def _first_line(exc: BaseException) -> str:
 
 def purge(cur: duckdb.DuckDBPyConnection, days: float, *,
           now: datetime | None = None) -> tuple[int, int]:
-    """Delete runs that ended more than `days` ago (before `now`), with their events.
+    """Delete runs that ended more than `days` ago (before `now`), with their events,
+    their checkpoints (the run's spec: argv, context, inputs) and finished batches.
 
-    The predicate is the journal's (`RunStore.purge`): only ended runs go, and
-    not those of a batch that has not finished. A
+    The predicates are the journal's (`RunStore.purge`), table by table, so
+    both files hold the same rows afterwards (the sync copies changed rows
+    only and never deletes one): only ended runs go, and not those of a
+    batch that has not finished; a checkpoint goes once it is not `running`
+    and was last written before the cut; a finished batch and its tasks once
+    it ended before the cut. A
     run still running (no `ended_at`) is kept whatever its age: the sync
     copies each event once, so an event deleted here while its run is live
     would never come back, and the run's timeline would start in the middle.
+    Budget spend stays, as in the journal (budgets count it in their window).
 
     Returns:
         (runs deleted, events deleted).
@@ -634,14 +707,22 @@ def purge(cur: duckdb.DuckDBPyConnection, days: float, *,
         raise ConfigError(f"--days must be >= 0, got {days:g}")
     at = (now or datetime.now(UTC)) - timedelta(days=days)
     # The runs of a batch that has not finished stay, as in the journal.
-    ended = ("ended_at IS NOT NULL AND ended_at < ? AND run_id NOT IN (SELECT t.run_id "
-             "FROM batch_tasks t JOIN batches b ON b.batch_id = t.batch_id "
-             "WHERE b.status != 'finished' AND t.run_id IS NOT NULL)")
+    unfinished = ("run_id NOT IN (SELECT t.run_id FROM batch_tasks t JOIN batches b "
+                  "ON b.batch_id = t.batch_id WHERE b.status != 'finished' "
+                  "AND t.run_id IS NOT NULL)")
+    ended = f"ended_at IS NOT NULL AND ended_at < ? AND {unfinished}"
     cur.execute("BEGIN TRANSACTION")
     try:
         ev = cur.execute(f"DELETE FROM events WHERE run_id IN (SELECT run_id FROM runs "
                          f"WHERE {ended})", [at]).fetchall()
+        # Null-safe, like SQLite's `!=` on the journal's NOT NULL columns: a mirrored
+        # row with a NULL status or time is not one the journal could keep.
+        cur.execute("DELETE FROM checkpoints WHERE status IS DISTINCT FROM 'running' "
+                    f"AND (updated_at IS NULL OR updated_at < ?) AND {unfinished}", [at])
         rn = cur.execute(f"DELETE FROM runs WHERE {ended}", [at]).fetchall()
+        done = "SELECT batch_id FROM batches WHERE status = 'finished' AND ended_at < ?"
+        cur.execute(f"DELETE FROM batch_tasks WHERE batch_id IN ({done})", [at])
+        cur.execute("DELETE FROM batches WHERE status = 'finished' AND ended_at < ?", [at])
         cur.execute("COMMIT")
     except BaseException:
         cur.execute("ROLLBACK")

@@ -10,9 +10,10 @@ imported inside the commands, so `kernel --help` stays light.
 
 Exit codes: 0 on success; 2 for bad input (a malformed `--since`, an unknown
 or ambiguous run id, a write statement given to `query`, a database that
-opens but is damaged inside, a `--db` that is a directory or a file that is
-not a DuckDB database, ...); 1 when the database cannot be opened (not an
-audit database, locked too long). No database at all is a fresh install,
+opens but is damaged inside, a `--db` that is not an audit database: a
+directory, a file that is not a DuckDB database, a DuckDB database of
+something else, ...); 1 when the database is locked too long. No database
+at all is a fresh install,
 an empty store and a normal state: `runs` and `stats` say "no runs yet",
 `query` runs on the empty tables, `purge`, `sync` and `export` do nothing
 (export writes empty tables), `report` writes an empty page, all exit 0;
@@ -87,7 +88,10 @@ def runs(
     fmt = output.pick(fmt, json_out)
     if status is not None and status not in queries.STATUS_CHOICES:
         _fail(f"--status must be one of {', '.join(queries.STATUS_CHOICES)}, got {status!r}", 2)
+    # A CSV of no runs is its header row alone, as `query --format csv` prints it.
+    headers = (*queries.RUN_LIST_COLUMNS, "short_id")
     if _nothing_yet(db, quiet=ids_only or fmt != "table"):
+        output.print_records(fmt, [], headers)
         return
     with _errors(), _reader(db) as cur:
         found = queries.list_runs(cur, status=status, since=since, limit=limit)
@@ -97,7 +101,7 @@ def runs(
         for r in found:
             print(r["short_id"])
         return
-    if output.print_records(fmt, found):
+    if output.print_records(fmt, found, headers):
         return
     if not found:
         print("no runs")
@@ -208,6 +212,9 @@ def show(
                  f"  steps {_num(run['total_steps'])}"
                  + (" (the command was stopped)" if run["stopped_step"] else "")
                  + f"  tool calls {_num(run['total_tool_calls'])}")
+    usage = _usage_line(run)
+    if usage:
+        lines.append(usage)
     for key in ("reason", "error"):
         if run.get(key):
             lines.append(f"{key:<8} {_one_line(run[key])}")
@@ -350,10 +357,12 @@ def stats(
             raise _config_error(f"--by must be one of {', '.join(queries.STATS_BY)}, "
                                 f"got {by!r}")
         if _nothing_yet(db, quiet=fmt != "table"):
+            output.print_records(fmt, [], queries.STATS_COLUMNS[by])
             return
         with _reader(db) as cur:
             found = queries.stats(cur, by=by, since=since)
-    if output.print_records(fmt, found):
+    # A CSV of no rows is its header row alone, as `query --format csv` prints it.
+    if output.print_records(fmt, found, queries.STATS_COLUMNS[by]):
         return
     if not found:
         print("no runs" if by != "tool" else "no tool calls")
@@ -384,7 +393,9 @@ def query(
     with one line and exit 2, and so does a write inside a SELECT (a CTE's
     DELETE ... RETURNING). With nothing recorded yet it runs on the empty
     tables. JSON output is strict: NaN and Infinity are null, integers keep
-    every digit (HUGEINT too); CSV keeps them as they are.
+    every digit (HUGEINT too), and a JSON column (inputs, payload) is nested
+    JSON; CSV keeps them as they are. The SQL runs in UTC, whatever $TZ is
+    (date_trunc('day', ts) is a UTC day).
 
     JSON lines and CSV are written as DuckDB produces the rows, so a result
     of any size starts at once and takes little memory, and a reader that
@@ -423,8 +434,9 @@ def _stream_out(stream: Any, fmt: str) -> None:
     try:
         if fmt == "json":
             keys = _unique(names)
+            decode = stream.decode_json  # DuckDB JSON values as JSON, not as strings
             for chunk in stream:
-                output.print_lines(dict(zip(keys, r, strict=True)) for r in chunk)
+                output.print_lines(dict(zip(keys, decode(r), strict=True)) for r in chunk)
         else:
             write = output.csv_lines(names)
             for chunk in stream:
@@ -633,8 +645,7 @@ def _export_otlp(endpoint: str, run_ids: list[str], since: timedelta | None,
             runs = stored_runs(cur, run_ids, since)
         spans, failed = send_runs(endpoint, runs)
     if failed:
-        _fail(f"{failed} export request(s) to {endpoint} failed "
-              f"({spans} spans sent)", 1)
+        _fail(f"{failed} ({spans} spans sent)", 1)
     if json_out:
         output.print_doc({"runs": len(runs), "spans": spans, "endpoint": endpoint})
         return
@@ -783,12 +794,37 @@ def _cell(value: Any) -> str:
     if value is None:
         return ""
     if isinstance(value, float):
-        return f"{value:.3f}" if math.isfinite(value) else str(value)
+        return _real(value)
     if isinstance(value, datetime):
         return _when(value)
     if isinstance(value, (dict, list)):
         return json.dumps(value, default=str, ensure_ascii=False)
     return _one_line(str(value))
+
+
+def _real(value: float) -> str:
+    """A float for a table: 3 decimals, or (below 0.1) 3 significant digits, so a cost of
+    $0.00028 shows as 0.00028, not 0.000."""
+    if not math.isfinite(value):
+        return str(value)
+    if value == 0 or abs(value) >= 0.1:
+        return f"{value:.3f}"
+    return f"{value:.3g}"
+
+
+def _usage_line(run: dict[str, Any]) -> str | None:
+    """`usage    tokens 1200 in, 340 out  cost $0.00028`, or None when the run used none."""
+    parts = []
+    tokens = [(run.get(k), word) for k, word in (("input_tokens", "in"),
+                                                  ("output_tokens", "out"),
+                                                  ("thinking_tokens", "thinking"))]
+    if any(n for n, _ in tokens):
+        parts.append("tokens " + ", ".join(f"{n or 0} {word}" for n, word in tokens
+                                           if n or word != "thinking"))
+    cost = run.get("cost_usd")
+    if isinstance(cost, (int, float)) and cost:
+        parts.append(f"cost ${_real(float(cost))}")
+    return f"{'usage':<8} {'  '.join(parts)}" if parts else None
 
 
 def _numeric_columns(data: Sequence[Sequence[Any]]) -> tuple[int, ...]:

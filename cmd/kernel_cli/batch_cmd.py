@@ -467,6 +467,7 @@ class _Args:
 
 def _prepare_new(tasks_file: str, db: str | None, concurrency: int, name: str | None,
                  patterns: list[str]) -> _Args:
+    from adapters.specs import spec_secrets
     from batteries.batch import new_batch_id
     from batteries.checkpoint import stored_spec
     from batteries.redact import env_patterns
@@ -495,6 +496,11 @@ def _prepare_new(tasks_file: str, db: str | None, concurrency: int, name: str | 
     for p in parsed:
         merged.update(p.context)
     redactor = make_redactor(merged, patterns)
+    # The tasks' API keys, whatever their variables are called (`spec_secrets`).
+    keys = {key for p in parsed if p.spec["agent"].get("kind") != "command"
+            for key in spec_secrets(RunSpec.from_dict(p.spec))}
+    if keys:
+        redactor = redactor.with_secrets(sorted(keys))
     batch_id = new_batch_id()
     tasks = []
     quick = not patterns and not env_patterns(os.environ)

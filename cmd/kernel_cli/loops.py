@@ -24,13 +24,17 @@ Reports every problem with its file:line and key path, for example
   loop.yaml:14: states.test.on_no: route target 'fxi' is not a state (did you mean 'fix'?)
 Errors (exit 2): a path that is not a regular file or is over 1 MiB (checked
 before reading), YAML whose aliases expand past 4 MiB or refer to themselves,
-malformed YAML or keys, unknown route targets, a missing or
-unknown initial state, evaluators missing parameters, bad ${...} templates,
-broken sub-loops, from:/import:/fragment: that cannot be resolved. Warnings
+malformed YAML or keys, unknown route targets, a route key naming a verdict
+no evaluator gives (on_sucess: "did you mean 'on_success'?"), a missing or
+unknown initial state, evaluators missing parameters, bad ${...} templates
+(${result.*} outside a route target), broken sub-loops, from:/import:/fragment:
+that cannot be resolved, a dotted --context key into a plain value. Warnings
 (exit 0): unknown keys, little-loops features left out (named), unreachable
-states, raw (unquoted) shell insertion, values used in shell arithmetic,
-bash operators after a loop variable (${x:0:19}: not applied, a run reaching
-one ends error), context variables that must come from --context.
+states, a route the state's evaluator never takes, raw (unquoted) shell
+insertion, values used in shell arithmetic, bash operators on a loop variable
+(${x:0:19}, ${x%%.*}, ${x^^}: not applied, a run reaching one ends error),
+context variables that must come from --context, a --context key the loop
+never reads.
 """
 
 
@@ -94,7 +98,8 @@ def validate(
     context: list[str] | None = typer.Option(
         None, "--context", "-c", metavar="KEY=VALUE",
         help="A context variable the run will get (repeatable); a ${context.x} that "
-             "neither the file nor --context defines is then an error."),
+             "neither the file nor --context defines is then an error, and a key the "
+             "loop never reads a warning. A dotted KEY sets a field: cfg.depth=9."),
     json_out: bool = typer.Option(
         False, "--json", help='Print the report as one JSON document (one line): {"file", '
                               '"ok", "states", "problems": [...]}.'),

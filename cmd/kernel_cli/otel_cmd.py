@@ -37,8 +37,11 @@ def stored_runs(cur: Any, run_ids: Sequence[str], since: timedelta | None) -> li
     return [queries.timeline(cur, run_id) for run_id in ids]
 
 
-def send_runs(endpoint: str, runs: Sequence[Run]) -> tuple[int, int]:
-    """Send `runs` as traces to `endpoint`; returns (spans exported, failed exports).
+def send_runs(endpoint: str, runs: Sequence[Run]) -> tuple[int, str | None]:
+    """Send `runs` as traces to `endpoint`; returns (spans exported, what failed or None).
+
+    An unreachable collector is given up on at its first refused connection
+    (`OTLPTraces`): the export ends within seconds, whatever the number of runs.
 
     Raises:
         ConfigError: A malformed endpoint, or the otel extra is not installed.
@@ -49,6 +52,8 @@ def send_runs(endpoint: str, runs: Sequence[Run]) -> tuple[int, int]:
     try:
         for run, events in runs:
             export_run(traces.tracer, run, events)
+            if traces.unreachable is not None:
+                break  # nothing more can go: the failure says so
     finally:
         traces.shutdown()
-    return traces.exported_spans, traces.failed_exports
+    return traces.exported_spans, traces.failure()

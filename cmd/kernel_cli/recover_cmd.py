@@ -65,13 +65,15 @@ def _recovery(db: str | None, *, json_out: bool, context: list[str] | None = Non
         ConfigError: A malformed --context pair or --redact pattern.
     """
     from adapters import stop_leftover_group
+    from adapters.specs import spec_secrets
     from batteries.recovery import Recovery, Secrets
 
     secrets = Secrets(context=parse_context(context or []), webhooks=tuple(webhooks or ()),
                       base_url=base_url)
     make_redactor({}, redact or [])  # a bad pattern is refused before anything is touched
     return Recovery(db, build=lambda spec: plan_from_spec(spec, quiet=json_out).agent,
-                    stop_group=stop_leftover_group, secrets=secrets, redact=redact or ())
+                    stop_group=stop_leftover_group, secrets=secrets, redact=redact or (),
+                    key_values=spec_secrets)
 
 
 def _fail(message: str) -> None:
@@ -194,8 +196,9 @@ def resume(
             else:
                 _fail(f"run {ids.short_id(saved.run_id)} is still running (pid {saved.pid} on "
                       f"{saved.host})")
-        if len(matches) > 1:
-            ids.pick(run_id, [r.run_id for r in matches])  # raises, naming the candidates
+        if len(matches) > 1:  # one named exactly wins; else refused naming the candidates
+            picked = ids.pick(run_id, [r.run_id for r in matches])
+            matches = [r for r in matches if r.run_id == picked]
         owner = rec.batch_of(matches[0])
         if owner is not None:  # never claimed: its batch resumes it
             from batteries.recovery import batch_refusal

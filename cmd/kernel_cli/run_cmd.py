@@ -20,6 +20,8 @@ import typer
 from .dbopt import DB_HELP, store_option
 
 if TYPE_CHECKING:
+    from typer._click.core import Context as ClickContext  # typer's own click
+
     from kernel import (
         Agent,
         AgentSpec,
@@ -50,6 +52,10 @@ RUN_HELP = """Run CMD (after --), a LOOP.yaml state machine, or an --agent, unde
   kernel run loop.yaml -c dir=src     a YAML state-machine loop
 
 \b
+Everything after -- is the command, even a name ending .yaml; one argument
+ending .yaml or .yml (in any case) before it is a loop file.
+
+\b
 Exit codes: the command's own code when it ended by itself (ok/error);
 124 timeout, 137 killed by the critic, 130 cancelled (Ctrl-C, SIGTERM, SIGHUP, SIGQUIT),
 3 budget_exceeded, 4 max_steps, 5 handoff, 1 error, 2 bad input.
@@ -76,12 +82,31 @@ _OUTPUT = "Output and delivery"
 _STORAGE = "Audit and storage"
 
 
+#: `ctx.meta` key: the arguments that followed `--` (always a command, never a loop file).
+_AFTER_DASHES = "kernel.run.after_dashes"
+
+
+class _RunCommand(typer.core.TyperCommand):
+    """`kernel run`: notes what followed `--`, which click consumes without a trace."""
+
+    def parse_args(self, ctx: ClickContext, args: list[str]) -> list[str]:
+        if "--" in args:
+            ctx.meta[_AFTER_DASHES] = args[args.index("--") + 1:]
+        return super().parse_args(ctx, args)
+
+
 def register(app: typer.Typer) -> None:
     """Add `kernel run` to the app."""
-    app.command("run", help=RUN_HELP)(run)
+    app.command("run", help=RUN_HELP, cls=_RunCommand)(run)
+
+
+def _after_dashes(ctx: typer.Context, args: list[str]) -> bool:
+    """True when `args` are exactly what followed `--` (so: a command, whatever its name)."""
+    return bool(args) and ctx.meta.get(_AFTER_DASHES) == args
 
 
 def run(
+    ctx: typer.Context,
     args: list[str] | None = typer.Argument(
         None, metavar="[-- CMD [ARGS...] | LOOP.yaml]", show_default=False,
         help="The command to run (after --), or a loop file."),
@@ -118,21 +143,24 @@ def run(
     tool_timeout: float | None = typer.Option(
         None, "--tool-timeout", metavar="DURATION", parser=numbers.duration(),
         show_default=False,
-        help="Per tool call (an llm agent's tools): the call returns an error after it; the "
-             "critic waits that long for a call in flight instead of --idle-timeout. "
-             "0 = no bound. [default: 300]",
+        help="Per tool call (an llm agent's tools): the call returns an error after it and "
+             "the run goes on; the critic waits that long plus a grace (a tenth, 5-60 s) for "
+             "a call in flight instead of --idle-timeout. 0 = no bound. [default: 300]",
         rich_help_panel=_CRITIC),
     no_critic: bool = typer.Option(
         False, "--no-critic", help="Run without the critic: only --timeout ends a stuck run.",
         rich_help_panel=_CRITIC),
     max_steps: int | None = typer.Option(
         None, "--max-steps", metavar="N", parser=numbers.count(), show_default=False,
-        help="Step ceiling (the critic may raise it for a progressing run). Exit 4. "
+        help="Step ceiling (the critic may raise it for a progressing run, but not a "
+             "loop's: its max_iterations holds). Exit 4. "
              "[default: 100, or the loop file's max_iterations]",
         rich_help_panel=_LIMITS),
     context: list[str] | None = typer.Option(
         None, "--context", "-c", metavar="KEY=VALUE",
-        help="A context variable (repeatable). Commands see it as $KERNEL_CTX_KEY.",
+        help="A context variable (repeatable). Commands see it as $KERNEL_CTX_KEY; a loop "
+             "reads ${context.KEY} (a dotted KEY sets a field: cfg.depth=9), and warns of "
+             "a KEY it never reads.",
         rich_help_panel=_CONTEXT),
     caller: str | None = typer.Option(
         None, "--caller", metavar="ID",
@@ -240,6 +268,7 @@ def run(
         rich_help_panel=_STORAGE),
 ) -> None:
     """Run one thing, supervised and audited, and exit with its status's code."""
+    from adapters.specs import spec_secrets
     from kernel import ConfigError, Limits, PortSpec, RunSpec
 
     # A scenario only decides simulated verdicts: it never runs a loop for real.
@@ -254,7 +283,11 @@ def run(
         spec = agent_spec(args or [], ctx_vars, agent=agent, model=model, base_url=base_url,
                           prompt=prompt, cmd=cmd, api_key_env=api_key_env,
                           allow_shell=allow_shell, scenario=scenario, target=target,
-                          max_turns=max_turns, price=price)
+                          max_turns=max_turns, price=price,
+                          command=_after_dashes(ctx, list(args or [])))
+        # The agent's API key, whatever its variable is called (`--api-key-env MY_CRED`
+        # does not look secret to the redactor): never stored, even if a server echoes it.
+        redactor = redactor.with_secrets(spec_secrets(spec))
         plan = plan_from_spec(spec, quiet=quiet or json_out, echo_stderr=True)
     except ConfigError as exc:
         _fail(str(exc))
@@ -371,9 +404,14 @@ def agent_spec(args: list[str], ctx_vars: dict[str, str], *, agent: str | None,
                model: str | None, base_url: str | None, prompt: str | None, cmd: str | None,
                api_key_env: str | None, allow_shell: bool, scenario: str | None,
                target: str | None = None, max_turns: int | None = None,
-               price: tuple[float, float] | None = None,
+               price: tuple[float, float] | None = None, command: bool = False,
                ) -> CommandSpec | LoopSpec | AgentSpec:
-    """What to run, from the options (kept in the run spec, for `kernel resume`)."""
+    """What to run, from the options (kept in the run spec, for `kernel resume`).
+
+    `command`: the arguments came after `--`, so they are a command even when the
+    first names a `.yaml` file; otherwise one argument ending `.yaml`/`.yml` (in
+    any case) is a loop file.
+    """
     from kernel import AgentSpec, CommandSpec, ConfigError, LoopSpec
 
     if agent is not None:
@@ -388,13 +426,14 @@ def agent_spec(args: list[str], ctx_vars: dict[str, str], *, agent: str | None,
         raise ConfigError("--max-turns is for --agent claude")
     if not args:
         raise ConfigError("nothing to run: give -- CMD [ARGS...], a LOOP.yaml, or --agent KIND")
-    if len(args) == 1 and args[0].endswith((".yaml", ".yml")):
+    looks_like_loop = not command and args[0].lower().endswith((".yaml", ".yml"))
+    if looks_like_loop and len(args) == 1:
         path = args[0]
         if not Path(path).exists():  # the loader refuses FIFOs, devices, directories
             raise ConfigError(f"loop file not found: {path}")
         return LoopSpec(path=str(Path(path).resolve()), context=ctx_vars, scenario=scenario,
                         model=model, base_url=base_url, api_key_env=api_key_env, price=price)
-    if (args[0].endswith((".yaml", ".yml")) and Path(args[0]).is_file()
+    if (looks_like_loop and Path(args[0]).is_file()
             and not os.access(args[0], os.X_OK)):
         raise ConfigError(f"a loop file runs alone: {args[0]} was given with "
                           f"{shlex.join(args[1:])!r} (context goes in -c KEY=VALUE)")
@@ -673,8 +712,11 @@ def _report(result: Result, code: int, *, json_out: bool, echo_output: bool,
     # Always, terminal or not: the short id is how a person finds the run again.
     why = result.error or result.reason
     steps = f"{result.steps} step(s)"
-    if command and result.steps == 0 and result.status in (
-            Status.TIMEOUT, Status.KILLED, Status.CANCELLED):
+    stopped = result.status in (Status.TIMEOUT, Status.KILLED, Status.CANCELLED) or (
+        # A usage cap cut it (not a budget that refused it before it started).
+        result.status is Status.BUDGET_EXCEEDED and result.reason is not None
+        and result.reason.startswith("max_"))
+    if command and result.steps == 0 and stopped:
         # A command is one step: it ran and was stopped, so none completed (as the
         # audit's `steps` and --json say).
         steps = "0 steps (the command was stopped)"

@@ -407,27 +407,29 @@ class TestLLMAgentRun:
             "user", "assistant", "tool", "user"]
         assert chat_server.messages(1)[-1]["content"] == "Stop reading files and answer."
 
-    async def test_read_timeout_is_retried(self, chat_server: ChatServer,
-                                           tmp_path: Path) -> None:
-        """An answer slower than the read timeout is abandoned and the call retried."""
+    async def test_read_timeout_is_not_sent_again(self, chat_server: ChatServer,
+                                                  tmp_path: Path) -> None:
+        """An answer slower than a host's read timeout ends the call, and the request is not
+        sent again: the server may be working on it (and billing it)."""
         chat_server.script(Reply(completion("late"), delay=1.0), completion("prompt"))
         audit = MemoryAudit()
         agent = make_agent(chat_server, tmp_path, read_timeout=0.3, backoff=0.01)
         result = await Kernel(Ports(audit=audit)).run(agent, RunInfo(), FAST)
-        assert result.status is Status.OK and result.output == "prompt"
-        retry = next(e for e in audit.events(result.run_id) if e.kind == "model_retry")
-        assert retry.payload["reason"].startswith("ReadTimeout")
-        assert retry.payload["status"] is None
+        assert result.status is Status.ERROR
+        assert result.error is not None and "not sent again" in result.error
+        assert "model_retry" not in audit.kinds(result.run_id)
+        assert len(chat_server.requests) == 1
 
     async def test_bad_tool_arguments_are_fed_back(self, chat_server: ChatServer,
                                                    tmp_path: Path) -> None:
-        """Arguments that are not JSON are not run; the model is told why and carries on."""
+        """Arguments that are not JSON are not run; the model is told why and carries on.
+        The call still counts (a call with an error result, shown to the critic)."""
         chat_server.script(completion(None, call("c1", "read_file", '{"path": "a.txt"')),
                            completion("sorry"))
         audit = MemoryAudit()
         result = await Kernel(Ports(audit=audit)).run(make_agent(chat_server, tmp_path),
                                                       RunInfo(), FAST)
-        assert result.status is Status.OK and result.tool_calls == 0
+        assert result.status is Status.OK and result.tool_calls == 1
         tool_msg = chat_server.messages(1)[-1]
         assert tool_msg["tool_call_id"] == "c1"
         assert tool_msg["content"].startswith(
@@ -619,7 +621,7 @@ class TestLLMAgentUnits:
         from kernel import Checkpoint
 
         agent = LLMAgent("m", "p", client=ChatClient("http://127.0.0.1:9/v1"), cwd=tmp_path)
-        result = await Kernel().run(agent, RunInfo(), Limits(timeout=5),
+        result = await Kernel().run(agent, RunInfo(run_id="r"), Limits(timeout=5),
                                     resume=Checkpoint("r", 1, {"calls": 3}))
         assert result.status is Status.ERROR
         assert "checkpoint state is not an LLM conversation" in (result.error or "")

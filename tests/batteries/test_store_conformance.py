@@ -390,7 +390,8 @@ class TestAudit:
             rec.log_event("a")
             rec.log_event("b")
             await audit.flush()
-            again = await audit.start_run(info)
+            # (Said to be a resume: a second open recorder of a run is otherwise refused.)
+            again = await audit.start_run(info, resumed=True)
             again.log_event("c")
             await audit.flush()
         with store.changes(0, 0) as ch:

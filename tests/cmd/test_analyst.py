@@ -178,7 +178,8 @@ class TestShow:
         ("abc", f"is ambiguous: it matches a1b2c3d4 ({A}), a1b2ffff ({B})"),
         ("a1b2", "is ambiguous: it matches a1b2c3d4"),
         ("fff", "no run matches 'fff'"),
-        ("not-hex!", "a run id is a short id (8 hex digits), a full id or 'last'"),
+        ("not-hex!", "no run matches 'not-hex!'"),
+        ("a/b", "a run id is a short id (8 hex digits), a full id or 'last'"),
     ])
     def test_bad_ids_are_one_line_and_exit_2(self, db: Path, prefix: str,
                                              fragment: str) -> None:

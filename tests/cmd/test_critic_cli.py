@@ -29,10 +29,20 @@ def kernel(exe: str, env: dict[str, str], *args: str, timeout: float = 30
 
 class TestMakeCritic:
     def test_defaults_are_the_policy_defaults(self) -> None:
-        """With no flags, `kernel run` gets a WatchCritic with CriticPolicy's defaults."""
+        """With no flags, `kernel run` gets a WatchCritic with CriticPolicy's defaults, but
+        for its bound on a tool in flight: a grace past the kernel's default tool timeout,
+        so that timeout's error result answers first."""
+        import dataclasses
+
+        from batteries.runner import tool_timeout_grace
+        from kernel import Limits
+
         critic = _make_critic(PortOptions())
         assert isinstance(critic, WatchCritic)
-        assert critic.policy == CriticPolicy()
+        tool = Limits().tool_timeout
+        assert tool is not None
+        assert critic.policy == dataclasses.replace(
+            CriticPolicy(), tool_timeout=tool + tool_timeout_grace(tool))
         assert (critic.policy.soft_timeout, critic.policy.idle_timeout) == (600, 300)
 
     def test_flags_set_the_thresholds(self) -> None:

@@ -83,15 +83,17 @@ class TestCost:
         """A caller whose budget caps cost cannot run a model the kernel cannot price:
         refused before the first call (budget_exceeded, exit 3, saying --price; it was
         admitted by the budget first, so it counts as one of their runs, costing 0).
-        Priced, the run goes and is charged; once the cost is spent the next run is
-        refused by the budget itself."""
+        Priced, the run goes and is charged: its one answer costs $0.007, over the
+        $0.005 left, so it ends budget_exceeded with its output (caps are checked after
+        the last step too); the cost spent, the next run is refused by the budget itself."""
         assert kernel("budget", "set", "ann", "--cost", "0.005").returncode == 0
         doc = llm(kernel, server, "--caller", "ann")
         assert doc["status"] == "budget_exceeded"
         assert "cost budget" in doc["error"] and "--price" in doc["error"]
         assert _Priced.calls == 0
         doc = llm(kernel, server, "--caller", "ann", "--price", "1000,2000")
-        assert (doc["status"], _Priced.calls) == ("ok", 1)
+        assert (doc["status"], doc["reason"], doc["output"], _Priced.calls) == (
+            "budget_exceeded", "max_cost_usd", "done", 1)
         doc = llm(kernel, server, "--caller", "ann", "--price", "1000,2000")
         assert doc["status"] == "budget_exceeded"
         assert "used $0.007 of $0.005 cost in the last 24h" in doc["error"]

@@ -37,7 +37,7 @@ states:
 class ChatServer:
     """A chat-completions endpoint on 127.0.0.1 answering with a scripted message."""
 
-    def __init__(self, content: str) -> None:
+    def __init__(self, content: str, delay: float = 0.0) -> None:
         self.content = content
         self.requests: list[dict[str, object]] = []
         server = self
@@ -46,6 +46,8 @@ class ChatServer:
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["content-length"])))
                 server.requests.append(body)
+                if delay:
+                    threading.Event().wait(delay)  # a model thinking (slower than idle)
                 answer = json.dumps({
                     "id": "c1", "object": "chat.completion", "model": body["model"],
                     "choices": [{"index": 0, "finish_reason": "stop",
@@ -70,8 +72,8 @@ def chat() -> Iterator[type[ChatServer]]:
     made: list[ChatServer] = []
 
     class Made(ChatServer):
-        def __init__(self, content: str) -> None:
-            super().__init__(content)
+        def __init__(self, content: str, delay: float = 0.0) -> None:
+            super().__init__(content, delay)
             made.append(self)
 
     yield Made
@@ -102,6 +104,26 @@ class TestLoopJudge:
         assert isinstance(messages, list)
         assert "all 12 tests passed" in messages[1]["content"]
         assert "Did the tests pass?" in messages[1]["content"]
+
+    def test_a_slow_judge_is_a_model_request_not_a_stall(
+            self, chat: type[ChatServer], kernel_exe: str, cli_env: dict[str, str],
+            tmp_path: Path) -> None:
+        """A judge call slower than --idle-timeout is work in flight (the critic's
+        model_timeout bounds it), and it is audited as a `model_call`."""
+        server = chat('{"verdict": "yes"}', delay=3.0)
+        loop = tmp_path / "judged.yaml"
+        loop.write_text(LOOP)
+        proc = subprocess.run(
+            [kernel_exe, "run", "--json", str(loop), "--model", "judge-1", "--base-url",
+             server.url, "--idle-timeout", "1"], capture_output=True, text=True,
+            env=cli_env, timeout=120)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        run_id = json.loads(proc.stdout)["run_id"]
+        shown = json.loads(subprocess.run([kernel_exe, "show", run_id, "--json"],
+                                          capture_output=True, text=True, env=cli_env,
+                                          timeout=60).stdout)
+        calls = [e for e in shown["events"] if e["kind"] == "model_call"]
+        assert len(calls) == 1 and calls[0]["payload"].get("judge") is True, calls
 
     def test_no_model_is_an_error_verdict(self, kernel_exe: str, cli_env: dict[str, str],
                                           tmp_path: Path) -> None:

@@ -391,7 +391,7 @@ class TestAttackCorpus:
         rows = kernel(kernel_exe, cli_env, "query", "--format", "json",
                       f"SELECT kind, payload FROM events WHERE run_id = '{run_id}' "
                       "AND kind IN ('output', 'run_end') ORDER BY seq").stdout.splitlines()
-        stored = [(r["kind"], json.loads(r["payload"])) for r in map(json.loads, rows)]
+        stored = [(r["kind"], r["payload"]) for r in map(json.loads, rows)]  # JSON, nested
         assert [p.get("line") for k, p in stored if k == "output"] == [
             "error: key file must start with [REDACTED:private_key_start]", "building",
             "tests passed: 42"]

@@ -22,7 +22,7 @@ from kernel import (
     Usage,
     UsageLimits,
 )
-from kernel.testing import Hang, MemoryAudit, RecordingBudget, ScriptedAgent
+from kernel.testing import Hang, MemoryAudit, RecordingBudget, ScriptedAgent, ScriptedCritic
 
 PRICEY = Usage(input_tokens=10, output_tokens=10, cost_usd=0.40)
 
@@ -123,3 +123,26 @@ class TestMisuseOfRun:
                                                message: str) -> None:
         with pytest.raises(TypeError, match=message):
             await Kernel().run(ScriptedAgent(), **kwargs)
+
+
+class _Bounded(ScriptedAgent):
+    """`SupportsFixedCeiling`: a loop file's max_iterations."""
+
+    fixed_max_steps = True
+
+
+class TestFixedCeiling:
+    async def test_a_critic_cannot_raise_an_agents_fixed_ceiling(
+            self, autojump_clock: trio.abc.Clock) -> None:
+        critic = ScriptedCritic(max_steps=50)  # a progressing run: the critic raises it
+        result = await Kernel(Ports(critic=critic)).run(
+            _Bounded(then=Step()), RunInfo(), Limits(max_steps=5))
+        assert (result.status, result.steps) == (Status.MAX_STEPS, 5)
+        assert result.reason == "step ceiling of 5 reached"
+
+    async def test_any_other_agents_ceiling_is_raised(self,
+                                                      autojump_clock: trio.abc.Clock) -> None:
+        critic = ScriptedCritic(max_steps=8)
+        result = await Kernel(Ports(critic=critic)).run(
+            ScriptedAgent(then=Step()), RunInfo(), Limits(max_steps=5))
+        assert (result.status, result.steps) == (Status.MAX_STEPS, 8)
