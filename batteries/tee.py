@@ -5,7 +5,17 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kernel import Audit, AuditError, RunInfo, RunRecorder, RunStats, Step, ToolResult
+from kernel import (
+    Audit,
+    AuditError,
+    ConfigError,
+    RunInfo,
+    RunRecorder,
+    RunStats,
+    Step,
+    ToolResult,
+    takes_resumed,
+)
 
 
 class TeeAudit:
@@ -21,13 +31,24 @@ class TeeAudit:
     def __init__(self, *audits: Audit) -> None:
         self.audits = list(audits)
 
-    async def start_run(self, info: RunInfo) -> RunRecorder | None:
-        """Start the run in every audit; None when none of them records it."""
+    async def start_run(self, info: RunInfo, *,
+                        resumed: bool | None = None) -> RunRecorder | None:
+        """Start the run in every audit; None when none of them records it.
+
+        `resumed` (`kernel.SupportsResumedStart`) goes to the audits that take
+        it; a refusal by one of them (`ConfigError`) refuses the run.
+        """
         recorders: list[tuple[str, RunRecorder]] = []
         errors: list[str] = []
         for audit in self.audits:
             try:
-                rec = await audit.start_run(info)
+                if resumed is not None and takes_resumed(audit):
+                    told: Any = audit
+                    rec = await told.start_run(info, resumed=resumed)
+                else:
+                    rec = await audit.start_run(info)
+            except ConfigError:
+                raise  # the run is refused (its id names another run): not an observer's fault
             except Exception as exc:
                 errors.append(f"{type(audit).__name__}: {type(exc).__name__}: {exc}")
                 continue

@@ -54,6 +54,7 @@ from .ports import SupportsFixedCeiling as SupportsFixedCeiling
 from .ports import SupportsNextLook as SupportsNextLook
 from .ports import SupportsPricing as SupportsPricing
 from .ports import SupportsProcesses as SupportsProcesses
+from .ports import SupportsResumedStart as SupportsResumedStart
 from .ports import SupportsRunBudget as SupportsRunBudget
 from .ports import SupportsSimulate as SupportsSimulate
 from .ports import SupportsSnapshot as SupportsSnapshot
@@ -61,6 +62,7 @@ from .ports import SupportsSteer as SupportsSteer
 from .ports import SupportsStepEnd as SupportsStepEnd
 from .ports import SupportsToolEnd as SupportsToolEnd
 from .ports import SupportsTools as SupportsTools
+from .ports import takes_resumed as takes_resumed
 
 if _TYPE_CHECKING:
     from ._context import RunContext as RunContext
@@ -127,6 +129,7 @@ __all__ = [
     "SupportsNextLook",
     "SupportsPricing",
     "SupportsProcesses",
+    "SupportsResumedStart",
     "SupportsRunBudget",
     "SupportsSimulate",
     "SupportsSnapshot",
@@ -139,4 +142,5 @@ __all__ = [
     "Usage",
     "UsageLimits",
     "new_run_id",
+    "takes_resumed",
 ]

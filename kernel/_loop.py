@@ -51,6 +51,7 @@ from ._types import (
     UsageLimits,
 )
 from ._watch import Watcher
+from .errors import ConfigError
 from .ports import (
     Agent,
     Audit,
@@ -63,6 +64,7 @@ from .ports import (
     Delivery,
     Ports,
     RunRecorder,
+    takes_resumed,
 )
 
 # Library code logs through the standard `logging` module under `kernel.*`; the
@@ -647,11 +649,21 @@ class _Run:
         info, limits = self.info, self.limits
         refused: str | None = None
         budget_cost: float | None = None  # the cost left in the caller's budget, if capped
-        if self.audit is not None:
+        audit = self.audit
+        if audit is not None:
             try:
-                rec = await self.audit.start_run(info)
+                if takes_resumed(audit):  # SupportsResumedStart
+                    told: Any = audit
+                    rec = await told.start_run(info, resumed=self.resume is not None)
+                else:
+                    rec = await audit.start_run(info)
                 if rec is not None:
                     self.recorder = rec
+            except ConfigError as exc:
+                # The audit refused the run (its id already names a run): nothing of it
+                # is recorded, and nothing runs (nor is it counted against a budget).
+                self._end(Status.ERROR, error=str(exc))
+                return "refused"
             except Exception as exc:
                 self.fault("audit", "start_run", exc)
         if self.budget is not None:

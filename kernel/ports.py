@@ -203,6 +203,45 @@ class Audit(Protocol):
         """Register the run and return its recorder."""
 
 
+class SupportsResumedStart(Protocol):
+    """An audit told whether a run it starts is a resume (optional, beside `Audit`).
+
+    **Protocol:** when its `start_run` takes a keyword `resumed` (looked up
+    once per class, `takes_resumed`), the kernel calls `start_run(info,
+    resumed=...)`: True for a run resumed from a checkpoint (its record
+    continues), False for a fresh run. A fresh run whose id already names a
+    run should be refused with `ConfigError`: the kernel then ends it `error`
+    with that message before its first step (and before its budget check),
+    and the earlier run's record stays as it was. Any other exception is an
+    observer's failure, as for `start_run`. A wrapper of other audits takes
+    it and passes it on to those that take it.
+    """
+
+    async def start_run(self, info: RunInfo, *,
+                        resumed: bool | None = None) -> RunRecorder | None:
+        """Register the run (a resume, a fresh run, or None: not said) and return its recorder."""
+
+
+_TAKES_RESUMED: dict[type, bool] = {}
+
+
+def takes_resumed(audit: object) -> bool:
+    """Whether `audit.start_run` takes `resumed=` (`SupportsResumedStart`), once per class."""
+    cls = type(audit)
+    found = _TAKES_RESUMED.get(cls)
+    if found is None:
+        import inspect
+
+        try:
+            params = inspect.signature(cls.start_run).parameters  # type: ignore[attr-defined]
+        except (AttributeError, TypeError, ValueError):
+            params = {}  # type: ignore[assignment]
+        param = params.get("resumed")
+        found = _TAKES_RESUMED[cls] = param is not None and param.kind in (
+            inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return found
+
+
 class BudgetRefused(Exception):
     """Raised by `Budget.check` to refuse a run; the message says which budget."""
 

@@ -40,6 +40,7 @@ from ._types import (
     Usage,
     UsageLimits,
 )
+from .errors import ConfigError
 from .ports import BudgetRefused, Checkpoint, EventSink
 
 __all__ = [
@@ -172,9 +173,16 @@ class MemoryAudit:
         self._events: dict[str, list[AuditEvent]] = {}
         self.recorders: list[MemoryRecorder] = []
 
-    async def start_run(self, info: RunInfo) -> MemoryRecorder:
-        """Open (or, for a resumed run, reopen) the run and write `run_start`."""
+    async def start_run(self, info: RunInfo, *, resumed: bool | None = None) -> MemoryRecorder:
+        """Open (or, for a resumed run, reopen) the run and write `run_start`.
+
+        Raises:
+            ConfigError: `resumed=False` (a fresh run) under an id that names a run.
+        """
         await trio.lowlevel.checkpoint()
+        if resumed is False and info.run_id in self.runs:
+            raise ConfigError(f"run_id {info.run_id!r} already names a run: a run id names "
+                              "one run (give the new run its own RunInfo)")
         resumed = info.run_id in self.runs
         if not resumed:
             self.runs[info.run_id] = RunRow(info, started_at=time.time())

@@ -145,6 +145,10 @@ class JournalAudit:
             `Redactor.from_env()`: the token shapes, the values of secret-named
             environment variables, `$KERNEL_REDACT`). See `batteries.redact`.
 
+    `start_run` takes `resumed=` (`kernel.SupportsResumedStart`): the kernel
+    says whether each run it starts is a resume, so a fresh run reusing an
+    id is refused before it runs.
+
     Raises:
         ConfigError: An environment variable holds a bad value.
     """

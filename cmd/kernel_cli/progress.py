@@ -15,7 +15,7 @@ from typing import Any
 
 import trio
 
-from kernel import Audit, RunInfo, RunRecorder, RunStats, Step, ToolResult
+from kernel import Audit, RunInfo, RunRecorder, RunStats, Step, ToolResult, takes_resumed
 
 
 class Progress:
@@ -95,8 +95,15 @@ class ProgressAudit:
         self.inner = inner
         self.progress = progress
 
-    async def start_run(self, info: RunInfo) -> RunRecorder | None:
-        rec = await self.inner.start_run(info) if self.inner is not None else None
+    async def start_run(self, info: RunInfo, *,
+                        resumed: bool | None = None) -> RunRecorder | None:
+        inner: Any = self.inner
+        if inner is None:
+            rec = None
+        elif resumed is not None and takes_resumed(inner):  # kernel.SupportsResumedStart
+            rec = await inner.start_run(info, resumed=resumed)
+        else:
+            rec = await inner.start_run(info)
         return ProgressRecorder(self.progress, rec)
 
 

@@ -652,8 +652,13 @@ class _ReasonAudit:
         self.inner = inner
         self.why = why
 
-    async def start_run(self, info: RunInfo) -> RunRecorder | None:
-        rec = await self.inner.start_run(info)
+    async def start_run(self, info: RunInfo, *,
+                        resumed: bool | None = None) -> RunRecorder | None:
+        from kernel import takes_resumed  # kernel.SupportsResumedStart, passed on
+
+        inner: Any = self.inner
+        rec = (await inner.start_run(info, resumed=resumed)
+               if resumed is not None and takes_resumed(inner) else await inner.start_run(info))
         return None if rec is None else _ReasonRecorder(rec, self.why)
 
 

@@ -56,9 +56,10 @@ class TestRunIdReuse:
 
         first, second = trio.run(go)
         assert first.status is Status.OK  # type: ignore[attr-defined]
-        failures = second.port_failures  # type: ignore[attr-defined]
-        assert [(f.port, f.method) for f in failures] == [("audit", "close")]
-        assert "already names a run that ended ok" in failures[0].error
+        # The kernel tells the audit the second is a fresh run: refused before it runs.
+        assert second.status is Status.ERROR  # type: ignore[attr-defined]
+        assert (second.steps, second.port_failures) == (0, [])  # type: ignore[attr-defined]
+        assert "already names a run that ended ok" in second.error  # type: ignore[attr-defined]
         assert rows(db, "select output, steps from runs") == [("first", 1)]
         assert [k for (k,) in rows(db, "select kind from events order by seq")] == [
             "run_start", "step", "run_end"]
@@ -135,7 +136,8 @@ class TestRunIdReuse:
 
         assert trio.run(once, "first").status is Status.OK  # type: ignore[attr-defined]
         second = trio.run(once, "second")
-        assert [f.method for f in second.port_failures] == ["close"]  # type: ignore[attr-defined]
+        assert second.status is Status.ERROR  # type: ignore[attr-defined]
+        assert "'job-42' already names a run" in second.error  # type: ignore[attr-defined]
         assert rows(db, "select output from runs") == [("first",)]
 
 

@@ -11,7 +11,7 @@ import pytest
 import trio
 import trio.lowlevel
 
-from kernel import Kernel, Limits, Ports, RunContext, RunInfo, Status, Step, ToolCall
+from kernel import Checkpoint, Kernel, Limits, Ports, RunContext, RunInfo, Status, Step, ToolCall
 from kernel import Usage as U
 from kernel.testing import MemoryAudit, RecordingCheckpointer, ScriptedCritic
 
@@ -141,9 +141,14 @@ class TestOneRunOneId:
         refused = next(r for r in results if r.status is Status.ERROR)
         assert "is already running in this kernel" in (refused.error or "")
         assert audit.kinds(info.run_id).count("run_start") == 1
-        # Once it ended, the id may run again (a resume).
+        # Once it ended, the id names that run: a fresh run under it is refused (nothing
+        # recorded), and a resume from its checkpoint continues it.
         again = await kernel.run(Shaped(Step(final=True)), info)
-        assert again.status is Status.OK
+        assert again.status is Status.ERROR and "already names a run" in (again.error or "")
+        assert audit.kinds(info.run_id).count("run_start") == 1
+        resumed = await kernel.run(Shaped(Step(final=True)), info,
+                                   resume=Checkpoint(info.run_id, 1, {}))
+        assert resumed.status is Status.OK
 
     async def test_a_child_given_its_parents_info_gets_an_id_of_its_own(
             self, autojump_clock: trio.abc.Clock) -> None:

@@ -21,6 +21,7 @@ from kernel import (
     ToolCall,
     Usage,
     UsageLimits,
+    takes_resumed,
 )
 from kernel.testing import Hang, MemoryAudit, RecordingBudget, ScriptedAgent, ScriptedCritic
 
@@ -146,3 +147,43 @@ class TestFixedCeiling:
         result = await Kernel(Ports(critic=critic)).run(
             ScriptedAgent(then=Step()), RunInfo(), Limits(max_steps=5))
         assert (result.status, result.steps) == (Status.MAX_STEPS, 8)
+
+
+class TestAFreshRunUnderAnIdInUse:
+    """`SupportsResumedStart`: the kernel tells the audit whether a run resumes, and a
+    fresh run under an id that names a run is refused before it runs."""
+
+    async def test_refused_before_its_budget_and_first_step(
+            self, autojump_clock: trio.abc.Clock) -> None:
+        audit, budget = MemoryAudit(), RecordingBudget()
+        kernel = Kernel(Ports(audit=audit, budget=budget))
+        info = RunInfo(name="reused", caller_id="c")
+        assert (await kernel.run(ScriptedAgent(), info)).status is Status.OK
+        agent = ScriptedAgent()
+        again = await kernel.run(agent, info)
+        assert (again.status, again.steps, agent.calls) == (Status.ERROR, 0, 0)
+        assert "already names a run" in (again.error or "")
+        assert budget.checks == ["c"]  # the refused run never reached the budget
+        assert audit.kinds(info.run_id) == ["run_start", "step", "run_end"]
+
+    async def test_an_audit_that_does_not_take_it_is_called_as_before(
+            self, autojump_clock: trio.abc.Clock) -> None:
+        class Plain(MemoryAudit):
+            async def start_run(self, info: RunInfo) -> Any:  # type: ignore[override]
+                return await super().start_run(info)
+
+        assert not takes_resumed(Plain()) and takes_resumed(MemoryAudit())
+        kernel = Kernel(Ports(audit=Plain()))
+        info = RunInfo()
+        assert (await kernel.run(ScriptedAgent(), info)).status is Status.OK
+        assert (await kernel.run(ScriptedAgent(), info)).status is Status.OK  # not told
+
+    async def test_a_tee_passes_it_on(self, autojump_clock: trio.abc.Clock) -> None:
+        from batteries.tee import TeeAudit
+
+        first = MemoryAudit()
+        kernel = Kernel(Ports(audit=TeeAudit(first, MemoryAudit())))
+        info = RunInfo()
+        assert (await kernel.run(ScriptedAgent(), info)).status is Status.OK
+        again = await kernel.run(ScriptedAgent(), info)
+        assert again.status is Status.ERROR and not again.port_failures
