@@ -497,6 +497,9 @@ class _Run:
             await self.finalize(commit_budget=False)
             raise
 
+        if refused == "taken":
+            active.discard(info.run_id)
+            return self.result()
         if refused:
             # A run the budget admitted is settled (at what it used: nothing).
             return await self.finalize(commit_budget=refused == "admitted")
@@ -638,8 +641,9 @@ class _Run:
 
     async def open_run(self) -> str | None:
         """The audit's start, then the budget check; None when the run may go, else
-        "refused" (by the budget, or a check that failed) or "admitted" (the budget let
-        it in, but it cannot be held to its cost cap: its agent cannot price its calls).
+        "refused" (by the budget, or a check that failed), "admitted" (the budget let
+        it in, but it cannot be held to its cost cap: its agent cannot price its calls)
+        or "taken" (the audit refused it: its id already names a run).
 
         The start first: with stores that share a journal, the run's row and
         `run_start` then ride in the budget's reservation, durable before the
@@ -661,9 +665,10 @@ class _Run:
                     self.recorder = rec
             except ConfigError as exc:
                 # The audit refused the run (its id already names a run): nothing of it
-                # is recorded, and nothing runs (nor is it counted against a budget).
+                # is recorded, nothing runs, and no port hears of it (`taken`): the
+                # checkpointer's and budget's rows under that id are the other run's.
                 self._end(Status.ERROR, error=str(exc))
-                return "refused"
+                return "taken"
             except Exception as exc:
                 self.fault("audit", "start_run", exc)
         if self.budget is not None:

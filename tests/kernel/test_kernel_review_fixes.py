@@ -23,7 +23,14 @@ from kernel import (
     UsageLimits,
     takes_resumed,
 )
-from kernel.testing import Hang, MemoryAudit, RecordingBudget, ScriptedAgent, ScriptedCritic
+from kernel.testing import (
+    Hang,
+    MemoryAudit,
+    RecordingBudget,
+    RecordingCheckpointer,
+    ScriptedAgent,
+    ScriptedCritic,
+)
 
 PRICEY = Usage(input_tokens=10, output_tokens=10, cost_usd=0.40)
 
@@ -165,6 +172,23 @@ class TestAFreshRunUnderAnIdInUse:
         assert "already names a run" in (again.error or "")
         assert budget.checks == ["c"]  # the refused run never reached the budget
         assert audit.kinds(info.run_id) == ["run_start", "step", "run_end"]
+
+    async def test_the_earlier_runs_checkpoint_and_budget_are_untouched(
+            self, autojump_clock: trio.abc.Clock) -> None:
+        """The earlier run was interrupted (resumable): a fresh run refused under its id
+        neither fails its checkpoint nor settles anything, and the resume still goes."""
+        audit, budget, cp = MemoryAudit(), RecordingBudget(), RecordingCheckpointer()
+        kernel = Kernel(Ports(audit=audit, budget=budget, checkpointer=cp))
+        info = RunInfo(caller_id="c")
+        with trio.move_on_after(5):
+            await kernel.run(ScriptedAgent([Step()], then=Hang()), info)  # cancelled
+        saved = cp.latest(info.run_id)
+        assert saved is not None
+        refused = await kernel.run(ScriptedAgent(), info)
+        assert refused.status is Status.ERROR
+        assert (cp.latest(info.run_id), cp.failed, len(budget.commits)) == (saved, [], 1)
+        resumed = await kernel.run(ScriptedAgent(), info, resume=saved)
+        assert resumed.status is Status.OK
 
     async def test_an_audit_that_does_not_take_it_is_called_as_before(
             self, autojump_clock: trio.abc.Clock) -> None:
