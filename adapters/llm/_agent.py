@@ -42,6 +42,7 @@ still bind.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -110,6 +111,59 @@ def completion_usage(comp: Completion, price: Price | None,
         inp, out = max(inp, est_in), max(out + think, est_out) - think
     cost = price.cost(inp, out + think) if price is not None else comp.cost_usd or 0.0
     return Usage(inp, out, think, cost)
+
+
+async def audited_call(client: ChatClient, request: Mapping[str, Any], ctx: RunContext | None,
+                       *, model: str, usage_of: Callable[[Completion], Usage],
+                       cost_known: Callable[[Completion], bool],
+                       extra: Mapping[str, Any] | None = None,
+                       outcome: Callable[[Completion], Mapping[str, Any]] | None = None,
+                       ) -> tuple[Completion, Usage]:
+    """One model call as the run sees it: in flight (`model_request`), each retry a
+    `model_retry` event, its outcome a `model_call` event (with `extra` in every
+    event and `outcome(completion)` in a successful call's), and no
+    retry wait past the run's deadline; the error of a failed call scrubbed of the
+    key. Without `ctx` (a judge called outside a run) the same call, unaudited.
+
+    Raises:
+        LLMError: The call failed (after its retries), or its answer is malformed.
+    """
+    more = dict(extra or {})
+
+    def on_retry(r: Retry) -> None:
+        if ctx is not None:
+            ctx.event("model_retry", name=model, payload={
+                "attempt": r.attempt, "reason": r.reason, "status": r.status_code,
+                "wait_ms": round(r.wait_s * 1000, 1), **more})
+
+    if ctx is not None:
+        ctx.activity("model_request")  # in flight: judged by the critic's model_timeout
+    try:
+        data, call = await client.complete(
+            request, deadline=ctx.deadline if ctx is not None else math.inf,
+            on_retry=on_retry)
+        comp = parse_completion(data, client.display_url)
+    except LLMError as exc:
+        exc.args = (client.scrub(str(exc)),)  # a server may echo the key
+        if ctx is not None:
+            ctx.event("model_call", name=model, payload={
+                "model": model, "url": client.display_url, "error": str(exc),
+                "status": getattr(exc, "status_code", None),
+                "attempts": getattr(exc, "attempts", None), **more})
+        raise
+    usage = usage_of(comp)
+    if ctx is not None:
+        ctx.event("model_call", name=model, duration_ms=call.latency_s * 1000, payload={
+            "model": model, "served_by": comp.model, "url": client.display_url,
+            "status": call.status_code, "attempts": call.attempts, "retries": call.attempts - 1,
+            "latency_ms": round(call.latency_s * 1000, 1),
+            "waited_ms": round(call.waited_s * 1000, 1),
+            "input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens,
+            "thinking_tokens": usage.thinking_tokens, "cost_usd": usage.cost_usd,
+            "cost_known": cost_known(comp), "usage_known": comp.usage_known,
+            "finish_reason": comp.finish_reason, **more,
+            **(outcome(comp) if outcome is not None else {})})
+    return comp, usage
 
 
 def estimate_tokens(request: Mapping[str, Any], comp: Completion) -> tuple[int, int]:
@@ -262,35 +316,12 @@ class LLMAgent:
         for m in ctx.steer:
             self.messages.append({"role": "user", "content": m.content})
 
-        def on_retry(r: Retry) -> None:
-            ctx.event("model_retry", name=self.model, payload={
-                "attempt": r.attempt, "reason": r.reason, "status": r.status_code,
-                "wait_ms": round(r.wait_s * 1000, 1)})
-
         request = self._request()
-        ctx.activity("model_request")  # in flight: judged by the critic's model_timeout
-        try:
-            data, call = await self.client.complete(request, deadline=ctx.deadline,
-                                                    on_retry=on_retry)
-            comp = parse_completion(data, self.client.display_url)
-        except LLMError as exc:
-            exc.args = (self.client.scrub(str(exc)),)  # a server may echo the key
-            ctx.event("model_call", name=self.model, payload={
-                "model": self.model, "url": self.client.display_url, "error": str(exc),
-                "status": getattr(exc, "status_code", None),
-                "attempts": getattr(exc, "attempts", None)})
-            raise
+        comp, usage = await audited_call(
+            self.client, request, ctx, model=self.model,
+            usage_of=lambda c: self._usage(c, request), cost_known=self._priced,
+            outcome=lambda c: {"tool_calls": len(c.tool_calls)})
         self.messages.append(comp.message)
-        usage = self._usage(comp, request)
-        ctx.event("model_call", name=self.model, duration_ms=call.latency_s * 1000, payload={
-            "model": self.model, "served_by": comp.model, "url": self.client.display_url,
-            "status": call.status_code, "attempts": call.attempts, "retries": call.attempts - 1,
-            "latency_ms": round(call.latency_s * 1000, 1),
-            "waited_ms": round(call.waited_s * 1000, 1),
-            "input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens,
-            "thinking_tokens": usage.thinking_tokens, "cost_usd": usage.cost_usd,
-            "cost_known": self._priced(comp), "usage_known": comp.usage_known,
-            "finish_reason": comp.finish_reason, "tool_calls": len(comp.tool_calls)})
         if not comp.usage_known and not self._usage_warned:
             self._usage_warned = True
             ctx.event("warning", payload={"message": USAGE_ESTIMATED})

@@ -19,7 +19,6 @@ is the same call, unaudited.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from collections.abc import Mapping
@@ -76,10 +75,8 @@ def llm_judge(*, model: str | None, base_url: str | None,
 
     async def judge(request: JudgeRequest) -> Mapping[str, Any]:
         nonlocal made
-        from ._agent import completion_usage
-        from ._client import DEFAULT_BASE_URL, ChatClient, Retry
-        from ._errors import LLMError
-        from ._protocol import parse_completion
+        from ._agent import audited_call, completion_usage
+        from ._client import DEFAULT_BASE_URL, ChatClient
 
         chosen = request.model or model
         if not chosen:
@@ -106,45 +103,16 @@ def llm_judge(*, model: str | None, base_url: str | None,
                  "content": f"{request.prompt}\n\nThe step's output:\n{request.output}"},
             ],
         }
-        def on_retry(r: Retry) -> None:
-            if ctx is not None:
-                ctx.event("model_retry", name=chosen, payload={
-                    "attempt": r.attempt, "reason": r.reason, "status": r.status_code,
-                    "wait_ms": round(r.wait_s * 1000, 1), "judge": True})
-
-        if ctx is not None:
-            ctx.activity("model_request")  # in flight: judged by the critic's model_timeout
-        try:
-            data, call = await chat.complete(
-                body, deadline=ctx.deadline if ctx is not None else math.inf,
-                on_retry=on_retry)
-            completion = parse_completion(data, chat.display_url)
-        except LLMError as exc:
-            exc.args = (chat.scrub(str(exc)),)  # a server may echo the key
-            if ctx is not None:
-                ctx.event("model_call", name=chosen, payload={
-                    "model": chosen, "url": chat.display_url, "error": str(exc),
-                    "status": getattr(exc, "status_code", None),
-                    "attempts": getattr(exc, "attempts", None), "judge": True})
-            raise
-        usage = completion_usage(completion, price, body)
-        known = (completion.usage_known if price is not None
-                 else completion.cost_usd is not None)
-        if ctx is not None:
-            ctx.event("model_call", name=chosen, duration_ms=call.latency_s * 1000, payload={
-                "model": chosen, "served_by": completion.model, "url": chat.display_url,
-                "status": call.status_code, "attempts": call.attempts,
-                "retries": call.attempts - 1, "latency_ms": round(call.latency_s * 1000, 1),
-                "waited_ms": round(call.waited_s * 1000, 1),
-                "input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens,
-                "thinking_tokens": usage.thinking_tokens, "cost_usd": usage.cost_usd,
-                "cost_known": known, "usage_known": completion.usage_known,
-                "finish_reason": completion.finish_reason, "judge": True})
+        known = ((lambda c: c.usage_known) if price is not None
+                 else (lambda c: c.cost_usd is not None))
+        completion, usage = await audited_call(
+            chat, body, ctx, model=chosen, usage_of=lambda c: completion_usage(c, price, body),
+            cost_known=known, extra={"judge": True})
         try:
             answer = parse_answer(completion.content or "")
         except ValueError as exc:
             raise JudgeError(str(exc), usage) from None
-        return {**answer, "usage": usage, "cost_known": known}
+        return {**answer, "usage": usage, "cost_known": known(completion)}
 
     judge.unpriced = None if price is not None else (  # type: ignore[attr-defined]
         "the model of its llm_structured evaluations has no price (give one: kernel run "
