@@ -110,12 +110,12 @@ class TestLoopJudge:
             tmp_path: Path) -> None:
         """A judge call slower than --idle-timeout is work in flight (the critic's
         model_timeout bounds it), and it is audited as a `model_call`."""
-        server = chat('{"verdict": "yes"}', delay=3.0)
+        server = chat('{"verdict": "yes"}', delay=5.0)  # well past idle + grace
         loop = tmp_path / "judged.yaml"
         loop.write_text(LOOP)
         proc = subprocess.run(
             [kernel_exe, "run", "--json", str(loop), "--model", "judge-1", "--base-url",
-             server.url, "--idle-timeout", "1"], capture_output=True, text=True,
+             server.url, "--idle-timeout", "2"], capture_output=True, text=True,
             env=cli_env, timeout=120)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         run_id = json.loads(proc.stdout)["run_id"]
