@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from kernel import ConfigError
+
 if TYPE_CHECKING:
     import duckdb
 
@@ -327,14 +329,44 @@ def current_version(cur: duckdb.DuckDBPyConnection) -> int | None:
     return int(row[0][0]) if row[0][0] is not None else 0
 
 
+def refuse_foreign(cur: duckdb.DuckDBPyConnection) -> None:
+    """Refuse a database without `schema_version` that holds tables or views of its own.
+
+    Ours are only ever created empty, so such a database is somebody else's
+    (a mistyped `--db`): our tables are never added to it.
+
+    Raises:
+        ConfigError: Naming the database's file and some of its tables.
+    """
+    rows = cur.execute(
+        "SELECT table_name FROM duckdb_tables() WHERE database_name = current_database() "
+        "UNION ALL SELECT view_name FROM duckdb_views() "
+        "WHERE database_name = current_database() AND NOT internal ORDER BY 1").fetchall()
+    if not rows:
+        return
+    names = [r[0] for r in rows]
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    path = cur.execute("SELECT path FROM duckdb_databases() "
+                       "WHERE database_name = current_database()").fetchall()
+    where = f" {path[0][0]}" if path and path[0][0] else ""
+    raise ConfigError(f"database{where} is not a kernel audit database: it has tables of its "
+                      f"own ({shown}) and no schema_version; nothing was changed: give the "
+                      "audit's file")
+
+
 def migrate(cur: duckdb.DuckDBPyConnection) -> int:
     """Bring the database `cur` uses up to `SCHEMA_VERSION`; return the version found.
 
     Each pending migration runs in its own transaction with its version row.
     A database newer than this code is left alone (columns are only added,
     and every insert names its columns).
+
+    Raises:
+        ConfigError: The database is somebody else's (`refuse_foreign`): left as it is.
     """
     found = current_version(cur)
+    if found is None:
+        refuse_foreign(cur)
     version = found or 0
     for m in MIGRATIONS:
         if m.version <= version:

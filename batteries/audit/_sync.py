@@ -40,7 +40,7 @@ from typing import Any
 from kernel import AuditError
 from kernel._dataclass import dataclass
 
-from ._schema import migrate
+from ._schema import current_version, migrate, refuse_foreign
 from ._store import Store, first_line
 
 
@@ -208,6 +208,8 @@ def _fed_from(store: Store) -> str | None:
     import duckdb
 
     with store.session(write=False) as cur:
+        if current_version(cur) is None:
+            refuse_foreign(cur)  # before a journal is made beside somebody else's database
         try:
             found = cur.execute("SELECT source FROM sync_state").fetchall()
         except duckdb.Error:  # an older file: no sync_state, or no source column

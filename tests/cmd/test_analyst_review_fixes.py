@@ -200,6 +200,27 @@ class TestNotAnAuditDatabase:
                 assert got.returncode == 2, (cmd, got.stderr)
                 assert len(got.stderr.strip().splitlines()) == 1 and "Traceback" not in got.stderr
 
+    def test_somebody_elses_duckdb_is_left_as_it_is(self, kernel_exe: str,
+                                                    cli_env: dict[str, str],
+                                                    tmp_path: Path) -> None:
+        """A DuckDB file of tables of its own (a mistyped --db) gains none of ours, and no
+        journal is made beside it: every analysts' command says so in one line, exit 2."""
+        foreign = tmp_path / "sales.duckdb"
+        with duckdb.connect(str(foreign)) as con:
+            con.execute("create table sales (id integer, amount double)")
+            con.execute("insert into sales values (1, 2.5)")
+        for cmd in (["runs"], ["stats"], ["sync"], ["show", "abc"], ["query", "select 1"],
+                    ["export", str(tmp_path / "out")]):
+            got = run(kernel_exe, cli_env, *cmd, "--db", str(foreign))
+            assert got.returncode == 2, (cmd, got.stderr)
+            assert got.stderr.count("\n") == 1, got.stderr
+            assert "is not a kernel audit database" in got.stderr and "sales" in got.stderr
+        with duckdb.connect(str(foreign), read_only=True) as con:
+            tables = con.execute("select table_name from duckdb_tables()").fetchall()
+            assert tables == [("sales",)]
+            assert con.execute("select * from sales").fetchall() == [(1, 2.5)]
+        assert not journal_path(foreign).exists()
+
     def test_readme_says_exit_2(self) -> None:
         """README no longer promises exit 1 for a file that is not an audit database."""
         readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
