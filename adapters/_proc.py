@@ -435,6 +435,30 @@ def _pipe(*, read_end: bool) -> tuple[int, int]:
     return (r, w) if read_end else (w, r)
 
 
+def cannot_start(argv0: str, exc: OSError, cwd: str | None = None) -> tuple[str, int]:
+    """Why `argv0` could not be started, as one line, and the shell's exit code for it.
+
+    127 when nothing by that name was found, 126 when it was found but cannot
+    be run; the line says which of the usual slips it was: a directory, a
+    file that is not executable, a file in the working directory that is not
+    on PATH, a loop file given as a command.
+    """
+    code = 127 if isinstance(exc, FileNotFoundError) else 126
+    why = exc.strerror or str(exc)
+    here = os.path.join(cwd or ".", argv0)
+    loop_file = argv0.lower().endswith((".yaml", ".yml")) and os.path.isfile(here)
+    if os.path.isdir(here) and (os.sep in argv0 or argv0 in (".", "..")):
+        why = "it is a directory"
+    elif loop_file:
+        why += (f" ({argv0} is a file, not a command: a loop file runs as "
+                f"`kernel run {argv0}`, without `--`)")
+    elif code == 127 and os.sep not in argv0 and os.path.isfile(here):
+        why = f"not found on PATH (a file of that name is here: ./{argv0} runs it)"
+    elif code == 126 and os.path.isfile(here) and not os.access(here, os.X_OK):
+        why += " (the file is not executable)"
+    return f"cannot start {argv0!r}: {why}", code
+
+
 async def spawn(argv: Sequence[str], *, cwd: str | None = None,
                 env: Mapping[str, str] | None = None, stdin_pipe: bool = False,
                 merge_stderr: bool = False, inherit_stdin: bool = False) -> Child:

@@ -32,6 +32,7 @@ from ._proc import (
     LineCounter,
     PartialLine,
     Tail,
+    cannot_start,
     decode_line,
     last_chars,
     pump_lines,
@@ -110,9 +111,8 @@ class ShellAgent:
             child = await spawn(self.argv, cwd=self.cwd, env=env, stdin_pipe=self.steer_stdin,
                                 inherit_stdin=self.inherit_stdin)
         except OSError as exc:
-            return Step(final=True, error=f"cannot start {self.argv[0]!r}: {exc.strerror or exc}",
-                        exit_code=127 if isinstance(exc, FileNotFoundError) else 126,
-                        name="command")
+            error, code = cannot_start(self.argv[0], exc, self.cwd)
+            return Step(final=True, error=error, exit_code=code, name="command")
         self._proc = child
         ctx.event("process_start", name=self.argv[0],
                   payload={"argv": list(self.argv), **child.record()})

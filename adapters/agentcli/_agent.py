@@ -46,7 +46,7 @@ import trio
 
 from kernel import Message, RunContext, Step, ToolCall, ToolResult, Usage
 
-from .._proc import Child, pump_lines, spawn
+from .._proc import Child, cannot_start, pump_lines, spawn
 from ._events import AgentEvent, EventType, parse_line
 from ._state import Lifecycle, State, StateMachine, Transition
 
@@ -199,9 +199,8 @@ class CLIAgent:
             proc = await spawn(argv, cwd=self.cwd, env=env, stdin_pipe=piped)
         except OSError as exc:
             m.mark_killed()
-            return Step(final=True, name="agentcli",
-                        error=f"cannot start {argv[0]!r}: {exc.strerror or exc}",
-                        exit_code=127 if isinstance(exc, FileNotFoundError) else 126)
+            error, code = cannot_start(argv[0], exc, self.cwd)
+            return Step(final=True, name="agentcli", error=error, exit_code=code)
         self._proc = proc
         self._stdin_open = piped
         t0 = trio.current_time()

@@ -16,7 +16,7 @@ from typing import Any
 
 import trio
 
-from .._proc import Tail, decode_line, pump_lines, spawn
+from .._proc import Tail, cannot_start, decode_line, pump_lines, spawn
 
 #: Called with ("stdout" | "stderr", line) for each output line.
 LineSink = Callable[[str, str], None]
@@ -82,9 +82,8 @@ async def run_process(argv: Sequence[str], *, env: Mapping[str, str] | None = No
     try:
         child = await spawn(argv, cwd=cwd, env=env)
     except OSError as exc:
-        code = 127 if isinstance(exc, FileNotFoundError) else 126
-        return ActionResult("", f"cannot start {argv[0]!r}: {exc.strerror or exc}", code,
-                            (trio.current_time() - t0) * 1000)
+        error, code = cannot_start(argv[0], exc, cwd)
+        return ActionResult("", error, code, (trio.current_time() - t0) * 1000)
     if on_start is not None:
         on_start(child.record())
     if on_process is not None:

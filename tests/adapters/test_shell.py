@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import tracemalloc
+from pathlib import Path
 
 import pytest
 import trio
@@ -46,6 +47,26 @@ class TestExitStatus:
         result = await Kernel().run(ShellAgent(["no-such-command-xyz"]))
         assert result.status is Status.ERROR and result.exit_code == 127
         assert "cannot start 'no-such-command-xyz'" in (result.error or "")
+
+    @pytest.mark.parametrize(("argv0", "code", "says"), [
+        (".", 126, "it is a directory"),
+        ("./sub", 126, "it is a directory"),
+        ("job.sh", 127, "not found on PATH (a file of that name is here: ./job.sh runs it)"),
+        ("./job.sh", 126, "Permission denied (the file is not executable)"),
+        ("loop.yaml", 127, "a loop file runs as `kernel run loop.yaml`, without `--`"),
+        ("./Loop.YML", 126, "a loop file runs as `kernel run ./Loop.YML`, without `--`"),
+    ])
+    async def test_cannot_start_says_which_slip(self, tmp_path: Path, argv0: str, code: int,
+                                                says: str) -> None:
+        """A directory, a script not on PATH or not executable, a loop file given as a
+        command: the shell's 126/127, and the error says which and what to do."""
+        (tmp_path / "sub").mkdir()
+        for name in ("job.sh", "loop.yaml", "Loop.YML"):
+            (tmp_path / name).write_text("echo hi\n")
+        result = await Kernel().run(ShellAgent([argv0], cwd=str(tmp_path)))
+        assert result.status is Status.ERROR and result.exit_code == code
+        assert (result.error or "").startswith(f"cannot start {argv0!r}: ")
+        assert says in (result.error or "")
 
     async def test_undecodable_output(self) -> None:
         """Bytes that are not UTF-8 are replaced, never a crash."""
