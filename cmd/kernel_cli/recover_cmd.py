@@ -177,14 +177,21 @@ def resume(
         rec = _recovery(db, json_out=json_out, context=context, webhooks=webhook,
                         base_url=base_url, redact=redact)
         waiting = _interrupted(rec)
+        known: list[SavedRun] = []
         if want == ids.LAST:  # the newest interrupted run
             matches = waiting[-1:]
             if not matches:
                 _fail("no interrupted run: 'last' names nothing")
         else:
-            matches = [r for r in waiting if ids.matches(r.run_id, want)]
-        if not matches:
             known = [r for r in rec.checkpointer.find("") if ids.matches(r.run_id, want)]
+            # An id given whole names that run, even if it prefixes another's
+            # (`job-1` is not the interrupted `job-10`).
+            exact = [r for r in known if r.run_id in (run_id, run_id.strip())]
+            if exact:
+                known = exact[:1]
+            named = {r.run_id for r in known}
+            matches = [r for r in waiting if r.run_id in named]
+        if not matches:
             if not known:
                 _fail(f"no run {run_id!r} with a checkpoint")
             # Several runs: refused naming them, as `kernel show` does (never a guess).

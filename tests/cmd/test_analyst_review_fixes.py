@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 import socket
 import sqlite3
 import subprocess
@@ -21,11 +22,17 @@ import pytest
 import trio
 
 from batteries.audit import JournalAudit
-from batteries.store import journal_path
+from batteries.checkpoint import JournalCheckpointer
+from batteries.store import Owner, journal_path
 from kernel import (
+    Checkpoint,
     Kernel,
+    Limits,
+    LoopSpec,
     Ports,
+    PortSpec,
     RunInfo,
+    RunSpec,
     RunStats,
     Status,
     Step,
@@ -112,6 +119,38 @@ class TestHostRunIds:
         vague = run(kernel_exe, cli_env, "show", "job")
         assert vague.returncode == 2 and "ambiguous" in vague.stderr
         assert len(vague.stderr.strip().splitlines()) == 1
+
+    def test_resume_of_an_exact_host_id_is_that_run(self, kernel_exe: str,
+                                                   cli_env: dict[str, str],
+                                                   tmp_path: Path) -> None:
+        """`resume job-1` is about job-1 (ended ok: nothing to resume), never the interrupted
+        job-10 its id prefixes; job-10 resumes by its own id."""
+        db = db_of(cli_env)
+        (tmp_path / "loop.yaml").write_text(
+            "name: once\ninitial: a\nstates:\n  a:\n    action: echo resumed\n"
+            "    next: done\n  done:\n    terminal: true\n")
+        cp = JournalCheckpointer(db)
+        cp.owner = Owner(socket.gethostname(), os.getpid(), 1)  # our pid, another start: gone
+
+        def spec(run_id: str) -> RunSpec:
+            return RunSpec(LoopSpec(str(tmp_path / "loop.yaml")), RunInfo(run_id=run_id),
+                           Limits(timeout=60), PortSpec(db=str(db), no_critic=True),
+                           cwd=str(tmp_path))
+
+        async def go() -> None:
+            for rid in ("job-1", "job-10"):
+                await cp.register(rid, spec(rid))
+                await cp.save(Checkpoint(rid, 1, {"loop": "once", "state": "a"}))
+            await cp.complete("job-1")
+
+        trio.run(go)
+        record(db, RunInfo(name="one", run_id="job-1"))  # its audit: ended ok
+        done = run(kernel_exe, cli_env, "resume", "job-1")
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.strip() == "kernel resume: error: run job-1 ended ok; nothing to resume"
+        assert cp.load("job-10").status == "running"  # type: ignore[union-attr]
+        resumed = run(kernel_exe, cli_env, "resume", "job-10", "--json")
+        assert resumed.returncode == 0, resumed.stdout
 
     def test_export_run_takes_a_host_id(self, kernel_exe: str, cli_env: dict[str, str],
                                         tmp_path: Path) -> None:
