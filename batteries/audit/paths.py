@@ -158,7 +158,36 @@ def check_db_path(raw: str | os.PathLike[str], *, source: str | None = None,
         raise ConfigError(f"audit database {path}{where} is not usable: {problem} (and no "
                           "journal exists beside it to record into); give another path, or "
                           "move the file away")
+    if content and problem is None and not journal.exists() and path.exists():
+        _refuse_foreign_file(path)
     return path
+
+
+def _refuse_foreign_file(path: Path) -> None:
+    """Refuse the DuckDB file `path` if it is somebody else's (a mistyped `--db`).
+
+    Only before its first journal is made (once per database): a run would
+    otherwise be recorded beside a file no analysts' command reads. A file
+    another process holds locked is left to the journal's creation, which
+    checks it again.
+
+    Raises:
+        ConfigError: `path` has tables of its own and no `schema_version`.
+    """
+    import duckdb
+
+    from ._schema import current_version, refuse_foreign
+
+    try:
+        con = duckdb.connect(str(path), read_only=True)
+    except duckdb.Error:
+        return  # locked, or damaged: what opens it next says so
+    try:
+        cur = con.cursor()
+        if current_version(cur) is None:
+            refuse_foreign(cur)
+    finally:
+        con.close()
 
 
 # ------------------------------------------------------------ private files

@@ -51,12 +51,22 @@ def _connect(path: Path, lock_timeout: float) -> Any:
 
 
 def import_legacy(con: sqlite3.Connection, path: Path, lock_timeout: float) -> None:
-    """Copy `path`'s budgets, budget_spend and checkpoints (and their runs' seq) into `con`."""
+    """Copy `path`'s budgets, budget_spend and checkpoints (and their runs' seq) into `con`.
+
+    Raises:
+        ConfigError: `path` is not the kernel's (no `schema_version`, tables of its own).
+    """
     duck = _connect(path, lock_timeout)
     try:
         tables = {r[0] for r in duck.execute(
             "SELECT table_name FROM duckdb_tables() WHERE database_name = current_database()"
         ).fetchall()}
+        if "schema_version" not in tables:
+            # Somebody else's database (a mistyped --db): no journal is made beside it,
+            # so runs are not recorded where no analysts' command will ever read them.
+            from batteries.audit._schema import refuse_foreign
+
+            refuse_foreign(duck)
         rev = 1
         if "budgets" in tables:
             for row in duck.execute(

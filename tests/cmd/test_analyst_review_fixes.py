@@ -26,6 +26,7 @@ from batteries.checkpoint import JournalCheckpointer
 from batteries.store import Owner, journal_path
 from kernel import (
     Checkpoint,
+    ConfigError,
     Kernel,
     Limits,
     LoopSpec,
@@ -259,6 +260,50 @@ class TestNotAnAuditDatabase:
             assert tables == [("sales",)]
             assert con.execute("select * from sales").fetchall() == [(1, 2.5)]
         assert not journal_path(foreign).exists()
+
+    def test_a_run_is_not_recorded_beside_somebody_elses_duckdb(
+            self, kernel_exe: str, cli_env: dict[str, str], tmp_path: Path) -> None:
+        """`kernel run --db sales.duckdb` is refused before the command runs (one line,
+        exit 2): before, it ran and was recorded in a journal beside the file that no
+        analysts' command would then read. No journal, no lock file is made; the
+        library's `JournalAudit.open` refuses the same way."""
+        foreign = tmp_path / "sales.duckdb"
+        marker = tmp_path / "ran"
+        with duckdb.connect(str(foreign)) as con:
+            con.execute("create view totals as select 42 as n")
+        got = run(kernel_exe, cli_env, "run", "--db", str(foreign), "--",
+                  "touch", str(marker))
+        assert got.returncode == 2, got.stderr
+        assert got.stderr.count("\n") == 1, got.stderr
+        assert "is not a kernel audit database" in got.stderr and "totals" in got.stderr
+        assert not marker.exists()
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["sales.duckdb"]
+
+        async def open_it() -> None:
+            async with JournalAudit.open(foreign):
+                pass
+
+        with pytest.raises(ConfigError, match="not a kernel audit database"):
+            trio.run(open_it)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["sales.duckdb"]
+
+    def test_our_file_without_its_journal_still_records(
+            self, kernel_exe: str, cli_env: dict[str, str], tmp_path: Path) -> None:
+        """The check is of somebody else's file only: the analysts' file whose journal
+        was moved away (or a DuckDB file with no tables at all) records as before."""
+        db = tmp_path / "k.duckdb"
+        assert run(kernel_exe, cli_env, "run", "--db", str(db), "--", "true").returncode == 0
+        assert run(kernel_exe, cli_env, "sync", "--db", str(db)).returncode == 0
+        journal_path(db).unlink()
+        got = run(kernel_exe, cli_env, "run", "--db", str(db), "--", "true")
+        assert got.returncode == 0, got.stderr
+        empty = tmp_path / "empty.duckdb"
+        duckdb.connect(str(empty)).close()
+        got = run(kernel_exe, cli_env, "run", "--db", str(empty), "--", "true")
+        assert got.returncode == 0, got.stderr
+        assert run(kernel_exe, cli_env, "sync", "--db", str(db)).returncode == 0
+        with duckdb.connect(str(db), read_only=True) as con:
+            assert con.execute("select count(*) from runs").fetchall() == [(2,)]
 
     def test_readme_says_exit_2(self) -> None:
         """README no longer promises exit 1 for a file that is not an audit database."""
