@@ -167,11 +167,18 @@ class JournalBudget:
         """Create or replace a caller's budget (blocking; for the CLI and hosts).
 
         Raises:
-            ValueError: A window that is not a finite number > 0 seconds, a
-                limit that is negative, NaN or infinite (None means no limit),
-                or a count (`max_runs`, `max_tokens`) that is not a whole
-                number (an int; `1.5` runs is refused, as `kernel budget set` does).
+            ValueError: A caller id that is empty or holds a control character
+                (no run started by `kernel run --caller` can have it, so the
+                budget could never bind, and listing it would send the
+                characters raw to a terminal), a window that is not a finite
+                number > 0 seconds, a limit that is negative, NaN or infinite
+                (None means no limit), or a count (`max_runs`, `max_tokens`)
+                that is not a whole number (an int; `1.5` runs is refused, as
+                `kernel budget set` does).
         """
+        if not isinstance(caller_id, str) or not caller_id.strip() or not caller_id.isprintable():
+            raise ValueError(f"the budget's caller id must be printable text, not empty, "
+                             f"got {caller_id!r}")
         if not (_is_real(window_seconds) and 0 < window_seconds < math.inf):
             raise ValueError(f"the budget window must be a finite number > 0 seconds, "
                              f"got {window_seconds!r}")
@@ -192,7 +199,13 @@ class JournalBudget:
                                            max_runtime_seconds, max_tokens, max_cost_usd)])
 
     def remove(self, caller_id: str) -> bool:
-        """Delete a caller's budget; True if there was one."""
+        """Delete a caller's budget; True if there was one.
+
+        Where no journal exists there is no budget to remove: it answers False
+        without creating one (and its directory) at what may be a mistyped path.
+        """
+        if not self.store.exists():
+            return False
         [found] = self.store.commit(None, [RemoveBudget(caller_id)])
         return bool(found)
 

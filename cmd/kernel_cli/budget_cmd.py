@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 import typer
 
@@ -18,6 +18,10 @@ budget_app = typer.Typer(
          "is the default for callers without a budget of their own.")
 
 
+#: The most characters of a caller id the `budget show` table prints.
+ID_WIDTH = 32
+
+
 def register(app: typer.Typer) -> None:
     """Add `kernel budget` to the app."""
     app.add_typer(budget_app)
@@ -30,9 +34,33 @@ def _store(db: str | None) -> Any:
     return JournalBudget(resolve_db_path(db))
 
 
-def _fail(message: str) -> None:
-    print(f"{error_prefix()} {message}", file=sys.stderr)
-    raise typer.Exit(2)
+def _fail(message: str, code: int = 2) -> NoReturn:
+    print(f"{error_prefix()} {output.visible(message, layout=False)}", file=sys.stderr)
+    raise typer.Exit(code)
+
+
+def _store_failed(exc: Exception) -> NoReturn:
+    """One line for a store that failed: exit 1 if it was busy, else 2.
+
+    A journal locked past `$KERNEL_AUDIT_LOCK_TIMEOUT` (or a PostgreSQL store
+    that cannot be reached) is no fault in what the user typed: it exits 1,
+    as every other command does for a locked store, so a script can tell
+    "try again" from "fix the command". A damaged or unusable store is bad
+    input (exit 2), as README's audit section says.
+    """
+    from batteries.store import StoreBusyError
+
+    _fail(str(exc), 1 if isinstance(exc, StoreBusyError) else 2)
+
+
+def _window(seconds: float) -> str:
+    """A window as people write it: 3s, 90m, 24h, 7d (whole units), else seconds."""
+    if seconds >= 7 * 86400 and seconds % 86400 == 0:
+        return f"{seconds / 86400:g}d"
+    for unit, size in (("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds / size:g}{unit}"
+    return f"{seconds:g}s"
 
 
 @budget_app.command("set")
@@ -70,6 +98,8 @@ def set_budget(
         _store(db).set(caller, window_seconds=window, max_runs=runs,
                        max_runtime_seconds=runtime, max_tokens=tokens, max_cost_usd=cost)
     except AuditError as exc:
+        _store_failed(exc)
+    except ValueError as exc:  # the battery's own checks (the options are checked above)
         _fail(str(exc))
     if as_json:
         output.print_doc({"caller_id": caller, "window_seconds": window, "max_runs": runs,
@@ -104,7 +134,7 @@ def show_budget(
             one = store.status(caller)
             rows = [] if one is None else [one]
     except AuditError as exc:
-        _fail(str(exc))
+        _store_failed(exc)
     records = [{"for": caller or row.caller_id, **asdict(row)} for row in rows]
     if output.print_records(fmt, records, ["for", *(f.name for f in fields(CallerBudget))]):
         return
@@ -118,14 +148,19 @@ def show_budget(
         show = fmt if callable(fmt) else fmt.format
         return "-" if limit is None else f"{show(used)}/{show(limit)}"
 
-    print(f"{'caller':16} {'window':>8} {'runs':>10} {'runtime':>14} {'tokens':>16} "
-          f"{'cost':>16}")
-    for r in rows:
-        print(f"{r.caller_id:16} {r.window_seconds / 3600:>7g}h "
-              f"{cell(r.runs, r.max_runs, '{:g}'):>10} "
-              f"{cell(r.runtime_seconds, r.max_runtime_seconds, '{:.0f}s'):>14} "
-              f"{cell(r.tokens, r.max_tokens, '{:g}'):>16} "
-              f"{cell(r.cost_usd, r.max_cost_usd, dollars):>16}")
+    def who(caller_id: str) -> str:
+        # Cut to ID_WIDTH so one very long id cannot push every row off the screen; the
+        # whole id is in --json and --format csv.
+        return caller_id if len(caller_id) <= ID_WIDTH else caller_id[:ID_WIDTH - 1] + "…"
+
+    # `output.table`: columns as wide as their widest cell (an id longer than the header
+    # moves them rather than breaking them), control characters in an id shown escaped.
+    print(output.table(
+        ("caller", "window", "runs", "runtime", "tokens", "cost"),
+        [(who(r.caller_id), _window(r.window_seconds), cell(r.runs, r.max_runs, "{:g}"),
+          cell(r.runtime_seconds, r.max_runtime_seconds, "{:.0f}s"),
+          cell(r.tokens, r.max_tokens, "{:g}"), cell(r.cost_usd, r.max_cost_usd, dollars))
+         for r in rows], right=(1, 2, 3, 4, 5)))
 
 
 @budget_app.command("rm")
@@ -142,7 +177,7 @@ def remove_budget(
     try:
         found = _store(db).remove(caller)
     except AuditError as exc:
-        _fail(str(exc))
+        _store_failed(exc)
     if not found:
         _fail(f"no budget for {caller!r}")
     if as_json:

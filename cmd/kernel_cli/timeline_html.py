@@ -19,6 +19,8 @@ Gantt chart as `render` draws it.
 from __future__ import annotations
 
 import json
+import math
+import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from html import escape
@@ -32,15 +34,46 @@ BUCKETS = 60
 PALETTE = ("#4e79a7", "#59a14f", "#9c755f", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7",
            "#bab0ac", "#f28e2b", "#86bcb6")
 CRITIC_CLASS = {"steer": "critic-nudge", "kill": "critic-kill"}
+DAY_MS = 86_400_000.0
+
+#: What an HTML page may not hold as text: control characters other than ASCII
+#: whitespace (NUL, ESC, DEL, C1; each a parse error, NUL read as U+FFFD anyway) and
+#: lone surrogates (not UTF-8 at all: the page could not even be written).
+_NOT_HTML = re.compile("[\x00-\x08\x0b\x0e-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+def _clean(page: str) -> str:
+    """`page` with every character HTML may not hold as U+FFFD (the replacement character).
+
+    Run names, state names, tool names and errors come from commands, YAML
+    files and models: whatever they hold, the page stays valid HTML that can
+    be written as UTF-8. Done once on the finished page: escaping never
+    makes such a character, so the result is the same as cleaning each value.
+    """
+    return _NOT_HTML.sub("\ufffd", page)
+
+
+def _number(value: Any) -> float:
+    """`value` as a finite float; 0.0 for None, NaN, an infinity or anything not a number.
+
+    Times and counts come from stored rows and payloads: one that is not a
+    finite number (a row written by another tool) must neither stretch the
+    time axis to infinity (its ticks would never end) nor stop the page.
+    """
+    try:
+        number = float(value or 0)
+    except (TypeError, ValueError, OverflowError):
+        return 0.0
+    return number if math.isfinite(number) else 0.0
 
 
 def _ms(event: Mapping[str, Any], t0: float) -> float:
     if event.get("offset_ms") is not None:
-        return float(event["offset_ms"])
+        return _number(event["offset_ms"])
     ts = event.get("ts")
     if isinstance(ts, datetime):
         return ts.timestamp() * 1000 - t0
-    return float(ts or 0) * 1000 - t0
+    return _number(ts) * 1000 - t0
 
 
 def _payload(event: Mapping[str, Any]) -> dict[str, Any]:
@@ -82,14 +115,14 @@ def _bars(events: Sequence[Mapping[str, Any]], t0: float, end_ms: float) -> list
                 bars.append(_Bar("states", state[1], at, state[0], _short(state[2]), "state"))
             state = (str(payload.get("state") or name or "?"), at, payload)
         elif kind == "step":
-            dur = float(e.get("duration_ms") or 0)
+            dur = _number(e.get("duration_ms"))
             bars.append(_Bar("steps", at - dur, at, name or f"step {e.get('iteration', '')}",
                              f"{dur:.0f} ms", "step"))
         elif kind == "action_start":
             open_actions.append((at, payload))
         elif kind == "action_end":
             start, began = open_actions.pop(0) if open_actions else (
-                at - float(e.get("duration_ms") or 0), {})
+                at - _number(e.get("duration_ms")), {})
             label = str(began.get("state") or payload.get("state") or name)
             detail = f"{_short(began.get('action', ''), 120)} → exit {payload.get('exit_code')}"
             bars.append(_Bar("actions", start, at, label, detail, "action"))
@@ -97,13 +130,13 @@ def _bars(events: Sequence[Mapping[str, Any]], t0: float, end_ms: float) -> list
             open_tools.setdefault(name, []).append((at, payload))
         elif kind == "tool_end":
             waiting = open_tools.get(name)
-            start, _ = waiting.pop(0) if waiting else (at - float(e.get("duration_ms") or 0), {})
+            start, _ = waiting.pop(0) if waiting else (at - _number(e.get("duration_ms")), {})
             failed = " tool-error" if payload.get("error") else ""
             bars.append(_Bar("tools", start, at, name, _short(payload.get("error") or
                                                               payload.get("output") or ""),
                              "tool" + failed))
         elif kind == "model_call":
-            dur = float(e.get("duration_ms") or 0)
+            dur = _number(e.get("duration_ms"))
             tokens = f"{payload.get('input_tokens', 0)} in / {payload.get('output_tokens', 0)} out"
             bars.append(_Bar("model calls", at - dur, at, str(payload.get("model") or name),
                              tokens, "model"))
@@ -132,7 +165,7 @@ def _gantt(run: Mapping[str, Any], events: Sequence[Mapping[str, Any]],
     if not isinstance(started, datetime) and events:
         first = events[0].get("ts")
         t0 = first.timestamp() * 1000 if isinstance(first, datetime) else 0.0
-    runtime_ms = float(run.get("runtime_seconds") or 0) * 1000
+    runtime_ms = _number(run.get("runtime_seconds")) * 1000
     last_ms = max([_ms(e, t0) for e in events] or [0.0])
     end_ms = max(runtime_ms, last_ms, 1.0)
     scale = PLOT / end_ms
@@ -232,7 +265,7 @@ def render_report(runs: Sequence[tuple[Mapping[str, Any], Sequence[Mapping[str, 
         label = str(run.get("name") or run_id[:8])
         w = max(2.0, x(end) - x(start))
         why = run.get("reason") or run.get("error") or ""
-        detail = (f"{label} [{run_id[:8]}] {status}, {float(run.get('runtime_seconds') or 0):.1f}"
+        detail = (f"{label} [{run_id[:8]}] {status}, {_number(run.get('runtime_seconds')):.1f}"
                   f" s, {run.get('steps') or 0} steps" + (f": {_short(why, 160)}" if why else ""))
         parts.append(f'<text class="lane-label" x="{LABEL - 8}" y="{y + 17}" '
                      f'text-anchor="end">{escape(_short(label, 16))}</text>')
@@ -266,7 +299,7 @@ def render_report(runs: Sequence[tuple[Mapping[str, Any], Sequence[Mapping[str, 
     more = f" ({left_out} more not shown: narrow the range or raise --limit)" if left_out else ""
     title = (f"{title}: " if title else "") + (
         f"runs {since:%Y-%m-%d %H:%M} to {until:%Y-%m-%d %H:%M} UTC")
-    return (
+    return _clean(
         "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
         f"<title>{escape(title)}</title><style>{_CSS}</style></head><body>"
         f"<h1>{escape(title)}</h1>"
@@ -287,7 +320,7 @@ def _facts(run: Mapping[str, Any]) -> str:
     if isinstance(started, datetime):
         facts.append(f"started {started:%Y-%m-%d %H:%M:%S} UTC")
     if run.get("runtime_seconds") is not None:
-        facts.append(f"{float(run['runtime_seconds']):.2f} s")
+        facts.append(f"{_number(run['runtime_seconds']):.2f} s")
     facts.append(f"{run.get('steps') or 0} steps, {run.get('tool_calls') or 0} tool calls")
     why = run.get("reason") or run.get("error")
     if why:
@@ -309,11 +342,27 @@ def _axis(end_ms: float, scale: float, y: float) -> list[str]:
 
 
 def _nice_step(raw: float) -> float:
+    """The tick spacing (ms) at or above `raw`: 1-2-5 steps, clock units, then days.
+
+    Beyond an hour it keeps to hours, days and 1-2-5 multiples of days, so a
+    range of any length (`kernel report --since 36500d`, a run whose clock
+    jumped by years) has about eight ticks, never hundreds of thousands.
+    """
+    if not (math.isfinite(raw) and raw > 0):
+        return 1.0
     for unit in (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10_000, 30_000, 60_000,
-                 120_000, 300_000, 600_000, 1_800_000, 3_600_000):
+                 120_000, 300_000, 600_000, 1_800_000, 3_600_000, 7_200_000, 21_600_000,
+                 43_200_000):
         if unit >= raw:
             return float(unit)
-    return 7_200_000.0
+    days = raw / DAY_MS
+    if days <= 1:
+        return DAY_MS
+    magnitude = 10.0 ** math.floor(math.log10(days))
+    for factor in (1, 2, 5, 10):
+        if factor * magnitude >= days:
+            return factor * magnitude * DAY_MS
+    return 10 * magnitude * DAY_MS  # pragma: no cover - the loop's 10 always fits
 
 
 def _fmt_ms(ms: float) -> str:
@@ -321,7 +370,11 @@ def _fmt_ms(ms: float) -> str:
         return f"{ms:.0f}ms"
     if ms < 120_000:
         return f"{ms / 1000:g}s"
-    return f"{ms / 60_000:g}m"
+    if ms < 7_200_000:
+        return f"{ms / 60_000:g}m"
+    if ms < 3 * DAY_MS:
+        return f"{ms / 3_600_000:g}h"
+    return f"{ms / DAY_MS:g}d"
 
 
 def _rate_chart(events: Sequence[Mapping[str, Any]], t0: float, end_ms: float) -> str:
@@ -363,8 +416,8 @@ def _usage_chart(events: Sequence[Mapping[str, Any]], t0: float, end_ms: float) 
         if key is None:
             continue
         payload = _payload(e)
-        totals[key] += (float(payload.get("input_tokens") or 0)
-                        + float(payload.get("output_tokens") or 0)) if key == "tokens" else 1
+        totals[key] += (_number(payload.get("input_tokens"))
+                        + _number(payload.get("output_tokens"))) if key == "tokens" else 1
         series[key].append((at, totals[key]))
     height, top = 140, 14
     colours = {"steps": "#4e79a7", "tool calls": "#59a14f", "tokens": "#e15759"}
@@ -428,14 +481,14 @@ def _page(run: Mapping[str, Any], gantt: str, rate: str, usage: str) -> str:
     title = f"{run.get('name') or 'run'} · {status}"
     facts = [f"run {run.get('run_id')}"]
     if run.get("runtime_seconds") is not None:
-        facts.append(f"{float(run['runtime_seconds']):.2f} s")
+        facts.append(f"{_number(run['runtime_seconds']):.2f} s")
     facts.append(f"{run.get('steps') or 0} steps, {run.get('tool_calls') or 0} tool calls")
     tokens = (run.get("input_tokens") or 0) + (run.get("output_tokens") or 0)
     if tokens:
         facts.append(f"{tokens} tokens")
     why = run.get("reason") or run.get("error")
     reason = f' — {escape(_short(why, 160))}' if why else ""
-    return (
+    return _clean(
         "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
         f"<title>{escape(title)}</title><style>{_CSS}</style></head><body>"
         f"<h1>{escape(str(run.get('name') or 'run'))} "
