@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 from batteries.redact import Redactor
@@ -49,6 +50,7 @@ from .store import (
     ReleaseRun,
     SaveCheckpoint,
     SavedRun,
+    StoreError,
 )
 
 __all__ = ["DuckDBCheckpointer", "JournalCheckpointer", "SavedRun", "stored_spec"]
@@ -127,18 +129,33 @@ class JournalCheckpointer:
     # ---------------------------------------------------------------- blocking
 
     def load(self, run_id: str) -> SavedRun | None:
-        """The registered run `run_id` (any status), or None."""
-        rows = self.store.saved_runs(run_id=run_id)
+        """The registered run `run_id` (any status), or None.
+
+        Raises:
+            StoreError: Its checkpoint row is damaged (see `_readable`).
+        """
+        with _readable(f"the checkpoint of run {run_id!r}"):
+            rows = self.store.saved_runs(run_id=run_id)
         return rows[0] if rows else None
 
     def find(self, prefix: str) -> list[SavedRun]:
-        """Registered runs whose id starts with `prefix` (any status)."""
-        return self.store.saved_runs(prefix=prefix)
+        """Registered runs whose id starts with `prefix` (any status).
+
+        Raises:
+            StoreError: A checkpoint row among them is damaged (see `_readable`).
+        """
+        with _readable("a checkpoint" + (f" of a run {prefix!r}..." if prefix else "")):
+            return self.store.saved_runs(prefix=prefix)
 
     def interrupted(self) -> list[SavedRun]:
         """Runs still marked running whose holder is provably gone: the ones to resume
-        (the store's rule: see `RunStore.interrupted`)."""
-        return self.store.interrupted()
+        (the store's rule: see `RunStore.interrupted`).
+
+        Raises:
+            StoreError: An interrupted run's checkpoint row is damaged (see `_readable`).
+        """
+        with _readable("an interrupted run's checkpoint"):
+            return self.store.interrupted()
 
     def claim(self, run_id: str) -> bool:
         """Take the lease of an interrupted run for this process; False if someone holds it."""
@@ -167,6 +184,18 @@ class JournalCheckpointer:
             LoseRun(saved.run_id, f"supervisor gone, not resumable: {why}",
                     info if isinstance(info, dict) else None,
                     None if started is None else int(started.timestamp() * 1e6))])
+
+
+@contextmanager
+def _readable(what: str) -> Iterator[None]:
+    """A checkpoint row whose spec or state is not JSON (a damaged disk, a hand edit, a
+    write cut short) as one `StoreError` naming it, instead of a decoder's traceback:
+    `kernel resume` and `recover` print it as one line and exit 2."""
+    try:
+        yield
+    except (ValueError, TypeError) as exc:  # json.JSONDecodeError is a ValueError
+        raise StoreError(f"{what} is damaged and cannot be read "
+                         f"({type(exc).__name__}: {' '.join(str(exc).split())})") from exc
 
 
 def _default(value: Any) -> Any:

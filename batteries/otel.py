@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -40,24 +41,60 @@ import trio
 from kernel import ConfigError, PortFailure, RunInfo, RunRecorder, RunStats, Step, ToolResult
 
 if TYPE_CHECKING:
-    from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+    from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
     from opentelemetry.sdk.trace.export import SpanExporter
     from opentelemetry.trace import Tracer
+
+    from batteries.redact import Redactor
 
 #: The event kinds spans are built from; everything else stays in the audit store only.
 SPAN_KINDS = frozenset({"model_call", "tool_start", "tool_end", "critic"})
 #: Statuses that are not errors on the run's span.
 _FINE = frozenset({"ok", "dry_run", "handoff"})
 _MAX_ATTR = 4096
+#: Span names and the short attributes (names, models, ids), in characters.
+_MAX_NAME = 256
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 def traces_url(endpoint: str) -> str:
-    """The OTLP/HTTP traces URL for `endpoint` (a base URL gets `/v1/traces`, as the SDK does)."""
-    parts = urlsplit(endpoint)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(f"OTLP endpoint must be http(s)://HOST[:PORT][/PATH], got {endpoint!r}")
+    """The OTLP/HTTP traces URL for `endpoint` (a base URL gets `/v1/traces`, as the SDK does).
+
+    Everything the HTTP client would refuse only when the first span is sent
+    (a malformed IPv6 host, a port that is not a number in 1..65535,
+    whitespace or control characters) is refused here, as bad input: with
+    `--otlp` that is exit 2 before anything runs, not a failed export later.
+
+    Raises:
+        ConfigError: `endpoint` is not an http(s) URL with a host.
+    """
+    bad = ConfigError(
+        f"OTLP endpoint must be http(s)://HOST[:PORT][/PATH], got {shown_endpoint(endpoint)!r}")
+    if any(ch.isspace() or not ch.isprintable() for ch in endpoint):
+        raise bad
+    try:
+        parts = urlsplit(endpoint)
+        port = parts.port  # raises ValueError for a port out of range or not a number
+    except ValueError:
+        raise bad from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or port == 0:
+        raise bad
     return endpoint if parts.path.rstrip("/").endswith("/v1/traces") else (
         endpoint.rstrip("/") + "/v1/traces")
+
+
+def shown_endpoint(endpoint: str) -> str:
+    """`endpoint` as it may be printed (`kernel export --otlp`, warnings): a password in
+    it (`user:secret@host`) masked."""
+    try:
+        parts = urlsplit(endpoint)
+        password = parts.password
+    except ValueError:
+        return endpoint
+    if not password:
+        return endpoint
+    netloc = parts.netloc.replace(f":{password}@", ":***@", 1)
+    return parts._replace(netloc=netloc).geturl()
 
 
 def _require_sdk() -> None:
@@ -78,6 +115,12 @@ CONNECT_TIMEOUT = 2.0
 _log = logging.getLogger("kernel.otel")
 #: The logger the SDK's OTLP/HTTP span exporter (and its HTTP client) logs to.
 _SDK_LOGGER = "opentelemetry.exporter.otlp.proto.http.trace_exporter"
+#: The loggers of the SDK's parts an export goes through (the protobuf encoder logs an
+#: attribute it cannot encode with a traceback); quieted inside our exports like `_SDK_LOGGER`.
+_SDK_LOGGERS = (_SDK_LOGGER, "opentelemetry.exporter.otlp.proto.common._internal",
+                "opentelemetry.exporter.otlp.common.http")
+#: Spans sent in one request by `kernel export` (the SDK's batch size).
+EXPORT_BATCH = 512
 _quiet = threading.local()
 
 
@@ -118,7 +161,20 @@ def _reason(exc: BaseException) -> str:
         return found.group(1).strip().rstrip(".").lower()
     if "timed out" in text.lower():
         return "connection timed out"
+    if _aborted(exc):
+        return "connection closed without a response"
     return type(exc).__name__
+
+
+def _aborted(exc: BaseException) -> bool:
+    """The collector took the connection, then closed it without an answer.
+
+    That is also what a pooled keep-alive connection the collector closed
+    while idle looks like, so it is retried once before the collector is
+    given up on.
+    """
+    text = str(exc)
+    return "Connection aborted" in text or "RemoteDisconnected" in text
 
 
 def _session(owner: OTLPTraces, connect_timeout: float) -> Any:
@@ -131,6 +187,8 @@ def _session(owner: OTLPTraces, connect_timeout: float) -> Any:
     """
     import requests
 
+    aborted = [0]  # connections closed without an answer, in a row
+
     class GiveUp(requests.Session):
         def request(self, method: Any, url: Any, *args: Any,
                     **kwargs: Any) -> requests.Response:
@@ -141,12 +199,21 @@ def _session(owner: OTLPTraces, connect_timeout: float) -> Any:
                 kwargs["timeout"] = (min(connect_timeout, max(float(timeout), 0.001)),
                                      max(float(timeout), 0.001))
             try:
-                return super().request(method, url, *args, **kwargs)
+                response = super().request(method, url, *args, **kwargs)
+            except requests.exceptions.ReadTimeout as exc:
+                # Connected, but no answer within the request's whole budget: the SDK
+                # would retry it, and every later batch would wait as long again (an
+                # export of N runs, N times). One such request gives the collector up.
+                owner.unreachable = "collector did not answer in time"
+                raise CollectorUnreachable(owner.unreachable) from exc
             except requests.ConnectionError as exc:
-                if isinstance(exc, requests.exceptions.ReadTimeout):
-                    raise  # it answered the connection: the SDK's retries decide
+                if _aborted(exc) and not aborted[0]:
+                    aborted[0] += 1
+                    raise  # maybe a stale pooled connection: the SDK retries it at once
                 owner.unreachable = f"collector unreachable ({_reason(exc)})"
                 raise CollectorUnreachable(owner.unreachable) from exc
+            aborted[0] = 0
+            return response
 
     return GiveUp()
 
@@ -166,7 +233,9 @@ class OTLPTraces:
             traces URL (`.../v1/traces`).
         exporter: A span exporter to use instead (tests, other protocols).
         batch: Export from a background thread in batches (live runs); False
-            exports each span when it ends (`kernel export`).
+            exports from the calling thread, `EXPORT_BATCH` spans a request
+            (`kernel export`: no queue to overflow, one request per batch, not
+            one per span).
         timeout: Seconds one export request may take, retries included.
 
     Attributes:
@@ -182,10 +251,9 @@ class OTLPTraces:
         _require_sdk()
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace import SpanLimits, TracerProvider
         from opentelemetry.sdk.trace.export import (
             BatchSpanProcessor,
-            SimpleSpanProcessor,
             SpanExporter,
             SpanExportResult,
         )
@@ -200,9 +268,10 @@ class OTLPTraces:
                 raise ConfigError("an OTLP endpoint or an exporter is needed")
             exporter = OTLPSpanExporter(endpoint=traces_url(endpoint), timeout=timeout,
                                         session=_session(self, min(CONNECT_TIMEOUT, timeout)))
-        sdk_logger = logging.getLogger(_SDK_LOGGER)
-        if _FILTER not in sdk_logger.filters:
-            sdk_logger.addFilter(_FILTER)
+        for name in _SDK_LOGGERS:
+            sdk_logger = logging.getLogger(name)
+            if _FILTER not in sdk_logger.filters:
+                sdk_logger.addFilter(_FILTER)
         inner, owner = exporter, self
 
         class Counting(SpanExporter):
@@ -215,6 +284,10 @@ class OTLPTraces:
                 _quiet.owner = owner
                 try:
                     result = inner.export(spans)
+                except Exception as exc:  # an exporter's bug must not end the export thread
+                    owner.last_error = owner.last_error or " ".join(
+                        f"{type(exc).__name__}: {exc}".split())
+                    result = SpanExportResult.FAILURE
                 finally:
                     _quiet.owner = None
                 if result is SpanExportResult.SUCCESS:
@@ -230,10 +303,14 @@ class OTLPTraces:
                 return inner.force_flush(timeout_millis)
 
         counting = Counting()
+        # Every attribute value cut to `_MAX_ATTR` characters: one huge value (a tool's
+        # error, a critic's evidence) must not make a request the collector refuses,
+        # which would lose the other spans of its batch with it.
         self.provider: TracerProvider = TracerProvider(
-            resource=Resource.create({"service.name": "run-kernel"}))
+            resource=Resource.create({"service.name": "run-kernel"}),
+            span_limits=SpanLimits(max_attribute_length=_MAX_ATTR))
         self.provider.add_span_processor(
-            BatchSpanProcessor(counting) if batch else SimpleSpanProcessor(counting))
+            BatchSpanProcessor(counting) if batch else _in_batches(counting, EXPORT_BATCH))
         self.tracer: Tracer = self.provider.get_tracer("run-kernel")
 
     def shutdown(self) -> None:
@@ -248,15 +325,81 @@ class OTLPTraces:
         if not self.failed_exports:
             return None
         why = self.unreachable or self.last_error
-        return (f"{self.failed_exports} export request(s) to {self.endpoint or 'the exporter'} "
+        where = shown_endpoint(self.endpoint) if self.endpoint else "the exporter"
+        return (f"{self.failed_exports} export request(s) to {where} "
                 f"failed" + (f": {why}" if why else ""))
 
 
-def _ns(value: Any) -> int:
-    """Nanoseconds since the epoch from a datetime or seconds as a number."""
-    if isinstance(value, datetime):
-        return int(value.timestamp() * 1e9)
-    return int(float(value) * 1e9)
+def _in_batches(exporter: SpanExporter, size: int) -> SpanProcessor:
+    """A span processor exporting `size` spans a request from the calling thread."""
+    from opentelemetry.sdk.trace import SpanProcessor
+
+    class InBatches(SpanProcessor):
+        """Exports ended spans `size` at a time, from the thread that ends them.
+
+        For `kernel export`: the SDK's simple processor makes one request per
+        span (a slow collector then costs each span its timeout), and its
+        batch processor drops spans once its queue is full (an export of
+        thousands of runs outpaces any collector). Here nothing is dropped
+        and a request carries a whole batch.
+        """
+
+        def __init__(self, exporter: SpanExporter, size: int) -> None:
+            self.exporter = exporter
+            self.size = size
+            self.spans: list[ReadableSpan] = []
+
+        def on_end(self, span: ReadableSpan) -> None:
+            self.spans.append(span)
+            if len(self.spans) >= self.size:
+                self.force_flush()
+
+        def force_flush(self, timeout_millis: int = 30000) -> bool:
+            batch, self.spans = self.spans, []
+            if batch:
+                self.exporter.export(batch)
+            return True
+
+        def shutdown(self) -> None:
+            self.force_flush()
+            self.exporter.shutdown()
+
+    return InBatches(exporter, size)
+
+
+def _ns(value: Any) -> int | None:
+    """Nanoseconds since the epoch from a datetime or seconds as a number (None: neither)."""
+    try:
+        if isinstance(value, datetime):
+            return int(value.timestamp() * 1e9)
+        ns = float(value) * 1e9
+    except (TypeError, ValueError, OverflowError, OSError):
+        return None
+    return int(ns) if math.isfinite(ns) and 0 <= ns < 2**63 else None
+
+
+def _int(value: Any) -> int | None:
+    """`value` as an OTLP integer (int64), or None for what is not one.
+
+    Payloads come from adapters and hosts: a count may be text, NaN, or past
+    int64, which the protobuf encoder refuses with a traceback (and drops).
+    """
+    if isinstance(value, bool):
+        return None
+    try:
+        number = int(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return number if _INT64_MIN <= number <= _INT64_MAX else None
+
+
+def _ms_ns(value: Any) -> int:
+    """A duration in milliseconds as nanoseconds; 0 for what is not a finite duration >= 0."""
+    try:
+        ns = float(value or 0) * 1e6
+    except (TypeError, ValueError, OverflowError):
+        return 0
+    return int(ns) if math.isfinite(ns) and 0 <= ns < 2**62 else 0
 
 
 def _payload(event: Mapping[str, Any]) -> dict[str, Any]:
@@ -273,7 +416,7 @@ def _error_type(error: Any) -> str:
     """A low-cardinality error type: the exception class name an error message starts with."""
     text = str(error)
     head = text.split(":", 1)[0].strip()
-    return head if head.isidentifier() else "error"
+    return head[:_MAX_NAME] if head.isidentifier() else "error"
 
 
 def _text(value: Any) -> str:
@@ -281,15 +424,25 @@ def _text(value: Any) -> str:
     return text[:_MAX_ATTR]
 
 
+def _name(value: Any) -> str:
+    """A name for a span or an attribute: text, one line, at most `_MAX_NAME` characters."""
+    return " ".join(str(value).split())[:_MAX_NAME]
+
+
 def export_run(tracer: Tracer, run: Mapping[str, Any],
                events: Sequence[Mapping[str, Any]]) -> None:
     """Emit one run as spans: `invoke_agent`, with `chat` and `execute_tool` children.
+
+    Never loses the run's span to a value it cannot use: an event whose
+    payload is malformed (a count that is not a number, a timestamp that is
+    not one) keeps what can be read, or is left out (logged under
+    `kernel.otel` at debug), and the run's span always ends.
 
     Args:
         tracer: Where the spans go.
         run: The run's row: run_id, name, status, started_at, ended_at, and
             optionally subject_id, parent_run_id, error, reason, input_tokens,
-            output_tokens (datetimes or epoch seconds).
+            output_tokens, resumed (datetimes or epoch seconds).
         events: The run's events in order: mappings with ts, kind, name,
             duration_ms and payload (a mapping or its JSON text). Kinds other
             than `SPAN_KINDS` are ignored.
@@ -297,11 +450,13 @@ def export_run(tracer: Tracer, run: Mapping[str, Any],
     from opentelemetry import trace
     from opentelemetry.trace import SpanKind, StatusCode
 
-    start = _ns(run["started_at"])
-    end = _ns(run.get("ended_at") or run["started_at"])
-    name = str(run.get("name") or "run")
-    status = str(run.get("status") or "")
-    models = [str(_payload(e).get("model") or e.get("name") or "")
+    start = _ns(run.get("started_at"))
+    if start is None:
+        start = time.time_ns()
+    end = max(_ns(run.get("ended_at")) or start, start)
+    name = _name(run.get("name") or "run")
+    status = _name(run.get("status") or "")
+    models = [_name(_payload(e).get("model") or e.get("name") or "")
               for e in events if e.get("kind") == "model_call"]
     attrs: dict[str, Any] = {
         "gen_ai.operation.name": "invoke_agent",
@@ -313,97 +468,121 @@ def export_run(tracer: Tracer, run: Mapping[str, Any],
                       ("parent_run_id", "kernel.parent_run_id"), ("reason", "kernel.reason")):
         if run.get(key):
             attrs[attr] = str(run[key])
+    if run.get("resumed"):
+        attrs["kernel.resumed"] = True
     if models and models[0]:
         attrs["gen_ai.request.model"] = models[0]
     for key in ("input_tokens", "output_tokens"):
-        if run.get(key) is not None:
-            attrs[f"gen_ai.usage.{key}"] = int(run[key])
+        count = _int(run.get(key))
+        if count is not None:
+            attrs[f"gen_ai.usage.{key}"] = count
     root = tracer.start_span(f"invoke_agent {name}", kind=SpanKind.INTERNAL, start_time=start,
                              attributes=attrs)
-    if status and status not in _FINE:
-        root.set_attribute("error.type", status)
-        detail = run.get("reason") or run.get("error") or status
-        root.set_status(StatusCode.ERROR, _text(detail))
-    parent = trace.set_span_in_context(root)
-    open_tools: dict[str, deque[Mapping[str, Any]]] = {}
-    for event in events:
-        kind = event.get("kind")
-        if kind == "model_call":
-            _chat_span(tracer, parent, event)
-        elif kind == "tool_start":
-            open_tools.setdefault(str(event.get("name")), deque()).append(event)
-        elif kind == "tool_end":
-            waiting = open_tools.get(str(event.get("name")))
-            started = waiting.popleft() if waiting else None
-            _tool_span(tracer, parent, started, event)
-        elif kind == "critic" and event.get("name") != "watch":
-            payload = _payload(event)
-            event_attrs: dict[str, Any] = {"kernel.critic.decision": str(event.get("name"))}
-            if payload.get("reason"):
-                event_attrs["kernel.critic.reason"] = str(payload["reason"])
-            if payload:
-                event_attrs["kernel.critic.payload"] = _text(payload)
-            root.add_event(f"critic {event.get('name')}", event_attrs,
-                           timestamp=_ns(event["ts"]))
-    for waiting in open_tools.values():  # started, never ended (the run was killed)
-        for started in waiting:
-            _tool_span(tracer, parent, started, None, end_ns=end)
-    root.end(end_time=max(end, start))
+    try:
+        if status and status not in _FINE:
+            root.set_attribute("error.type", status)
+            detail = run.get("reason") or run.get("error") or status
+            root.set_status(StatusCode.ERROR, _text(detail))
+        parent = trace.set_span_in_context(root)
+        open_tools: dict[str, deque[Mapping[str, Any]]] = {}
+        for event in events:
+            try:
+                _event(tracer, root, parent, open_tools, event, end)
+            except Exception as exc:  # one odd event must not cost the run its trace
+                _log.debug("otel: event %r left out: %s: %s", event.get("kind"),
+                           type(exc).__name__, exc)
+        for waiting in open_tools.values():  # started, never ended (the run was killed)
+            for started in waiting:
+                try:
+                    _tool_span(tracer, parent, started, None, end_ns=end)
+                except Exception as exc:
+                    _log.debug("otel: tool start left out: %s: %s", type(exc).__name__, exc)
+    finally:
+        root.end(end_time=end)
 
 
-def _chat_span(tracer: Tracer, parent: Any, event: Mapping[str, Any]) -> None:
+def _event(tracer: Tracer, root: Any, parent: Any,
+           open_tools: dict[str, deque[Mapping[str, Any]]], event: Mapping[str, Any],
+           end: int) -> None:
+    """One event of the run: a `chat` span, a tool's start or end, or a critic span event."""
+    kind = event.get("kind")
+    if kind == "model_call":
+        _chat_span(tracer, parent, event, end)
+    elif kind == "tool_start":
+        open_tools.setdefault(str(event.get("name")), deque()).append(event)
+    elif kind == "tool_end":
+        waiting = open_tools.get(str(event.get("name")))
+        started = waiting.popleft() if waiting else None
+        _tool_span(tracer, parent, started, event, end_ns=end)
+    elif kind == "critic" and event.get("name") != "watch":
+        payload = _payload(event)
+        event_attrs: dict[str, Any] = {"kernel.critic.decision": _name(event.get("name"))}
+        if payload.get("reason"):
+            event_attrs["kernel.critic.reason"] = _text(str(payload["reason"]))
+        if payload:
+            event_attrs["kernel.critic.payload"] = _text(payload)
+        root.add_event(f"critic {_name(event.get('name'))}", event_attrs,
+                       timestamp=_ns(event.get("ts")) or end)
+
+
+def _chat_span(tracer: Tracer, parent: Any, event: Mapping[str, Any], run_end: int) -> None:
     from opentelemetry.trace import SpanKind, StatusCode
 
     payload = _payload(event)
-    end = _ns(event["ts"])
-    start = end - int(float(event.get("duration_ms") or 0) * 1e6)
-    model = str(payload.get("model") or event.get("name") or "")
+    end = _ns(event.get("ts")) or run_end
+    start = max(end - _ms_ns(event.get("duration_ms")), 0)
+    model = _name(payload.get("model") or event.get("name") or "")
     attrs: dict[str, Any] = {"gen_ai.operation.name": "chat", "gen_ai.request.model": model}
     if payload.get("served_by"):
-        attrs["gen_ai.response.model"] = str(payload["served_by"])
+        attrs["gen_ai.response.model"] = _name(payload["served_by"])
     for key in ("input_tokens", "output_tokens"):
-        if payload.get(key) is not None:
-            attrs[f"gen_ai.usage.{key}"] = int(payload[key])
+        count = _int(payload.get(key))
+        if count is not None:
+            attrs[f"gen_ai.usage.{key}"] = count
     if payload.get("finish_reason"):
-        attrs["gen_ai.response.finish_reasons"] = [str(payload["finish_reason"])]
+        attrs["gen_ai.response.finish_reasons"] = [_name(payload["finish_reason"])]
     url = payload.get("url")
-    if isinstance(url, str) and urlsplit(url).hostname:
-        parts = urlsplit(url)
-        attrs["server.address"] = parts.hostname
-        if parts.port:
-            attrs["server.port"] = parts.port
-    if payload.get("status") is not None:
-        attrs["http.response.status_code"] = int(payload["status"])
+    try:
+        parts = urlsplit(url) if isinstance(url, str) else None
+        if parts is not None and parts.hostname:
+            attrs["server.address"] = parts.hostname
+            if parts.port:
+                attrs["server.port"] = parts.port
+    except ValueError:  # a malformed URL: no server attributes
+        pass
+    code = _int(payload.get("status"))
+    if code is not None:
+        attrs["http.response.status_code"] = code
     span = tracer.start_span(f"chat {model}", context=parent, kind=SpanKind.CLIENT,
                              start_time=start, attributes=attrs)
     if payload.get("error"):
         status = payload.get("status")
-        span.set_attribute("error.type", str(status) if status else "model_error")
+        span.set_attribute("error.type", _name(status) if status else "model_error")
         span.set_status(StatusCode.ERROR, _text(payload["error"]))
     span.end(end_time=end)
 
 
 def _tool_span(tracer: Tracer, parent: Any, started: Mapping[str, Any] | None,
-               ended: Mapping[str, Any] | None, *, end_ns: int | None = None) -> None:
+               ended: Mapping[str, Any] | None, *, end_ns: int) -> None:
     from opentelemetry.trace import SpanKind, StatusCode
 
     first = started or ended
     assert first is not None
-    name = str(first.get("name"))
+    name = _name(first.get("name"))
     begin = _payload(started) if started is not None else {}
     result = _payload(ended) if ended is not None else {}
     if ended is not None:
-        end = _ns(ended["ts"])
-        start = _ns(started["ts"]) if started is not None else (
-            end - int(float(ended.get("duration_ms") or 0) * 1e6))
+        end = _ns(ended.get("ts")) or end_ns
+        began = _ns(started.get("ts")) if started is not None else None
+        start = began if began is not None else max(end - _ms_ns(ended.get("duration_ms")), 0)
     else:
-        start = _ns(first["ts"])
-        end = max(start, end_ns or start)
+        start = _ns(first.get("ts")) or end_ns
+        end = max(start, end_ns)
     attrs: dict[str, Any] = {"gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": name,
                              "gen_ai.tool.type": "function"}
     call_id = begin.get("id") or result.get("id")
     if call_id:
-        attrs["gen_ai.tool.call.id"] = str(call_id)
+        attrs["gen_ai.tool.call.id"] = _name(call_id)
     span = tracer.start_span(f"execute_tool {name}", context=parent, kind=SpanKind.INTERNAL,
                              start_time=start, attributes=attrs)
     if ended is None:
@@ -412,15 +591,26 @@ def _tool_span(tracer: Tracer, parent: Any, started: Mapping[str, Any] | None,
     elif result.get("error"):
         span.set_attribute("error.type", _error_type(result["error"]))
         span.set_status(StatusCode.ERROR, _text(result["error"]))
-    span.end(end_time=end)
+    span.end(end_time=max(end, start))
 
 
 class OTelRecorder:
-    """Keeps the events spans are made of; emits the run's spans when it closes."""
+    """Keeps the events spans are made of, secrets redacted; emits the run's spans when it closes.
 
-    def __init__(self, traces: OTLPTraces, info: RunInfo) -> None:
+    Redacted like the DuckDB audit (`batteries.redact`): the collector is
+    another store, often a hosted one, and what reaches it (a tool's error, a
+    model's error, the critic's evidence, the run's name, error and reason)
+    is what the kernel saw, secrets included. Only what spans use is kept.
+    """
+
+    def __init__(self, traces: OTLPTraces, info: RunInfo, *,
+                 redactor: Redactor | None = None, resumed: bool = False) -> None:
+        from batteries.redact import Redactor
+
         self.traces = traces
-        self.info = info
+        self.redactor = Redactor.from_env() if redactor is None else redactor
+        self.info = self.redactor.run_info(info)
+        self.resumed = resumed
         self.started_at = time.time()
         self.events: list[dict[str, Any]] = []
 
@@ -429,31 +619,49 @@ class OTelRecorder:
 
     def on_tool(self, result: ToolResult, iteration: int) -> None:
         """Keep the tool's end (its error and call id) for its `execute_tool` span."""
+        error = result.error
         self.events.append({"ts": time.time(), "kind": "tool_end", "name": result.call.name,
                             "duration_ms": result.duration_s * 1000,
-                            "payload": {"error": result.error, "id": result.call.id}})
+                            "payload": {"error": None if error is None else self._redact(error),
+                                        "id": result.call.id}})
 
     def log_event(self, kind: str, *, name: str | None = None,
                   payload: Mapping[str, Any] | None = None, duration_ms: float | None = None,
                   iteration: int | None = None) -> None:
-        """Keep model calls, tool starts and critic decisions; drop everything else."""
-        if kind in SPAN_KINDS:
-            self.events.append({"ts": time.time(), "kind": kind, "name": name,
-                                "duration_ms": duration_ms, "payload": dict(payload or {})})
+        """Keep model calls, tool starts and critic decisions (redacted); drop everything else.
+
+        A tool start keeps only its call id: its arguments are no part of a span.
+        """
+        if kind not in SPAN_KINDS:
+            return
+        kept = dict(payload or {})
+        if kind == "tool_start":
+            kept = {"id": kept["id"]} if "id" in kept else {}
+        self.events.append({"ts": time.time(), "kind": kind,
+                            "name": None if name is None else self._redact(name),
+                            "duration_ms": duration_ms, "payload": self.redactor.value(kept)})
 
     def log_error(self, message: str, *, payload: Mapping[str, Any] | None = None) -> None:
         """Errors reach the span through the run's status and error at close."""
 
+    def _redact(self, text: Any) -> str:
+        return self.redactor.text(str(text))
+
     async def close(self, stats: RunStats) -> None:
         """Emit the run's spans; the exporter sends them from its own thread."""
-        run = {"run_id": self.info.run_id, "name": self.info.name,
-               "subject_id": self.info.subject_id, "parent_run_id": self.info.parent_run_id,
-               "status": str(stats.status), "error": stats.error, "reason": stats.reason,
+        info = self.info
+        run = {"run_id": info.run_id, "name": info.name,
+               "subject_id": info.subject_id, "parent_run_id": info.parent_run_id,
+               "status": str(stats.status),
+               "error": None if stats.error is None else self._redact(stats.error),
+               "reason": None if stats.reason is None else self._redact(stats.reason),
                "started_at": self.started_at, "ended_at": time.time(),
                "input_tokens": stats.usage.input_tokens,
-               "output_tokens": stats.usage.output_tokens}
-        export_run(self.traces.tracer, run, self.events)
-        self.events = []
+               "output_tokens": stats.usage.output_tokens, "resumed": self.resumed}
+        try:
+            export_run(self.traces.tracer, run, self.events)
+        finally:
+            self.events = []
 
 
 class OTelAudit:
@@ -467,14 +675,20 @@ class OTelAudit:
     Use `OTelAudit.open(endpoint)` to flush and stop the exporter at the end.
     """
 
-    def __init__(self, traces: OTLPTraces) -> None:
+    def __init__(self, traces: OTLPTraces, *, redactor: Redactor | None = None) -> None:
+        from batteries.redact import Redactor
+
         self.traces = traces
+        self.redactor = Redactor.from_env() if redactor is None else redactor
 
     @classmethod
     @asynccontextmanager
-    async def open(cls, endpoint: str, *,
-                   warnings: list[PortFailure] | None = None) -> AsyncIterator[OTelAudit]:
+    async def open(cls, endpoint: str, *, warnings: list[PortFailure] | None = None,
+                   redactor: Redactor | None = None) -> AsyncIterator[OTelAudit]:
         """An audit exporting to `endpoint`; queued spans are sent when the block exits.
+
+        `redactor` (None: `Redactor.from_env()`) replaces secrets in what is
+        sent; a host passes the one its other audit uses, so both hold the same.
 
         Exports that failed are reported once, when the block exits: as one
         `PortFailure("otlp", "export", ...)` appended to `warnings` (what the
@@ -484,7 +698,7 @@ class OTelAudit:
         """
         traces = OTLPTraces(endpoint)
         try:
-            yield cls(traces)
+            yield cls(traces, redactor=redactor)
         finally:
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(traces.shutdown)
@@ -495,6 +709,7 @@ class OTelAudit:
                 else:
                     _log.warning("otlp export: %s", failure)
 
-    async def start_run(self, info: RunInfo) -> RunRecorder | None:
-        """A recorder for `info`'s run (no I/O)."""
-        return OTelRecorder(self.traces, info)
+    async def start_run(self, info: RunInfo, *, resumed: bool = False) -> RunRecorder | None:
+        """A recorder for `info`'s run (no I/O); a `resumed` run's span says so
+        (`kernel.resumed`: its span covers only the session that resumed it)."""
+        return OTelRecorder(self.traces, info, redactor=self.redactor, resumed=resumed)

@@ -87,7 +87,7 @@ async def open_ports(opts: PortSpec, *, delivery: Delivery | None = None,
             audit = _audit(journal, warnings, redactor)
             budget = JournalBudget(journal)
             checkpointer = JournalCheckpointer(journal, redactor=redactor)
-        audit = await _with_otel(opts, audit, stack, warnings)
+        audit = await _with_otel(opts, audit, stack, warnings, redactor)
         critic = None if opts.no_critic else make_critic(opts)
         yield Ports(audit=audit, budget=budget, critic=critic, checkpointer=checkpointer,
                     delivery=_delivery(opts, delivery))
@@ -128,12 +128,15 @@ def _delivery(opts: PortSpec, first: Delivery | None) -> Delivery | None:
 
 
 async def _with_otel(opts: PortSpec, audit: Audit | None, stack: AsyncExitStack,
-                     warnings: list[PortFailure] | None) -> Audit | None:
+                     warnings: list[PortFailure] | None,
+                     redactor: Redactor | None = None) -> Audit | None:
     """`audit`, teed into an OpenTelemetry export when --otlp or $OTEL_EXPORTER_OTLP_ENDPOINT.
 
     --otlp without the otel extra is a `ConfigError` (exit 2). The environment
     variable is often set machine-wide: without the extra it is an
     `otlp.open` warning and the run goes on. --otlp "" turns the export off.
+    The export is redacted with the audit's `redactor` (the run's own secrets,
+    `--redact` patterns), not only with what the environment names.
     """
     import os
 
@@ -146,7 +149,8 @@ async def _with_otel(opts: PortSpec, audit: Audit | None, stack: AsyncExitStack,
     from kernel import ConfigError
 
     try:
-        otel = await stack.enter_async_context(OTelAudit.open(endpoint, warnings=warnings))
+        otel = await stack.enter_async_context(
+            OTelAudit.open(endpoint, warnings=warnings, redactor=redactor))
     except ConfigError as exc:
         if opts.otlp is not None:
             raise ConfigError(f"--otlp: {exc}") from exc

@@ -638,7 +638,7 @@ def _export_otlp(endpoint: str, run_ids: list[str], since: timedelta | None,
     from .otel_cmd import send_runs, stored_runs
 
     with _errors():
-        from batteries.otel import traces_url
+        from batteries.otel import shown_endpoint, traces_url
 
         traces_url(endpoint)  # a bad URL is bad input, before the database is read
         with _reader(db) as cur:
@@ -646,10 +646,11 @@ def _export_otlp(endpoint: str, run_ids: list[str], since: timedelta | None,
         spans, failed = send_runs(endpoint, runs)
     if failed:
         _fail(f"{failed} ({spans} spans sent)", 1)
+    shown = shown_endpoint(endpoint)  # a password in it is not printed
     if json_out:
-        output.print_doc({"runs": len(runs), "spans": spans, "endpoint": endpoint})
+        output.print_doc({"runs": len(runs), "spans": spans, "endpoint": shown})
         return
-    print(f"exported {len(runs)} runs ({spans} spans) to {endpoint}")
+    print(f"exported {len(runs)} runs ({spans} spans) to {shown}")
 
 
 # ------------------------------------------------------------------ helpers

@@ -8,12 +8,18 @@ added to the path of a run.
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from typing import Any
 
 import trio
 
+from .output import visible
 from .progress import wanted as wanted
+
+#: Characters that move or reorder what a terminal shows: line/paragraph separators,
+#: bidirectional embeddings, overrides and isolates.
+_INVISIBLE = re.compile("[\u2028\u2029\u202a-\u202e\u2066-\u2069\u200e\u200f]")
 
 
 class BatchProgress:
@@ -48,9 +54,24 @@ class BatchProgress:
             parts.append(f"ETA {left / rate:.0f}s" if rate > 0 else "ETA ?")
         if self.runner.running:
             task, t = min(self.runner.running.values(), key=lambda v: v[1])
-            name = (task.spec.get("info") or {}).get("name") or task.task_id
-            parts.append(f"oldest {task.task_id} {now - t:.0f}s {str(name)[:40]}")
+            info = task.spec.get("info") if isinstance(task.spec, dict) else None
+            name = (info.get("name") if isinstance(info, dict) else None) or task.task_id
+            parts.append(f"oldest {_shown(task.task_id, 40)} {now - t:.0f}s {_shown(name, 40)}")
         return " | ".join(parts)
+
+
+def _shown(value: Any, width: int) -> str:
+    """A task's id or name as the line may show it: one line, no terminal controls.
+
+    Both come from the tasks file: an escape sequence in them would reach the
+    terminal as a command (rich keeps ESC), and a newline would break the
+    one-line display into debris. Each control character is shown escaped
+    (`\\x1b`), Unicode line and paragraph separators and bidirectional
+    overrides too, then the text is cut to `width` characters.
+    """
+    text = visible(str(value), layout=False)
+    text = _INVISIBLE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+    return text if len(text) <= width else text[:width - 1] + "…"
 
 
 async def show(progress: BatchProgress, *, interval: float = 0.25) -> None:

@@ -18,14 +18,23 @@ def stored_runs(cur: Any, run_ids: Sequence[str], since: timedelta | None) -> li
     """The finished runs asked for (short ids, prefixes or `last`; none: all, or `since` ago).
 
     Raises:
-        ConfigError: An unknown or ambiguous run id.
+        ConfigError: An unknown or ambiguous run id, or one that has not ended.
     """
     from batteries.audit import queries
+    from kernel import ConfigError
 
     from .ids import resolve
 
     if run_ids:
         ids = [resolve(cur, text) for text in run_ids]
+        status = dict(queries.rows(cur, "SELECT run_id, status FROM runs WHERE run_id IN ("
+                                   + ", ".join("?" * len(ids)) + ")", ids)[1])
+        running = [run_id for run_id in ids if status.get(run_id) in (None, "running")]
+        if running:
+            # Its span would end now, as an error of type `running`: a trace that the
+            # run's real end, exported later, would then contradict.
+            raise ConfigError(f"run {running[0][:8]} has not ended yet: export it once it "
+                              "has (a running run has no trace to send)")
     else:
         sql = "SELECT run_id FROM runs WHERE status IS NOT NULL"
         params: list[Any] = []

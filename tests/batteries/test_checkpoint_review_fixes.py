@@ -1,0 +1,96 @@
+"""Review fixes for checkpoints (`batteries.checkpoint`) as `kernel resume`/`recover` read them.
+
+A checkpoint row whose state or spec is not JSON (a write cut short, a
+damaged disk, a hand edit) made `kernel resume` and `kernel recover` end in
+a JSONDecodeError traceback (exit 1). It is now one line naming the damage,
+exit 2 (`StoreError`, which both commands report that way).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from batteries.checkpoint import JournalCheckpointer
+from batteries.store import StoreError
+
+pytestmark = pytest.mark.realtime
+
+PATIENCE = 120.0
+
+COUNTER = """\
+name: count
+initial: count
+max_iterations: 40
+timeout: 60
+states:
+  count:
+    action: echo tick >> ${context.marker}; sleep 0.2; expr ${captured.n.output:default=0} + 1
+    capture: n
+    evaluate:
+      type: output_numeric
+      operator: ge
+      target: 6
+    route:
+      yes: done
+      no: count
+  done:
+    terminal: true
+"""
+
+
+def interrupted_run(kernel_exe: str, env: dict[str, str], tmp_path: Path) -> str:
+    """A loop run SIGKILLed after its second tick (a real process): its run id."""
+    loop, marker = tmp_path / "count.yaml", tmp_path / "ticks"
+    loop.write_text(COUNTER)
+    proc = subprocess.Popen([kernel_exe, "run", "--no-critic", str(loop), "-c",
+                             f"marker={marker}"], env=env, cwd=tmp_path,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + PATIENCE  # a readiness wait: the bound is only for a hang
+    while not marker.exists() or len(marker.read_text().splitlines()) < 2:
+        assert proc.poll() is None, "the loop ended before its kill point"
+        assert time.monotonic() < deadline, "the loop never reached its kill point"
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=PATIENCE)
+    journal = Path(env["KERNEL_DB"] + ".journal")
+    with sqlite3.connect(journal) as con:
+        [(run_id,)] = con.execute("SELECT run_id FROM checkpoints WHERE status = 'running'")
+    return str(run_id)
+
+
+def damage(env: dict[str, str], column: str) -> None:
+    """Cut the checkpoint's `column` (state or spec) in half, as a torn write would."""
+    with sqlite3.connect(env["KERNEL_DB"] + ".journal") as con:
+        con.execute(f"UPDATE checkpoints SET {column} = substr({column}, 1, "
+                    f"length({column}) / 2)")
+
+
+@pytest.mark.parametrize("column", ["state", "spec"])
+def test_a_damaged_checkpoint_is_one_line_and_exit_2(kernel_exe: str, cli_env: dict[str, str],
+                                                     tmp_path: Path, column: str) -> None:
+    run_id = interrupted_run(kernel_exe, cli_env, tmp_path)
+    damage(cli_env, column)
+    for args in (["resume", run_id[:8]], ["recover"], ["recover", "--list"]):
+        got = subprocess.run([kernel_exe, *args], env=cli_env, capture_output=True, text=True,
+                             timeout=PATIENCE)
+        assert got.returncode == 2, (args, got.stderr)
+        assert got.stderr.count("\n") == 1 and "Traceback" not in got.stderr, got.stderr
+        assert "checkpoint" in got.stderr and "damaged" in got.stderr, got.stderr
+
+
+def test_load_names_the_run(kernel_exe: str, cli_env: dict[str, str], tmp_path: Path) -> None:
+    """The library call raises `StoreError` naming the run, not the decoder's error."""
+    run_id = interrupted_run(kernel_exe, cli_env, tmp_path)
+    damage(cli_env, "state")
+    checkpointer = JournalCheckpointer(cli_env["KERNEL_DB"])
+    with pytest.raises(StoreError, match=f"checkpoint of run '{run_id}' is damaged"):
+        checkpointer.load(run_id)
+    with pytest.raises(StoreError, match="damaged"):
+        checkpointer.interrupted()
