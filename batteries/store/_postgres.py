@@ -815,6 +815,12 @@ class PostgresStore:
                           f"error = %s, ended_at = {NOW}, rev = DEFAULT "
                           f"WHERE run_id = %s AND status IS NULL",
                           (*values, op.run_id))
+        # As the journal's `_SETTLE_LOST`: the reservation settled at the checkpoint's usage.
+        con.execute("UPDATE budget_spend SET tokens = GREATEST(budget_spend.tokens, "
+                    "c.input_tokens + c.output_tokens + c.thinking_tokens), "
+                    "cost_usd = GREATEST(budget_spend.cost_usd, c.cost_usd), settled = 1, "
+                    "rev = DEFAULT FROM checkpoints AS c WHERE budget_spend.run_id = c.run_id "
+                    "AND c.run_id = %s AND budget_spend.settled = 0", (op.run_id,))
         if cur.rowcount:
             return True
         info = op.info

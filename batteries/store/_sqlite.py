@@ -402,6 +402,17 @@ _CLOSE_RUN = (  # `_CLOSE_RUNS` of one run
 _LAST_SEQS = _Rows("SELECT run_id, last_seq FROM runs WHERE run_id IN (", "?", ")")
 
 
+#: A lost run's budget reservation, settled at what its checkpoint last saw it use
+#: (tokens and cost as of its last save; its supervisor died before it could settle,
+#: and the reservation alone charged it a run and nothing else). Its runtime stays
+#: uncounted: when the supervisor died is not known. Placeholders: rev, run id.
+_SETTLE_LOST = (
+    "UPDATE budget_spend SET tokens = max(budget_spend.tokens, c.input_tokens "
+    "+ c.output_tokens + c.thinking_tokens), cost_usd = max(budget_spend.cost_usd, "
+    "c.cost_usd), settled = 1, rev = ? FROM checkpoints AS c "
+    "WHERE budget_spend.run_id = c.run_id AND c.run_id = ? AND budget_spend.settled = 0")
+
+
 def _chunks(con: sqlite3.Connection, kind: _Rows, rows: Sequence[Any]
             ) -> Iterator[tuple[str, Sequence[Any]]]:
     """`rows` cut into chunks of powers of two rows (largest first, at most `_MOST_ROWS`
@@ -1302,6 +1313,7 @@ class SQLiteStore:
         cur = con.execute("UPDATE runs SET status = ?, exit_code = ?, reason = ?, error = ?, "
                           "ended_at = ?, rev = ? WHERE run_id = ? AND status IS NULL",
                           (*values, now, self._rev(con, rev), op.run_id))
+        con.execute(_SETTLE_LOST, (self._rev(con, rev), op.run_id))
         if cur.rowcount:
             return True
         info = op.info

@@ -298,6 +298,32 @@ class TestBudgets:
         assert (spent.runs, spent.runtime_seconds, spent.tokens, spent.cost_usd) == \
             (2, 1.5, 100, 0.5)
 
+    def test_a_lost_run_is_charged_what_its_checkpoint_saw(self, store: RunStore) -> None:
+        """A run whose supervisor died before settling is charged, when it is closed
+        `lost`, the tokens and cost of its last checkpoint: before, its reservation
+        stayed at a run and nothing else, so killing the supervisor of an expensive
+        run kept the spend out of the caller's budget. A settled run is left alone."""
+        me = Owner.me()
+        store.commit(None, [SetBudget("bob", 3600, None, None, 10_000, 5.0)])
+        store.commit(None, [RegisterRun("dead", SPEC, me), RegisterRun("done", SPEC, me)])
+        [held] = store.commit(None, [ReserveBudget("bob", "dead")])
+        [fine] = store.commit(None, [ReserveBudget("bob", "done")])
+        store.commit(None, [SaveCheckpoint(Checkpoint("dead", 4, {}, Usage(900, 80, 20, 1.25)),
+                                           me)])
+        store.commit(None, [SaveCheckpoint(Checkpoint("done", 2, {}, Usage(9, 9, 0, 9.0)), me)])
+        store.commit(None, [SettleBudget(fine.reservation_id, 2.0, 30, 0.5)])
+        spent = store.budget("bob")
+        assert spent is not None and (spent.tokens, spent.cost_usd) == (30, 0.5)
+        assert held.reservation_id is not None
+        store.commit(None, [LoseRun("dead", "its supervisor is gone"),
+                            LoseRun("done", "its supervisor is gone")])
+        spent = store.budget("bob")
+        assert spent is not None
+        assert (spent.runs, spent.tokens, spent.cost_usd) == (2, 1030, 1.75)
+        store.commit(None, [LoseRun("dead", "again")])  # settled once: not twice
+        again = store.budget("bob")
+        assert again is not None and (again.tokens, again.cost_usd) == (1030, 1.75)
+
     def test_a_resumed_run_gets_its_own_reservation_back(self, store: RunStore) -> None:
         """Resumed: not refused, no second row, own tokens/cost out of the spend; settles add."""
         store.commit(None, [SetBudget("ann", 3600, 1, None, 1000, None)])
