@@ -30,6 +30,7 @@ from ._engine import run_attempt as run_attempt
 from ._engine import snapshot_chars as snapshot_chars
 from ._errors import MultiplexerError as MultiplexerError
 from ._errors import PaneError as PaneError
+from ._errors import PaneLockError as PaneLockError
 from ._liveness import BUSY_MARKERS as BUSY_MARKERS
 from ._liveness import ProbeState as ProbeState
 from ._liveness import classify_probe as classify_probe
@@ -59,6 +60,7 @@ __all__ = [
     "PaneAction",
     "PaneAgent",
     "PaneError",
+    "PaneLockError",
     "ProbeState",
     "TargetState",
     "TargetStatus",

@@ -17,7 +17,8 @@ class NonceProbe(PaneAction):
 
     Precheck: no busy marker in the pane's tail (a busy agent would not
     answer, and typing would queue behind its work). Complete: the nonce
-    shows twice (the request, then the answer). Extras: the nonce and the
+    shows other than in a copy of the request (`cat` echoing "Repeat <nonce>"
+    back is no answer). Extras: the nonce and the
     probe classification (alive / busy / silent) of the last snapshot.
     """
 
@@ -46,7 +47,7 @@ class NonceProbe(PaneAction):
         await ctx.type(f"Repeat {self.nonce}")
 
     def is_complete(self, before: dict[str, Any], now: dict[str, Any]) -> bool:
-        """Done once the nonce is echoed (a second occurrence)."""
+        """Done once the nonce is echoed (on its own, not as a copy of the request)."""
         return self.nonce is not None and has_nonce_echo(now["text"], self.nonce)
 
     def describe(self, before: dict[str, Any] | None,

@@ -9,8 +9,15 @@ import trio
 
 from kernel import Kernel, Limits, Message, Result, RunContext, RunInfo, Step
 
-from ._engine import ActionContext, Attempt, PaneAction, failure_detail, run_attempt
-from ._errors import MultiplexerError
+from ._engine import (
+    ActionContext,
+    Attempt,
+    PaneAction,
+    cancelled_record,
+    failure_detail,
+    run_attempt,
+)
+from ._errors import MultiplexerError, PaneLockError
 from ._lock import PaneInUse, PaneLock
 from ._mux import Multiplexer
 
@@ -54,6 +61,7 @@ class ActionAgent:
         self.snapshot_chars = snapshot_chars
         self.attempt: Attempt | None = None
         self._actx: ActionContext | None = None
+        self._pane = target  # the pane's id once resolved (see `_hold_pane`)
         self._typing = trio.Lock()
 
     def run_info(self, **fields: Any) -> RunInfo:
@@ -68,26 +76,28 @@ class ActionAgent:
         return Limits(max_steps=1, timeout=self.timeout + BACKSTOP_SLACK)
 
     async def step(self, ctx: RunContext) -> Step:
-        """Run the attempt, record it, and end the run with its outcome."""
-        self._actx = ActionContext(self.agent, self.target, self.mux, typing_lock=self._typing)
-        lock: PaneLock | None = None
-        pane_key = getattr(self.mux, "pane_key", None)
-        if pane_key is not None and self.skip_reason is None:
-            # One run at a time types into a pane (across processes): a pane that
-            # another run holds is a precondition failure, and nothing is typed.
-            try:
-                lock = PaneLock(await pane_key(self.target), self.target)
-                lock.acquire({"run_id": ctx.run_id,
-                              "what": f"kernel actions run {self.action.name}"})
-            except PaneInUse as exc:
-                lock = None
-                self._actx.in_use = str(exc)
-            except MultiplexerError:
-                lock = None  # the attempt's own snapshot reports the pane's trouble
+        """Run the attempt, record it, and end the run with its outcome.
+
+        A cancelled attempt (Ctrl-C, the backstop, a critic kill) has no outcome,
+        but it may have typed already: it is recorded as an `attempt_cancelled`
+        event (how far it got, its first snapshot, the extras) before the
+        cancellation goes on.
+        """
+        pane, lock, why_not = await self._hold_pane(ctx.run_id)
+        self._pane = pane
+        self._actx = ActionContext(self.agent, pane, self.mux, typing_lock=self._typing)
+        self._actx.extras["target"] = self.target
+        if pane != self.target:
+            self._actx.extras["pane_id"] = pane
+        self._actx.in_use = why_not
         try:
             attempt = await run_attempt(self.action, self._actx, timeout=self.timeout,
                                         poll_interval=self.poll_interval,
                                         skip_reason=self.skip_reason)
+        except trio.Cancelled:
+            ctx.event("attempt_cancelled", name=self.action.name, activity=False,
+                      payload=cancelled_record(self.action, self._actx, self.snapshot_chars))
+            raise
         finally:
             if lock is not None:
                 lock.release()
@@ -101,6 +111,37 @@ class ActionAgent:
         return Step(output=str(outcome), final=True, name=attempt.action,
                     error=f"{outcome}: {why}" if why else str(outcome))
 
+    async def _hold_pane(self, run_id: str) -> tuple[str, PaneLock | None, str | None]:
+        """The pane to act on, its lock, and why it may not be acted on (or None).
+
+        The target is resolved once to the pane's id (`%7`) where the
+        multiplexer can: `dev` is whichever pane is active in `dev` at each
+        command, and the keys of one attempt must all land in one pane. One run
+        at a time types into a pane (across processes): a pane another run
+        holds, or whose lock cannot be taken safely, is a precondition failure,
+        and nothing is typed. A skipped attempt types nothing and takes no lock.
+        """
+        if self.skip_reason is not None:
+            return self.target, None, None
+        resolve = getattr(self.mux, "resolve", None)
+        pane_key = getattr(self.mux, "pane_key", None)
+        try:
+            pane = self.target if resolve is None else await resolve(self.target)
+        except MultiplexerError as exc:
+            # A pane that is gone fails the attempt's first snapshot (send_error); one
+            # that is there but cannot be pinned down is not typed into.
+            return self.target, None, f"cannot resolve pane {self.target}: {exc}"
+        if pane_key is None:
+            return pane, None, None
+        try:
+            lock = PaneLock(await pane_key(pane), self.target)
+            lock.acquire({"run_id": run_id, "what": f"kernel actions run {self.action.name}"})
+        except (PaneInUse, PaneLockError) as exc:
+            return pane, None, str(exc)
+        except MultiplexerError as exc:
+            return pane, None, f"cannot take the lock of pane {self.target}: {exc}"
+        return pane, lock, None
+
     async def on_steer(self, messages: Sequence[Message]) -> None:
         """Type each nudge into the pane, as a person at the keyboard would.
 
@@ -108,7 +149,7 @@ class ActionAgent:
         """
         for message in messages:
             async with self._typing:
-                await self.mux.send_text(self.target, message.content)
+                await self.mux.send_text(self._pane, message.content)
             if self._actx is not None:
                 self._actx.extras.setdefault("steered", []).append(message.content)
 

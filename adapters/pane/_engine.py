@@ -14,6 +14,8 @@ the same for all of them::
     every poll_interval until the deadline (timeout after the start):
         now = await action.snapshot(ctx)
         action.is_complete(before, now)                     -> success
+        the pane is gone or its program exited              -> completion_timeout
+                                                               (extras: pane_gone)
     deadline passed                                         -> completion_timeout
 
 `send` is called at most once per attempt: there are no retries inside an
@@ -77,6 +79,12 @@ class ActionContext:
         self.extras: dict[str, Any] = {}
         #: Why the pane may not be acted on (another run holds it), or None.
         self.in_use: str | None = None
+        #: How far the engine got (snapshot, precheck, send, poll, done), the first
+        #: snapshot and the start: what a cancelled attempt's record is made of.
+        self.stage = "start"
+        self.before: dict[str, Any] | None = None
+        self.started_at: str | None = None
+        self.t0: float | None = None
         self._typing = typing_lock if typing_lock is not None else trio.Lock()
 
     async def capture(self) -> str:
@@ -188,6 +196,8 @@ def failure_detail(attempt: Attempt) -> str:
         value = attempt.extras.get(key)
         if value:
             return str(value)
+    if attempt.extras.get("pane_gone"):
+        return f"the pane went away: {attempt.extras['pane_gone']}"
     if attempt.outcome is Outcome.SUCCESS:
         return ""
     facts = {k: v for k, v in attempt.extras.items()
@@ -234,6 +244,39 @@ def _describe_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def cancelled_record(action: PaneAction, ctx: ActionContext,
+                     max_chars: int | None = None) -> dict[str, Any]:
+    """What a cancelled attempt leaves: how far it got, its first snapshot and extras.
+
+    A cancelled attempt has no outcome (none of the five fits), but keys may
+    already be in the pane: this record (the `attempt_cancelled` event) keeps
+    what was typed (the nonce...) so the audit does not lose it.
+    """
+    cap = snapshot_chars() if max_chars is None else max_chars
+    elapsed = None if ctx.t0 is None else round(trio.current_time() - ctx.t0, 6)
+    extras = dict(ctx.extras)
+    extras.setdefault("target", ctx.target)
+    return {"agent": ctx.agent, "action": action.name, "stage": ctx.stage,
+            "elapsed_s": elapsed, "started_at": ctx.started_at,
+            "pane_before": cap_snapshot(ctx.before, cap), "extras": extras}
+
+
+async def _pane_gone(ctx: ActionContext) -> str | None:
+    """Why the pane can no longer complete anything (gone, or its program exited), or None.
+
+    Asked after each poll that did not see completion: without it, a closed
+    pane was polled until the timeout (an hour, for a long compaction).
+    """
+    status_of = getattr(ctx.mux, "target_status", None)
+    if status_of is None:
+        return None
+    try:
+        status = await status_of(ctx.target)
+    except Exception:  # the multiplexer is busy or gone: judge at the next poll
+        return None
+    return None if status.alive else f"{status.state}: {status.detail}"
+
+
 async def run_attempt(action: PaneAction, ctx: ActionContext, *, timeout: float = 30.0,
                       poll_interval: float = 2.0, skip_reason: str | None = None) -> Attempt:
     """Run one attempt of `action` on `ctx`'s pane and classify it (see the module docstring).
@@ -255,8 +298,8 @@ async def run_attempt(action: PaneAction, ctx: ActionContext, *, timeout: float 
         raise ConfigError(f"timeout must be a number of seconds >= 0, got {timeout}")
     if not (poll_interval > 0 and math.isfinite(poll_interval)):
         raise ConfigError(f"poll_interval must be a number of seconds > 0, got {poll_interval}")
-    started_at = datetime.now(UTC).isoformat()
-    t0 = trio.current_time()
+    started_at = ctx.started_at = datetime.now(UTC).isoformat()
+    t0 = ctx.t0 = trio.current_time()
 
     def finish(outcome: Outcome, before: dict[str, Any] | None,
                after: dict[str, Any] | None) -> Attempt:
@@ -265,11 +308,13 @@ async def run_attempt(action: PaneAction, ctx: ActionContext, *, timeout: float 
         except Exception as exc:
             ctx.extras["describe_error"] = _describe_error(exc)
         ctx.extras.setdefault("target", ctx.target)
+        ctx.stage = "done"
         return Attempt(ctx.agent, action.name, outcome, trio.current_time() - t0, started_at,
                        before, after, dict(ctx.extras))
 
+    ctx.stage = "snapshot"
     try:
-        before = await action.snapshot(ctx)
+        before = ctx.before = await action.snapshot(ctx)
     except Exception as exc:
         # Without the state before, acting would be blind: treat it as a failed send.
         ctx.extras["snapshot_error"] = _describe_error(exc)
@@ -283,6 +328,7 @@ async def run_attempt(action: PaneAction, ctx: ActionContext, *, timeout: float 
         ctx.extras["precheck_error"] = ctx.in_use
         return finish(Outcome.PRECONDITION_FAIL, before, None)
 
+    ctx.stage = "precheck"
     try:
         allowed = action.precheck(before)
     except Exception as exc:
@@ -291,6 +337,7 @@ async def run_attempt(action: PaneAction, ctx: ActionContext, *, timeout: float 
     if not allowed:
         return finish(Outcome.PRECONDITION_FAIL, before, None)
 
+    ctx.stage = "send"
     try:
         await action.before_send(ctx)
         await action.send(ctx)
@@ -298,6 +345,7 @@ async def run_attempt(action: PaneAction, ctx: ActionContext, *, timeout: float 
         ctx.extras["send_error"] = _describe_error(exc)
         return finish(Outcome.SEND_ERROR, before, None)
 
+    ctx.stage = "poll"
     deadline = t0 + timeout
     after: dict[str, Any] | None = None
     polls = 0
@@ -319,6 +367,12 @@ async def run_attempt(action: PaneAction, ctx: ActionContext, *, timeout: float 
             if done:
                 ctx.extras["polls"] = polls
                 return finish(Outcome.SUCCESS, before, after)
+        gone = await _pane_gone(ctx)
+        if gone is not None:
+            # Nothing will complete in a pane that is gone: stop waiting for it.
+            ctx.extras["polls"] = polls
+            ctx.extras["pane_gone"] = gone
+            return finish(Outcome.COMPLETION_TIMEOUT, before, after)
         now = trio.current_time()
         if now >= deadline:
             ctx.extras["polls"] = polls

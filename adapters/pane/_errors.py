@@ -4,7 +4,8 @@
 
     kernel.KernelError
     └── PaneError               base of what the pane adapter raises on purpose
-        └── MultiplexerError    a multiplexer command failed (no server, no pane, tmux missing)
+        ├── MultiplexerError    a multiplexer command failed (no server, no pane, tmux missing)
+        └── PaneLockError       the pane's lock file cannot be used safely
 
 Bad settings (a malformed `KERNEL_PANE_*` variable, an unknown action name,
 an out-of-range `min_drop_pct`) are `kernel.ConfigError`s instead.
@@ -21,3 +22,10 @@ class PaneError(KernelError):
 
 class MultiplexerError(PaneError):
     """A multiplexer command failed; the message names the command and says why."""
+
+
+class PaneLockError(PaneError):
+    """The pane's lock cannot be taken safely (a directory or file someone else controls).
+
+    Nothing may be typed then: without the lock, two runs could type into one pane.
+    """

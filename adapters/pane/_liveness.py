@@ -35,12 +35,17 @@ def generate_nonce(length: int = 10) -> str:
 
 
 def has_nonce_echo(text: str, nonce: str) -> bool:
-    """True if the pane shows `nonce` at least twice.
+    """True if the pane shows `nonce` other than in a copy of the request "Repeat <nonce>".
 
-    The typed request ("Repeat <nonce>") is itself one occurrence, so only a
-    second one is the agent's answer.
+    The typed request is one occurrence; a program that merely prints its input
+    back (`cat`, a REPL quoting the line under a syntax error) makes another
+    copy of the request, which is not an answer. Only the nonce on its own
+    counts, so an answer still counts after the request has scrolled away.
     """
-    return bool(nonce) and text.count(nonce) >= 2
+    if not nonce:
+        return False
+    requests = len(re.findall(r"repeat\s+" + re.escape(nonce), text, re.IGNORECASE))
+    return text.count(nonce) > requests
 
 
 def pane_tail(text: str, lines: int = TAIL_LINES) -> str:

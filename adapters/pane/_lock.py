@@ -12,6 +12,13 @@ The lock is `flock(2)` on a file under `$XDG_RUNTIME_DIR/kernel-panes` (else
 (tmux: the server's socket path and the pane id, so `dev`, `dev:0.0` and `%3`
 are one pane). The kernel drops an flock when its holder exits, however it
 exits, so a crashed run never leaves a pane locked.
+
+The fallback directory is in a shared, world-writable place whose name anyone
+can guess: another user could create it first and plant a pane's lock file as
+a symlink to one of our files, which taking the lock would truncate. So the
+directory must be ours, a real directory, and closed to others, and the lock
+file is opened without following links and must be a plain file of ours;
+otherwise `PaneLockError`, and nothing is typed.
 """
 
 from __future__ import annotations
@@ -21,10 +28,13 @@ import fcntl
 import hashlib
 import json
 import os
+import stat
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from ._errors import PaneLockError
 
 
 class PaneInUse(Exception):
@@ -32,12 +42,46 @@ class PaneInUse(Exception):
 
 
 def lock_dir() -> Path:
-    """The directory of the pane locks (created private to the user)."""
+    """The directory of the pane locks (created private to the user).
+
+    Raises:
+        PaneLockError: It exists but is a link, not ours, or open to others.
+    """
     runtime = os.environ.get("XDG_RUNTIME_DIR", "")
     base = (Path(runtime) / "kernel-panes" if runtime and os.path.isdir(runtime)
             else Path(tempfile.gettempdir()) / f"kernel-panes-{os.getuid()}")
     base.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _check_private_dir(base)
     return base
+
+
+def _check_private_dir(path: Path) -> None:
+    """Refuse a lock directory another user could put files into (see the module doc)."""
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode):
+        raise PaneLockError(f"unsafe pane lock directory {path}: it is not a directory "
+                            "(a link?); remove it")
+    if info.st_uid != os.getuid():
+        raise PaneLockError(f"unsafe pane lock directory {path}: owned by uid {info.st_uid}, "
+                            f"not by this user ({os.getuid()}); remove it")
+    if info.st_mode & 0o022:
+        raise PaneLockError(f"unsafe pane lock directory {path}: others may write into it "
+                            f"(mode {stat.S_IMODE(info.st_mode):o}); remove it or chmod 700")
+
+
+def _open_lock_file(path: Path) -> int:
+    """Open (or create) the lock file itself: never through a link, never a file not ours."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        raise PaneLockError(f"cannot open the pane lock {path}: {exc.strerror or exc} "
+                            "(a link is refused); remove it") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_nlink != 1:
+        os.close(fd)
+        raise PaneLockError(f"unsafe pane lock {path}: not a plain file of this user's "
+                            "with one name; remove it")
+    return fd
 
 
 class PaneLock:
@@ -60,8 +104,9 @@ class PaneLock:
 
         Raises:
             PaneInUse: Another process holds it (the message says which run).
+            PaneLockError: The lock file is not safe to use (see the module doc).
         """
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = _open_lock_file(self.path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -219,6 +219,29 @@ class TmuxMultiplexer:
         if chunk:
             await self._check("send-keys", "-t", target, "-l", "--", "".join(chunk))
 
+    async def resolve(self, target: str) -> str:
+        """The id (`%7`) of the pane `target` names now, to use for the rest of a run.
+
+        A name is looked up again by every tmux command: `dev` is the session's
+        *active* pane, so a person switching panes while we type key by key
+        would get the rest of the keys in the other pane. `display-message`
+        falls back to some other pane for a target it cannot find, so the target
+        is checked strictly (`capture-pane`) before and after asking for its id.
+
+        Raises:
+            MultiplexerError: The pane does not exist (or vanished meanwhile).
+        """
+        exact = exact_target(target)
+        if exact.startswith("%"):
+            return exact
+        strict = ("capture-pane", "-p", "-t", exact, "-S", "0", "-E", "0")
+        await self._check(*strict)
+        pane = (await self._check("display-message", "-p", "-t", exact, "#{pane_id}")).strip()
+        await self._check(*strict)
+        if not pane.startswith("%"):
+            raise MultiplexerError(f"tmux display-message failed: no pane id for {target!r}")
+        return pane
+
     async def pane_key(self, target: str) -> str:
         """What names the pane on this machine: the server's socket path and the pane id.
 

@@ -29,7 +29,7 @@ import trio
 
 from kernel import Message, RunContext, Step
 
-from ._errors import MultiplexerError
+from ._errors import MultiplexerError, PaneLockError
 from ._liveness import is_approval_prompt, is_busy, pane_tail
 from ._lock import PaneInUse, PaneLock
 from ._mux import Multiplexer
@@ -64,6 +64,7 @@ class PaneAgent:
     _nudging: bool = field(default=False, init=False, repr=False)
     _pane_lock: PaneLock | None = field(default=None, init=False, repr=False)
     _typed: list[str] = field(default_factory=list, init=False, repr=False)
+    _pane: str = field(default="", init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.prompt.strip():
@@ -79,6 +80,7 @@ class PaneAgent:
         """One turn: wait for a free pane, type the prompt, wait until the pane settles."""
         self._ctx = ctx
         self._pid = None
+        self._pane = self.target
         self._typed = [" ".join(self.prompt.split())]
         try:
             return await self._turn(ctx)
@@ -86,6 +88,8 @@ class PaneAgent:
             return Step(final=True, name="pane", error=f"pane {self.target}: {exc}")
         except PaneInUse as exc:
             return Step(final=True, name="pane", error=str(exc))
+        except PaneLockError as exc:
+            return Step(final=True, name="pane", error=f"pane {self.target}: {exc}")
         finally:
             if self._pane_lock is not None:
                 self._pane_lock.release()
@@ -98,18 +102,13 @@ class PaneAgent:
         if not status.alive:
             return Step(final=True, name="pane",
                         error=f"pane {self.target} is {status.state}: {status.detail}")
-        pane_key = getattr(self.mux, "pane_key", None)
-        if pane_key is not None:
-            # One run at a time in a pane, across processes: fail at once if taken.
-            lock = PaneLock(await pane_key(self.target), self.target)
-            lock.acquire({"run_id": ctx.run_id, "what": "kernel run --agent pane"})
-            self._pane_lock = lock
+        await self._take_pane(ctx.run_id)
         if status.pid is not None:
             # The processes under the pane are the agent's: a pane program that is
             # working (CPU, I/O) is not stalled however still its screen is.
             self._pid = status.pid
             ctx.process_started(status.pid)
-        screen = await self.mux.capture(self.target)
+        screen = await self.mux.capture(self._pane)
         shown = ""
         while is_busy(screen):  # someone else's turn is still running: wait for it
             # The busy screen's new lines go to the critic: a timer or a token count
@@ -121,21 +120,21 @@ class PaneAgent:
                     ctx.activity("pane_busy", line)
             shown = screen
             await trio.sleep(self.poll_interval)
-            screen = await self.mux.capture(self.target)
+            screen = await self.mux.capture(self._pane)
         untyped = screen  # the screen before the prompt was typed
         async with self._lock:
-            await self.mux.send_text(self.target, self.prompt)
+            await self.mux.send_text(self._pane, self.prompt)
         ctx.event("pane_send", name=self.target, payload={"prompt": self.prompt[:2000]})
-        sent = await self.mux.capture(self.target)
+        sent = await self.mux.capture(self._pane)
         last, changed_at, answered = sent, trio.current_time(), False
         waiting_since: float | None = None
         nudges = self._nudges
         while True:
             await trio.sleep(self.poll_interval)
-            if not (await self.mux.target_status(self.target)).alive:
+            if not (await self.mux.target_status(self._pane)).alive:
                 return Step(final=True, name="pane", output=_after(last, self.prompt, untyped)[0],
                             error=f"the program in pane {self.target} exited mid-turn")
-            screen = await self.mux.capture(self.target)
+            screen = await self.mux.capture(self._pane)
             now = trio.current_time()
             if self._nudging or self._nudges != nudges:
                 # A nudge is being typed, or was since the last look: what it changes
@@ -181,6 +180,22 @@ class PaneAgent:
         return Step(output=output, final=True, name="pane",
                     payload={"target": self.target, "delimited": delimited})
 
+    async def _take_pane(self, run_id: str) -> None:
+        """Pin the pane down to its id and take its lock, for the whole turn.
+
+        `dev` is whichever pane is active in `dev` at each tmux command: looked
+        up for every key, a person switching panes mid-typing got the rest of
+        the prompt in the other pane. One run at a time types into a pane
+        (across processes): a taken pane fails the run at once (`PaneInUse`).
+        """
+        resolve = getattr(self.mux, "resolve", None)
+        self._pane = self.target if resolve is None else await resolve(self.target)
+        pane_key = getattr(self.mux, "pane_key", None)
+        if pane_key is not None:
+            lock = PaneLock(await pane_key(self._pane), self.target)
+            lock.acquire({"run_id": run_id, "what": "kernel run --agent pane"})
+            self._pane_lock = lock
+
     def _ours(self, line: str) -> bool:
         """True if `line` shows only what we typed (the prompt or a nudge, whole or in
         part, with the program's prompt glyphs around it) or no text at all."""
@@ -220,7 +235,7 @@ class PaneAgent:
             try:
                 for m in messages:
                     self._typed.append(" ".join(m.content.split()))
-                    await self.mux.send_text(self.target, m.content)
+                    await self.mux.send_text(self._pane, m.content)
             finally:
                 self._nudges += 1
                 self._nudging = False

@@ -196,23 +196,27 @@ def _report(result: Result, attempt: Attempt | None, *, json_out: bool, cap: int
     """Print the attempt (or why there is none) and return the exit code."""
     for failure in result.port_failures:
         print(f"kernel: warning: {failure}", file=sys.stderr)
+    # As in `kernel run --json`: a script must be able to tell that the attempt
+    # (or the run) could not be recorded, not only a person reading stderr.
+    failures = [str(failure) for failure in result.port_failures]
     if attempt is None:
         code = result.status.exit_code or 1
         why = result.reason or result.error or str(result.status)
         if json_out:
             output.print_doc({
                 "run_id": result.run_id, "status": str(result.status), "outcome": None,
-                "error": why, "exit_code": code})
+                "error": why, "exit_code": code, "port_failures": failures})
         print(f"kernel actions run: no attempt recorded: run {short_id(result.run_id)} "
               f"{result.status}: {why}", file=sys.stderr)
         return code
     code = 0 if attempt.outcome.ok else 1
     if json_out:
         doc = {"run_id": result.run_id, "status": str(result.status), **attempt.record(cap),
-               "exit_code": code}
+               "exit_code": code, "port_failures": failures}
         output.print_doc(doc)
     else:
-        sys.stdout.write(f"{attempt.summary()} [run {short_id(result.run_id)}]\n")
+        summary = output.visible(attempt.summary(), layout=False)
+        sys.stdout.write(f"{summary} [run {short_id(result.run_id)}]\n")
     return code
 
 
@@ -389,8 +393,8 @@ def _detail(row: dict[str, Any]) -> str:
     extras = row.get("extras")
     if not isinstance(extras, dict):
         return ""
-    for key in ("send_error", "snapshot_error", "precheck_error", "skip_reason", "probe",
-                "reason"):
+    for key in ("send_error", "snapshot_error", "precheck_error", "skip_reason", "pane_gone",
+                "probe", "reason"):
         if extras.get(key):
             text = " ".join(str(extras[key]).split())
             return text if len(text) <= 60 else text[:59] + "…"
@@ -398,6 +402,7 @@ def _detail(row: dict[str, Any]) -> str:
 
 
 def _print_table(table: list[list[str]]) -> None:
+    table = [[output.visible(cell, layout=False) for cell in row] for row in table]
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     for row in table:
         sys.stdout.write("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True))

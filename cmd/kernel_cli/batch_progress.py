@@ -8,7 +8,6 @@ added to the path of a run.
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from typing import Any
 
@@ -16,10 +15,6 @@ import trio
 
 from .output import visible
 from .progress import wanted as wanted
-
-#: Characters that move or reorder what a terminal shows: line/paragraph separators,
-#: bidirectional embeddings, overrides and isolates.
-_INVISIBLE = re.compile("[\u2028\u2029\u202a-\u202e\u2066-\u2069\u200e\u200f]")
 
 
 class BatchProgress:
@@ -70,7 +65,6 @@ def _shown(value: Any, width: int) -> str:
     overrides too, then the text is cut to `width` characters.
     """
     text = visible(str(value), layout=False)
-    text = _INVISIBLE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
     return text if len(text) <= width else text[:width - 1] + "…"
 
 

@@ -175,19 +175,31 @@ def csv_cell(value: Any) -> Any:
     return value
 
 
-#: C0 controls (but tab and newline), DEL and C1 controls: what a terminal acts on.
-_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-_CONTROL_ALL = re.compile("[\x00-\x1f\x7f-\x9f]")
+#: What a terminal acts on, C0 controls (but tab and newline), DEL and C1 controls, and
+#: what moves or reorders what it shows: Unicode line and paragraph separators,
+#: bidirectional marks, embeddings, overrides and isolates.
+_REORDERING = "\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069"
+_CONTROL = re.compile(f"[\x00-\x08\x0b-\x1f\x7f-\x9f{_REORDERING}]")
+_CONTROL_ALL = re.compile(f"[\x00-\x1f\x7f-\x9f{_REORDERING}]")
 
 
 def visible(text: str, *, layout: bool = True) -> str:
-    """`text` with each control character as a visible escape (`\x1b`), for a terminal.
+    """`text` with each control character as a visible escape (`\\x1b`, `\\u202e`).
 
-    With `layout`, tab and newline are kept (the caller's own layout uses
-    them); without, they are escaped too (a table cell is one line).
+    Names, reasons and errors come from whoever recorded them (a shared store
+    holds other people's runs): raw, an escape sequence would clear the screen
+    or retitle the window of whoever lists them, and a bidirectional override
+    would show text in another order than it is. With `layout`, tab and newline
+    are kept (the caller's own layout uses them); without, they are escaped too
+    (a table cell is one line).
     """
     pattern = _CONTROL if layout else _CONTROL_ALL
-    return pattern.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+    return pattern.sub(_escaped, text)
+
+
+def _escaped(m: re.Match[str]) -> str:
+    code = ord(m.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
 
 
 def print_records(fmt: str, records: Sequence[Mapping[str, Any]],
