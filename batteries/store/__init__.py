@@ -52,6 +52,7 @@ from ._types import SettleBudget as SettleBudget
 from ._types import StoreBusyError as StoreBusyError
 from ._types import StoreError as StoreError
 from ._types import TaskRow as TaskRow
+from ._types import window_label as window_label
 from .paths import journal_path as journal_path
 
 if TYPE_CHECKING:
@@ -109,4 +110,5 @@ __all__ = [
     "lock_timeout_from_env",
     "open_store",
     "store_url",
+    "window_label",
 ]

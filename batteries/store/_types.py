@@ -396,12 +396,18 @@ class CallerBudget:
         )
 
 
+def window_label(seconds: float) -> str:
+    """A budget window as people write it: 90s, 90m, 24h, 7d (whole units), else seconds."""
+    if seconds >= 7 * 86400 and seconds % 86400 == 0:
+        return f"{seconds / 86400:g}d"
+    for unit, size in (("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds / size:g}{unit}"
+    return f"{seconds:g}s"
+
+
 def _window_text(seconds: float) -> str:
-    if seconds == 86400:
-        return "in the last 24h"
-    if seconds % 3600 == 0:
-        return f"in the last {seconds / 3600:g}h"
-    return f"in the last {seconds:g}s"
+    return f"in the last {window_label(seconds)}"
 
 
 @dataclass(slots=True, frozen=True)

@@ -622,11 +622,20 @@ def _write_html(path: str, run: dict[str, Any], events: list[dict[str, Any]]) ->
 
 
 def _write_page(path: str, page: str, *, what: str = "") -> None:
-    """Write an HTML page to a private file (0600); a failure is one line and exit 1."""
-    from batteries.audit.paths import open_private_file
+    """Write an HTML page to a private file (0600); a failure is one line and exit 1.
+
+    An existing file of ours is made private too (the page holds what the audit
+    holds): a page written over an old 0644 one was left readable by others.
+    """
+    import stat
+
+    from batteries.audit.paths import PRIVATE_FILE_MODE, open_private_file
 
     try:
         fd = open_private_file(path, os.O_WRONLY | os.O_TRUNC)
+        info = os.fstat(fd)
+        if stat.S_ISREG(info.st_mode) and info.st_uid == os.getuid():
+            os.fchmod(fd, PRIVATE_FILE_MODE)
         with os.fdopen(fd, "wb") as fh:
             fh.write(page.encode())
     except OSError as exc:

@@ -53,16 +53,6 @@ def _store_failed(exc: Exception) -> NoReturn:
     _fail(str(exc), 1 if isinstance(exc, StoreBusyError) else 2)
 
 
-def _window(seconds: float) -> str:
-    """A window as people write it: 3s, 90m, 24h, 7d (whole units), else seconds."""
-    if seconds >= 7 * 86400 and seconds % 86400 == 0:
-        return f"{seconds / 86400:g}d"
-    for unit, size in (("h", 3600), ("m", 60)):
-        if seconds >= size and seconds % size == 0:
-            return f"{seconds / size:g}{unit}"
-    return f"{seconds:g}s"
-
-
 @budget_app.command("set")
 def set_budget(
     caller: str = typer.Argument(..., metavar="CALLER",
@@ -122,7 +112,7 @@ def show_budget(
     """Budgets and what each caller spent in the current window."""
     from dataclasses import asdict, fields
 
-    from batteries.store import CallerBudget
+    from batteries.store import CallerBudget, window_label
     from kernel import AuditError
 
     fmt = output.pick(fmt, as_json)
@@ -157,7 +147,7 @@ def show_budget(
     # moves them rather than breaking them), control characters in an id shown escaped.
     print(output.table(
         ("caller", "window", "runs", "runtime", "tokens", "cost"),
-        [(who(r.caller_id), _window(r.window_seconds), cell(r.runs, r.max_runs, "{:g}"),
+        [(who(r.caller_id), window_label(r.window_seconds), cell(r.runs, r.max_runs, "{:g}"),
           cell(r.runtime_seconds, r.max_runtime_seconds, "{:.0f}s"),
           cell(r.tokens, r.max_tokens, "{:g}"), cell(r.cost_usd, r.max_cost_usd, dollars))
          for r in rows], right=(1, 2, 3, 4, 5)))

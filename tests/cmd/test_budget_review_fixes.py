@@ -170,3 +170,16 @@ class TestBatteryRemove:
         assert budget.remove("nobody") is False
         assert not journal_path(db).exists()
         assert not db.parent.exists()
+
+
+class TestRefusalWindow:
+    def test_a_refusal_names_the_window_as_it_was_set(self, kernel_exe: str,
+                                                      cli_env: dict[str, str]) -> None:
+        """A refused run says "in the last 90m" for `--window 90m` (it said "5400s"), as
+        `budget show` prints it."""
+        assert kernel(kernel_exe, cli_env, "budget", "set", "w", "--runs", "1",
+                      "--window", "90m").returncode == 0
+        assert kernel(kernel_exe, cli_env, "run", "--caller", "w", "--", "true").returncode == 0
+        got = kernel(kernel_exe, cli_env, "run", "--caller", "w", "--", "true")
+        assert got.returncode == 3, got.stderr
+        assert "used 1 of 1 runs in the last 90m" in got.stderr, got.stderr

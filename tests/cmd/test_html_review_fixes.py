@@ -129,3 +129,22 @@ class TestHostileLoop:
         assert not CONTROL.search(html), CONTROL.findall(html)
         assert html.count("<script>") == 1 and "bad()</script>" not in html
         assert "&lt;script&gt;b" in html
+
+
+class TestPrivatePage:
+    def test_a_page_written_over_a_readable_file_is_made_private(
+            self, kernel_exe: str, cli_env: dict[str, str], tmp_path: Path) -> None:
+        """The page holds what the audit holds: written over an existing 0644 file, the file
+        ends 0600 (it kept 0644, readable by others, against what README promises)."""
+        import os
+        import stat
+
+        assert kernel(kernel_exe, cli_env, "run", "--", "true").returncode == 0
+        for args in (["show", "last", "--html"], ["report"]):
+            page = tmp_path / f"{args[0]}.html"
+            page.write_text("old")
+            page.chmod(0o644)
+            got = kernel(kernel_exe, cli_env, *args, str(page))
+            assert got.returncode == 0, got.stderr
+            assert stat.S_IMODE(os.stat(page).st_mode) == 0o600, args
+            assert "<!DOCTYPE html>" in page.read_text()
