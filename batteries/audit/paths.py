@@ -152,7 +152,8 @@ def check_db_path(raw: str | os.PathLike[str], *, source: str | None = None,
         return path  # (this process has one open: it was checked before it was opened)
     if content and (damaged := not_a_journal(journal)) is not None:
         raise ConfigError(f"journal {journal}{where} is not usable: {damaged}; move it away "
-                          "(a new one is started; the analysts' file keeps what was synced)")
+                          "(a new one is started with the budgets and resumable runs the "
+                          "analysts' file held at its last `kernel sync`)")
     problem = not_duckdb(path) if content else None
     if content and problem is not None and not journal.exists():
         raise ConfigError(f"audit database {path}{where} is not usable: {problem} (and no "

@@ -113,5 +113,21 @@ class TestAtomicBudgets:
         assert proc.returncode == 2 and not marker.exists()
         assert proc.stderr.strip().endswith("is not usable: it is not a SQLite file (damaged, "
                                             "or not a journal); move it away (a new one is "
-                                            "started; the analysts' file keeps what was "
-                                            "synced)"), proc.stderr
+                                            "started with the budgets and resumable runs the "
+                                            "analysts' file held at its last `kernel sync`)"
+                                            ), proc.stderr
+
+    def test_a_journal_moved_away_starts_again_with_the_synced_budgets(
+            self, kernel_exe: str, cli_env: dict[str, str]) -> None:
+        """What the damaged-journal message promises: after `kernel sync`, a journal moved
+        away is started again with the budgets (and their spend) the analysts' file holds,
+        so following the message does not lift every caller's budget."""
+        assert kernel(kernel_exe, cli_env, "budget", "set", "ann", "--runs", "2").returncode == 0
+        assert kernel(kernel_exe, cli_env, "run", "--caller", "ann", "--", "true").returncode == 0
+        assert kernel(kernel_exe, cli_env, "sync").returncode == 0
+        journal = Path(cli_env["KERNEL_DB"] + ".journal")
+        journal.rename(journal.with_name("moved.journal"))
+        assert kernel(kernel_exe, cli_env, "run", "--caller", "ann", "--", "true").returncode == 0
+        proc = kernel(kernel_exe, cli_env, "run", "--caller", "ann", "--", "true")
+        assert proc.returncode == 3, proc.stderr
+        assert "used 2 of 2 runs" in proc.stderr
