@@ -88,7 +88,7 @@ def run(
     action: str = typer.Argument(..., metavar="ACTION", help="nonce-probe | compact"),
     target: str = typer.Argument(..., metavar="TARGET", help="The tmux pane."),
     timeout: float = typer.Option(
-        30.0, "--timeout", metavar="DURATION", parser=numbers.duration(),
+        30.0, "--timeout", metavar="DURATION", parser=numbers.duration(zero=False),
         help="Time from the start until completion_timeout (90, 90s, 5m, ...)."),
     poll_interval: float = typer.Option(
         2.0, "--poll-interval", metavar="DURATION", parser=numbers.duration(zero=False),

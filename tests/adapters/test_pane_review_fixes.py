@@ -339,3 +339,15 @@ class TestTerminalOutput:
         assert "fleet\\x1b[31m" in listing.stdout
         rows = kernel(kernel_exe, env, "actions", "query", "--json")
         assert json.loads(rows.stdout)["extras"]["skip_reason"] == hostile
+
+
+class TestZeroTimeout:
+    def test_a_zero_timeout_is_refused_before_anything_is_typed(
+            self, kernel_exe: str, cli_env: dict[str, str]) -> None:
+        """`--timeout 0` gave no time for an answer: the request was typed into the pane
+        and the attempt failed at once. It is bad input (one line, exit 2), like a
+        negative one; no pane is touched (none exists here)."""
+        proc = kernel(kernel_exe, cli_env, "actions", "run", "nonce-probe", "nowhere",
+                      "--timeout", "0")
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.count("\n") == 1 and "--timeout" in proc.stderr
