@@ -2,7 +2,12 @@
 
 A run becomes one trace: an `invoke_agent {name}` span, a `chat {model}`
 child span per model call, an `execute_tool {tool}` child span per tool call,
-and the critic's decisions as span events on the run's span. Attributes:
+and the critic's decisions as span events on the run's span. A child run (a
+sub-loop, `ctx.run_child`) is a child span of its parent's run span, in its
+root run's trace: the ids are derived from the run ids (`run_span_ids`), so a
+child exported before its parent, or by another process, still lands under
+it, and the same run exported twice has the same ids. A resumed session is
+its own span under the run's first one. Attributes:
 `gen_ai.operation.name`, `gen_ai.agent.name`, `gen_ai.request.model`,
 `gen_ai.response.model`, `gen_ai.usage.input_tokens` / `output_tokens`,
 `gen_ai.tool.name`, `gen_ai.tool.call.id`, `error.type`, and the kernel's own
@@ -24,6 +29,7 @@ opentelemetry is imported only when an exporter is built (`pip install
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -308,7 +314,7 @@ class OTLPTraces:
         # which would lose the other spans of its batch with it.
         self.provider: TracerProvider = TracerProvider(
             resource=Resource.create({"service.name": "run-kernel"}),
-            span_limits=SpanLimits(max_attribute_length=_MAX_ATTR))
+            span_limits=SpanLimits(max_attribute_length=_MAX_ATTR), id_generator=_run_ids())
         self.provider.add_span_processor(
             BatchSpanProcessor(counting) if batch else _in_batches(counting, EXPORT_BATCH))
         self.tracer: Tracer = self.provider.get_tracer("run-kernel")
@@ -429,6 +435,89 @@ def _name(value: Any) -> str:
     return " ".join(str(value).split())[:_MAX_NAME]
 
 
+def run_span_ids(run_id: str, root_run_id: str | None = None) -> tuple[int, int]:
+    """The (trace id, span id) of a run's `invoke_agent` span.
+
+    The trace is its root run's (`root_run_id`, None: the run is a root), the
+    span id its own: both from a hash of the run ids, so a child run's span
+    can name its parent's before that one is exported (a parent ends after
+    its children), from another process or in a later `kernel export`.
+    """
+    def digest(kind: bytes, text: str, size: int) -> int:
+        value = int.from_bytes(hashlib.sha256(kind + text.encode()).digest()[:size], "big")
+        return value or 1  # an all-zero id is invalid
+
+    return digest(b"kernel-trace:", root_run_id or run_id, 16), digest(b"kernel-span:", run_id, 8)
+
+
+class _Forced(threading.local):
+    """The ids the next span of this thread is to get (`export_run` sets them)."""
+
+    trace_id: int | None = None
+    span_id: int | None = None
+
+
+def _run_ids() -> Any:
+    """An SDK id generator that hands out `_FORCED` ids once, else random ones."""
+    from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+
+    class RunIds(RandomIdGenerator):
+        forced = _Forced()
+
+        def generate_trace_id(self) -> int:
+            forced, self.forced.trace_id = self.forced.trace_id, None
+            return forced if forced is not None else super().generate_trace_id()
+
+        def generate_span_id(self) -> int:
+            forced, self.forced.span_id = self.forced.span_id, None
+            return forced if forced is not None else super().generate_span_id()
+
+    return RunIds()
+
+
+def _start_run_span(tracer: Tracer, run: Mapping[str, Any], name: str, start: int,
+                    attrs: dict[str, Any]) -> Any:
+    """The run's `invoke_agent` span with the ids `run_span_ids` gives it, under its
+    parent run's span (a resumed session: under the run's first span, ids of its own).
+
+    With a tracer whose provider does not take forced ids (a host's own), the span
+    gets the SDK's ids and no parent: the `kernel.*` attributes still link the runs.
+    """
+    from opentelemetry import trace
+    from opentelemetry.trace import (
+        NonRecordingSpan,
+        SpanContext,
+        SpanKind,
+        TraceFlags,
+    )
+
+    forced = getattr(getattr(tracer, "id_generator", None), "forced", None)
+    run_id = str(run.get("run_id") or "")
+    parent = str(run.get("parent_run_id") or "")
+    if not isinstance(forced, _Forced) or not run_id:
+        return tracer.start_span(f"invoke_agent {name}", kind=SpanKind.INTERNAL,
+                                 start_time=start, attributes=attrs)
+    root = str(run.get("root_run_id") or parent or run_id)
+    trace_id, span_id = run_span_ids(run_id, root)
+    context = None
+    if run.get("resumed"):
+        under = span_id  # the run's first session; this one gets ids of its own
+    elif parent:
+        under = run_span_ids(parent, root)[1]
+        forced.span_id = span_id
+    else:
+        under = None
+        forced.trace_id, forced.span_id = trace_id, span_id
+    if under is not None:
+        context = trace.set_span_in_context(NonRecordingSpan(SpanContext(
+            trace_id, under, is_remote=True, trace_flags=TraceFlags(TraceFlags.SAMPLED))))
+    try:
+        return tracer.start_span(f"invoke_agent {name}", context=context,
+                                 kind=SpanKind.INTERNAL, start_time=start, attributes=attrs)
+    finally:
+        forced.trace_id = forced.span_id = None
+
+
 def export_run(tracer: Tracer, run: Mapping[str, Any],
                events: Sequence[Mapping[str, Any]]) -> None:
     """Emit one run as spans: `invoke_agent`, with `chat` and `execute_tool` children.
@@ -441,14 +530,15 @@ def export_run(tracer: Tracer, run: Mapping[str, Any],
     Args:
         tracer: Where the spans go.
         run: The run's row: run_id, name, status, started_at, ended_at, and
-            optionally subject_id, parent_run_id, error, reason, input_tokens,
+            optionally subject_id, parent_run_id, root_run_id (the top of its
+            chain of parents; default its parent), error, reason, input_tokens,
             output_tokens, resumed (datetimes or epoch seconds).
         events: The run's events in order: mappings with ts, kind, name,
             duration_ms and payload (a mapping or its JSON text). Kinds other
             than `SPAN_KINDS` are ignored.
     """
     from opentelemetry import trace
-    from opentelemetry.trace import SpanKind, StatusCode
+    from opentelemetry.trace import StatusCode
 
     start = _ns(run.get("started_at"))
     if start is None:
@@ -476,8 +566,7 @@ def export_run(tracer: Tracer, run: Mapping[str, Any],
         count = _int(run.get(key))
         if count is not None:
             attrs[f"gen_ai.usage.{key}"] = count
-    root = tracer.start_span(f"invoke_agent {name}", kind=SpanKind.INTERNAL, start_time=start,
-                             attributes=attrs)
+    root = _start_run_span(tracer, run, name, start, attrs)
     try:
         if status and status not in _FINE:
             root.set_attribute("error.type", status)
@@ -604,13 +693,17 @@ class OTelRecorder:
     """
 
     def __init__(self, traces: OTLPTraces, info: RunInfo, *,
-                 redactor: Redactor | None = None, resumed: bool = False) -> None:
+                 redactor: Redactor | None = None, resumed: bool = False,
+                 root_run_id: str | None = None,
+                 roots: dict[str, str] | None = None) -> None:
         from batteries.redact import Redactor
 
         self.traces = traces
         self.redactor = Redactor.from_env() if redactor is None else redactor
         self.info = self.redactor.run_info(info)
         self.resumed = resumed
+        self.root_run_id = root_run_id
+        self._roots = roots  # the audit's open runs' roots: this run leaves it at close
         self.started_at = time.time()
         self.events: list[dict[str, Any]] = []
 
@@ -657,11 +750,14 @@ class OTelRecorder:
                "reason": None if stats.reason is None else self._redact(stats.reason),
                "started_at": self.started_at, "ended_at": time.time(),
                "input_tokens": stats.usage.input_tokens,
-               "output_tokens": stats.usage.output_tokens, "resumed": self.resumed}
+               "output_tokens": stats.usage.output_tokens, "resumed": self.resumed,
+               "root_run_id": self.root_run_id}
         try:
             export_run(self.traces.tracer, run, self.events)
         finally:
             self.events = []
+            if self._roots is not None:
+                self._roots.pop(info.run_id, None)
 
 
 class OTelAudit:
@@ -680,6 +776,9 @@ class OTelAudit:
 
         self.traces = traces
         self.redactor = Redactor.from_env() if redactor is None else redactor
+        # Each open run's root run (the top of its chain of parents), so a grandchild's
+        # span lands in its root's trace; a run leaves it when it closes.
+        self._roots: dict[str, str] = {}
 
     @classmethod
     @asynccontextmanager
@@ -711,5 +810,13 @@ class OTelAudit:
 
     async def start_run(self, info: RunInfo, *, resumed: bool = False) -> RunRecorder | None:
         """A recorder for `info`'s run (no I/O); a `resumed` run's span says so
-        (`kernel.resumed`: its span covers only the session that resumed it)."""
-        return OTelRecorder(self.traces, info, redactor=self.redactor, resumed=resumed)
+        (`kernel.resumed`: its span covers only the session that resumed it).
+
+        A child run's span goes under its parent's, in the trace of the root of its
+        chain of parents (known for parents open in this audit; else the parent is
+        taken for the root)."""
+        parent = info.parent_run_id
+        root = self._roots.get(parent, parent) if parent else None
+        self._roots[info.run_id] = root or info.run_id
+        return OTelRecorder(self.traces, info, redactor=self.redactor, resumed=resumed,
+                            root_run_id=root, roots=self._roots)

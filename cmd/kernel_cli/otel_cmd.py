@@ -43,7 +43,25 @@ def stored_runs(cur: Any, run_ids: Sequence[str], since: timedelta | None) -> li
             sql += " AND started_at >= ?"
             params.append(start)
         ids = [row[0] for row in queries.rows(cur, sql + " ORDER BY started_at", params)[1]]
-    return [queries.timeline(cur, run_id) for run_id in ids]
+    runs = [queries.timeline(cur, run_id) for run_id in ids]
+    parents = dict(queries.rows(cur, "SELECT run_id, parent_run_id FROM runs "
+                                     "WHERE parent_run_id IS NOT NULL")[1])
+    for run, _ in runs:
+        run["root_run_id"] = _root(str(run["run_id"]), parents)
+    return runs
+
+
+def _root(run_id: str, parents: dict[str, str]) -> str:
+    """The top of `run_id`'s chain of parents (its trace's root run), itself for a root.
+
+    A parent whose own row is gone (purged) is the root (as it was when the run was
+    exported live); a cycle (only a hand-edited database holds one) ends the walk.
+    """
+    seen = {run_id}
+    while (parent := parents.get(run_id)) is not None and parent not in seen:
+        seen.add(parent)
+        run_id = parent
+    return run_id
 
 
 def send_runs(endpoint: str, runs: Sequence[Run]) -> tuple[int, str | None]:

@@ -376,3 +376,74 @@ def test_export_masks_the_password_and_refuses_a_run_still_running(
     assert json.loads(out)["status"] == "ok"
     got = kernel("export", "--otlp", otlp.url, "--run", run_id)
     assert got.returncode == 0, got.stderr
+
+
+class Nest:
+    """Runs `depth` more generations of child runs below itself, then answers."""
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+
+    async def step(self, ctx: Any) -> Step:
+        if self.depth:
+            await ctx.run_child(Nest(self.depth - 1), RunInfo(name=f"gen{self.depth - 1}"))
+        return Step(final=True, output="ok")
+
+
+def _family(spans: list[Span]) -> dict[str, Span]:
+    return {s.name.removeprefix("invoke_agent "): s for s in spans
+            if s.name.startswith("invoke_agent")}
+
+
+class TestChildRunsInTheirRootsTrace:
+    async def test_a_live_run_and_its_descendants_are_one_trace(self, otlp: Receiver) -> None:
+        """A child run's span is a child of its parent run's span, in the root run's
+        trace, with the ids `run_span_ids` derives (before: one trace per run, linked
+        only by a `kernel.parent_run_id` attribute)."""
+        from batteries.otel import run_span_ids
+
+        root_info = RunInfo(name="gen2")
+        async with OTelAudit.open(otlp.url) as otel:
+            result = await Kernel(Ports(audit=otel)).run(Nest(2), root_info,
+                                                        Limits(max_steps=5, timeout=60))
+        assert result.status is Status.OK
+        runs = _family(otlp.wait_for(3, PATIENCE))
+        top, mid, low = runs["gen2"], runs["gen1"], runs["gen0"]
+        assert top.trace_id == mid.trace_id == low.trace_id
+        assert (top.parent_id, mid.parent_id, low.parent_id) == ("", top.span_id, mid.span_id)
+        trace_id, span_id = run_span_ids(root_info.run_id)
+        assert (int(top.trace_id, 16), int(top.span_id, 16)) == (trace_id, span_id)
+        assert mid.attributes["kernel.parent_run_id"] == root_info.run_id
+
+    async def test_kernel_export_links_them_the_same_way(
+            self, otlp: Receiver, kernel_exe: str, cli_env: dict[str, str]) -> None:
+        """`kernel export --otlp` of stored runs gives the same trace and parents (and
+        the same ids: a run exported live and again later is one span, not two)."""
+        from batteries.audit import JournalAudit
+
+        async with JournalAudit.open(cli_env["KERNEL_DB"]) as audit:
+            result = await Kernel(Ports(audit=audit)).run(Nest(2), RunInfo(name="gen2"),
+                                                         Limits(max_steps=5, timeout=60))
+        assert result.status is Status.OK
+        got = subprocess.run([kernel_exe, "export", "--otlp", otlp.url], env=cli_env,
+                             capture_output=True, text=True, timeout=PATIENCE)
+        assert got.returncode == 0, got.stderr
+        runs = _family(otlp.wait_for(3, PATIENCE))
+        top, mid, low = runs["gen2"], runs["gen1"], runs["gen0"]
+        assert top.trace_id == mid.trace_id == low.trace_id
+        assert (top.parent_id, mid.parent_id, low.parent_id) == ("", top.span_id, mid.span_id)
+
+    async def test_a_resumed_session_is_a_span_under_the_runs_first(
+            self, otlp: Receiver) -> None:
+        """A resumed session's span has ids of its own, under its run's first span."""
+        from batteries.otel import run_span_ids
+
+        info = RunInfo(name="again")
+        async with OTelAudit.open(otlp.url) as otel:
+            rec = await otel.start_run(info, resumed=True)
+            assert rec is not None
+            await rec.close(stats())
+        [span] = otlp.wait_for(1, PATIENCE)
+        trace_id, first = run_span_ids(info.run_id)
+        assert int(span.trace_id, 16) == trace_id and int(span.parent_id, 16) == first
+        assert int(span.span_id, 16) != first
