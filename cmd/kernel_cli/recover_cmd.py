@@ -62,12 +62,21 @@ def _recovery(db: str | None, *, json_out: bool, context: list[str] | None = Non
     """The library's Recovery, building agents the way `kernel run` does.
 
     Raises:
-        ConfigError: A malformed --context pair or --redact pattern.
+        ConfigError: A malformed --context pair, --webhook URL or --redact pattern.
     """
     from adapters import stop_leftover_group
     from adapters.specs import spec_secrets
     from batteries.recovery import Recovery, Secrets
+    from kernel import ConfigError
 
+    if webhooks:
+        from batteries.delivery import check_webhook_url
+
+        for url in webhooks:
+            try:
+                check_webhook_url(url)  # a typo is bad input before anything resumes
+            except ConfigError as exc:
+                raise ConfigError(f"--webhook: {exc}") from None
     secrets = Secrets(context=parse_context(context or []), webhooks=tuple(webhooks or ()),
                       base_url=base_url)
     make_redactor({}, redact or [])  # a bad pattern is refused before anything is touched
@@ -132,9 +141,8 @@ def recover(
         raise typer.Exit(0)
     _leave_to_batches(runs, batch_of, json_out=json_out)
     worst = 0
-    for listed in runs:
-        if listed.run_id in batch_of:
-            continue  # its batch resumes it
+    mine = [r for r in runs if r.run_id not in batch_of]  # a batch's runs: its batch resumes
+    for n, listed in enumerate(mine):
         try:
             claimed = rec.claim(listed.run_id)
         except AuditError as exc:
@@ -143,8 +151,17 @@ def recover(
             continue
         if claimed is None:
             continue  # another recoverer holds it (or finished it meanwhile)
-        code = _resume_one(rec, claimed, json_out=json_out)
+        code, halted = _resume_one(rec, claimed, json_out=json_out)
         worst = worst or (1 if code else 0)
+        if halted:
+            # Ctrl-C (or a shutdown's SIGTERM) stopped the run being resumed: whoever sent
+            # it did not mean the next interrupted run to start. The rest stay interrupted.
+            left = len(mine) - n - 1
+            if left:
+                print(f"kernel: recover stopped: run {ids.short_id(listed.run_id)} was "
+                      f"cancelled; {left} interrupted run(s) not resumed "
+                      "(`kernel recover` resumes them)", file=sys.stderr)
+            break
     raise typer.Exit(worst)
 
 
@@ -217,7 +234,7 @@ def resume(
     except (AuditError, ConfigError) as exc:
         _fail(str(exc))
     assert claimed is not None  # _fail raised otherwise
-    raise typer.Exit(_resume_one(rec, claimed, json_out=json_out))
+    raise typer.Exit(_resume_one(rec, claimed, json_out=json_out)[0])
 
 
 def _ended_status(rec: Recovery, run_id: str) -> str | None:
@@ -302,8 +319,12 @@ def stop_leftovers(run_id: str, *, db: str | None) -> None:
               file=sys.stderr)
 
 
-def _resume_one(rec: Recovery, saved: SavedRun, *, json_out: bool) -> int:
-    """Stop what the run left running, rebuild it and resume it; returns its exit code."""
+def _resume_one(rec: Recovery, saved: SavedRun, *, json_out: bool) -> tuple[int, bool]:
+    """Stop what the run left running, rebuild it and resume it.
+
+    Returns its exit code, and whether it was stopped from outside
+    (`Recovery.halted`: Ctrl-C, SIGTERM), which ends a `kernel recover` there.
+    """
     import trio
 
     from batteries.recovery import Resumed
@@ -321,14 +342,14 @@ def _resume_one(rec: Recovery, saved: SavedRun, *, json_out: bool) -> int:
             if got.missing:
                 doc["give"] = give_back(got.missing)
             output.print_doc(doc)
-        return _not_resumed(got, short)
+        return _not_resumed(got, short), False
     print(f"kernel: resuming run {short} from step {saved.checkpoint.steps}", file=sys.stderr)
     result = trio.run(partial(_execute, got.spec, got.agent, resume=saved.checkpoint,
                               redactor=got.redactor))
     code = exit_code(result, command=False)
     echoed = not json_out and isinstance(got.spec.agent, LoopSpec)
     _report(result, code, json_out=json_out, echo_output=not echoed)
-    return code
+    return code, rec.halted(result)
 
 
 def _not_resumed(got: Resumed, short: str) -> int:

@@ -313,9 +313,19 @@ def run(
             poll_interval=min(base.poll_interval, 0.25))
     except ConfigError as exc:
         _fail(str(exc).replace("Limits.", "--").replace("_", "-").replace(" or None", ""))
-    for url in webhook or []:
-        if not url.startswith(("http://", "https://")):
-            _fail(f"--webhook expects an http(s):// URL, got {url!r}")
+    if webhook:
+        from batteries.delivery import check_webhook_url
+
+        for url in webhook:
+            try:
+                check_webhook_url(url)  # a typo is bad input before anything runs
+            except ConfigError as exc:
+                _fail(f"--webhook: {exc}")
+    if deliver_dir is not None:
+        if not deliver_dir.strip():
+            _fail("--deliver-dir expects a directory, got ''")
+        # Stored absolute: a run resumed from another directory delivers where it was asked.
+        deliver_dir = os.path.abspath(os.path.expanduser(deliver_dir))
     if otlp:
         from batteries.otel import traces_url
 
