@@ -336,6 +336,27 @@ class Recovery:
         except KernelError:
             return batch_id
 
+    def halted(self, result: Result) -> bool:
+        """Whether a resumed run was stopped from outside, so a recovery of many stops there.
+
+        A run cancelled by a signal (Ctrl-C: final; SIGTERM, SIGHUP, SIGQUIT: a
+        shutdown) or by its host keeps its checkpoint `running` (resumable) or
+        has it failed (final): the person or the shutdown that stopped it did
+        not mean the next interrupted run to start. A run whose agent stopped
+        itself (a loop's `LOOP_STOP`, an action killed by a signal) also ends
+        `cancelled`, but its checkpoint is `completed`: that run is over by its
+        own doing, and the recovery goes on. A checkpoint that cannot be read
+        counts as stopped from outside (stopping leaves the rest interrupted,
+        to resume later; going on might start runs nobody wants now).
+        """
+        if result.status is not Status.CANCELLED:
+            return False
+        try:
+            saved = self.checkpointer.load(result.run_id)
+        except KernelError:
+            return True
+        return saved is None or saved.status != "completed"
+
     def prepare(self, saved: SavedRun) -> Prepared | Resumed:
         """Rebuild a claimed run for resuming; a `Resumed` saying why not when it cannot be.
 
@@ -426,8 +447,9 @@ class Recovery:
         several processes may recover one store at once and each run is
         resumed by exactly one of them. A run of a stored batch is left to
         its batch, untouched (a `Resumed` refused, saying which batch). A run
-        that ends `cancelled` (a signal under `signals`) stops the recovery
-        there; the runs not reached stay interrupted.
+        cancelled from outside (a signal under `signals`: see `halted`) stops
+        the recovery there; the runs not reached stay interrupted. A run whose
+        agent stopped itself (`cancelled` too, but over) does not.
         """
         done: list[Resumed] = []
         for listed in await trio.to_thread.run_sync(self.interrupted):
@@ -451,6 +473,7 @@ class Recovery:
             done.append(outcome)
             if on_done is not None:
                 on_done(outcome)
-            if outcome.result is not None and outcome.result.status is Status.CANCELLED:
+            if outcome.result is not None and await trio.to_thread.run_sync(
+                    self.halted, outcome.result):
                 break
         return done
