@@ -244,7 +244,7 @@ class LLMAgent:
             specs.append(read_file_tool(self.cwd))
         if allow_shell:
             specs.append(shell_tool(self.cwd, hide_env=[self.client.api_key_env],
-                                    on_process=self._on_process))
+                                    on_process=self._on_process, on_group=self._on_group))
         specs.extend(as_tool(t) for t in tools)
         self.specs: dict[str, Tool] = {}
         for spec in specs:
@@ -272,6 +272,13 @@ class LLMAgent:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.client.__aexit__(*exc_info)
+
+    def _on_group(self, record: dict[str, Any]) -> None:
+        """The shell tool's command started: audit its group (`process_start`), which
+        `kernel recover` stops if this process dies while the command runs."""
+        ctx = self._ctx
+        if ctx is not None:
+            ctx.event("process_start", name="sh", payload={"tool": "shell", **record})
 
     def _on_process(self, pid: int, started: bool) -> None:
         """The shell tool started (ended) a process: tell the run's critic."""

@@ -203,7 +203,8 @@ def _read_confined(root: Path, path: Any, max_bytes: int) -> str:
 
 def shell_tool(root: str | os.PathLike[str], *, hide_env: Iterable[str] = (),
                max_output_bytes: int = 64 * 1024, grace: float = 2.0,
-               on_process: Callable[[int, bool], None] | None = None) -> Tool:
+               on_process: Callable[[int, bool], None] | None = None,
+               on_group: Callable[[dict[str, Any]], None] | None = None) -> Tool:
     """The `shell` tool: run a command with `/bin/sh -c` in `root`. Opt-in only.
 
     The command runs in its own process group; when the kernel's tool timeout
@@ -214,6 +215,10 @@ def shell_tool(root: str | os.PathLike[str], *, hide_env: Iterable[str] = (),
     `on_process(pid, started)` hears of the command's process starting
     (True) and ending (False): the LLM agent passes it on to the critic,
     which samples the process tree while the call is in flight.
+    `on_group(record)` gets what identifies the command's process group
+    (`Child.record()`) as it starts: the LLM agent audits it as
+    `process_start`, so `kernel recover` can stop a command left running by a
+    supervisor that died before resuming the run.
     """
     cwd = os.path.realpath(root)
     hidden = frozenset(hide_env)
@@ -227,7 +232,8 @@ def shell_tool(root: str | os.PathLike[str], *, hide_env: Iterable[str] = (),
         if not isinstance(command, str) or not command.strip():
             raise ValueError("command must be a non-empty string")
         env = {k: v for k, v in os.environ.items() if k not in hidden}
-        return await _run_shell(command, cwd, env, max_output_bytes, grace, on_process)
+        return await _run_shell(command, cwd, env, max_output_bytes, grace, on_process,
+                                on_group)
 
     return Tool("shell", "Run a shell command in the working directory; returns its exit "
                          "code and output.",
@@ -237,9 +243,11 @@ def shell_tool(root: str | os.PathLike[str], *, hide_env: Iterable[str] = (),
 
 
 async def _run_shell(command: str, cwd: str, env: dict[str, str], limit: int,
-                     grace: float, on_process: Callable[[int, bool], None] | None = None
-                     ) -> str:
+                     grace: float, on_process: Callable[[int, bool], None] | None = None,
+                     on_group: Callable[[dict[str, Any]], None] | None = None) -> str:
     proc = await spawn(["/bin/sh", "-c", command], cwd=cwd, env=env, merge_stderr=True)
+    if on_group is not None:
+        on_group(proc.record())
     if on_process is not None:
         on_process(proc.pid, True)
     chunks: deque[bytes] = deque()

@@ -61,6 +61,13 @@ def _real(value: Any) -> float | None:
     return value if math.isfinite(value) else None
 
 
+#: Event kinds written at once rather than at the next timed flush: what recovery
+#: needs if this process dies in the next second (`Journal.soon`). A process group
+#: that started (`kernel recover` stops it before resuming, so a state never runs
+#: beside its own orphan) and a tool call that started (it may have had its effect).
+_SOON = frozenset({"process_start", "tool_start"})
+
+
 class RecorderHost(Protocol):
     """What a `DuckDBRecorder` uses of the audit that made it (`JournalAudit` is one).
 
@@ -211,6 +218,8 @@ class DuckDBRecorder:
             duration_ms = _real(duration_ms)
         self._add(kind, name, self._encode(payload) if payload else EMPTY, duration_ms,
                   iteration)
+        if kind in _SOON:
+            self.journal.soon()
 
     def log_error(self, message: str, *, payload: Mapping[str, Any] | None = None) -> None:
         """Buffer an `error` event."""

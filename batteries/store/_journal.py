@@ -176,6 +176,7 @@ class Journal:
         self._durable = 0
         # A write is in flight in a worker thread (one at a time: it owns the store).
         self._writing = False
+        self._urgent = False  # `soon`: write what is buffered as the write in flight ends
         # The `commit_buffered` callers waiting for the write in flight, woken together
         # when it ends (see `commit_buffered`).
         self._parked: list[trio.lowlevel.Task] = []
@@ -228,6 +229,24 @@ class Journal:
                 # The full batch is noted (the write in flight starts the next as it ends):
                 # until the next swap, the recorder's only check is the buffer's limit.
                 self.fast_until = self.max_pending_events - self.retry_len
+
+    def soon(self) -> None:
+        """Something was buffered that must not wait for the flush timer: start writing
+        it now (in a worker thread), or as soon as the write in flight ends.
+
+        For what recovery reads if this process dies in the next second: a process
+        group starting (`process_start`: `kernel recover` stops it before resuming)
+        or a tool call starting (`tool_start`: it may have had its effect). It does
+        not wait for the write: the window shrinks from the flush interval to the
+        write's own milliseconds. On the trio thread, like `poke`.
+        """
+        self._dirty.set()
+        if not self.running:
+            return
+        if self._writing:
+            self._urgent = True
+        else:
+            self._start((), inline=False)
 
     async def transact(self, ops: Sequence[Op] = ()) -> list[Any]:
         """Write everything buffered, then `ops`, in one transaction; return the ops' results.
@@ -453,8 +472,9 @@ class Journal:
                 # on something else).
                 if task.custom_sleep_data is self:
                     trio.lowlevel.reschedule(task)
-        if ok and self.running and len(self.pending) >= self.batch_size:
-            self._start((), inline=False)  # the next full batch, at once (with the queue)
+        urgent, self._urgent = self._urgent, False
+        if ok and self.running and (urgent or len(self.pending) >= self.batch_size):
+            self._start((), inline=False)  # the next full (or `soon`) batch, at once
         else:
             # Callers queued during the write: the first of them parked starts the next
             # one when it runs, after the tasks ready now (which may queue theirs too, as

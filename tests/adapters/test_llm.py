@@ -529,6 +529,26 @@ class TestLLMAgentRun:
         assert any(r.name == "kernel.llm" and "model call retrying" in r.getMessage()
                    for r in caplog.records)
 
+    async def test_the_shell_tools_process_group_is_audited(self, chat_server: ChatServer,
+                                                            tmp_path: Path) -> None:
+        """The shell tool's command is audited as `process_start` with what identifies its
+        group (pid, pgid, start time, boot, host), before the command's own end: what
+        `kernel recover` reads to stop a command left running by a supervisor that died
+        (before, an LLM run's shell commands were never recorded, so never stopped)."""
+        chat_server.script(completion(None, call("c1", "shell", {"command": "echo hi"})),
+                           completion("done"))
+        audit = MemoryAudit()
+        agent = make_agent(chat_server, tmp_path, allow_shell=True)
+        result = await Kernel(Ports(audit=audit)).run(agent, RunInfo(), FAST)
+        assert result.status is Status.OK
+        events = audit.events(result.run_id)
+        kinds = [e.kind for e in events]
+        assert kinds.index("tool_start") < kinds.index("process_start") < kinds.index(
+            "tool_end")
+        [started] = [e for e in events if e.kind == "process_start"]
+        assert started.payload["tool"] == "shell"
+        assert {"pid", "pgid", "start_time", "boot_id", "host"} <= set(started.payload)
+
     async def test_resume_continues_the_conversation(self, chat_server: ChatServer,
                                                      tmp_path: Path) -> None:
         """A run resumed from its checkpoint sends the saved conversation, tool results included."""

@@ -189,3 +189,43 @@ class TestRunSpecRoundTrip:
         assert RunSpec.from_json(spec.to_json()) == spec
         assert hash(what) == hash(CommandSpec(("echo", "hi"), {"k": "other"}))
         assert {what} == {CommandSpec(("echo", "hi"), {"k": "v"})}
+
+
+class TestWhatRecoveryNeedsIsWrittenAtOnce:
+    @pytest.mark.parametrize("kind", ["process_start", "tool_start"])
+    async def test_it_does_not_wait_for_the_flush_timer(self, tmp_path: Path,
+                                                        kind: str) -> None:
+        """A `process_start` (the group `kernel recover` must stop before resuming) and a
+        `tool_start` (a call that may have had its effect) are written at once, not at
+        the next timed flush: a supervisor killed in that second left no trace of them,
+        and a state ran beside its own orphan. Here the timer is an hour; the event is
+        in the journal (read by another connection) while the run is still open."""
+        import sqlite3
+        from contextlib import closing
+
+        from batteries.store import journal_path
+
+        db = tmp_path / "k.duckdb"
+        async with JournalAudit.open(db, flush_interval=3600.0) as audit:
+            rec = await audit.start_run(RunInfo(name="r"))
+            assert rec is not None
+            rec.log_event("step_note", name="not urgent")  # waits for the timer ...
+            rec.log_event(kind, name="x", payload={"pid": 1})  # ... until this one comes
+
+            def seen() -> list[str]:
+                if not journal_path(db).exists():
+                    return []  # made by the first write
+                with closing(sqlite3.connect(f"file:{journal_path(db)}?mode=ro",
+                                             uri=True)) as con:
+                    try:
+                        return [k for (k,) in con.execute("SELECT kind FROM events")]
+                    except sqlite3.OperationalError:  # created, not yet migrated
+                        return []
+
+            with trio.fail_after(120):  # real time: a worker thread writes it
+                while True:  # another connection's view: no event to wait on
+                    if kind in await trio.to_thread.run_sync(seen):
+                        break
+                    await trio.sleep(0.01)
+            assert "step_note" in await trio.to_thread.run_sync(seen)
+            await rec.close(RunStats(status=Status.OK))
