@@ -310,6 +310,8 @@ class Child:
         self._pidfd = _pidfd_open(popen.pid)
         self._wait_lock = trio.Lock()
         self._released = False
+        #: The child's own mark in its environment (`spawn(marked=True)`), else None.
+        self.mark: str | None = None
 
     @property
     def returncode(self) -> int | None:
@@ -406,6 +408,108 @@ class Child:
         self.signal_group(signal.SIGKILL)
 
 
+    async def sweep(self, grace: float) -> int:
+        """Stop what the child started that left its group; how many processes that was.
+
+        A daemon (`setsid`, a double fork into a session of its own) is out of
+        reach of the group signals of `stop` and `settle`, and would otherwise
+        live until the lifeline watcher's sweep at this process's exit: in a
+        library host or a batch worker, long after the run. Every process whose
+        environment holds the child's mark (`spawn(marked=True)`) is its
+        descendant: they get SIGTERM, then SIGKILL after `grace` (those that
+        fork meanwhile are found by a new look). One scan of /proc (in a worker
+        thread) when none escaped; a child without a mark has nothing to sweep.
+        A descendant that cleared its environment escapes, as it escapes the
+        watcher.
+        """
+        mark = self.mark
+        if mark is None:
+            return 0
+        needle = mark.encode()
+        pids = await trio.to_thread.run_sync(marked_pids, needle)
+        if not pids:
+            return 0
+        seen = set(pids)
+        await _terminate(pids, grace)
+        for _ in range(50):  # until none is left (they may be forking)
+            pids = await trio.to_thread.run_sync(marked_pids, needle)
+            if not pids:
+                break
+            seen.update(pids)
+            _signal_pids(pids, signal.SIGKILL)
+            await trio.sleep(0.005)
+        return len(seen)
+
+
+def marked_pids(needle: bytes) -> list[int]:
+    """Live pids (not this one) whose environment holds `needle` (Linux; [] elsewhere).
+
+    A zombie's environment reads empty: a dead process is never listed.
+    """
+    me = os.getpid()
+    found: list[int] = []
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return found
+    for name in names:
+        if not name.isdigit() or int(name) == me:
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                env = f.read()
+        except OSError:
+            continue
+        if needle in env:
+            found.append(int(name))
+    return found
+
+
+async def _terminate(pids: Sequence[int], grace: float) -> None:
+    """SIGTERM `pids` and wait up to `grace` seconds for them to exit.
+
+    Through pidfds where there are some (the signal cannot reach a process that
+    took over a pid freed meanwhile, and the wait is for the exit itself);
+    else by pid, looking at /proc every 20 ms.
+    """
+    fds: list[int] = []
+    if _PIDFD:
+        for pid in pids:
+            with contextlib.suppress(OSError):  # gone already
+                fds.append(os.pidfd_open(pid))
+    try:
+        if not fds:
+            _signal_pids(pids, signal.SIGTERM)
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(fd, signal.SIGTERM)
+        with trio.move_on_after(grace):
+            for fd in fds:
+                await trio.lowlevel.wait_readable(fd)
+            while not fds and any(_alive(pid) for pid in pids):  # noqa: ASYNC110 (no event)
+                await trio.sleep(0.02)
+    finally:
+        for fd in fds:
+            trio.lowlevel.notify_closing(fd)
+            os.close(fd)
+
+
+def _signal_pids(pids: Sequence[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+def _alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie is dead: it waits only for its parent to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return False
+    return data[data.rfind(b")") + 2:][:1] != b"Z"
+
+
 def _pidfd_open(pid: int) -> int | None:
     """A pidfd for `pid` (non-blocking, close-on-exec), or None where there are none."""
     global _PIDFD
@@ -413,6 +517,12 @@ def _pidfd_open(pid: int) -> int | None:
         try:
             return os.pidfd_open(pid)
         except OSError as exc:
+            if exc.errno == errno.ESRCH:
+                # Exited and already reaped by someone else (a SIGCHLD ignored in a
+                # thread that could not set it back, a host's own `wait`): the process
+                # did start, so this is no reason to say it could not; `wait` finds it
+                # gone.
+                return None
             if exc.errno not in (errno.ENOSYS, errno.EPERM, errno.EINVAL):
                 raise
             _PIDFD = False  # an old kernel (or a sandbox refusing the call): wait in a thread
@@ -461,7 +571,8 @@ def cannot_start(argv0: str, exc: OSError, cwd: str | None = None) -> tuple[str,
 
 async def spawn(argv: Sequence[str], *, cwd: str | None = None,
                 env: Mapping[str, str] | None = None, stdin_pipe: bool = False,
-                merge_stderr: bool = False, inherit_stdin: bool = False) -> Child:
+                merge_stderr: bool = False, inherit_stdin: bool = False,
+                marked: bool = False) -> Child:
     """Start `argv` in its own session, tied to this process's lifeline.
 
     The process is started in this thread (`os.posix_spawnp`, or `Popen`
@@ -477,27 +588,56 @@ async def spawn(argv: Sequence[str], *, cwd: str | None = None,
         inherit_stdin: Give the child this process's own stdin (a pipe, a file,
             a terminal), as timeout(1) does; wins over `stdin_pipe`.
         merge_stderr: Send stderr into the stdout pipe (else a pipe of its own).
+        marked: Give the child a mark of its own in its environment (`Child.mark`,
+            inherited by everything it starts), so that `Child.sweep` finds its
+            descendants that left its group.
 
     Raises:
         OSError: The command cannot be started (not found, not executable).
     """
-    base = _child_env(env)
+    _keep_exit_statuses()  # (before the lifeline watcher may be started, too)
+    mark = f"kc{secrets.token_hex(8)}" if marked else None
+    base = _child_env(env, mark)
     await trio.lowlevel.checkpoint()
     popen, ours = _start(argv, cwd, base, stdin_pipe=stdin_pipe and not inherit_stdin,
                          merge_stderr=merge_stderr, inherit_stdin=inherit_stdin)
     started = start_time(popen.pid)
     _LIFELINE.add(popen.pid, started)
     streams = [trio.lowlevel.FdStream(fd) for fd in ours]
-    return Child(popen, started,
-                 stdin=streams.pop(0) if stdin_pipe and not inherit_stdin else None,
-                 stdout=streams.pop(0), stderr=None if merge_stderr else streams.pop(0))
+    child = Child(popen, started,
+                  stdin=streams.pop(0) if stdin_pipe and not inherit_stdin else None,
+                  stdout=streams.pop(0), stderr=None if merge_stderr else streams.pop(0))
+    child.mark = mark
+    return child
+
+
+def _keep_exit_statuses() -> None:
+    """Set an ignored SIGCHLD back to its default before a child is started.
+
+    SIG_IGN for SIGCHLD survives exec: a `kernel run` started by a parent that
+    ignores it (some daemons and job runners do) would have every child reaped
+    by the system the moment it exits, its exit status gone. A command that ran
+    and exited 7 was then reported as one that could not start (exit 126), its
+    output unread. With the default disposition (nothing is delivered either
+    way) the exit status waits for us, and the commands we start inherit the
+    default too. Only the main thread may change it (elsewhere the status stays
+    unknown and `wait` reports 0, as `Popen` does). Checked at each start (a
+    lookup), since a host may change it between starts.
+    """
+    sig = getattr(signal, "SIGCHLD", None)
+    if sig is None or signal.getsignal(sig) != signal.SIG_IGN:
+        return
+    if threading.current_thread() is threading.main_thread():
+        with contextlib.suppress(OSError, ValueError):
+            signal.signal(sig, signal.SIG_DFL)
 
 
 _LIFELINE_KEY = LIFELINE_ENV.encode()
 
 
-def _child_env(env: Mapping[str, str] | None) -> dict[bytes, bytes]:
-    """The child's environment as bytes (what exec takes), with the lifeline tokens.
+def _child_env(env: Mapping[str, str] | None, mark: str | None = None) -> dict[bytes, bytes]:
+    """The child's environment as bytes (what exec takes), with the lifeline tokens
+    (and the child's own `mark` after them, if it has one).
 
     Without `env`, a copy of this process's own: CPython keeps it as bytes
     behind `os.environ` (`_data`, which `os.environb` shares), copied whole
@@ -511,8 +651,8 @@ def _child_env(env: Mapping[str, str] | None) -> dict[bytes, bytes]:
     else:
         base = {os.fsencode(k): os.fsencode(v) for k, v in env.items()}
     inherited = base.get(_LIFELINE_KEY)
-    base[_LIFELINE_KEY] = os.fsencode(_LIFELINE.env_value(
-        None if inherited is None else os.fsdecode(inherited)))
+    value = _LIFELINE.env_value(None if inherited is None else os.fsdecode(inherited))
+    base[_LIFELINE_KEY] = os.fsencode(value if mark is None else f"{value}:{mark}")
     return base
 
 

@@ -9,7 +9,11 @@ and bytes that are not UTF-8 are replaced, never fatal.
 Process hygiene: the command runs in its own session (process group). When
 the step is cancelled (caller cancel, timeout, critic kill) or the command
 exits leaving children behind, the whole group gets SIGTERM, then SIGKILL
-after `grace` seconds, so nothing outlives the run. If this process dies
+after `grace` seconds, and so, afterwards, does every process that left the
+group but carries the command's mark in its environment (a `setsid` daemon:
+`Child.sweep`), so nothing outlives the run. Its pipes are read until all of
+that is done, so what the command prints on SIGTERM is echoed and audited
+too. If this process dies
 without a chance to clean up (SIGKILL), the lifeline watcher of
 `adapters._proc` kills the group; `process_start` records the group for
 `kernel recover` too.
@@ -43,6 +47,9 @@ from ._proc import (
 LineSink = Callable[[str, str], None]
 #: How much of a line an `output` event keeps (longer ones are marked `truncated`).
 _EVENT_LINE = 4096
+#: How long, once the command and all it started are stopped, the rest of its output
+#: already in the pipes may take to be read.
+_DRAIN = 1.0
 #: Called with ("stdout" | "stderr", bytes) for every chunk read, untouched.
 ChunkSink = Callable[[str, bytes], None]
 
@@ -109,7 +116,7 @@ class ShellAgent:
         t0 = trio.current_time()
         try:
             child = await spawn(self.argv, cwd=self.cwd, env=env, stdin_pipe=self.steer_stdin,
-                                inherit_stdin=self.inherit_stdin)
+                                inherit_stdin=self.inherit_stdin, marked=True)
         except OSError as exc:
             error, code = cannot_start(self.argv[0], exc, self.cwd)
             return Step(final=True, error=error, exit_code=code, name="command")
@@ -118,26 +125,49 @@ class ShellAgent:
                   payload={"argv": list(self.argv), **child.record()})
         ctx.process_started(child.pid)  # the critic samples its tree: busy is not stalled
         finished = False
+        drained = trio.Event()
+        open_pipes = [2]
+        # The readers are ended by us, not by the run's cancel: a command stopped
+        # mid-step (timeout, kill, Ctrl-C) says its last words on SIGTERM, and they
+        # are echoed and audited like the rest of its output.
+        readers = trio.CancelScope(shield=True)
+
+        async def read(stream: trio.abc.ReceiveStream, name: str, tail: Tail) -> None:
+            await self._pump(stream, name, tail)
+            open_pipes[0] -= 1
+            if not open_pipes[0]:
+                drained.set()
+
+        async def pump() -> None:
+            with readers:
+                async with trio.open_nursery() as pipes:
+                    assert child.stdout is not None and child.stderr is not None
+                    pipes.start_soon(read, child.stdout, "stdout", out)
+                    pipes.start_soon(read, child.stderr, "stderr", err)
+
         try:
-            drained = trio.Event()
-            open_pipes = [2]
-
-            async def read(stream: trio.abc.ReceiveStream, name: str, tail: Tail) -> None:
-                await self._pump(stream, name, tail)
-                open_pipes[0] -= 1
-                if not open_pipes[0]:
-                    drained.set()
-
             async with trio.open_nursery() as nursery:
-                assert child.stdout is not None and child.stderr is not None
-                nursery.start_soon(read, child.stdout, "stdout", out)
-                nursery.start_soon(read, child.stderr, "stderr", err)
-                await child.wait()
-                # The command is gone; its pipes may still be held open by
-                # children it left behind. Give them a moment, then stop them.
-                await child.settle(drained.wait, self.grace, done=drained.is_set)
-                nursery.cancel_scope.cancel()
-            finished = True
+                nursery.start_soon(pump)
+                try:
+                    await child.wait()
+                    # The command is gone; its pipes may still be held open by
+                    # children it left behind. Give them a moment, then stop them.
+                    await child.settle(drained.wait, self.grace, done=drained.is_set)
+                    finished = True
+                finally:
+                    try:
+                        with trio.CancelScope(shield=True):
+                            if not finished:  # stopped mid-step: the group first
+                                await child.stop(self.grace)
+                            # Then what left the group (a daemon in a session of its own).
+                            await child.sweep(self.grace)
+                            # Nothing of the command is left to write: read what is still
+                            # in the pipes (bounded: a process that also cleared its
+                            # environment may hold them forever).
+                            with trio.move_on_after(_DRAIN):
+                                await drained.wait()
+                    finally:
+                        readers.cancel()
         finally:
             if not child.stop_reaped():
                 with trio.CancelScope(shield=True):
