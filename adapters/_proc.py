@@ -854,7 +854,10 @@ def _inheritable_fds() -> list[int] | None:
 #: Called with (raw line bytes without the newline, whether it was cut).
 LineHandler = Callable[[bytes, bool], None]
 #: Called with each raw chunk exactly as read.
-ChunkHandler = Callable[[bytes], None]
+#: Gets each chunk read; may return an awaitable, awaited before the next read: a sink
+#: that applies backpressure (an echo into a pipe nobody reads) slows the reading,
+#: instead of blocking the whole trio thread (deadlines, signals, the critic).
+ChunkHandler = Callable[[bytes], Awaitable[None] | None]
 #: Called with the bytes of a line not ended yet that one read brought.
 PartialHandler = Callable[[bytes], None]
 
@@ -877,7 +880,9 @@ async def pump_lines(stream: trio.abc.ReceiveStream, on_line: LineHandler, *,
     cutting = False  # inside a long line whose head was already handed on
     while chunk := await stream.receive_some(65536):
         if on_chunk is not None:
-            on_chunk(bytes(chunk))
+            waiting = on_chunk(bytes(chunk))
+            if waiting is not None:
+                await waiting
         pending += chunk
         start = 0
         while (nl := pending.find(b"\n", start)) >= 0:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 import shlex
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import trio
@@ -51,7 +51,7 @@ _EVENT_LINE = 4096
 #: already in the pipes may take to be read.
 _DRAIN = 1.0
 #: Called with ("stdout" | "stderr", bytes) for every chunk read, untouched.
-ChunkSink = Callable[[str, bytes], None]
+ChunkSink = Callable[[str, bytes], Awaitable[None] | None]
 
 
 @dataclass

@@ -32,7 +32,7 @@ import re
 import shlex
 import shutil
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -320,7 +320,7 @@ def build_loop(path: str, context: Mapping[str, str], *, scenario: str | None = 
                warn: Callable[[str], None] | None = None,
                prompt_command: Sequence[str] | None = None,
                mcp_command: Sequence[str] | None = None,
-               on_output: Callable[[str, bytes], None] | None = None,
+               on_output: Callable[[str, bytes], Awaitable[None] | None] | None = None,
                cwd: str | None = None, ask: Asker | None = None,
                ) -> tuple[Agent, RunInfo, Limits]:
     """The agent, run description and bounds for `kernel run LOOP.yaml`.
@@ -416,7 +416,7 @@ class BuiltAgent:
 
 
 def agent_from_spec(spec: RunSpec | CommandSpec | LoopSpec | AgentSpec, *,
-                    on_output: Callable[[str, bytes], None] | None = None,
+                    on_output: Callable[[str, bytes], Awaitable[None] | None] | None = None,
                     warn: Callable[[str], None] | None = None,
                     judge: VerdictSource | None = None,
                     inherit_stdin: bool = False,

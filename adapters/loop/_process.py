@@ -10,7 +10,7 @@ action; if the supervisor itself is SIGKILLed, the lifeline watcher kills it.
 from __future__ import annotations
 
 import signal
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +24,7 @@ LineSink = Callable[[str, str], None]
 #: the line was longer than the limit and only its head is given.
 CutLineSink = Callable[[str, str, bool], None]
 #: Called with ("stdout" | "stderr", bytes) for every chunk read, untouched.
-ChunkSink = Callable[[str, bytes], None]
+ChunkSink = Callable[[str, bytes], Awaitable[None] | None]
 
 
 @dataclass(slots=True)

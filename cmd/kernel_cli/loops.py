@@ -7,7 +7,7 @@ behind it) loads inside the functions, so `kernel --help` stays fast.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -64,7 +64,7 @@ def build_loop(path: str, context: Mapping[str, str], *, scenario: str | None = 
                warn: Callable[[str], None] | None = _stderr,
                prompt_command: Sequence[str] | None = None,
                mcp_command: Sequence[str] | None = None,
-               on_output: Callable[[str, bytes], None] | None = None,
+               on_output: Callable[[str, bytes], Awaitable[None] | None] | None = None,
                ) -> tuple[Agent, RunInfo, Limits]:
     """`adapters.specs.build_loop` with the CLI's terminal: warnings on stderr by default,
     and a dry run without a scenario asks on the terminal (`ask_on_terminal`) when

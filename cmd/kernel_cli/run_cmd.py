@@ -6,10 +6,12 @@ import codecs
 import contextlib
 import json
 import os
+import select
 import shlex
 import signal
+import stat
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -479,7 +481,7 @@ def plan_from_spec(spec: RunSpec | CommandSpec | LoopSpec | AgentSpec, *, quiet:
         from .loops import ask_on_terminal
 
         ask = ask_on_terminal
-    echo: Callable[[str, bytes], None] | None = _ECHO
+    echo: Callable[[str, bytes], Awaitable[None] | None] | None = _ECHO
     if quiet:
         echo = _ECHO.stderr_only if echo_stderr else None
     built = agent_from_spec(spec, on_output=echo, warn=_say, inherit_stdin=True, ask=ask)
@@ -544,24 +546,55 @@ class _Echo:
         self.gone: set[str] = set()
         self.decoders: dict[str, codecs.IncrementalDecoder] = {}
         self.on_closed: Callable[[str], None] | None = None
+        self.waits: dict[str, int | None] = {}  # stream -> fd a write may block on
 
-    def __call__(self, stream: str, chunk: bytes) -> None:
+    def __call__(self, stream: str, chunk: bytes) -> Awaitable[None] | None:
         if stream in self.gone:
-            return
+            return None
+        fd = self.waits.get(stream, -1)
+        if fd == -1:
+            fd = self.waits[stream] = _blocking_fd(stream)
+        if fd is not None:
+            return self.write_waiting(stream, fd, chunk)
         try:
             self.write(stream, chunk)
-        except BrokenPipeError:
-            self.gone.add(stream)
+        except (OSError, ValueError) as exc:
+            self.failed(stream, exc)
+        return None
+
+    def failed(self, stream: str, exc: Exception) -> None:
+        self.gone.add(stream)
+        if isinstance(exc, BrokenPipeError):
             _to_devnull(stream)
             if self.on_closed is not None:
                 self.on_closed(stream)
-        except (OSError, ValueError):
-            self.gone.add(stream)
 
-    def stderr_only(self, stream: str, chunk: bytes) -> None:
+    def stderr_only(self, stream: str, chunk: bytes) -> Awaitable[None] | None:
         """Echo the stderr chunks alone (a quiet run: stdout is kept clean)."""
-        if stream == "stderr":
-            self(stream, chunk)
+        return self(stream, chunk) if stream == "stderr" else None
+
+    async def write_waiting(self, stream: str, fd: int, chunk: bytes) -> None:
+        """Write `chunk` to a pipe, socket or terminal without blocking the trio thread.
+
+        A reader that stops reading (`kernel run -- yes | sleep 60`, a pager left
+        open) fills the pipe: a blocking write then froze the whole run, its
+        deadline, Ctrl-C and the critic with it. Here the write waits for room
+        (`wait_writable`, cancellable) and writes at most `PIPE_BUF` bytes at a
+        time, which a pipe with room takes without blocking; reading the command's
+        output waits meanwhile (backpressure), as it would for the command itself.
+        """
+        import trio
+
+        out = sys.stdout if stream == "stdout" else sys.stderr
+        view = memoryview(chunk)
+        try:
+            out.flush()  # whatever was written as text before goes first
+            while view:
+                if not _writable_now(fd):
+                    await trio.lowlevel.wait_writable(fd)
+                view = view[os.write(fd, view[:_PIPE_BUF]):]
+        except (OSError, ValueError) as exc:
+            self.failed(stream, exc)
 
     def write(self, stream: str, chunk: bytes) -> None:
         out = sys.stdout if stream == "stdout" else sys.stderr
@@ -577,6 +610,34 @@ class _Echo:
         # At once, as the command wrote it: a reader sees each chunk when the command
         # let it go, and one that went away is noticed at the next chunk, not at exit.
         raw.flush()
+
+
+#: What a pipe with room takes whole without blocking (POSIX: at least 512; Linux 4096).
+_PIPE_BUF = getattr(select, "PIPE_BUF", 512)
+
+
+def _blocking_fd(stream: str) -> int | None:
+    """The fd of our `stream` if a write to it can block for as long as a reader wants
+    (a pipe, a FIFO, a socket, a terminal), else None (a file, /dev/null, the live
+    display, which take writes at once)."""
+    out = sys.stdout if stream == "stdout" else sys.stderr
+    if hasattr(out, "rich_proxied_file") or getattr(out, "buffer", None) is None:
+        return None
+    try:
+        fd = out.fileno()
+        mode = os.fstat(fd).st_mode
+    except (OSError, ValueError):
+        return None
+    if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode) or (stat.S_ISCHR(mode) and os.isatty(fd)):
+        return fd
+    return None
+
+
+def _writable_now(fd: int) -> bool:
+    """Whether `fd` has room for a write now (no trip through trio's scheduler)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return bool(poller.poll(0))
 
 
 _ECHO = _Echo()

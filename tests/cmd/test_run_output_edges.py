@@ -244,3 +244,56 @@ class TestControlCharacters:
             b" (exit 3)\n"), summary
         assert not any((c < 0x20 and c not in b"\t\n") or c == 0x7F for c in summary)
         assert b"\xc2\x9b" not in summary
+
+
+class TestAReaderThatStopsReading:
+    """The command's output goes to a pipe nobody reads (`kernel run -- yes | sleep 60`,
+    a pager left open). The echo into the full pipe blocked the trio thread: the
+    deadline, Ctrl-C and the critic stopped with it, until the reader exited."""
+
+    def _start(self, exe: str, env: dict[str, str], *args: str) -> subprocess.Popen[bytes]:
+        # stdout is a pipe this test never reads: it fills, as behind `| sleep 60`.
+        return subprocess.Popen([exe, "run", *args], env=env, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    def test_the_timeout_still_ends_the_run(self, kernel_exe: str,
+                                            cli_env: dict[str, str]) -> None:
+        proc = self._start(kernel_exe, cli_env, "--timeout", "2", "--", "yes")
+        try:
+            rc = proc.wait(timeout=120)  # it never ended while the pipe stayed full
+        finally:
+            proc.kill()
+            proc.wait()
+        err = proc.stderr.read().decode() if proc.stderr else ""
+        assert rc == 124, err
+        assert "hard timeout of 2s expired" in err
+
+    def test_ctrl_c_still_ends_the_run(self, kernel_exe: str,
+                                       cli_env: dict[str, str]) -> None:
+        import signal
+        import time
+
+        proc = self._start(kernel_exe, cli_env, "--", "yes")
+        try:
+            assert proc.stdout is not None
+            fd = proc.stdout.fileno()
+            deadline = time.monotonic() + 120
+            while _unread(fd) < 60_000:  # the pipe is full (64 KiB): the echo is blocked
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.02)
+            proc.send_signal(signal.SIGINT)
+            rc = proc.wait(timeout=120)
+        finally:
+            proc.kill()
+            proc.wait()
+        assert rc == 130
+        assert runs(kernel_exe, cli_env)[0]["status"] == "cancelled"
+
+
+def _unread(fd: int) -> int:
+    """Bytes waiting in the pipe whose read end is `fd`."""
+    import fcntl
+    import struct
+    import termios
+
+    return int(struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0])
