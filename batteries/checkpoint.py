@@ -76,6 +76,7 @@ class JournalCheckpointer:
         self.owner = Owner.me()
         self.redactor = Redactor.from_env() if redactor is None else redactor
         self._specs: dict[str, dict[str, Any]] = {}
+        self._unsaveable: set[str] = set()  # runs marked failed for a state that is not JSON
 
     def __repr__(self) -> str:
         return f"JournalCheckpointer({str(self.store.path)!r})"
@@ -106,12 +107,25 @@ class JournalCheckpointer:
         Raises:
             StoreError: The run was never registered (with this checkpointer or
                 before), so there is no spec to resume it from; or the journal
-                cannot be written.
+                cannot be written; or the state is not JSON data (the run is then
+                marked failed: it will not be resumed from an older save).
         """
         cp = checkpoint
+        try:
+            encoded = _dumps(cp.state)
+        except (TypeError, ValueError) as exc:  # a set, bytes, a cycle: not JSON
+            # Stored as text (as it once was), a set would come back a string and the
+            # resumed agent would go on with the wrong type; an older save would run
+            # its steps again. So the run is marked not resumable, and the error says why.
+            why = f"its resumable state cannot be saved as JSON: {exc}"
+            if cp.run_id not in self._unsaveable:  # once a run (each step saves)
+                self._unsaveable.add(cp.run_id)
+                await self.journal.transact([FinishRun(cp.run_id, "failed",
+                                                       self.redactor.text(why))])
+            raise StoreError(f"run {cp.run_id}: {why}; it will not be resumed") from None
         # Encoded once, then redacted as JSON text (one pass over one string, as the
         # audit does with payloads); the store writes the text as given.
-        state = self.redactor.json_text(_dumps(cp.state))
+        state = self.redactor.json_text(encoded)
         await self.journal.transact([SaveCheckpoint(
             Checkpoint(cp.run_id, cp.steps, None, cp.usage, cp.tool_calls), self.owner,
             self._specs.get(cp.run_id), state)])
@@ -119,11 +133,13 @@ class JournalCheckpointer:
     async def complete(self, run_id: str) -> None:
         """The run finished: mark it completed and drop its state (with the next transaction)."""
         self._specs.pop(run_id, None)
+        self._unsaveable.discard(run_id)
         await self.journal.later(FinishRun(run_id, "completed"))
 
     async def fail(self, run_id: str, error: str) -> None:
         """The run failed for good: mark it failed, so it is not resumed."""
         self._specs.pop(run_id, None)
+        self._unsaveable.discard(run_id)
         await self.journal.later(FinishRun(run_id, "failed", self.redactor.text(error)))
 
     # ---------------------------------------------------------------- blocking
@@ -199,8 +215,12 @@ def _readable(what: str) -> Iterator[None]:
 
 
 def _default(value: Any) -> Any:
-    """What JSON cannot encode directly: a mapping as an object, anything else as text."""
-    return dict(value) if isinstance(value, Mapping) else str(value)
+    """What JSON cannot encode directly: a mapping as an object; anything else is refused
+    (`snapshot()` returns JSON data: dicts, lists, strings, numbers, booleans, None)."""
+    if isinstance(value, Mapping):
+        return dict(value)
+    raise TypeError(f"a {type(value).__name__} is not JSON data (snapshot() must return "
+                    "dicts, lists, strings, numbers, booleans and None)")
 
 
 #: A saved state as the journal stores it (the stores' own encoding: `ensure_ascii=False`).

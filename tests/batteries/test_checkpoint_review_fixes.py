@@ -16,9 +16,11 @@ import time
 from pathlib import Path
 
 import pytest
+import trio
 
 from batteries.checkpoint import JournalCheckpointer
 from batteries.store import StoreError
+from kernel import Step
 
 pytestmark = pytest.mark.realtime
 
@@ -94,3 +96,39 @@ def test_load_names_the_run(kernel_exe: str, cli_env: dict[str, str], tmp_path: 
         checkpointer.load(run_id)
     with pytest.raises(StoreError, match="damaged"):
         checkpointer.interrupted()
+
+
+class Counting:
+    """Three steps, with a resumable state that is not JSON data (a set)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    async def step(self, ctx: object) -> Step:
+        await trio.lowlevel.checkpoint()
+        self.n += 1
+        return Step(final=self.n == 3)
+
+    def snapshot(self) -> dict[str, object]:
+        return {"n": self.n, "seen": {1, 2}}
+
+
+async def test_a_state_that_is_not_json_is_refused_and_not_resumable(tmp_path: Path) -> None:
+    """A `snapshot()` holding a set was saved as the set's text ("{1, 2}"): a resumed
+    agent got a string back. The save is refused (one port failure saying why), and
+    the run is marked failed, so an interrupted run is not resumed from it."""
+    from batteries.store import Journal
+    from kernel import Kernel, Limits, Ports, RunInfo, Status
+
+    async with Journal.open(tmp_path / "k.duckdb") as journal:
+        cp = JournalCheckpointer(journal)
+        info = RunInfo(name="sets")
+        await cp.register(info.run_id, {"agent": {"kind": "test"}})
+        result = await Kernel(Ports(checkpointer=cp)).run(
+            Counting(), info, Limits(max_steps=2, timeout=30))  # max_steps: resumable
+        assert result.status is Status.MAX_STEPS
+        [failure] = [f for f in result.port_failures if f.port == "checkpointer"]
+        assert failure.method == "save" and "a set is not JSON data" in failure.error
+        saved = cp.load(info.run_id)
+        assert saved is not None and saved.status == "failed"
+        assert info.run_id not in [r.run_id for r in cp.interrupted()]
