@@ -382,6 +382,11 @@ class Recovery:
         if missing:
             return self._refuse(saved, "its secrets are not stored", spec, missing)
         try:
+            if spec.ports.webhooks:
+                from batteries.delivery import check_webhook_url
+
+                for url in spec.ports.webhooks:  # stored by a version that took it
+                    check_webhook_url(url)
             redactor = Redactor.from_env(context=spec.agent.context, patterns=self.redact)
             if self.key_values is not None:  # its API key, by value
                 redactor = redactor.with_secrets(self.key_values(spec))

@@ -145,6 +145,25 @@ def test_what_cannot_be_built(tmp_path: Path, build: Any, lost: str | None,
     assert still == ([spec.run_id] if refused else [])
 
 
+def test_a_stored_webhook_that_can_never_be_posted_to_refuses_that_run(
+    tmp_path: Path) -> None:
+    """A webhook URL stored by a version that took it (`check_webhook_url` refuses it now)
+    refuses its run in `prepare` ("cannot be rebuilt", left resumable), instead of a
+    ConfigError out of `recover()` that left every other interrupted run waiting."""
+    db = tmp_path / "k.duckdb"
+    bad = _spec(db, webhooks=("http://127.0.0.1:99999/hook",))
+    good = _spec(db)
+    _interrupt(db, bad)
+    _interrupt(db, good)
+    done = {r.run_id: r for r in trio.run(_recovery(db).recover)}
+    assert done[bad.run_id].refused is not None
+    assert "cannot be rebuilt" in done[bad.run_id].refused
+    assert "Port out of range" in done[bad.run_id].refused
+    result = done[good.run_id].result
+    assert result is not None and result.status is Status.OK
+    assert [r.run_id for r in _recovery(db).interrupted()] == [bad.run_id]
+
+
 def test_secrets_must_be_given_back(tmp_path: Path) -> None:
     """A secret context value and a webhook password are not stored: refused until given."""
     db = tmp_path / "k.duckdb"
