@@ -350,7 +350,7 @@ def _retry_after(value: str | None) -> float | None:
     if not value:
         return None
     value = value.strip()
-    if value.isdigit():
+    if value.isascii() and value.isdigit():  # ('²'.isdigit() is True, float('²') fails)
         return float(value)
     try:
         when = email.utils.parsedate_to_datetime(value)

@@ -484,6 +484,7 @@ def _start_run_span(tracer: Tracer, run: Mapping[str, Any], name: str, start: in
     gets the SDK's ids and no parent: the `kernel.*` attributes still link the runs.
     """
     from opentelemetry import trace
+    from opentelemetry.context import Context
     from opentelemetry.trace import (
         NonRecordingSpan,
         SpanContext,
@@ -499,7 +500,7 @@ def _start_run_span(tracer: Tracer, run: Mapping[str, Any], name: str, start: in
                                  start_time=start, attributes=attrs)
     root = str(run.get("root_run_id") or parent or run_id)
     trace_id, span_id = run_span_ids(run_id, root)
-    context = None
+    context: Any = None
     if run.get("resumed"):
         under = span_id  # the run's first session; this one gets ids of its own
     elif parent:
@@ -507,6 +508,10 @@ def _start_run_span(tracer: Tracer, run: Mapping[str, Any], name: str, start: in
         forced.span_id = span_id
     else:
         under = None
+        # An empty context, not the caller's: under a host's current span the SDK
+        # would take that span's trace, and the run's children (whose parent ids
+        # name this run's trace) would land in another.
+        context = Context()
         forced.trace_id, forced.span_id = trace_id, span_id
     if under is not None:
         context = trace.set_span_in_context(NonRecordingSpan(SpanContext(

@@ -228,6 +228,21 @@ async def test_a_hanging_webhook_does_not_starve_the_next(
     assert stuck.url in failure.error and "no answer" in failure.error
 
 
+async def test_a_retry_after_that_is_not_ascii_digits_is_ignored(
+        autojump_clock: trio.abc.Clock) -> None:
+    """`Retry-After: ²` ('²'.isdigit() is True, float('²') is not) escaped as a raw
+    ValueError and the delivery was never retried; it is now no wait at all."""
+    answers = [httpx.Response(503, headers=[(b"retry-after", "\u00b2".encode())]),
+               httpx.Response(200)]
+
+    def script(request: httpx.Request) -> httpx.Response:
+        return answers.pop(0)
+
+    result = await run_with(WebhookDelivery("http://hook.test/x",
+                                            transport=httpx.MockTransport(script)))
+    assert result.port_failures == [] and answers == []
+
+
 async def test_retry_after_is_honoured(autojump_clock: trio.abc.Clock) -> None:
     """A 429/503 `Retry-After` is waited for; one beyond the time bound ends it at once.
 

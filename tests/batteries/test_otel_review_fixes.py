@@ -447,3 +447,32 @@ class TestChildRunsInTheirRootsTrace:
         trace_id, first = run_span_ids(info.run_id)
         assert int(span.trace_id, 16) == trace_id and int(span.parent_id, 16) == first
         assert int(span.span_id, 16) != first
+
+
+async def test_under_a_hosts_current_span_the_runs_keep_their_own_trace() -> None:
+    """A host tracing its own work (a span current around its runs): the root run's span
+    was made in the host's trace, where its children (whose parent ids name the run's
+    own trace) did not follow. The run tree is one trace of its own either way."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from batteries.otel import OTLPTraces
+
+    memory = InMemorySpanExporter()
+    traces = OTLPTraces(exporter=memory, batch=False)
+    audit = OTelAudit(traces)
+    host = TracerProvider().get_tracer("host")
+    with host.start_as_current_span("host request"):
+        top = await audit.start_run(RunInfo(name="top", run_id="run-top"))
+        low = await audit.start_run(RunInfo(name="low", run_id="run-low",
+                                            parent_run_id="run-top"))
+        assert top is not None and low is not None
+        await low.close(stats())
+        await top.close(stats())
+    traces.shutdown()
+    spans = {s.name: s for s in memory.get_finished_spans()}
+    root, child = spans["invoke_agent top"], spans["invoke_agent low"]
+    assert root.context is not None and child.context is not None
+    assert child.context.trace_id == root.context.trace_id
+    assert child.parent is not None and child.parent.span_id == root.context.span_id
+    assert root.parent is None
