@@ -651,24 +651,26 @@ async def spawn(argv: Sequence[str], *, cwd: str | None = None,
 
 
 def _keep_exit_statuses() -> None:
-    """Set an ignored SIGCHLD back to its default before a child is started.
+    """Refuse to start a child while SIGCHLD is ignored in this process.
 
-    SIG_IGN for SIGCHLD survives exec: a `kernel run` started by a parent that
-    ignores it (some daemons and job runners do) would have every child reaped
-    by the system the moment it exits, its exit status gone. A command that ran
-    and exited 7 was then reported as one that could not start (exit 126), its
-    output unread. With the default disposition (nothing is delivered either
-    way) the exit status waits for us, and the commands we start inherit the
-    default too. Only the main thread may change it (elsewhere the status stays
-    unknown and `wait` reports 0, as `Popen` does). Checked at each start (a
+    SIG_IGN for SIGCHLD makes the system reap every child the moment it exits:
+    its exit status is gone (a command that exited 7 read as one that could not
+    start, or as a success). A library must not change the host's disposition
+    (a host that ignores SIGCHLD relies on its own children being reaped), so
+    it says so instead; the `kernel` CLI, which owns its process, sets the
+    default back at start-up (`kernel_cli.app.main`), since the disposition is
+    inherited through exec from whatever started it. Checked at each start (a
     lookup), since a host may change it between starts.
+
+    Raises:
+        ChildProcessError: SIGCHLD is ignored.
     """
     sig = getattr(signal, "SIGCHLD", None)
-    if sig is None or signal.getsignal(sig) != signal.SIG_IGN:
-        return
-    if threading.current_thread() is threading.main_thread():
-        with contextlib.suppress(OSError, ValueError):
-            signal.signal(sig, signal.SIG_DFL)
+    if sig is not None and signal.getsignal(sig) == signal.SIG_IGN:
+        raise ChildProcessError(
+            "SIGCHLD is ignored in this process, so a command's exit status cannot be "
+            "read: set it back to the default (signal.signal(signal.SIGCHLD, "
+            "signal.SIG_DFL)) before starting commands")
 
 
 _LIFELINE_KEY = LIFELINE_ENV.encode()

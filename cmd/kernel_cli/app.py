@@ -302,9 +302,25 @@ def _open_closed_stdio() -> None:
             setattr(sys, name, open(os.devnull, mode, encoding="utf-8"))  # noqa: SIM115
 
 
+def _default_sigchld() -> None:
+    """Set SIGCHLD back to its default if whatever started us left it ignored.
+
+    SIG_IGN survives exec (some daemons and job runners start their children so):
+    every command's exit status would then be reaped away by the system, and the
+    library refuses to start commands rather than change a host's disposition
+    (`adapters._proc`). The CLI owns its process: it takes the default.
+    """
+    import signal
+
+    sig = getattr(signal, "SIGCHLD", None)
+    if sig is not None and signal.getsignal(sig) == signal.SIG_IGN:
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: run the app, turn usage errors into one line + exit 2."""
     _open_closed_stdio()
+    _default_sigchld()
     _configure_logging()
     try:
         command = _command(sys.argv[1:] if argv is None else argv)

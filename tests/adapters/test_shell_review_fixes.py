@@ -215,11 +215,19 @@ class TestIgnoredSigchld:
         assert b"cannot start" not in proc.stderr
 
     async def test_in_process(self) -> None:
-        """The same in a host process that ignores SIGCHLD itself."""
+        """A host process that ignores SIGCHLD itself: the library does not change the
+        host's disposition (the host relies on its children being reaped), and a
+        command's exit status would be lost (a worker thread read 0: `ok` for a failed
+        command). It refuses to start the command, saying why; nothing runs."""
         before = signal.signal(signal.SIGCHLD, signal.SIG_IGN)
         try:
             result = await Kernel().run(ShellAgent(["sh", "-c", "echo hi; exit 7"]))
+            thread = await trio.to_thread.run_sync(
+                lambda: trio.run(Kernel().run, ShellAgent(["sh", "-c", "exit 7"])))
+            assert signal.getsignal(signal.SIGCHLD) == signal.SIG_IGN  # left as it was
         finally:
             signal.signal(signal.SIGCHLD, before)
-        assert result.status is Status.ERROR and result.exit_code == 7, result.error
-        assert result.output == "hi"
+        for got in (result, thread):
+            assert got.status is Status.ERROR and got.exit_code == 126, got.error
+            assert "SIGCHLD is ignored" in (got.error or "")
+        assert result.output is None or "hi" not in result.output
