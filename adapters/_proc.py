@@ -419,8 +419,9 @@ class Child:
         library host or a batch worker, long after the run. Every process whose
         environment holds the child's mark (`spawn(marked=True)`) is its
         descendant: they get SIGTERM, then SIGKILL after `grace` (those that
-        fork meanwhile are found by a new look). One scan of /proc (in a worker
-        thread) when none escaped; a child without a mark has nothing to sweep.
+        fork meanwhile are found by a new look). One look when none escaped:
+        only the pids newer than the child's, here (`_newer_than`), or all of
+        /proc in a worker thread; a child without a mark has nothing to sweep.
         A descendant that cleared its environment escapes, as it escapes the
         watcher.
         """
@@ -903,9 +904,44 @@ ChunkHandler = Callable[[bytes], Awaitable[None] | None]
 PartialHandler = Callable[[bytes], None]
 
 
+class Progress:
+    """How reading a command's pipes goes (`pump_lines(progress=)`), for
+    `drain_while_moving`: bytes read so far, and how many readers wait on their sink
+    (an echo into a full pipe) rather than on the pipe."""
+
+    __slots__ = ("bytes", "in_sink")
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.in_sink = 0
+
+
+async def drain_while_moving(drained: Callable[[], Awaitable[object]],
+                             done: Callable[[], bool], progress: Progress,
+                             quiet: float = 1.0) -> bool:
+    """Wait until the pipes are read to their end (`done`) while that can still happen:
+    False once `quiet` seconds pass with nothing read and no reader waiting on its
+    sink (the pipes are held open by a process nobody can stop).
+
+    A reader waiting on its sink is output read more slowly than the command wrote
+    it (an echo into a pipe its reader reads slowly, or not yet: backpressure).
+    That is waited for, as the command itself would have waited to write it; a
+    fixed bound cut such output short, silently, echo and audit alike. Not
+    shielded: the run's deadline and Ctrl-C still end the wait.
+    """
+    while not done():
+        seen = progress.bytes
+        with trio.move_on_after(quiet):
+            await drained()
+        if not done() and progress.bytes == seen and not progress.in_sink:
+            return False
+    return True
+
+
 async def pump_lines(stream: trio.abc.ReceiveStream, on_line: LineHandler, *,
                      max_line: int, on_chunk: ChunkHandler | None = None,
-                     on_partial: PartialHandler | None = None) -> bool:
+                     on_partial: PartialHandler | None = None,
+                     progress: Progress | None = None) -> bool:
     """Read `stream` to its end, calling `on_line` per line; True if it ended with a newline.
 
     `on_chunk` gets every byte untouched (for a byte-exact echo). A line
@@ -923,7 +959,16 @@ async def pump_lines(stream: trio.abc.ReceiveStream, on_line: LineHandler, *,
         if on_chunk is not None:
             waiting = on_chunk(bytes(chunk))
             if waiting is not None:
-                await waiting
+                if progress is None:
+                    await waiting
+                else:
+                    progress.in_sink += 1
+                    try:
+                        await waiting
+                    finally:
+                        progress.in_sink -= 1
+        if progress is not None:
+            progress.bytes += len(chunk)
         pending += chunk
         start = 0
         while (nl := pending.find(b"\n", start)) >= 0:

@@ -35,9 +35,11 @@ from ._proc import (
     Child,
     LineCounter,
     PartialLine,
+    Progress,
     Tail,
     cannot_start,
     decode_line,
+    drain_while_moving,
     last_chars,
     pump_lines,
     spawn,
@@ -127,13 +129,15 @@ class ShellAgent:
         finished = False
         drained = trio.Event()
         open_pipes = [2]
+        progress = Progress()
+        exit_code = -1
         # The readers are ended by us, not by the run's cancel: a command stopped
         # mid-step (timeout, kill, Ctrl-C) says its last words on SIGTERM, and they
         # are echoed and audited like the rest of its output.
         readers = trio.CancelScope(shield=True)
 
         async def read(stream: trio.abc.ReceiveStream, name: str, tail: Tail) -> None:
-            await self._pump(stream, name, tail)
+            await self._pump(stream, name, tail, progress)
             open_pipes[0] -= 1
             if not open_pipes[0]:
                 drained.set()
@@ -154,6 +158,11 @@ class ShellAgent:
                     # children it left behind. Give them a moment, then stop them.
                     await child.settle(drained.wait, self.grace, done=drained.is_set)
                     finished = True
+                    exit_code = self._exited(ctx, child, t0)
+                    # The group is gone too; what it wrote may still be on its way to a
+                    # reader slower than it (an echo into a pipe read slowly): waited for
+                    # while it moves, as the command itself would have waited.
+                    await drain_while_moving(drained.wait, drained.is_set, progress, _DRAIN)
                 finally:
                     try:
                         with trio.CancelScope(shield=True):
@@ -168,6 +177,12 @@ class ShellAgent:
                                 await drained.wait()
                     finally:
                         readers.cancel()
+                        if not drained.is_set():
+                            # Output was left in the pipes (its reader stopped reading, or
+                            # a process that cleared its environment holds them): said so.
+                            out.truncated = err.truncated = True
+                            ctx.event("output_not_read", activity=False, payload={
+                                "bytes_read": progress.bytes})
         finally:
             if not child.stop_reaped():
                 with trio.CancelScope(shield=True):
@@ -179,7 +194,6 @@ class ShellAgent:
                     "lines": self._counter.dropped, "cap": self.max_line_events})
             if not finished:  # the run stopped it mid-step (timeout, kill, shutdown)
                 self._exited(ctx, child, t0, stopped=True)
-        exit_code = self._exited(ctx, child, t0)
         rc = child.returncode
         assert rc is not None
         payload = {
@@ -212,14 +226,15 @@ class ShellAgent:
                   duration_ms=(trio.current_time() - t0) * 1000)
         return exit_code
 
-    async def _pump(self, stream: trio.abc.ReceiveStream, name: str, tail: Tail) -> None:
+    async def _pump(self, stream: trio.abc.ReceiveStream, name: str, tail: Tail,
+                    progress: Progress) -> None:
         sink = self.on_output
         partial = PartialLine()
         await pump_lines(
             stream, lambda raw, cut: self._line(name, raw, cut, tail, partial),
             max_line=self.max_line_bytes,
             on_chunk=None if sink is None else (lambda chunk: sink(name, chunk)),
-            on_partial=lambda data: self._partial(partial, data))
+            on_partial=lambda data: self._partial(partial, data), progress=progress)
 
     def _partial(self, partial: PartialLine, data: bytes) -> None:
         """A line not ended yet changed: shown to the critic (audited once it ends).

@@ -16,7 +16,15 @@ from typing import Any
 
 import trio
 
-from .._proc import Tail, cannot_start, decode_line, pump_lines, spawn
+from .._proc import (
+    Progress,
+    Tail,
+    cannot_start,
+    decode_line,
+    drain_while_moving,
+    pump_lines,
+    spawn,
+)
 
 #: Called with ("stdout" | "stderr", line) for each output line.
 LineSink = Callable[[str, str], None]
@@ -97,6 +105,11 @@ async def run_process(argv: Sequence[str], *, env: Mapping[str, str] | None = No
         for event in finished.values():
             await event.wait()
 
+    def done() -> bool:
+        return all(event.is_set() for event in finished.values())
+
+    progress = Progress()
+
     async def pump(stream: trio.abc.ReceiveStream, name: str, tail: Tail) -> None:
         def line(raw: bytes, was_cut: bool) -> None:
             text = decode_line(raw)
@@ -108,7 +121,8 @@ async def run_process(argv: Sequence[str], *, env: Mapping[str, str] | None = No
         try:
             newline[name] = await pump_lines(
                 stream, line, max_line=max_line,
-                on_chunk=None if on_output is None else (lambda b: on_output(name, b)))
+                on_chunk=None if on_output is None else (lambda b: on_output(name, b)),
+                progress=progress)
         finally:
             finished[name].set()
 
@@ -126,6 +140,10 @@ async def run_process(argv: Sequence[str], *, env: Mapping[str, str] | None = No
             if timed_out:
                 child.signal_group(signal.SIGTERM)
             await child.settle(drained, grace)
+            # What it wrote may still be on its way to an echo read slowly: waited for
+            # while it moves (a fixed bound cut the action's output short, silently).
+            if not await drain_while_moving(drained, done, progress):
+                cut["stdout"] = True  # left in the pipe by a holder nobody could stop
             nursery.cancel_scope.cancel()
     finally:
         with trio.CancelScope(shield=True):

@@ -577,22 +577,32 @@ class _Echo:
         """Write `chunk` to a pipe, socket or terminal without blocking the trio thread.
 
         A reader that stops reading (`kernel run -- yes | sleep 60`, a pager left
-        open) fills the pipe: a blocking write then froze the whole run, its
-        deadline, Ctrl-C and the critic with it. Here the write waits for room
-        (`wait_writable`, cancellable) and writes at most `PIPE_BUF` bytes at a
-        time, which a pipe with room takes without blocking; reading the command's
-        output waits meanwhile (backpressure), as it would for the command itself.
+        open, a terminal nobody drains) fills the pipe: a blocking write then froze
+        the whole run, its deadline, Ctrl-C and the critic with it. `fd` is a
+        non-blocking file description of our own on the same pipe or terminal
+        (`_nonblocking`: the shared one stays as it is): a write takes what fits,
+        the rest waits for room (`wait_writable`, cancellable), and reading the
+        command's output waits meanwhile (backpressure), as it would for the
+        command itself. A socket (no second description to open) is written
+        `PIPE_BUF` bytes at a time once it has room.
         """
         import trio
 
         out = sys.stdout if stream == "stdout" else sys.stderr
         view = memoryview(chunk)
+        socket_like = fd == out.fileno()
         try:
             out.flush()  # whatever was written as text before goes first
             while view:
-                if not _writable_now(fd):
+                if socket_like:
+                    if not _writable_now(fd):
+                        await trio.lowlevel.wait_writable(fd)
+                    view = view[os.write(fd, view[:_PIPE_BUF]):]
+                    continue
+                try:
+                    view = view[os.write(fd, view):]
+                except BlockingIOError:
                     await trio.lowlevel.wait_writable(fd)
-                view = view[os.write(fd, view[:_PIPE_BUF]):]
         except (OSError, ValueError) as exc:
             self.failed(stream, exc)
 
@@ -628,9 +638,26 @@ def _blocking_fd(stream: str) -> int | None:
         mode = os.fstat(fd).st_mode
     except (OSError, ValueError):
         return None
-    if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode) or (stat.S_ISCHR(mode) and os.isatty(fd)):
+    if stat.S_ISSOCK(mode):
         return fd
+    if stat.S_ISFIFO(mode) or (stat.S_ISCHR(mode) and os.isatty(fd)):
+        return _nonblocking(fd)
     return None
+
+
+def _nonblocking(fd: int) -> int:
+    """A non-blocking file description of our own on the pipe or terminal `fd` is; `fd`
+    itself if none can be opened (then written `PIPE_BUF` at a time, as a socket).
+
+    O_NONBLOCK on `fd` itself would be set on a description shared with the shell
+    and the other programs on the terminal (they would then get EAGAIN). A second
+    open of the same pipe (`/proc/self/fd/N`) or terminal (its device) has its own.
+    """
+    try:
+        path = os.ttyname(fd) if os.isatty(fd) else f"/proc/self/fd/{fd}"
+        return os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError:
+        return fd
 
 
 def _writable_now(fd: int) -> bool:

@@ -290,6 +290,72 @@ class TestAReaderThatStopsReading:
         assert runs(kernel_exe, cli_env)[0]["status"] == "cancelled"
 
 
+    def test_a_terminal_nobody_reads(self, kernel_exe: str, cli_env: dict[str, str]) -> None:
+        """The same on a terminal (a pty whose other side nobody reads: an ssh session that
+        stalled): POLLOUT there only means some room, and a blocking write of more than
+        that froze the run anyway. The echo writes through a non-blocking description
+        of its own (`_nonblocking`)."""
+        import pty
+
+        master, slave = pty.openpty()
+        try:
+            proc = subprocess.Popen([kernel_exe, "run", "--timeout", "2", "--", "yes"],
+                                    env=cli_env, stdin=subprocess.DEVNULL, stdout=slave,
+                                    stderr=subprocess.PIPE)
+            os.close(slave)
+            try:
+                rc = proc.wait(timeout=120)  # the master is never read while it runs
+            finally:
+                proc.kill()
+                proc.wait()
+            err = proc.stderr.read().decode() if proc.stderr else ""
+        finally:
+            os.close(master)
+        assert rc == 124, err
+
+    def test_output_read_late_is_all_echoed_and_audited(
+            self, kernel_exe: str, cli_env: dict[str, str]) -> None:
+        """A reader that reads only seconds after the command ended (`| (sleep 6; wc -l)`):
+        every line arrives and is audited, as without `kernel run` (before: the pipe
+        readers were cancelled a fixed second after the command ended, and half of
+        25,000 lines were neither echoed nor audited, with the run still `ok`)."""
+        import sqlite3
+        import time
+        from contextlib import closing
+
+        proc = self._start(kernel_exe, cli_env, "--", "seq", "1", "25000")
+        journal = Path(cli_env["KERNEL_DB"] + ".journal")
+
+        def exited() -> bool:
+            if not journal.exists():
+                return False
+            with closing(sqlite3.connect(f"file:{journal}?mode=ro", uri=True)) as con:
+                try:
+                    return con.execute("SELECT 1 FROM events WHERE kind = 'process_exit'"
+                                       ).fetchone() is not None
+                except sqlite3.OperationalError:
+                    return False
+
+        try:
+            deadline = time.monotonic() + 120
+            while not exited():  # seq ended: its last lines wait in our pipes
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.02)
+            time.sleep(3)  # longer than the old fixed drain: the reader is late
+            out, err = proc.communicate(timeout=120)
+        finally:
+            proc.kill()
+            proc.wait()
+        assert proc.returncode == 0, err
+        assert out.count(b"\n") == 25000
+        q = kernel(kernel_exe, cli_env, "query", "--format", "json",
+                   "SELECT status, (SELECT json_extract(payload, '$.lines') "
+                   "FROM events WHERE kind = 'output_not_audited') AS unaudited FROM runs")
+        assert q.returncode == 0, q.stderr
+        [got] = [json.loads(line) for line in q.stdout.splitlines() if line.startswith("{")]
+        assert got["status"] == "ok"
+        assert int(got["unaudited"]) == 15000  # 10,000 lines audited, the rest counted
+
 def _unread(fd: int) -> int:
     """Bytes waiting in the pipe whose read end is `fd`."""
     import fcntl
