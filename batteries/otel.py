@@ -33,6 +33,7 @@ import hashlib
 import json
 import logging
 import math
+import re
 import threading
 import time
 from collections import deque
@@ -95,8 +96,8 @@ def shown_endpoint(endpoint: str) -> str:
     try:
         parts = urlsplit(endpoint)
         password = parts.password
-    except ValueError:
-        return endpoint
+    except ValueError:  # unparseable (`http://u:pw@[::1`): mask what looks like one
+        return re.sub(r"(://[^/@]*?:)[^/@]*@", r"\1***@", endpoint)
     if not password:
         return endpoint
     netloc = parts.netloc.replace(f":{password}@", ":***@", 1)

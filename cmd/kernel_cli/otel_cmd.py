@@ -23,7 +23,7 @@ def stored_runs(cur: Any, run_ids: Sequence[str], since: timedelta | None) -> li
     from batteries.audit import queries
     from kernel import ConfigError
 
-    from .ids import resolve
+    from .ids import resolve, short_id
 
     if run_ids:
         ids = [resolve(cur, text) for text in run_ids]
@@ -33,8 +33,8 @@ def stored_runs(cur: Any, run_ids: Sequence[str], since: timedelta | None) -> li
         if running:
             # Its span would end now, as an error of type `running`: a trace that the
             # run's real end, exported later, would then contradict.
-            raise ConfigError(f"run {running[0][:8]} has not ended yet: export it once it "
-                              "has (a running run has no trace to send)")
+            raise ConfigError(f"run {short_id(running[0])} has not ended yet: export it "
+                              "once it has (a running run has no trace to send)")
     else:
         sql = "SELECT run_id FROM runs WHERE status IS NOT NULL"
         params: list[Any] = []

@@ -157,12 +157,23 @@ def recover(
             # Ctrl-C (or a shutdown's SIGTERM) stopped the run being resumed: whoever sent
             # it did not mean the next interrupted run to start. The rest stay interrupted.
             left = len(mine) - n - 1
+            if _still_interrupted(rec, listed.run_id):  # a shutdown's: it resumes too
+                left += 1
             if left:
                 print(f"kernel: recover stopped: run {ids.short_id(listed.run_id)} was "
-                      f"cancelled; {left} interrupted run(s) not resumed "
+                      f"cancelled; {left} interrupted run(s) left to resume "
                       "(`kernel recover` resumes them)", file=sys.stderr)
             break
     raise typer.Exit(worst)
+
+
+def _still_interrupted(rec: Recovery, run_id: str) -> bool:
+    """Whether `run_id` is resumable again (cancelled by a shutdown, not by Ctrl-C)."""
+    try:
+        saved = rec.checkpointer.load(run_id)
+    except Exception:  # (only a count in a message depends on it)
+        return False
+    return saved is not None and saved.status == "running"
 
 
 def resume(

@@ -370,6 +370,9 @@ def test_export_masks_the_password_and_refuses_a_run_still_running(
         got = kernel("export", "--otlp", otlp.url, "--run", run_id)
         assert got.returncode == 2, got.stderr
         assert got.stderr.count("\n") == 1 and "has not ended yet" in got.stderr
+        from kernel_cli.ids import short_id
+
+        assert f"run {short_id(run_id)} " in got.stderr  # the id `kernel runs` shows
     finally:
         gate.touch()
         out, _ = slow.communicate(timeout=PATIENCE)
@@ -476,3 +479,16 @@ async def test_under_a_hosts_current_span_the_runs_keep_their_own_trace() -> Non
     assert child.context.trace_id == root.context.trace_id
     assert child.parent is not None and child.parent.span_id == root.context.span_id
     assert root.parent is None
+
+
+
+def test_an_unparseable_endpoint_does_not_print_its_password(
+        kernel_exe: str, cli_env: dict[str, str]) -> None:
+    """`http://u:pw@[::1` (no closing bracket) cannot be parsed, and was printed whole,
+    password included, in the one-line error; it is masked as a parseable one is."""
+    for args in (["export", "--otlp"], ["run", "--otlp"]):
+        tail = ["--", "true"] if args[0] == "run" else []
+        got = subprocess.run([kernel_exe, *args, "http://u:s3cretpw@[::1", *tail],
+                             env=cli_env, capture_output=True, text=True, timeout=PATIENCE)
+        assert got.returncode == 2, got.stderr
+        assert "s3cretpw" not in got.stderr and "u:***@" in got.stderr, got.stderr
