@@ -21,9 +21,11 @@ if TYPE_CHECKING:
 HELP = """Run agent runs under supervision, and read their audit trail.
 
 A run ends in exactly one status: ok, error, timeout (124), killed (137),
-cancelled (130), budget_exceeded (3), max_steps (4), handoff (5), dry_run.
-Every run is recorded to an embedded DuckDB file ($KERNEL_DB, else the user
-data directory); analysts query it with `kernel query` or straight from DuckDB.
+cancelled (130), budget_exceeded (3), max_steps (4), handoff (5), dry_run, or
+lost (6: its supervisor died and it could not be resumed). Every run is
+recorded to a journal beside an embedded DuckDB file ($KERNEL_DB, else the
+user data directory); analysts query it with `kernel query`, or straight from
+DuckDB after `kernel sync`.
 """
 
 class _KernelGroup(typer.core.TyperGroup):
