@@ -126,7 +126,11 @@ class PaneAgent:
             await self.mux.send_text(self._pane, self.prompt)
         ctx.event("pane_send", name=self.target, payload={"prompt": self.prompt[:2000]})
         sent = await self.mux.capture(self._pane)
-        last, changed_at, answered = sent, trio.current_time(), False
+        # A program that answers at once (a REPL, a quick tool) has its answer on the
+        # very screen the wait starts from: it counts (it was never seen as one, and
+        # the run was killed `waiting_input` though the answer was there).
+        answered = self._answer_in(sent, untyped)
+        last, changed_at = sent, trio.current_time()
         waiting_since: float | None = None
         nudges = self._nudges
         while True:

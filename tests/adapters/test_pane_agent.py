@@ -25,6 +25,19 @@ class TestPaneAgent:
         kinds = audit.kinds(result.run_id)
         assert "pane_send" in kinds and "pane_done" in kinds
 
+    async def test_an_answer_already_there_after_enter_is_the_answer(
+            self, autojump_clock: trio.abc.Clock) -> None:
+        """A program that answers before the first look after Enter (a REPL, a quick
+        tool): its answer is in that very screen, the baseline of the wait. It was
+        never taken for an answer, and the run was killed `waiting_input`."""
+        from batteries.critic import CriticPolicy, WatchCritic
+
+        mux = FakeMultiplexer({"dev": FakePane(reply_after=0)})
+        result = await Kernel(Ports(critic=WatchCritic(CriticPolicy(idle_timeout=60)))).run(
+            PaneAgent("dev", "Repeat banana", mux, settle=2), RunInfo(), Limits(timeout=600))
+        assert result.status is Status.OK, result.reason
+        assert result.output.splitlines()[0] == "banana"
+
     async def test_silent_pane_is_nudged_then_killed(
             self, autojump_clock: trio.abc.Clock) -> None:
         """A pane that never answers goes quiet: the critic's nudge is typed in, then a kill."""
