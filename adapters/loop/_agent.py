@@ -468,6 +468,14 @@ class LoopAgent:
         result: ActionResult | None = None
         if st.mode == "loop":
             verdict = await self._subloop(st, ctx)
+            if st.next is not None:
+                # `next` first, as on an action state: on whatever the child's verdict,
+                # but to `on_error` when the child errored and there is one.
+                self._record_prev(st, None)
+                if verdict.verdict == "error" and "error" in st.on:
+                    return _Outcome("error", self._resolve(st.on["error"], st, ctx, None),
+                                    "on_error (the sub-loop)")
+                return _Outcome(verdict.verdict, self._resolve(st.next, st, ctx, None), "next")
         else:
             if st.action is not None:
                 result, stop = await self._mode.action(self, st, ctx)

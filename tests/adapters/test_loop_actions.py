@@ -365,6 +365,18 @@ class TestSubLoops:
         assert [e.kind for e in audit.events(result.run_id) if e.kind.startswith("child_")] \
             == ["child_start", "child_end"]
 
+    async def test_next_routes_a_sub_loop_state(self, tmp_path: Path) -> None:
+        """`next:` on a `loop:` state goes on whatever the child's verdict, as on an action
+        state (README: `next` comes first in routing); `kernel validate` took it, and the
+        run ended `error: no valid transition`."""
+        text = self.parent(tmp_path).replace("on_yes: good\n                on_no: bad",
+                                             "next: good")
+        assert "next: good" in text
+        spec = spec_of(tmp_path, text)
+        result, audit, _ = await run(spec)
+        assert result.status is Status.OK, result.error
+        assert routes(audit, result.run_id) == [("sub", "good", "next")]
+
     async def test_a_child_that_does_not_finish_routes_no(self, tmp_path: Path) -> None:
         """A child ending max_steps (not ok) takes the parent's on_no."""
         text = self.parent(tmp_path).replace("parent_value: from-parent", "mode: broken")
