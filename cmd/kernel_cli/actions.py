@@ -206,7 +206,10 @@ def _report(result: Result, attempt: Attempt | None, *, json_out: bool, cap: int
             output.print_doc({
                 "run_id": result.run_id, "status": str(result.status), "outcome": None,
                 "error": why, "exit_code": code, "port_failures": failures})
-        print(f"kernel actions run: no attempt recorded: run {short_id(result.run_id)} "
+        # A cancelled attempt has no outcome, but what it did is kept (`attempt_cancelled`).
+        what = ("attempt cancelled (kept as an attempt_cancelled event)"
+                if str(result.status) == "cancelled" else "no attempt recorded")
+        print(f"kernel actions run: {what}: run {short_id(result.run_id)} "
               f"{result.status}: {why}", file=sys.stderr)
         return code
     code = 0 if attempt.outcome.ok else 1

@@ -358,7 +358,7 @@ class TestActionsCli:
         assert proc.returncode == 130, err
         doc = json.loads(out)
         assert doc["status"] == "cancelled" and doc["outcome"] is None
-        assert "no attempt recorded" in err
+        assert "attempt cancelled (kept as an attempt_cancelled event)" in err
         assert attempts() == []
 
     def test_plain_output_is_one_line(self, tmux: Tmux) -> None:
