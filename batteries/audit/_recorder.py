@@ -62,10 +62,12 @@ def _real(value: Any) -> float | None:
 
 
 #: Event kinds written at once rather than at the next timed flush: what recovery
-#: needs if this process dies in the next second (`Journal.soon`). A process group
-#: that started (`kernel recover` stops it before resuming, so a state never runs
-#: beside its own orphan) and a tool call that started (it may have had its effect).
-_SOON = frozenset({"process_start", "tool_start"})
+#: needs if this process dies in the next second (`Journal.soon`): a process group
+#: that started, which `kernel recover` stops before resuming, so a state never runs
+#: beside its own orphan. (A tool call's start is not: a transaction per call for a
+#: record the checkpoint saved before the tools already covers, the call answered
+#: "interrupted" on resume.)
+_SOON = frozenset({"process_start"})
 
 
 class RecorderHost(Protocol):

@@ -192,13 +192,13 @@ class TestRunSpecRoundTrip:
 
 
 class TestWhatRecoveryNeedsIsWrittenAtOnce:
-    @pytest.mark.parametrize("kind", ["process_start", "tool_start"])
+    @pytest.mark.parametrize("kind", ["process_start"])
     async def test_it_does_not_wait_for_the_flush_timer(self, tmp_path: Path,
                                                         kind: str) -> None:
-        """A `process_start` (the group `kernel recover` must stop before resuming) and a
-        `tool_start` (a call that may have had its effect) are written at once, not at
-        the next timed flush: a supervisor killed in that second left no trace of them,
-        and a state ran beside its own orphan. Here the timer is an hour; the event is
+        """A `process_start` (the group `kernel recover` must stop before resuming) is
+        written at once, not at the next timed flush: a supervisor killed in that second
+        (with its lifeline watcher) left no trace of it, and a state ran beside its own
+        orphan. Here the timer is an hour; the event is
         in the journal (read by another connection) while the run is still open."""
         import sqlite3
         from contextlib import closing

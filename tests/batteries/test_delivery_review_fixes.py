@@ -317,7 +317,7 @@ def test_cli_refuses_a_bad_webhook_before_running(kernel_exe: str, cli_env: dict
                               capture_output=True, text=True, env=cli_env, timeout=120,
                               stdin=subprocess.DEVNULL)
         assert proc.returncode == 2, proc.stderr
-        assert proc.stderr.startswith("kernel run: error: webhook URL")
+        assert proc.stderr.startswith("kernel run: error: --webhook: webhook URL")
         assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
         assert "pw1234567" not in proc.stderr
         assert not marker.exists()

@@ -80,8 +80,9 @@ def test_a_held_analyst_file_blocks_no_run(kernel_exe: str, cli_env: dict[str, s
     assert len(runs) == WORKERS * RUNS and all(r["status"] == "ok" for r in runs)
     assert all(r["port_failures"] == [] for r in runs)
     waits = sorted(r["storage"]["max_wait_ms"] for r in runs)
-    # Two a run (open, close), and one more each time the flush timer fired (load).
-    assert all(r["storage"]["transactions"] - r["storage"]["timed_flushes"] == 2 for r in runs)
+    # Three a run (open, the command's process group, close), and one more each time
+    # the flush timer fired (load).
+    assert all(r["storage"]["transactions"] - r["storage"]["timed_flushes"] == 3 for r in runs)
     # The writers wait only for each other (the analyst's file is not on the write path).
     # A writer descheduled while it holds the lock makes the others wait as long: 100 ms
     # is the bound on a machine with a core per runnable process, scaled by the run queue

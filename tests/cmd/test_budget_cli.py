@@ -67,19 +67,21 @@ class TestAtomicBudgets:
                                   "--json").stdout)
         assert shown["runs"] == 5
 
-    def test_no_budget_no_spend_and_two_transactions(self, kernel_exe: str,
-                                                     cli_env: dict[str, str],
-                                                     tmp_path: Path) -> None:
+    def test_no_budget_no_spend_and_three_transactions(self, kernel_exe: str,
+                                                       cli_env: dict[str, str],
+                                                       tmp_path: Path) -> None:
         """Without a budget nothing is reserved or settled; with or without one, `kernel run`
-        touches the journal twice: when its run opens and when it closes."""
+        touches the journal three times: when its run opens, when its command's process
+        group starts (written at once, for `kernel recover`), and when it closes."""
         free = json.loads(kernel(kernel_exe, cli_env, "run", "--json", "--caller", "free",
                                  "--", "true").stdout)
-        assert free["storage"]["transactions"] - free["storage"]["timed_flushes"] == 2, free
+        assert free["storage"]["transactions"] - free["storage"]["timed_flushes"] == 3, free
         assert kernel(kernel_exe, cli_env, "budget", "set", "capped", "--runs", "9"
                       ).returncode == 0
         capped = json.loads(kernel(kernel_exe, cli_env, "run", "--json", "--caller", "capped",
                                    "--", "true").stdout)
-        assert capped["storage"]["transactions"] - capped["storage"]["timed_flushes"] == 2, capped
+        assert capped["storage"]["transactions"] - capped["storage"]["timed_flushes"] == 3, \
+            capped
         journal = Path(cli_env["KERNEL_DB"] + ".journal")
         with closing(sqlite3.connect(journal)) as con:
             spend = con.execute("SELECT caller_id, settled FROM budget_spend").fetchall()
@@ -88,13 +90,13 @@ class TestAtomicBudgets:
     def test_a_long_run_adds_only_timed_flushes(self, kernel_exe: str,
                                                 cli_env: dict[str, str]) -> None:
         """A run outliving the journal's flush interval (1 s) gets its buffered events
-        written by the timer; those are the only transactions beyond its two."""
+        written by the timer; those are the only transactions beyond its three."""
         doc = json.loads(kernel(kernel_exe, cli_env, "run", "--json", "--", "sh", "-c",
                                 "echo buffered; sleep 1.5; echo done").stdout)
         assert doc["status"] == "ok"
         storage = doc["storage"]
         assert storage["timed_flushes"] >= 1, storage
-        assert storage["transactions"] - storage["timed_flushes"] == 2, storage
+        assert storage["transactions"] - storage["timed_flushes"] == 3, storage
 
     def test_an_unreachable_budget_store_refuses_the_run(self, kernel_exe: str,
                                                          cli_env: dict[str, str],
