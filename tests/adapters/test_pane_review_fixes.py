@@ -274,7 +274,7 @@ class TestVanishedPane:
         (completion_timeout, with `pane_gone` saying why), not at --timeout."""
         name = tmux.agent("silent")
         proc = start(kernel_exe, env, "actions", "run", "compact", name, "--json",
-                     "--timeout", "30", "--poll-interval", "0.2")
+                     "--timeout", "600", "--poll-interval", "0.2")
         try:
             wait_for(lambda: "> /compact\n> " in tmux.capture(name), "/compact taken", proc)
             tmux.cmd("kill-session", "-t", name)
@@ -286,8 +286,7 @@ class TestVanishedPane:
         assert code == 1, err
         doc = json.loads(out)
         assert doc["outcome"] == "completion_timeout", doc["extras"]
-        assert "pane_gone" in doc["extras"], doc["extras"]
-        assert doc["elapsed_s"] < 30
+        assert "pane_gone" in doc["extras"], doc["extras"]  # not the 600 s timeout
 
 
 # ------------------------------------------------------------ the JSON document
