@@ -21,6 +21,16 @@ from ._errors import MultiplexerError, PaneLockError
 from ._lock import PaneInUse, PaneLock
 from ._mux import Multiplexer
 
+
+def _cancelled(exc: BaseException) -> bool:
+    """`exc` is a cancellation: trio's Cancelled, or a group of nothing else."""
+    if isinstance(exc, trio.Cancelled):
+        return True
+    if isinstance(exc, BaseExceptionGroup):
+        return exc.split(trio.Cancelled)[1] is None
+    return False
+
+
 #: Seconds the kernel's hard deadline allows beyond the attempt's own timeout
 #: (typing takes time too; the engine, not the backstop, should decide the outcome).
 BACKSTOP_SLACK = 60.0
@@ -94,9 +104,13 @@ class ActionAgent:
             attempt = await run_attempt(self.action, self._actx, timeout=self.timeout,
                                         poll_interval=self.poll_interval,
                                         skip_reason=self.skip_reason)
-        except trio.Cancelled:
-            ctx.event("attempt_cancelled", name=self.action.name, activity=False,
-                      payload=cancelled_record(self.action, self._actx, self.snapshot_chars))
+        except BaseException as exc:
+            # A cancel can arrive as a group of Cancelled (from a nursery inside the
+            # attempt): it is still the attempt being cancelled, and is recorded so.
+            if _cancelled(exc):
+                ctx.event("attempt_cancelled", name=self.action.name, activity=False,
+                          payload=cancelled_record(self.action, self._actx,
+                                                   self.snapshot_chars))
             raise
         finally:
             if lock is not None:
