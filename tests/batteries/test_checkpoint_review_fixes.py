@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from counter_loop import COUNTER
 
 from batteries.checkpoint import JournalCheckpointer
 from batteries.store import StoreError
@@ -26,25 +27,6 @@ pytestmark = pytest.mark.realtime
 
 PATIENCE = 120.0
 
-COUNTER = """\
-name: count
-initial: count
-max_iterations: 40
-timeout: 60
-states:
-  count:
-    action: echo tick >> ${context.marker}; sleep 0.2; expr ${captured.n.output:default=0} + 1
-    capture: n
-    evaluate:
-      type: output_numeric
-      operator: ge
-      target: 6
-    route:
-      yes: done
-      no: count
-  done:
-    terminal: true
-"""
 
 
 def interrupted_run(kernel_exe: str, env: dict[str, str], tmp_path: Path) -> str:

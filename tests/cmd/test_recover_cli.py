@@ -12,29 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from counter_loop import COUNTER
 
 pytestmark = pytest.mark.realtime
 
-COUNTER = """\
-name: count-to-six
-description: Count to six, one state execution at a time, leaving a tick per step.
-initial: count
-max_iterations: 40
-timeout: 60
-states:
-  count:
-    action: echo tick >> ${context.marker}; sleep 0.2; expr ${captured.n.output:default=0} + 1
-    capture: n
-    evaluate:
-      type: output_numeric
-      operator: ge
-      target: 6
-    route:
-      yes: done
-      no: count
-  done:
-    terminal: true
-"""
 
 
 def ticks(marker: Path) -> int:
