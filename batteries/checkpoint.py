@@ -150,25 +150,32 @@ class JournalCheckpointer:
         Raises:
             StoreError: Its checkpoint row is damaged (see `_readable`).
         """
-        with _readable(f"the checkpoint of run {run_id!r}"):
-            rows = self.store.saved_runs(run_id=run_id)
+        what = f"the checkpoint of run {run_id!r}"
+        with _readable(what):
+            rows = self.store.saved_runs(run_id=run_id, damaged=True)
+        if rows and rows[0].damaged is not None:
+            raise StoreError(damaged_text(what, rows[0].damaged))
         return rows[0] if rows else None
 
     def find(self, prefix: str) -> list[SavedRun]:
-        """Registered runs whose id starts with `prefix` (any status).
+        """Registered runs whose id starts with `prefix` (any status); a row that cannot be
+        read comes back flagged (`SavedRun.damaged`), so one damaged row does not hide
+        the others.
 
         Raises:
-            StoreError: A checkpoint row among them is damaged (see `_readable`).
+            StoreError: The checkpoints cannot be read at all.
         """
         with _readable("a checkpoint" + (f" of a run {prefix!r}..." if prefix else "")):
-            return self.store.saved_runs(prefix=prefix)
+            return self.store.saved_runs(prefix=prefix, damaged=True)
 
     def interrupted(self) -> list[SavedRun]:
         """Runs still marked running whose holder is provably gone: the ones to resume
-        (the store's rule: see `RunStore.interrupted`).
+        (the store's rule: see `RunStore.interrupted`). A run whose row cannot be read
+        comes back flagged (`SavedRun.damaged`): never resumable as it is, and never
+        hiding the others.
 
         Raises:
-            StoreError: An interrupted run's checkpoint row is damaged (see `_readable`).
+            StoreError: The checkpoints cannot be read at all.
         """
         with _readable("an interrupted run's checkpoint"):
             return self.store.interrupted()
@@ -202,16 +209,21 @@ class JournalCheckpointer:
                     None if started is None else int(started.timestamp() * 1e6))])
 
 
+def damaged_text(what: str, why: str) -> str:
+    """One line saying a checkpoint row cannot be read (`SavedRun.damaged` says why)."""
+    return f"{what} is damaged and cannot be read ({why})"
+
+
 @contextmanager
 def _readable(what: str) -> Iterator[None]:
     """A checkpoint row whose spec or state is not JSON (a damaged disk, a hand edit, a
-    write cut short) as one `StoreError` naming it, instead of a decoder's traceback:
-    `kernel resume` and `recover` print it as one line and exit 2."""
+    write cut short) as one `StoreError` naming it, instead of a decoder's traceback,
+    where a store raises for it: `kernel resume` prints it as one line and exits 2."""
     try:
         yield
     except (ValueError, TypeError) as exc:  # json.JSONDecodeError is a ValueError
-        raise StoreError(f"{what} is damaged and cannot be read "
-                         f"({type(exc).__name__}: {' '.join(str(exc).split())})") from exc
+        raise StoreError(damaged_text(what, f"{type(exc).__name__}: "
+                                            f"{' '.join(str(exc).split())}")) from exc
 
 
 def _default(value: Any) -> Any:

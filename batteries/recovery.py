@@ -24,6 +24,13 @@ the host's `build`, and resumes it under the same run id from its last
 checkpoint. A run that can never resume (a plain command, an agent that
 keeps no state, a secret in its command or prompt) is closed `lost`.
 
+A run whose checkpoint row cannot be read (its spec or state is not JSON: a
+damaged disk, a hand edit) is never resumed and never blocks the others: it
+is reported by its id (a `Resumed` refused, `damaged`) and left exactly as it
+is, unclaimed, its row untouched: a row a person can repair (a hand edit
+undone) resumes then, and marking it `failed`/`lost` would drop the state
+that a repair needs. It stays interrupted, so every recovery names it again.
+
 A run of a stored batch (`kernel batch`: its spec names the batch, which
 the store still keeps) is its batch's: the batch resumes it (`kernel batch
 --resume ID`; a plain command runs again from the start there), so recovery
@@ -66,7 +73,7 @@ from .runner import RunControl, SignalPolicy, run_spec
 from .store import RunStore, SavedRun
 
 __all__ = ["NotResumable", "Prepared", "Recovery", "Resumed", "Secrets", "SpecRunner",
-           "batch_refusal", "restore_secrets", "stop_leftovers"]
+           "batch_refusal", "damaged_refusal", "restore_secrets", "stop_leftovers"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +107,8 @@ class Resumed:
         missing: With `refused`: the spec fields whose secrets must be given
             back (`agent.context.KEY`, `ports.webhooks`, `agent.base_url`).
         notes: Warnings along the way (a `lost` mark that could not be written).
+        damaged: With `refused`: its checkpoint row cannot be read (`damaged_refusal`);
+            it was not claimed and is left as it is.
     """
 
     run_id: str
@@ -111,6 +120,7 @@ class Resumed:
     stopped: int = 0
     missing: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    damaged: bool = False
 
     @property
     def why(self) -> str | None:
@@ -122,6 +132,13 @@ def batch_refusal(batch_id: str) -> str:
     """Why a run of a stored batch is not recovered on its own (`Resumed.refused`)."""
     return (f"belongs to batch {batch_id}, which resumes it: "
             f"kernel batch --resume {batch_id}")
+
+
+def damaged_refusal(why: str) -> str:
+    """Why a run whose checkpoint row cannot be read is not resumed (`Resumed.refused`);
+    `why` is `SavedRun.damaged`."""
+    return (f"its checkpoint is damaged and cannot be read ({why}); not resumed, "
+            "left as it is")
 
 
 class SpecRunner(Protocol):
@@ -297,7 +314,8 @@ class Recovery:
     # ---------------------------------------------------------------- blocking
 
     def interrupted(self) -> list[SavedRun]:
-        """Runs whose holder is provably gone while they are `running`, oldest first."""
+        """Runs whose holder is provably gone while they are `running`, oldest first; one
+        whose row cannot be read is among them, flagged (`SavedRun.damaged`)."""
         return self.checkpointer.interrupted()
 
     def claim(self, run_id: str) -> SavedRun | None:
@@ -452,12 +470,21 @@ class Recovery:
         several processes may recover one store at once and each run is
         resumed by exactly one of them. A run of a stored batch is left to
         its batch, untouched (a `Resumed` refused, saying which batch). A run
+        whose checkpoint row cannot be read is neither claimed nor touched (a
+        `Resumed` refused and `damaged`, saying why); the others go on. A run
         cancelled from outside (a signal under `signals`: see `halted`) stops
         the recovery there; the runs not reached stay interrupted. A run whose
         agent stopped itself (`cancelled` too, but over) does not.
         """
         done: list[Resumed] = []
         for listed in await trio.to_thread.run_sync(self.interrupted):
+            if listed.damaged is not None:  # nothing to resume from: reported, left as is
+                outcome = Resumed(listed.run_id, listed.checkpoint.steps,
+                                  refused=damaged_refusal(listed.damaged), damaged=True)
+                done.append(outcome)
+                if on_done is not None:
+                    on_done(outcome)
+                continue
             batch_id = await trio.to_thread.run_sync(self.batch_of, listed)
             if batch_id is not None:  # its batch resumes it: not claimed, left as it is
                 outcome = Resumed(listed.run_id, listed.checkpoint.steps,

@@ -45,9 +45,20 @@ that fails twice in a row for any other reason (a value the store will never
 take, a disk I/O error) is dropped and logged, so it cannot block every
 later run. On exit (`Journal.open`) what is left is written with retries
 (pauses from `RETRY_FIRST` doubling to `RETRY_MAX`) while the failure is
-transient, for at most the store's lock timeout: a server back within it
-gets every row; one that is not loses them with an error logged, never
-silently.
+transient, for at most the store's lock timeout: a store back within it
+gets every row. Rows still not written then (the journal locked past the
+timeout, the server unreachable, or a failure that is not transient) are
+never dropped: the store keeps them in a *spill file* (`store.spill`: beside
+the journal, 0600, named by pid and a random id so processes never collide,
+written to a temporary name, fsynced and renamed into place, versioned JSON
+of every buffered row and operation), with a warning naming it. The next
+transaction that opens that store for writing, in any process, commits every
+spill it finds before its own rows, exactly once (a key per spill in the
+store's `meta` table, set in the same transaction), then removes the files;
+readers that find the write lock free do it too (`kernel recover`, `sync`).
+A spill that cannot be read is moved aside (`.bad`) with a one-line warning.
+Only a spill that cannot be written (a full or read-only disk) loses the
+rows, with an error logged and `unwritten` counting them.
 """
 
 from __future__ import annotations
@@ -156,6 +167,9 @@ class Journal:
         self.pending = Batch()
         #: Events given up on (the journal never took them).
         self.unwritten = 0
+        #: Events kept in a spill file at exit (see `_final_flush`), and its path.
+        self.spilled = 0
+        self.spill_path: Path | None = None
         #: Transactions the flush timer started (events buffered past `flush_interval`).
         self.timed_flushes = 0
         #: The last write error, if the last write failed.
@@ -614,8 +628,30 @@ class Journal:
                     continue
             break
         if not self.pending.empty() or self._deferred:
-            self.unwritten += len(self.pending)
-            _log.error("journal rows could not be written: %d events and %d operations for %s: %s",
-                       len(self.pending), len(self._deferred), self.store.path,
-                       self.last_error)
-            self.pending, self._deferred = Batch(), []
+            await self._spill()
+
+    async def _spill(self) -> None:
+        """Keep what the exit flush could not write in a spill file (`store.spill`), which the
+        next process that opens the store writes; only if that fails too are the rows lost
+        (an error logged, `unwritten` counting them)."""
+        pending, deferred = self.pending, self._deferred
+        self.pending, self._deferred = Batch(), []
+        spill = getattr(self.store, "spill", None)
+        why = "the store keeps no spill files"
+        if callable(spill):
+            try:
+                path = await trio.to_thread.run_sync(spill, pending, deferred)
+            except Exception as exc:
+                why = f"nor can they be kept in a spill file: {type(exc).__name__}: {exc}"
+            else:
+                self.spilled += len(pending)
+                self.spill_path = Path(path)
+                _log.warning("journal rows could not be written (%s): %d events and %d "
+                             "operations for %s kept in %s; the next process that opens it "
+                             "writes them", self.last_error, len(pending), len(deferred),
+                             self.store.path, path)
+                return
+        self.unwritten += len(pending)
+        _log.error("journal rows could not be written: %d events and %d operations for %s: "
+                   "%s; %s", len(pending), len(deferred), self.store.path, self.last_error,
+                   why)

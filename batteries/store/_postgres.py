@@ -51,6 +51,9 @@ answer): the budget fails closed and the run is refused (exit 3). A write
 (`commit`) first waits for it as it would for a taken lock, up to the lock
 timeout, so a server restarting (`pg_ctl restart`, a failover) costs a pause,
 not the rows: `StoreUnreachableError` is transient, like `StoreBusyError`.
+What a process still cannot write as it exits is kept in a spill file on its
+machine (`PostgresStore.spill`) and written, exactly once, by the next
+process there that writes to this store.
 A URL libpq would not take is refused when it is chosen (`check_url`: a
 `ConfigError`, never an unreachable server).
 """
@@ -58,6 +61,7 @@ A URL libpq would not take is refused when it is chosen (`check_url`: a
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -80,11 +84,18 @@ from ._sqlite import (
     EVENT_COLUMNS,
     RUN_COLUMNS,
     SPEND_COLUMNS,
+    SPILL_KEY,
     StoreStats,
     WouldBlock,
     _utc,
     lock_timeout_from_env,
+    read_spill,
     saved_rows,
+    set_aside,
+    spill_files,
+    spill_summary,
+    spills_committed,
+    write_spill,
 )
 from ._types import (
     Batch,
@@ -107,9 +118,12 @@ from ._types import (
     SavedRun,
     SetBudget,
     SettleBudget,
+    Spill,
+    SpillError,
     StoreBusyError,
     StoreError,
     TaskRow,
+    encode_spill,
 )
 
 _log = logging.getLogger("kernel.store")
@@ -383,6 +397,9 @@ class PostgresStore:
             attempt for the server (None: `$KERNEL_AUDIT_LOCK_TIMEOUT`, else 10).
         lease: Seconds after which a silent holder on another host may be taken
             over (None: `$KERNEL_LEASE_SECONDS`, else 60).
+        spill_dir: Where rows this process cannot write at exit are kept for the next
+            process on this machine (`spill`; None: the directory of the default
+            analysts' file, `$KERNEL_DB`'s, else `~/.kernel`).
 
     Raises:
         ConfigError: A URL libpq would not take (`check_url`), a bad
@@ -393,7 +410,8 @@ class PostgresStore:
     legacy: Path | None = None
 
     def __init__(self, url: str, *, lock_timeout: float | None = None,
-                 lease: float | None = None) -> None:
+                 lease: float | None = None,
+                 spill_dir: str | os.PathLike[str] | None = None) -> None:
         try:
             import psycopg  # noqa: F401
         except ImportError:
@@ -414,6 +432,11 @@ class PostgresStore:
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
         self._me = Owner.me()
+        self._spill_dir = None if spill_dir is None else Path(spill_dir).expanduser()
+        #: Spill files of this store are named after it (the URL without its password).
+        self.spill_prefix = ("kernel-store-"
+                             + hashlib.sha256(self.source.encode()).hexdigest()[:16])
+        self._spills_checked = False
 
     def __repr__(self) -> str:
         return f"PostgresStore({self.source!r})"
@@ -521,6 +544,7 @@ class PostgresStore:
         self._beat = None
         with self._lock:
             self._drop()
+            self._spills_checked = False
         self._stop = threading.Event()
         self._holding = False
 
@@ -621,6 +645,8 @@ class PostgresStore:
         while True:
             try:
                 with self._write(callers) as con:
+                    # The first write of a connection writes the spill files first.
+                    spills = None if self._spills_checked else self._replay_spills(con)
                     bases = self._write_batch(con, batch) if batch is not None else {}
                     results = [self._apply_one(con, op) for op in ops]
                 break
@@ -632,12 +658,95 @@ class PostgresStore:
                     _log.warning("%s; trying again for up to %.3gs", exc, left)
                 time.sleep(min(pause, left))
                 pause = min(pause * 2, RETRY_MAX)
+        if spills is not None:
+            self._spills_checked = True
+            spills_committed(spills)
         for rec, base in bases.items():
             rec.base = base
         if not self._holding and any(isinstance(op, RegisterRun | ClaimRun | SaveCheckpoint
                                                      | CreateBatch | ClaimBatch) for op in ops):
             self._start_heartbeat()
         return results
+
+    # ------------------------------------------------------------ spill files
+
+    def spill_home(self) -> Path:
+        """The directory holding this machine's spill files of the store (see `spill`)."""
+        if self._spill_dir is None:
+            from batteries.audit.paths import default_db_path, resolve_db_path
+
+            try:
+                self._spill_dir = resolve_db_path(None).parent
+            except ConfigError:
+                self._spill_dir = default_db_path().parent
+        return self._spill_dir
+
+    def spill(self, batch: Batch | None, ops: Sequence[Op]) -> Path:
+        """Keep rows and operations this process could not commit (the server unreachable
+        past the lock timeout as it exits: `Journal._final_flush`) in a spill file on this
+        machine (`spill_home`, named after the store); its path.
+
+        The next transaction of a process on this machine that writes to this store
+        commits them exactly once (a `meta` key per spill, set in the same transaction)
+        and removes the file. A process on another machine cannot see the file: a run
+        whose close it holds may be taken over there once its lease expires, and its
+        events are then refused on replay (the file is moved aside `.rejected`).
+
+        Raises:
+            OSError: The file cannot be written (nothing was kept).
+        """
+        spill_id = os.urandom(16).hex()
+        text = encode_spill(Batch() if batch is None else batch, ops, spill_id=spill_id,
+                            store=self.source)
+        return write_spill(self.spill_home(), self.spill_prefix, spill_id, text)
+
+    def _replay_spills(self, con: Any) -> list[tuple[Path, str | None, str]]:
+        """Write this store's spill files in the transaction open on `con`, each in a
+        savepoint and only if its `meta` key is not there yet; what `spills_committed`
+        does with each once the transaction commits."""
+        import psycopg
+
+        done: list[tuple[Path, str | None, str]] = []
+        for path in spill_files(self.spill_home(), self.spill_prefix):
+            try:
+                spill = read_spill(path)
+            except FileNotFoundError:
+                continue
+            except SpillError as exc:
+                set_aside(path, ".bad", f"cannot be read ({exc})")
+                continue
+            except OSError as exc:
+                _log.warning("store spill %s cannot be read now (%s); left for later", path,
+                             exc.strerror or exc)
+                continue
+            if spill.store != self.source:
+                continue  # another store's (its name's hash collided): not ours to write
+            try:
+                with con.transaction():  # a savepoint
+                    fresh = self._replay_one(con, spill)
+            except psycopg.OperationalError:
+                raise  # the server or a lock: the whole transaction fails (or is retried)
+            except Exception as exc:
+                done.append((path, ".rejected", f"{type(exc).__name__}: "
+                                                f"{' '.join(str(exc).split())}"))
+            else:
+                done.append((path, None, spill_summary(spill) if fresh else ""))
+        return done
+
+    def _replay_one(self, con: Any, spill: Spill) -> bool:
+        """Write one spill unless its key says it was written; True if written now."""
+        cur = con.execute(f"INSERT INTO meta (key, value) VALUES (%s, {NOW}) "
+                          "ON CONFLICT (key) DO NOTHING", (SPILL_KEY + spill.spill_id,))
+        if cur.rowcount == 0:
+            return False
+        if not spill.batch.empty():
+            self._write_batch(con, spill.batch)
+        for op in spill.ops:
+            res = self._apply_one(con, op)
+            if isinstance(res, Exception):
+                _log.error("store operation from spill %s refused: %s: %s", spill.spill_id,
+                           type(op).__name__, res)
+        return True
 
     # Every `rev` (and `events.xid`) defaults to the writing transaction's id: rows are
     # written with `rev = DEFAULT`, no round trip to ask for it.
@@ -1065,21 +1174,27 @@ class PostgresStore:
     # ------------------------------------------------------------ checkpoints
 
     def saved_runs(self, *, run_id: str | None = None, prefix: str | None = None,
-                   running: bool = False) -> list[SavedRun]:
-        """Registered runs: one id, an id prefix, or every run still marked `running`."""
+                   running: bool = False, damaged: bool = False) -> list[SavedRun]:
+        """Registered runs: one id, an id prefix, or every run still marked `running`.
+
+        A row whose spec or state is not JSON raises `ValueError`; with `damaged` it
+        comes back flagged instead (`SavedRun.damaged`).
+        """
         where, params = _id_filter("run_id", run_id, prefix)
         if running:
             where += (" AND " if where else " WHERE ") + "status = 'running'"
         with self._read() as con:
             if con is None:
                 return []
-            return saved_rows(con, where + " ORDER BY created_at, run_id", params)
+            return saved_rows(con, where + " ORDER BY created_at, run_id", params,
+                              damaged=damaged)
 
     def interrupted(self) -> list[SavedRun]:
         """Runs still marked `running` whose holder is provably gone: released, gone from
-        this host (`Owner.gone`), or silent on another host for longer than the lease."""
+        this host (`Owner.gone`), or silent on another host for longer than the lease.
+        A row that cannot be read comes back flagged (`SavedRun.damaged`)."""
         silent = dict(self._silences())
-        return [r for r in self.saved_runs(running=True)
+        return [r for r in self.saved_runs(running=True, damaged=True)
                 if self._holder_gone(r.owner, silent.get(r.run_id))]
 
     def _silences(self) -> list[tuple[str, int | None]]:

@@ -53,12 +53,16 @@ class RunStore(Protocol):
         """Every budget with its own caller's spend."""
 
     def saved_runs(self, *, run_id: str | None = None, prefix: str | None = None,
-                   running: bool = False) -> list[SavedRun]:
-        """Registered runs (by id, by id prefix, or all still marked running)."""
+                   running: bool = False, damaged: bool = False) -> list[SavedRun]:
+        """Registered runs (by id, by id prefix, or all still marked running). A row whose
+        spec or state is not JSON raises `ValueError`, or with `damaged` comes back
+        flagged (`SavedRun.damaged`)."""
 
     def interrupted(self) -> list[SavedRun]:
         """Runs still marked `running` whose holder is provably gone by this store's rule
-        (what `kernel recover` resumes; a claim re-checks it in its transaction)."""
+        (what `kernel recover` resumes; a claim re-checks it in its transaction). A row
+        that cannot be read comes back flagged (`SavedRun.damaged`), never raising for
+        the others."""
 
     def payloads(self, run_id: str, kind: str) -> list[str]:
         """The payloads of one run's events of one kind, in seq order (what recover reads)."""
@@ -74,6 +78,23 @@ class RunStore(Protocol):
 
     def close(self) -> None:
         """Release this process's connection."""
+
+
+class SpillStore(RunStore, Protocol):
+    """A `RunStore` that keeps what a process could not commit at exit (`Journal` uses it
+    when the store has `spill`; both stores here do).
+
+    **Protocol:** `spill` writes the rows and operations to durable local storage and
+    returns where; the store's next writer (in any process that can see it) commits
+    them exactly once before its own rows.
+    """
+
+    def spill(self, batch: Batch | None, ops: Sequence[Op]) -> Path:
+        """Keep `batch` and `ops` for the next writer; the spill file's path.
+
+        Raises:
+            OSError: They cannot be kept (nothing was).
+        """
 
 
 class BatchStore(RunStore, Protocol):

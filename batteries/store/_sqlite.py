@@ -34,6 +34,7 @@ import datetime as dt
 import json
 import logging
 import os
+import re
 import sqlite3
 import threading
 import time
@@ -69,9 +70,13 @@ from ._types import (
     SavedRun,
     SetBudget,
     SettleBudget,
+    Spill,
+    SpillError,
     StoreBusyError,
     StoreError,
     TaskRow,
+    decode_spill,
+    encode_spill,
 )
 
 _log = logging.getLogger("kernel.journal")
@@ -562,9 +567,15 @@ def _clean_start(row: tuple[Any, ...]) -> tuple[Any, ...]:
 _RUN_ID = attrgetter("run_id")
 
 
-def saved_rows(con: Any, where: str, params: Sequence[Any]) -> list[SavedRun]:
+def saved_rows(con: Any, where: str, params: Sequence[Any], *,
+               damaged: bool = False) -> list[SavedRun]:
     """Checkpoint rows as `SavedRun`s (`where`: a WHERE/ORDER BY tail in the connection's
-    own placeholders); the journal's and the PostgreSQL store's tables have the same columns."""
+    own placeholders); the journal's and the PostgreSQL store's tables have the same columns.
+
+    A row whose spec or state is not JSON (a damaged disk, a hand edit) raises the
+    decoder's `ValueError`; with `damaged`, it comes back flagged instead
+    (`SavedRun.damaged`: why), so one bad row does not hide every other.
+    """
     rows = con.execute(
         "SELECT run_id, spec, state, steps, tool_calls, input_tokens, output_tokens, "
         "thinking_tokens, cost_usd, status, host, pid, pid_start, updated_at, "
@@ -572,13 +583,36 @@ def saved_rows(con: Any, where: str, params: Sequence[Any]) -> list[SavedRun]:
     out = []
     for (rid, spec, state, steps, tools, tin, tout, tthink, cost, status, host, pid, start,
          updated, beat) in rows:
-        cp = Checkpoint(rid, int(steps), None if state is None else json.loads(state),
+        why = None
+        try:
+            loaded = None if state is None else json.loads(state)
+        except (ValueError, TypeError) as exc:
+            if not damaged:
+                raise
+            loaded, why = None, _damage("state", exc)
+        try:
+            found = json.loads(spec)
+        except (ValueError, TypeError) as exc:
+            if not damaged:
+                raise
+            found, why = {}, _damage("spec", exc)
+        if not isinstance(found, dict):
+            if not damaged:
+                raise ValueError(f"its spec is a JSON {type(found).__name__}, not an object")
+            found, why = {}, f"its spec is a JSON {type(found).__name__}, not an object"
+        cp = Checkpoint(rid, int(steps), loaded,
                         Usage(int(tin), int(tout), int(tthink), float(cost)), int(tools))
         updated_at = _utc(updated)
         assert updated_at is not None
-        out.append(SavedRun(rid, json.loads(spec), cp, status,
-                            Owner(host or "", int(pid or 0), start), updated_at, _utc(beat)))
+        out.append(SavedRun(rid, found, cp, status,
+                            Owner(host or "", int(pid or 0), start), updated_at, _utc(beat),
+                            why))
     return out
+
+
+def _damage(column: str, exc: Exception) -> str:
+    """Why a checkpoint row's `column` cannot be read, in one line."""
+    return f"its {column} is not JSON: {type(exc).__name__}: {' '.join(str(exc).split())}"
 
 
 def _text(value: str | None) -> str | None:
@@ -594,6 +628,128 @@ def _text(value: str | None) -> str | None:
 
 class WouldBlock(Exception):
     """A transaction asked not to wait could not start at once (nothing was written)."""
+
+
+# ------------------------------------------------------------------ spill files
+# Rows a process could not commit at exit (`Journal._final_flush`) go to a spill file
+# beside the store's own file, `<prefix>.spill-<pid>-<32 hex: the spill id>`: written
+# to a hidden temporary name (0600), fsynced, renamed into place, the directory
+# fsynced. The next transaction that opens the store for writing commits every spill
+# it finds, each inside a savepoint with a `meta` row `spill:<id>` (the exactly-once
+# key: a spill whose key is there is only removed), then removes the files after its
+# COMMIT. A spill that cannot be read is renamed `.bad`, one the store refuses
+# `.rejected`: kept for a person, never replayed again, never failing an open.
+
+#: The `meta` key that marks a spill as committed (followed by its id).
+SPILL_KEY = "spill:"
+#: What a spill file's name holds after its store's prefix.
+SPILL_INFIX = ".spill-"
+
+
+def spill_files(directory: Path, prefix: str) -> list[Path]:
+    """The spill files of the store named `prefix` in `directory`, oldest first."""
+    pattern = re.compile(re.escape(prefix + SPILL_INFIX) + r"\d+-[0-9a-f]{32}")
+    try:
+        names = [n for n in os.listdir(directory) if pattern.fullmatch(n)]
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        path = directory / name
+        with contextlib.suppress(OSError):  # gone meanwhile: another process wrote it
+            found.append((path.stat().st_mtime_ns, name, path))
+    return [path for _, _, path in sorted(found)]
+
+
+def write_spill(directory: Path, prefix: str, spill_id: str, text: str) -> Path:
+    """Write a spill file atomically (0600, fsynced, then renamed into place); its path.
+
+    Raises:
+        OSError: The directory cannot be created or written.
+    """
+    from batteries.audit.paths import open_private_file
+
+    private_dir(directory)
+    final = directory / f"{prefix}{SPILL_INFIX}{os.getpid()}-{spill_id}"
+    tmp = directory / f".{final.name}.tmp"
+    fd = open_private_file(tmp, os.O_WRONLY | os.O_EXCL)
+    try:
+        with open(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, final)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):  # the rename itself made durable
+        dfd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    return final
+
+
+def read_spill(path: Path) -> Spill:
+    """A spill file read back.
+
+    Raises:
+        SpillError: It cannot be decoded (`decode_spill`).
+        OSError: It cannot be read (FileNotFoundError: another process took it).
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise SpillError(f"not UTF-8 text ({exc.reason})") from None
+    return decode_spill(text)
+
+
+def set_aside(path: Path, suffix: str, why: str) -> None:
+    """Rename a spill that will never be replayed to `<name><suffix>`, saying so in one
+    line (a file another process moved first is left to it)."""
+    target = path.with_name(path.name + suffix)
+    try:
+        os.replace(path, target)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        _log.error("journal spill %s %s; it cannot be moved aside either (%s)", path, why,
+                   exc.strerror or exc)
+        return
+    _log.warning("journal spill %s %s; moved aside to %s", path, why, target.name)
+
+
+def spills_committed(done: Sequence[tuple[Path, str | None, str]]) -> int:
+    """After the COMMIT of a transaction that wrote spills (path, None, what it held; or
+    path, the suffix to move it aside with, why): remove the files written (their keys
+    are committed: never written twice), move the others aside; how many were written
+    now (not found written before). Never raises."""
+    written = 0
+    for path, aside, why in done:
+        if aside is not None:
+            set_aside(path, aside, f"was refused by the store ({why})")
+            continue
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            _log.warning("journal spill %s was written but cannot be removed (%s)", path,
+                         exc.strerror or exc)
+        if why:
+            written += 1
+            _log.info("journal rows another process kept at exit written from %s: %s",
+                      path.name, why)
+    return written
+
+
+def spill_summary(spill: Spill) -> str:
+    """What a spill holds, for messages."""
+    batch = spill.batch
+    return (f"{len(batch)} events, {len(batch.new)} runs started, {len(batch.closes)} "
+            f"closed, {len(spill.ops)} operations")
 
 
 @dataclass(slots=True)
@@ -661,6 +817,10 @@ class SQLiteStore:
         self._events = 0
         #: WAL checkpoints this process's checkpointer thread ran.
         self.wal_checkpoints = 0
+        # Spill files (see `spill`): looked for by the first write of each connection;
+        # `_spill_txn` lists what the transaction in progress did with each found.
+        self._spills_checked = False
+        self._spill_txn: list[tuple[Path, str | None, str]] | None = None
 
     def __repr__(self) -> str:
         return f"SQLiteStore({str(self.path)!r})"
@@ -795,6 +955,7 @@ class SQLiteStore:
                     con.close()
             self._con = self._con_now = None
             self._migrated = False
+            self._spills_checked = False
 
 
     # ------------------------------------------------------------ transactions
@@ -810,6 +971,8 @@ class SQLiteStore:
         try:
             yield con
             con.execute("COMMIT")
+            if self._spill_txn is not None:
+                self._spills_committed()
         except BaseException as exc:
             err = self._undo(con, exc)
             if err is None:
@@ -819,19 +982,28 @@ class SQLiteStore:
             self._account(t0, waited)
             self._lock.release()
 
-    def _start(self, wait: bool) -> tuple[sqlite3.Connection, float, float]:
+    def _start(self, wait: bool, rev: list[int] | None = None, *,
+               now: bool = False) -> tuple[sqlite3.Connection, float, float]:
         """Take this store's lock and begin a write transaction (see `_write`, which ends
         it): the connection, when this started, and how long it waited for the write lock.
-        On failure nothing is held."""
+        On failure nothing is held.
+
+        The first transaction of a connection also writes the spill files it finds
+        (`_replay_spills`; `rev` is the transaction's change number); with `wait=False`
+        that transaction is left to a worker thread (`WouldBlock`) unless `now`
+        (`replay_spills`, which opens an existing journal here).
+        """
         if not self._lock.acquire(blocking=wait):
             raise WouldBlock
         try:
             t0 = time.perf_counter()
             if wait:
                 con = self._connect(create=True)
-            elif self._con is None:
+            elif not now and (self._con is None or not self._spills_checked):
                 raise WouldBlock  # opening (maybe creating) the file is for a worker thread
             else:
+                if self._con is None:
+                    self._connect(create=False)
                 if self._con_now is None:
                     try:
                         self._con_now = self._open(self.path, timeout=0)
@@ -857,14 +1029,126 @@ class SQLiteStore:
                         raise
                     raise err from exc
                 self._migrated = True
+            if not self._spills_checked:
+                try:
+                    self._replay_spills(con, [] if rev is None else rev)
+                except BaseException as exc:
+                    self._account(t0, waited)
+                    err = self._undo(con, exc)
+                    if err is None:
+                        raise
+                    raise err from exc
         except BaseException:
             self._lock.release()
             raise
         return con, t0, waited
 
+    # ------------------------------------------------------------ spill files
+
+    def spill(self, batch: Batch | None, ops: Sequence[Op]) -> Path:
+        """Keep rows and operations this process could not commit in a spill file beside
+        the journal (`Journal._final_flush`, when the journal stayed locked past the lock
+        timeout as the process exits); its path.
+
+        The next transaction that opens this journal for writing (in any process)
+        commits them exactly once, before its own rows, and removes the file; a reader
+        that finds the write lock free (`interrupted`, `changes`) does the same.
+
+        Raises:
+            OSError: The file cannot be written (nothing was kept).
+        """
+        spill_id = os.urandom(16).hex()
+        text = encode_spill(Batch() if batch is None else batch, ops, spill_id=spill_id,
+                            store=self.path.name)
+        return write_spill(self.path.parent, self.path.name, spill_id, text)
+
+    def replay_spills(self) -> int:
+        """Commit the spill files beside the journal now if its write lock is free at once;
+        how many were written.
+
+        For readers (`interrupted`, `changes`): it never waits for the lock and never
+        raises; a spill it cannot write now stays for the next writer, whose first
+        transaction writes it (a writer needs no call).
+        """
+        if (self._spills_checked or not spill_files(self.path.parent, self.path.name)
+                or not self.exists()):
+            return 0
+        try:
+            con, t0, waited = self._start(False, [], now=True)
+        except (WouldBlock, StoreError) as exc:
+            _log.debug("journal spills left for the next writer: %s", exc)
+            return 0
+        try:
+            con.execute("COMMIT")
+        except sqlite3.Error as exc:
+            self._undo(con, exc)
+            _log.debug("journal spills left for the next writer: %s", exc)
+            return 0
+        finally:
+            self._account(t0, waited)
+            self._lock.release()
+        return self._spills_committed()
+
+    def _replay_spills(self, con: sqlite3.Connection, rev: list[int]) -> None:
+        """Write the spill files beside the journal in the transaction begun on `con`,
+        each in a savepoint and only if its `meta` key is not there yet (then set);
+        the files are removed or moved aside once the transaction commits
+        (`_spills_committed`)."""
+        done: list[tuple[Path, str | None, str]] = []
+        self._spill_txn = done
+        for path in spill_files(self.path.parent, self.path.name):
+            try:
+                spill = read_spill(path)
+            except FileNotFoundError:
+                continue  # another process took it
+            except SpillError as exc:
+                set_aside(path, ".bad", f"cannot be read ({exc})")
+                continue
+            except OSError as exc:
+                _log.warning("journal spill %s cannot be read now (%s); left for later",
+                             path, exc.strerror or exc)
+                continue
+            con.execute("SAVEPOINT kernel_spill")
+            try:
+                fresh = self._replay_one(con, spill, rev)
+            except sqlite3.OperationalError:
+                raise  # the journal itself failed (I/O, full disk): the transaction does
+            except Exception as exc:
+                con.execute("ROLLBACK TO kernel_spill")
+                con.execute("RELEASE kernel_spill")
+                done.append((path, ".rejected", f"{type(exc).__name__}: "
+                                                f"{' '.join(str(exc).split())}"))
+            else:
+                con.execute("RELEASE kernel_spill")
+                done.append((path, None, spill_summary(spill) if fresh else ""))
+
+    def _replay_one(self, con: sqlite3.Connection, spill: Spill, rev: list[int]) -> bool:
+        """Write one spill unless its key says it was written; True if written now."""
+        cur = con.execute("INSERT OR IGNORE INTO meta (key, value) VALUES (?, ?)",
+                          (SPILL_KEY + spill.spill_id, now_us()))
+        if cur.rowcount == 0:
+            return False
+        if not spill.batch.empty():
+            self._write_batch(con, spill.batch, rev)
+        for op in spill.ops:
+            res = self._apply_one(con, op, rev)
+            if isinstance(res, Exception):
+                _log.error("journal operation from spill %s refused: %s: %s", spill.spill_id,
+                           type(op).__name__, res)
+        return True
+
+    def _spills_committed(self) -> int:
+        """After the COMMIT of a transaction that wrote spills: remove them (or move aside
+        those the store refused); how many were written by it. Never raises."""
+        done, self._spill_txn = self._spill_txn or [], None
+        self._spills_checked = True
+        return spills_committed(done)
+
     def _undo(self, con: sqlite3.Connection, exc: BaseException) -> StoreError | None:
         """Roll the transaction back after `exc`; the `StoreError` to raise instead of a
-        SQLite error (None: raise `exc` itself)."""
+        SQLite error (None: raise `exc` itself). Spills it wrote are written again by
+        the next transaction."""
+        self._spill_txn = None
         with contextlib.suppress(sqlite3.Error):
             con.execute("ROLLBACK")
         return self._error("cannot write to", exc) if isinstance(exc, sqlite3.Error) else None
@@ -925,7 +1209,7 @@ class SQLiteStore:
         rev: list[int] = []
         # `_write` written out: this is the hot path (a checkpoint save), and a
         # generator-based context manager costs a few microseconds per transaction.
-        con, t0, waited = self._start(wait)
+        con, t0, waited = self._start(wait, rev)
         try:
             bases = self._write_batch(con, batch, rev) if batch is not None else None
             results: list[Any] = []
@@ -935,6 +1219,8 @@ class SQLiteStore:
                 except StoreError as exc:
                     results.append(exc)
             con.execute("COMMIT")
+            if self._spill_txn is not None:
+                self._spills_committed()
         except BaseException as exc:
             err = self._undo(con, exc)
             if err is None:
@@ -1498,15 +1784,20 @@ class SQLiteStore:
     # ------------------------------------------------------------ checkpoints
 
     def saved_runs(self, *, run_id: str | None = None, prefix: str | None = None,
-                   running: bool = False) -> list[SavedRun]:
-        """Registered runs: one id, an id prefix, or every run still marked `running`."""
+                   running: bool = False, damaged: bool = False) -> list[SavedRun]:
+        """Registered runs: one id, an id prefix, or every run still marked `running`.
+
+        A row whose spec or state is not JSON raises `ValueError`; with `damaged` it
+        comes back flagged instead (`SavedRun.damaged`).
+        """
         if not self.exists():
             return []
         where, params = self._id_filter("run_id", run_id, prefix)
         if running:
             where += (" AND " if where else " WHERE ") + "status = 'running'"
         with self._read() as con:
-            return saved_rows(con, where + " ORDER BY created_at, run_id", params)
+            return saved_rows(con, where + " ORDER BY created_at, run_id", params,
+                              damaged=damaged)
 
     @staticmethod
     def _id_filter(column: str, exact: str | None, prefix: str | None
@@ -1525,8 +1816,15 @@ class SQLiteStore:
 
     def interrupted(self) -> list[SavedRun]:
         """Runs still marked `running` whose holder is provably gone (`Owner.gone`: on
-        this machine, its pid is gone or recycled; on another, never provable here)."""
-        return [r for r in self.saved_runs(running=True) if r.owner.gone()]
+        this machine, its pid is gone or recycled; on another, never provable here).
+
+        A row that cannot be read comes back flagged (`SavedRun.damaged`), never
+        hiding the others. Spill files left beside the journal are written first if
+        the write lock is free at once (`replay_spills`): a run whose close one holds
+        is not interrupted.
+        """
+        self.replay_spills()
+        return [r for r in self.saved_runs(running=True, damaged=True) if r.owner.gone()]
 
     def payloads(self, run_id: str, kind: str) -> list[str]:
         """The payloads of run `run_id`'s events of `kind`, in seq order."""
@@ -1551,6 +1849,7 @@ class SQLiteStore:
         """
         if not self.exists():
             raise StoreError(f"no journal at {self.path}")
+        self.replay_spills()  # rows another process kept at exit, if the lock is free now
         try:
             con = sqlite3.connect(self.path, timeout=self.lock_timeout, isolation_level=None,
                                   check_same_thread=False)

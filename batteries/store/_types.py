@@ -8,13 +8,14 @@ them in its own SQL.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import field, replace
 from typing import Any, Protocol
 
-from kernel import AuditError, Checkpoint, UsageLimits
+from kernel import AuditError, Checkpoint, Usage, UsageLimits
 from kernel._dataclass import dataclass
 
 
@@ -420,7 +421,15 @@ class Reservation:
 
 @dataclass(slots=True, frozen=True)
 class SavedRun:
-    """A registered run: its spec, its last checkpoint, and the process holding it."""
+    """A registered run: its spec, its last checkpoint, and the process holding it.
+
+    Attributes:
+        damaged: Why its row cannot be read (its spec or state is not JSON: a damaged
+            disk, a hand edit), when a read asked for such rows flagged instead of
+            raising (`RunStore.interrupted`, `saved_runs(damaged=True)`); its `spec` is
+            then `{}` if the spec is the damaged part, and its state None. None for a
+            row that reads whole.
+    """
 
     run_id: str
     spec: dict[str, Any]
@@ -429,6 +438,7 @@ class SavedRun:
     owner: Owner
     updated_at: dt.datetime
     heartbeat_at: dt.datetime | None = None
+    damaged: str | None = None
 
     @property
     def host(self) -> str:
@@ -491,3 +501,263 @@ class TaskRow:
     run_status: str | None
     started: bool
     saved: SavedRun | None = None
+
+
+# ------------------------------------------------------------------ spills
+# What a process could not commit when it exited (the journal locked past the lock
+# timeout, the server unreachable) is written to a *spill file* instead of being
+# dropped, and the next process that opens the store for writing commits it, exactly
+# once (see `Journal._final_flush` and `SQLiteStore.spill`). These are the file's
+# contents: every buffered audit row and every operation, as plain JSON.
+
+#: The spill format's name and version (a reader refuses any other: `SpillError`).
+SPILL_FORMAT = "kernel-journal-spill"
+SPILL_VERSION = 1
+
+
+class SpillError(StoreError):
+    """A spill file that cannot be read back: not JSON, another format or version, or a
+    field of the wrong shape (it is moved aside, never replayed in part)."""
+
+
+@dataclass(slots=True)
+class SpilledInfo:
+    """The `RunInfo` fields the store writes for a new run (runs row and `run_start`)."""
+
+    name: Any
+    subject_id: Any
+    caller_id: Any
+    channel_id: Any
+    parent_run_id: Any
+    inputs: Any
+
+
+@dataclass(slots=True, eq=False)
+class SpilledRecorder:
+    """A recorder as a spill file keeps it: what the store reads from one (`RecorderRef`).
+
+    Compared (and hashed) by identity, as recorders are: a batch keys them in dicts.
+    """
+
+    run_id: str
+    info: SpilledInfo
+    started_us: int
+    count: int
+    base: int | None
+    host: str
+    pid: int
+
+
+@dataclass(slots=True, frozen=True)
+class Spill:
+    """A spill file read back: its id (the journal's exactly-once key), the store it was
+    written for, and the rows and operations to commit."""
+
+    spill_id: str
+    store: str
+    batch: Batch
+    ops: tuple[Op, ...]
+    pid: int = 0
+    written_us: int = 0
+
+
+_OP_TYPES: dict[str, type[Any]] = {cls.__name__: cls for cls in (
+    RegisterRun, SaveCheckpoint, FinishRun, LoseRun, ClaimRun, ReleaseRun, ReserveBudget,
+    SettleBudget, SetBudget, RemoveBudget, CreateBatch, ClaimBatch, FinishBatch)}
+#: Op fields that hold an `Owner` (or None), a `Checkpoint`, `BatchTask`s, or a JSON object.
+_OWNER_FIELDS = frozenset({"owner", "gone"})
+_MAPPING_FIELDS = frozenset({"spec", "info", "options"})
+
+
+def _owner_doc(owner: Owner | None) -> list[Any] | None:
+    return None if owner is None else [owner.host, owner.pid, owner.started]
+
+
+def _op_doc(op: Op) -> dict[str, Any]:
+    """One operation as a JSON object: its type's name under `op`, then its fields."""
+    from dataclasses import fields
+
+    doc: dict[str, Any] = {"op": type(op).__name__}
+    for f in fields(op):
+        value = getattr(op, f.name)
+        if f.name in _OWNER_FIELDS:
+            value = _owner_doc(value)
+        elif f.name == "checkpoint":
+            cp: Checkpoint = value
+            u = cp.usage
+            value = {"run_id": cp.run_id, "steps": cp.steps, "state": cp.state,
+                     "usage": [u.input_tokens, u.output_tokens, u.thinking_tokens, u.cost_usd],
+                     "tool_calls": cp.tool_calls}
+        elif f.name == "tasks":
+            value = [[t.task_id, t.run_id, t.spec] for t in value]
+        elif f.name in _MAPPING_FIELDS and value is not None:
+            value = dict(value)
+        doc[f.name] = value
+    return doc
+
+
+def encode_spill(batch: Batch, ops: Sequence[Op], *, spill_id: str, store: str) -> str:
+    """The spill file's text for `batch` and `ops` (JSON, format `SPILL_VERSION`).
+
+    Recorders are written once each and events refer to them by index, so a
+    run's events keep their recorder's seq base (or lack of one: a run whose
+    start was never written is written new on replay, as it would have been).
+    Values JSON cannot hold are written as their text, as the store would.
+    """
+    recs: dict[Any, int] = {}
+    for rec in (*batch.recs, *batch.new, *(rec for rec, _ in batch.closes)):
+        if rec not in recs:
+            recs[rec] = len(recs)
+    doc = {
+        "format": SPILL_FORMAT, "version": SPILL_VERSION, "id": spill_id, "store": store,
+        "pid": os.getpid(), "written_us": time_us(),
+        "recorders": [{"run_id": r.run_id, "started_us": r.started_us, "count": r.count,
+                       "base": r.base, "host": r.host, "pid": r.pid,
+                       "info": {k: getattr(r.info, k, None) for k in _INFO_FIELDS}}
+                      for r in recs],
+        "events": {"rec": [recs[r] for r in batch.recs], "seq": batch.seqs, "ts": batch.ts,
+                   "kind": batch.kinds, "iteration": batch.iters, "name": batch.names,
+                   "duration_ms": batch.durs, "payload": batch.payloads},
+        "new": [recs[r] for r in batch.new],
+        "closes": [[recs[r], list(row)] for r, row in batch.closes],
+        "ops": [_op_doc(op) for op in ops],
+    }
+    return json.dumps(doc, default=str)
+
+
+def time_us() -> int:
+    """Now, in microseconds since the epoch."""
+    import time
+
+    return time.time_ns() // 1000
+
+
+_INFO_FIELDS = ("name", "subject_id", "caller_id", "channel_id", "parent_run_id", "inputs")
+
+
+def _need(cond: bool, what: str) -> None:
+    if not cond:
+        raise SpillError(what)
+
+
+def _int(value: Any) -> bool:
+    return type(value) is int
+
+
+def _column(events: Mapping[str, Any], key: str, n: int, ok: Callable[[Any], bool]) -> list[Any]:
+    col = events.get(key)
+    _need(isinstance(col, list) and len(col) == n, f"events.{key} is not a list of {n}")
+    assert isinstance(col, list)
+    _need(all(map(ok, col)), f"events.{key} holds a value of the wrong type")
+    return col
+
+
+def decode_spill(text: str) -> Spill:
+    """A spill file's text read back (`encode_spill`'s inverse).
+
+    Raises:
+        SpillError: It is not JSON, not a spill of this version, or a field has the
+            wrong shape (nothing of it is used then).
+    """
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
+        raise SpillError(f"not JSON ({' '.join(str(exc).split())})") from None
+    _need(isinstance(doc, dict) and doc.get("format") == SPILL_FORMAT, "not a journal spill")
+    _need(doc.get("version") == SPILL_VERSION,
+          f"spill version {doc.get('version')!r}, this kernel reads {SPILL_VERSION}")
+    spill_id, store = doc.get("id"), doc.get("store")
+    _need(isinstance(spill_id, str) and bool(spill_id) and isinstance(store, str),
+          "no spill id or store")
+    try:
+        recs = [_recorder(r) for r in doc.get("recorders") or []]
+        batch = _batch(doc, recs)
+        ops = tuple(_op(o) for o in doc.get("ops") or [])
+    except SpillError:
+        raise
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+        raise SpillError(f"malformed ({type(exc).__name__}: {exc})") from None
+    pid, written = doc.get("pid"), doc.get("written_us")
+    return Spill(spill_id, store, batch, ops, pid if _int(pid) else 0,
+                 written if _int(written) else 0)
+
+
+def _recorder(doc: Any) -> SpilledRecorder:
+    _need(isinstance(doc, dict), "a recorder is not an object")
+    info = doc["info"]
+    _need(isinstance(info, dict), "a recorder's info is not an object")
+    rec = SpilledRecorder(doc["run_id"], SpilledInfo(*(info.get(k) for k in _INFO_FIELDS)),
+                          doc["started_us"], doc["count"], doc["base"], doc["host"], doc["pid"])
+    _need(isinstance(rec.run_id, str) and _int(rec.started_us) and _int(rec.count)
+          and (rec.base is None or _int(rec.base)) and isinstance(rec.host, str)
+          and _int(rec.pid), "a recorder's field has the wrong type")
+    if not isinstance(rec.info.inputs, dict):
+        rec.info.inputs = {}
+    return rec
+
+
+def _batch(doc: Mapping[str, Any], recs: list[SpilledRecorder]) -> Batch:
+    events = doc.get("events") or {}
+    _need(isinstance(events, dict), "events is not an object")
+    rec_ix = events.get("rec") or []
+    _need(isinstance(rec_ix, list), "events.rec is not a list")
+    n = len(rec_ix)
+
+    def index(i: Any) -> bool:
+        return _int(i) and 0 <= i < len(recs)
+
+    def opt_int(v: Any) -> bool:
+        return v is None or _int(v)
+
+    def opt_str(v: Any) -> bool:
+        return v is None or isinstance(v, str)
+
+    def opt_num(v: Any) -> bool:
+        return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+
+    _need(all(map(index, rec_ix)), "events.rec names no recorder")
+    batch = Batch(
+        recs=[recs[i] for i in rec_ix],
+        seqs=_column(events, "seq", n, _int), ts=_column(events, "ts", n, _int),
+        kinds=_column(events, "kind", n, lambda v: isinstance(v, str)),
+        iters=_column(events, "iteration", n, opt_int),
+        names=_column(events, "name", n, opt_str),
+        durs=_column(events, "duration_ms", n, opt_num),
+        payloads=_column(events, "payload", n, lambda v: isinstance(v, str)))
+    new = doc.get("new") or []
+    _need(isinstance(new, list) and all(map(index, new)), "new names no recorder")
+    batch.new = [recs[i] for i in new]
+    for item in doc.get("closes") or []:
+        _need(isinstance(item, list) and len(item) == 2 and index(item[0])
+              and isinstance(item[1], list) and len(item[1]) == 15, "a close is malformed")
+        batch.closes.append((recs[item[0]], tuple(item[1])))
+    return batch
+
+
+def _op(doc: Any) -> Op:
+    from dataclasses import fields
+
+    _need(isinstance(doc, dict), "an operation is not an object")
+    cls = _OP_TYPES.get(doc.get("op"))
+    _need(cls is not None, f"unknown operation {doc.get('op')!r}")
+    assert cls is not None
+    kwargs: dict[str, Any] = {}
+    for f in fields(cls):
+        if f.name not in doc:
+            continue  # its default
+        value = doc[f.name]
+        if f.name in _OWNER_FIELDS:
+            value = None if value is None else Owner(str(value[0]), int(value[1]),
+                                                     None if value[2] is None else int(value[2]))
+        elif f.name == "checkpoint":
+            u = value["usage"]
+            value = Checkpoint(str(value["run_id"]), int(value["steps"]), value["state"],
+                               Usage(int(u[0]), int(u[1]), int(u[2]), float(u[3])),
+                               int(value["tool_calls"]))
+        elif f.name == "tasks":
+            value = tuple(BatchTask(str(t[0]), str(t[1]), dict(t[2])) for t in value)
+        elif f.name in _MAPPING_FIELDS and value is not None:
+            _need(isinstance(value, dict), f"{doc['op']}.{f.name} is not an object")
+        kwargs[f.name] = value
+    op: Op = cls(**kwargs)
+    return op

@@ -16,6 +16,11 @@ with `--webhook` / `--base-url` (`kernel resume` only). A run missing one is
 refused with one line naming what to give, and stays resumable; a run whose
 command, prompt or loop path held a secret cannot be resumed at all.
 
+A run whose checkpoint row cannot be read (not JSON: a damaged disk, a hand
+edit) is named with the reason in one line and left as it is (see
+`batteries.recovery`); `kernel recover` resumes the others and exits 1,
+`kernel resume` of that run is one line and exit 2.
+
 The work is `batteries.recovery.Recovery`'s (a host uses it the same way):
 this module reads the options, builds agents with the CLI's terminal I/O
 (`run_cmd.plan_from_spec`) and says what happened.
@@ -113,35 +118,50 @@ def recover(
     that is still alive is stopped first; a run that cannot be resumed (a
     plain command) is closed with status `lost`. A run of a batch is left to
     its batch, which resumes it (`kernel batch --resume ID`, said on stderr;
-    `--list` shows its batch). Exit status: 0 if every run this process
-    resumed ended ok (or there was nothing to do), 1 otherwise.
+    `--list` shows its batch). A run whose checkpoint is damaged (its spec or
+    state is not JSON) is not resumed and is left as it is: one line on stderr
+    names it and why (`--json`: a document with `"damaged": true`; `--list`
+    marks it); the other runs are resumed. Exit status: 0 if every run this
+    process resumed ended ok (or there was nothing to do), 1 otherwise, or if a
+    checkpoint is damaged (with `--list` too).
     """
     from kernel import AuditError, ConfigError
 
     try:
         rec = _recovery(db, json_out=json_out, context=context, redact=redact)
         runs = _interrupted(rec)
-        batch_of = {r.run_id: b for r in runs if (b := rec.batch_of(r)) is not None}
+        batch_of = {r.run_id: b for r in runs
+                    if r.damaged is None and (b := rec.batch_of(r)) is not None}
     except (AuditError, ConfigError) as exc:
         _fail(str(exc))
+    damaged = [r for r in runs if r.damaged is not None]
     if list_only or not runs:
         for saved in runs:
-            row = {"run_id": saved.run_id, "kind": saved.spec["agent"].get("kind"),
-                   "name": saved.spec["info"].get("name"), "steps": saved.checkpoint.steps,
+            agent, info = saved.spec.get("agent") or {}, saved.spec.get("info") or {}
+            row = {"run_id": saved.run_id, "kind": agent.get("kind"),
+                   "name": info.get("name"), "steps": saved.checkpoint.steps,
                    "host": saved.host, "pid": saved.pid,
                    "updated_at": str(saved.updated_at),
                    "batch_id": batch_of.get(saved.run_id)}
+            if saved.damaged is not None:
+                row["damaged"] = saved.damaged
             where = (f"  (batch {row['batch_id']}: kernel batch --resume {row['batch_id']})"
                      if row["batch_id"] else "")
+            if saved.damaged is not None:
+                where = ("  (checkpoint damaged, not resumable: "
+                         f"{output.visible(saved.damaged, layout=False)})")
             print(output.dumps(row) if json_out else
-                  f"{ids.short_id(saved.run_id)}  {row['kind']:8} steps={row['steps']:<4} "
-                  f"{output.visible(str(row['name']), layout=False)}{where}")
+                  f"{ids.short_id(saved.run_id)}  {row['kind'] or '?':8} "
+                  f"steps={row['steps']:<4} "
+                  f"{output.visible(str(row['name'] or ''), layout=False)}{where}")
         if not runs and not json_out:
             print("no interrupted runs", file=sys.stderr)
-        raise typer.Exit(0)
+        raise typer.Exit(1 if damaged else 0)
+    _leave_damaged(damaged, json_out=json_out)
     _leave_to_batches(runs, batch_of, json_out=json_out)
-    worst = 0
-    mine = [r for r in runs if r.run_id not in batch_of]  # a batch's runs: its batch resumes
+    worst = 1 if damaged else 0
+    # A batch's runs: its batch resumes them; a damaged one: nothing to resume from.
+    mine = [r for r in runs if r.run_id not in batch_of and r.damaged is None]
     for n, listed in enumerate(mine):
         try:
             claimed = rec.claim(listed.run_id)
@@ -234,6 +254,11 @@ def resume(
         if len(matches) > 1:  # one named exactly wins; else refused naming the candidates
             picked = ids.pick(run_id, [r.run_id for r in matches])
             matches = [r for r in matches if r.run_id == picked]
+        if matches[0].damaged is not None:  # nothing to resume from: left as it is
+            from batteries.checkpoint import damaged_text
+
+            _fail(damaged_text(f"the checkpoint of run {ids.short_id(matches[0].run_id)}",
+                               matches[0].damaged))
         owner = rec.batch_of(matches[0])
         if owner is not None:  # never claimed: its batch resumes it
             from batteries.recovery import batch_refusal
@@ -272,6 +297,22 @@ def _interrupted(rec: Recovery) -> list[SavedRun]:
     return [r for r in rec.interrupted()
             if not ((r.spec.get("agent") or {}).get("kind") == "command"
                     and _ended_status(rec, r.run_id) is not None)]
+
+
+def _leave_damaged(damaged: list[SavedRun], *, json_out: bool) -> None:
+    """Name each interrupted run whose checkpoint cannot be read, in one line on stderr
+    (with --json, also one not-resumed document per run); they are left as they are."""
+    from batteries.recovery import damaged_refusal
+
+    for saved in damaged:
+        assert saved.damaged is not None
+        why = damaged_refusal(saved.damaged)
+        if json_out:
+            output.print_doc({"run_id": saved.run_id, "short_id": ids.short_id(saved.run_id),
+                              "resumed": False, "status": "running", "reason": why,
+                              "steps": saved.checkpoint.steps, "damaged": True})
+        print(f"kernel: run {ids.short_id(saved.run_id)}: {output.visible(why, layout=False)}",
+              file=sys.stderr)
 
 
 def _leave_to_batches(runs: list[SavedRun], batch_of: dict[str, str], *,

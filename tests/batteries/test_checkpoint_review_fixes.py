@@ -2,8 +2,10 @@
 
 A checkpoint row whose state or spec is not JSON (a write cut short, a
 damaged disk, a hand edit) made `kernel resume` and `kernel recover` end in
-a JSONDecodeError traceback (exit 1). It is now one line naming the damage,
-exit 2 (`StoreError`, which both commands report that way).
+a JSONDecodeError traceback (exit 1). `kernel resume` of it is now one line
+naming the damage, exit 2 (`StoreError`); `kernel recover` names it in one
+line, resumes the other runs (tests/cmd/test_recover_damaged_cli.py) and
+exits 1.
 """
 
 from __future__ import annotations
@@ -57,16 +59,23 @@ def damage(env: dict[str, str], column: str) -> None:
 
 
 @pytest.mark.parametrize("column", ["state", "spec"])
-def test_a_damaged_checkpoint_is_one_line_and_exit_2(kernel_exe: str, cli_env: dict[str, str],
-                                                     tmp_path: Path, column: str) -> None:
+def test_a_damaged_checkpoint_is_one_line(kernel_exe: str, cli_env: dict[str, str],
+                                          tmp_path: Path, column: str) -> None:
+    """`resume` of it: one line, exit 2. `recover`: one line naming it, exit 1 (the other
+    runs, if any, resumed). `recover --list`: listed, marked damaged, exit 1."""
     run_id = interrupted_run(kernel_exe, cli_env, tmp_path)
     damage(cli_env, column)
-    for args in (["resume", run_id[:8]], ["recover"], ["recover", "--list"]):
+    for args, code in ((["resume", run_id[:8]], 2), (["recover"], 1)):
         got = subprocess.run([kernel_exe, *args], env=cli_env, capture_output=True, text=True,
                              timeout=PATIENCE)
-        assert got.returncode == 2, (args, got.stderr)
+        assert got.returncode == code, (args, got.stderr)
         assert got.stderr.count("\n") == 1 and "Traceback" not in got.stderr, got.stderr
         assert "checkpoint" in got.stderr and "damaged" in got.stderr, got.stderr
+    got = subprocess.run([kernel_exe, "recover", "--list"], env=cli_env, capture_output=True,
+                         text=True, timeout=PATIENCE)
+    assert got.returncode == 1 and got.stderr == "", got.stderr
+    [line] = got.stdout.splitlines()
+    assert "checkpoint damaged" in line and f"its {column} is not JSON" in line
 
 
 def test_load_names_the_run(kernel_exe: str, cli_env: dict[str, str], tmp_path: Path) -> None:
@@ -76,8 +85,11 @@ def test_load_names_the_run(kernel_exe: str, cli_env: dict[str, str], tmp_path: 
     checkpointer = JournalCheckpointer(cli_env["KERNEL_DB"])
     with pytest.raises(StoreError, match=f"checkpoint of run '{run_id}' is damaged"):
         checkpointer.load(run_id)
-    with pytest.raises(StoreError, match="damaged"):
-        checkpointer.interrupted()
+    # Listing flags it instead, so it never hides the other runs.
+    [listed] = checkpointer.interrupted()
+    assert listed.run_id == run_id and listed.damaged is not None
+    assert listed.damaged.startswith("its state is not JSON: JSONDecodeError")
+    assert [r.damaged for r in checkpointer.find(run_id[:8])] == [listed.damaged]
 
 
 class Counting:

@@ -14,6 +14,7 @@ needs (the store's "trying again" warning, the server's "ready" log line).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -162,6 +163,45 @@ async def test_rows_written_while_the_server_restarts_all_land(
     assert ticks == list(range(100))
 
 
+async def test_rows_the_server_cannot_take_at_exit_are_spilled_and_written_once(
+        server: PgServer, tmp_path: Path) -> None:
+    """The server stays down past the lock timeout while a run closes and its process
+    exits: the close and the last events are kept in a spill file on this machine
+    (before: dropped, the run `running` for ever); the next process that writes to
+    the store once it is back writes them, once."""
+    from batteries.store import PostgresStore
+    from kernel import AuditError
+
+    url = server.create_database()
+    # Spills go beside the default analysts' file: $KERNEL_DB is tmp_path/kernel.duckdb.
+    store = PostgresStore(url, lock_timeout=0.5)
+    async with Journal.open(store=store, flush_interval=3600) as journal:
+        audit = JournalAudit(journal)
+        rec = await audit.start_run(RunInfo(name="outage at exit"))
+        for i in range(10):
+            rec.log_event("tick", payload={"i": i})
+        await audit.flush()  # the run's row and its first 10 events are on the server
+        await trio.to_thread.run_sync(halt, server)
+        for i in range(10, 20):
+            rec.log_event("tick", payload={"i": i})
+        with contextlib.suppress(AuditError):  # the server is gone: kept for the exit flush
+            await rec.close(RunStats(Status.OK))
+    assert journal.unwritten == 0 and journal.spilled > 0
+    [spill] = [p for p in tmp_path.iterdir() if ".spill-" in p.name]
+    assert spill == journal.spill_path and spill.name.startswith(store.spill_prefix)
+    await trio.to_thread.run_sync(resume, server)
+    assert _query(url, "SELECT status FROM kernel.runs") == [(None,)]
+    for _ in range(2):  # a second writer finds nothing to write
+        again = PostgresStore(url)
+        again.commit(None, [])
+        again.close()
+        assert not spill.exists()
+        assert _query(url, "SELECT status FROM kernel.runs") == [("ok",)]
+        rows = _query(url, "SELECT seq, kind, payload FROM kernel.events ORDER BY seq")
+        assert [seq for seq, _, _ in rows] == list(range(len(rows)))
+        assert [json.loads(p)["i"] for _, kind, p in rows if kind == "tick"] == list(range(20))
+
+
 def test_a_command_run_finished_during_an_outage_is_recorded(
         server: PgServer, kernel_exe: str, cli_env: dict[str, str], tmp_path: Path) -> None:
     """The reviewer's case: `kernel run --json --store URL` whose command ends while the
@@ -271,30 +311,34 @@ async def test_the_exit_flush_retries_a_transient_failure(tmp_path: Path) -> Non
     assert _events(store) == 1 + 20
 
 
-async def test_the_exit_flush_gives_up_loudly_after_the_lock_timeout(
+async def test_the_exit_flush_spills_after_the_lock_timeout(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A store that never comes back: the exit flush retries, gives up once the lock
-    timeout is spent, counts the rows as unwritten and logs an error naming them."""
+    timeout is spent and keeps the rows in a spill file, saying where (before: counted
+    as unwritten and dropped); the next writer writes them."""
     store = _flaky(tmp_path, StoreBusyError("the server is unreachable"), fail=10**9,
                    lock_timeout=0.3)
-    with caplog.at_level(logging.ERROR, logger="kernel.journal"):
+    with caplog.at_level(logging.WARNING, logger="kernel.journal"):
         journal = await _write_at_exit(store, 20)
     assert store.attempts >= 2  # it was retried
-    assert journal.unwritten == 20  # the buffered events (the run's start is not one)
+    assert journal.unwritten == 0 and journal.spilled == 20
     [record] = [r for r in caplog.records if "could not be written" in r.getMessage()]
     assert "20 events" in record.getMessage() and "unreachable" in record.getMessage()
+    assert journal.spill_path is not None and str(journal.spill_path) in record.getMessage()
+    store.inner.commit(None, [])  # the next write (another process's, as well)
+    assert _events(store) == 1 + 20 and not journal.spill_path.exists()
 
 
 async def test_a_write_the_store_refuses_is_not_retried(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A failure that is not transient (a value the store will never take) is not waited
-    on: one try at exit, then the rows are reported as not written."""
+    on: one try at exit, then the rows are kept in a spill file for the next writer."""
     store = _flaky(tmp_path, StoreError("a value the store refuses"), fail=10**9,
                    lock_timeout=120)
-    with caplog.at_level(logging.ERROR, logger="kernel.journal"):
+    with caplog.at_level(logging.WARNING, logger="kernel.journal"):
         journal = await _write_at_exit(store, 5)
     assert store.attempts == 1
-    assert journal.unwritten == 5
+    assert journal.unwritten == 0 and journal.spilled == 5
     assert any("could not be written" in r.getMessage() for r in caplog.records)
 
 
