@@ -783,6 +783,15 @@ class _Run:
             self.in_step = True
             try:
                 step = await agent.step(ctx)
+            except BudgetRefused as exc:
+                # A budget refused what the step needed (a child run it started): the
+                # run's own refusal, as if `Budget.check` had refused the run.
+                self.in_step = False
+                self.steps += 1
+                why = str(exc) or "budget refused"
+                self.recorder_error(f"budget refused: {why}")
+                self._end(Status.BUDGET_EXCEEDED, error=why, reason="budget refused")
+                return
             except Exception as exc:
                 self.in_step = False
                 self.tb = traceback.format_exc()

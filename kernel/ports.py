@@ -243,7 +243,13 @@ def takes_resumed(audit: object) -> bool:
 
 
 class BudgetRefused(Exception):
-    """Raised by `Budget.check` to refuse a run; the message says which budget."""
+    """Raised by `Budget.check` to refuse a run; the message says which budget.
+
+    An agent's step may raise it too, when a budget refused what the step needed
+    (a child run it started, e.g. a loop's sub-loop): the run ends
+    `budget_exceeded` with reason "budget refused" and this message as its error,
+    not `error`.
+    """
 
 
 class Budget(Protocol):

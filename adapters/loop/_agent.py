@@ -22,11 +22,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import math
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -34,7 +33,17 @@ from typing import Any
 
 import trio
 
-from kernel import ConfigError, Limits, RunContext, RunInfo, Status, Step, Usage
+from kernel import (
+    BudgetRefused,
+    ConfigError,
+    Limits,
+    Result,
+    RunContext,
+    RunInfo,
+    Status,
+    Step,
+    Usage,
+)
 
 from .._proc import last_chars
 from . import _evaluators as ev
@@ -115,6 +124,11 @@ _LIVE = _Live()
 
 class _Fatal(Exception):
     """Ends the run `error` with this message (raised deep, turned into a Step once)."""
+
+
+class _Refused(Exception):
+    """Ends the run `budget_exceeded` with this message: a budget refused a sub-loop's run
+    (raised deep, passed to the kernel once as `BudgetRefused`)."""
 
 
 class LoopAgent:
@@ -435,6 +449,10 @@ class LoopAgent:
         except (tpl.TemplateError, _Fatal) as exc:
             return self._end(Step(output=self.output, final=True, name=name,
                                   error=f"state '{name}': {exc}"))
+        except _Refused as exc:
+            # A step cannot return `budget_exceeded`: the kernel ends a run whose step
+            # raises `BudgetRefused` as it ends one the budget refused at its start.
+            raise BudgetRefused(f"state '{name}': {exc}") from None
         if isinstance(outcome, Step):
             return self._end(outcome)
         target, reason = outcome.target, outcome.reason
@@ -468,7 +486,7 @@ class LoopAgent:
         result: ActionResult | None = None
         if st.mode == "loop":
             verdict = await self._subloop(st, ctx)
-            if st.next is not None:
+            if st.next is not None and verdict.verdict != "budget_exceeded":
                 # `next` first, as on an action state: on whatever the child's verdict,
                 # but to `on_error` when the child errored and there is one.
                 self._record_prev(st, None)
@@ -855,9 +873,10 @@ class LoopAgent:
         if (st.context_passthrough or st.with_) and child.captured:
             self.captured[st.name] = dict(child.captured)
         if st.capture:
-            # little-loops: a sub-loop state's capture holds the child's outcome.
+            # little-loops: a sub-loop state's capture holds the child's outcome (its
+            # output without trailing newlines, as an action's capture keeps it).
             self.captured[st.capture] = {
-                "output": end.output,
+                "output": end.output.rstrip("\n"),
                 "stderr": "", "exit_code": 0 if verdict.verdict == "yes" else 1,
                 "duration_ms": 0, "verdict": verdict.verdict}
         # little-loops: how the child ended, under the state's name (after the
@@ -882,24 +901,33 @@ class LoopAgent:
             "loop": child_spec.path, "parent_state": st.name,
             "context": {k: tpl.to_text(v) for k, v in child.context.items()}})
         limits = self._child_limits(child_spec, ctx, st.timeout)
-        res = await ctx.run_child(child, info, limits)
+        res = await _while_alive(ctx, ctx.run_child(child, info, limits))
         self.output = res.output if isinstance(res.output, str) else tpl.to_text(res.output)
         self._step_output = self.output
         status = res.status
         if status is Status.BUDGET_EXCEEDED:
-            # Not a verdict: the budget that refused the child (or the usage limit it
-            # ran out of, which it inherited) is this run's too, and every state after
-            # would meet it. A usage cap of this run that the child used up ends this
-            # run `budget_exceeded` now (`report_usage` checks the caps, the child's
-            # usage counted); a refusal of the child's start ends it `error`, naming
-            # the refusal (a step cannot end its run `budget_exceeded` itself).
+            # Not a verdict unless the state routes it by name (`on_budget_exceeded`,
+            # `route: {budget_exceeded: ...}`): the budget that refused the child (or
+            # the usage limit it ran out of, which it inherited) is this run's too. A
+            # usage cap of this run that the child used up ends this run now
+            # (`report_usage` checks the caps, the child's usage counted, and cancels
+            # the run at the checkpoint); any other refusal ends it `budget_exceeded`
+            # naming the refusal, unless routed.
             ctx.report_usage(_NO_USAGE)
-            raise _Fatal(f"sub-loop '{child_spec.name}' was stopped by the budget "
-                         f"({res.reason or 'budget'}): {res.error or 'no reason given'}")
+            await trio.lowlevel.checkpoint()
+            if not _routes(st, "budget_exceeded"):
+                why = res.error or "no reason given"
+                if res.reason in _REFUSALS and res.steps == 0:  # (refused at its start)
+                    raise _Refused(f"the budget refused sub-loop '{child_spec.name}' (a run "
+                                   f"of its own, counted against the caller's budget): {why}")
+                raise _Refused(f"sub-loop '{child_spec.name}' was stopped by the budget "
+                               f"({res.reason or 'budget'}): {why}")
         terminated_by = ("terminal" if child.failure_terminal is not None else
                          _TERMINATED_BY.get(status, str(status)))
         if child.failure_terminal is not None:
             name = "no"  # little-loops: a child ending in a failure terminal is a `no`
+        elif status is Status.BUDGET_EXCEEDED:
+            name = "budget_exceeded"  # routed by name (above)
         elif status is Status.OK:
             name = "yes"
         elif status is Status.ERROR and st.has_error_route():
@@ -917,7 +945,8 @@ class LoopAgent:
 
     @staticmethod
     def _child_limits(child: LoopSpec, ctx: RunContext, state_timeout: float | None) -> Limits:
-        """The child's own max_iterations and timeout, always finite.
+        """The child's own max_iterations and timeout (none only when neither the child's
+        file nor this run has one).
 
         The `loop:` state's own `timeout` caps the child's (little-loops), so
         a child can be cut off while the parent still has time to route it
@@ -925,15 +954,19 @@ class LoopAgent:
 
         The parent's deadline bounds the child anyway (the child runs inside
         the parent's cancel scope, and is recorded `cancelled` when the parent
-        runs out of time). The child's own backstop is set a little past the
-        parent's, so that when both would fire it is the parent that ends
-        `timeout`, rather than the child ending first and the parent routing
-        on a child timeout in the same instant.
+        runs out of time). A child whose file sets no timeout gets a backstop a
+        little past the parent's *hard* one (`Limits.timeout`), so that when
+        both would fire it is the parent that ends `timeout`, rather than the
+        child ending first and the parent routing on a child timeout in the
+        same instant. Not past the parent's current deadline (`ctx.deadline`):
+        that one is the critic's, which it extends while the run progresses
+        (`--soft-timeout`); a child given only that much was cut off `timeout`
+        at the parent's first soft deadline, however well it was doing.
         """
-        left = ctx.deadline - trio.current_time()
-        timeout = child.timeout if child.timeout is not None else Limits().timeout
-        if math.isfinite(left) and child.timeout is None:
-            timeout = left + 1.0
+        hard = ctx.limits.timeout
+        timeout = child.timeout
+        if timeout is None and hard is not None:
+            timeout = max(ctx.started_at + hard - trio.current_time(), 0.0) + 1.0
         if state_timeout is not None:
             timeout = state_timeout if timeout is None else min(timeout, state_timeout)
         return Limits(max_steps=child.max_iterations, timeout=timeout, tool_timeout=None,
@@ -1069,9 +1102,41 @@ def _check_exec_size(argv: Sequence[str], env: Mapping[str, str]) -> None:
 #: is "terminal" too); statuses it has no name for keep the kernel's.
 _TERMINATED_BY = {Status.OK: "terminal", Status.ERROR: "error", Status.TIMEOUT: "timeout",
                   Status.MAX_STEPS: "max_steps", Status.HANDOFF: "handoff",
-                  Status.CANCELLED: "interrupted"}
+                  Status.CANCELLED: "interrupted", Status.KILLED: "killed",
+                  Status.BUDGET_EXCEEDED: "budget_exceeded"}
+#: A child run's `reason` when its budget check said no (or could not be made).
+_REFUSALS = ("budget refused", "budget check failed")
 #: The endings little-loops routes to `on_timeout`: the child was cut off mid-work.
 _CUT_OFF = ("timeout", "max_steps")
+
+
+async def _while_alive(ctx: RunContext, child: Awaitable[Result]) -> Result:
+    """Await a child run, telling the critic every `_HEARTBEAT` second that this run is alive.
+
+    A run waiting on its child does nothing itself: without a sign of life its
+    critic judged it stalled (`--idle-timeout`) and killed it while the child
+    worked. The child is watched on its own (a stalled child is killed, and
+    this run routes that), and this run's deadline and kills still hold.
+    """
+    result: Result | None = None
+    failure: Exception | None = None
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_heartbeat, ctx)
+        try:
+            result = await child
+        except Exception as exc:  # (raised after the nursery: not as an ExceptionGroup)
+            failure = exc
+        nursery.cancel_scope.cancel()
+    if failure is not None:
+        raise failure
+    assert result is not None
+    return result
+
+
+async def _heartbeat(ctx: RunContext) -> None:
+    while True:
+        await trio.sleep(_HEARTBEAT)
+        ctx.activity("subloop")
 
 
 def _routes(st: StateSpec, verdict: str) -> bool:

@@ -37,11 +37,20 @@ Reader = Callable[[Path], tuple[Any, str | None]]
 
 
 def find_loop_file(base: Path, ref: str) -> Path | None:
-    """The file `ref` names, relative to `base` (a directory), then the directories above."""
-    rel = Path(ref).expanduser()
+    """The file `ref` names, relative to `base` (a directory), then the directories above.
+
+    None when there is none, including for a name that cannot name a file (empty,
+    `.`, `/`, `~user` of no such user): the callers say "not found", never raise.
+    """
+    try:
+        rel = Path(ref).expanduser()
+    except (RuntimeError, ValueError):  # `~nobody/x`: no such user's home
+        return None
     roots = [rel] if rel.is_absolute() else [
         d / rel for d in [base, *list(base.parents)[:SEARCH_UP]]]
     for root in roots:
+        if not root.name:
+            continue  # `.`, `/`: a directory, and no `.yaml` beside it to try
         for candidate in (root, root.with_name(root.name + ".yaml"),
                           root.with_name(root.name + ".yml")):
             if candidate.is_file():

@@ -119,7 +119,7 @@ def load_loop(path: str | Path, *, context: Mapping[str, Any] | None = None) -> 
 
 
 def _check(path: Path, context: dict[str, Any], required: bool,
-           stack: tuple[Path, ...]) -> Report:
+           stack: tuple[Path, ...], *, sealed: bool = False) -> Report:
     shown = str(path)
     raw = _read_bounded(path)
     if isinstance(raw, str):
@@ -139,7 +139,7 @@ def _check(path: Path, context: dict[str, Any], required: bool,
     problems[:0] = composer.problems
     if spec is None:
         return Report(None, problems)
-    checker = _Checker(spec, problems, path, context, required, stack)
+    checker = _Checker(spec, problems, path, context, required, stack, sealed=sealed)
     checker.run()
     if not stack:
         checker.given_context()
@@ -209,8 +209,11 @@ class _Checker:
     """The cross-reference checks over one parsed loop."""
 
     def __init__(self, spec: LoopSpec, problems: list[Problem], path: Path,
-                 context: dict[str, Any], required: bool, stack: tuple[Path, ...]) -> None:
+                 context: dict[str, Any], required: bool, stack: tuple[Path, ...], *,
+                 sealed: bool = False) -> None:
         self.spec = spec
+        #: A sub-loop run without context_passthrough: no --context reaches it.
+        self.sealed = sealed
         self.problems = problems
         self.path = path
         self.context = context
@@ -475,8 +478,11 @@ class _Checker:
                     and head not in RUNNER_CONTEXT \
                     and (param_spec is None or param_spec.default is None):
                 self.missing.add(head)
-                msg = (f"context variable '{head}' is not defined (pass --context "
-                       f"{head}=VALUE, or add it under 'context:')")
+                how = ("bind it with 'with:' on the parent's loop: state, or give it the "
+                       "parent's context with 'context_passthrough: true'" if self.sealed
+                       else f"pass --context {head}=VALUE")
+                msg = f"context variable '{head}' is not defined ({how}, or add it under " \
+                      "'context:')"
                 self.add("error" if self.required else "warning", where, msg)
         elif ph.namespace == "captured":
             if head not in self.captures and not fallback:
@@ -526,7 +532,10 @@ class _Checker:
             given = {**self.spec.context, **self.context, **{c: "" for c in self.captures}}
         elif st.with_:
             given = dict.fromkeys(st.with_, "")
-        report = _check(child_path, given, self.required, self.stack)
+        # A child without context_passthrough gets no --context: the hint for what it
+        # lacks names what can give it.
+        report = _check(child_path, given, self.required, self.stack,
+                        sealed=self.sealed or not st.context_passthrough)
         if st.context_passthrough and self.used is not None:
             if report.used_context is None:
                 self.used = None
@@ -611,7 +620,7 @@ _VERDICTS = {
     "output_numeric": {"yes", "no"}, "output_json": {"yes", "no"},
     "convergence": {"target", "progress", "stall"},
     "mcp_result": {"yes", "no", "success", "tool_error", "not_found", "timeout"},
-    "loop": {"yes", "no", "timeout"}, "diff_stall": {"yes", "no"},
+    "loop": {"yes", "no", "timeout", "budget_exceeded"}, "diff_stall": {"yes", "no"},
 }
 _DEFAULT_EVALUATOR = {"shell": "exit_code", "mcp_tool": "mcp_result", "loop": "loop",
                       "prompt": "llm_structured"}
