@@ -43,6 +43,10 @@ the journal (`running`: started and unfinished, or `pending`: never
 started) and leaves the batch unfinished: held by this process, so it is
 interrupted once this process is gone and `run` (a resume) finishes it.
 
+`BatchDelivery` delivers each run's result as it ends (a directory, webhooks:
+any `Delivery`), off the run's slot and a bounded number at once, so a slow
+or failing webhook never holds up the batch's runs.
+
 Dispatching one task is `Dispatch.__call__(task, resume) -> Result`: one
 task in, one result out, with no other state shared with the batch.
 `KernelDispatch` is the default (the batch's ports, an agent built from the
@@ -54,6 +58,8 @@ writes to the same store.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 import os
 import secrets
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -65,8 +71,11 @@ import trio
 from kernel import (
     AgentError,
     Checkpoint,
+    Delivery,
+    DeliveryError,
     Kernel,
     Limits,
+    PortFailure,
     Ports,
     Result,
     RunContext,
@@ -92,9 +101,11 @@ from .store import (
 )
 
 __all__ = [
+    "DELIVERY_LIMIT",
     "PURGED",
     "UNFINISHED",
     "BatchBusyError",
+    "BatchDelivery",
     "BatchRunner",
     "BatchTask",
     "Dispatch",
@@ -509,6 +520,128 @@ class BatchRunner:
                 return []  # held past the wait, or finished meanwhile: nothing to wait for
             await trio.sleep(min(pause, left))
             pause = min(pause * 2, 1.0)
+
+
+_log = logging.getLogger("kernel.batch")
+
+#: Results a `BatchDelivery` delivers at once (their webhook requests and folder writes).
+DELIVERY_LIMIT = 32
+
+
+class BatchDelivery:
+    """Delivers the result of each run of a batch as it ends, off the run's slot.
+
+        delivery = BatchDelivery(FanOutDelivery([...]), on_delivered=report)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(delivery.serve)
+            await runner.run(batch_id, on_outcome=delivery.submit)
+            delivery.close()    # serve returns once every result is delivered
+
+    `submit` (the runner's `on_outcome`) queues an outcome that carries a
+    result (its run ended in this process) and passes any other (skipped,
+    lost, unfinished: nothing to deliver) straight to `on_delivered`. `serve`
+    delivers the queue, at most `limit` results at once, each bounded by its
+    delivery's own limits (a webhook's attempts and total time): a run's
+    slot is free as soon as the run ends, and a slow or failing webhook
+    delays only the deliveries behind it, never the runs.
+
+    As in a run (`Delivery`), a delivery is an observer: a failure is put on
+    the result's `port_failures` (`delivery.deliver: DeliveryError: ...`, as
+    the kernel puts it) and logged, and never changes the status. Each
+    outcome reaches `on_delivered` once, after its delivery. Cancelling
+    `scope` (or giving it a deadline) stops the deliveries left: each
+    outcome not delivered reaches `on_delivered` with a failure saying so.
+
+    Unlike a run's own delivery, a failure is not in the run's audit: the
+    run's row is closed when its result comes back.
+    """
+
+    def __init__(self, delivery: Delivery, *, limit: int = DELIVERY_LIMIT,
+                 on_delivered: Callable[[TaskOutcome], None] | None = None) -> None:
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1, got {limit}")
+        self.delivery = delivery
+        self.limit = limit
+        self.on_delivered = on_delivered
+        #: Results queued or being delivered.
+        self.pending = 0
+        #: Results whose delivery failed (or never happened), so far.
+        self.failed = 0
+        #: Cancel it (or set its deadline) to stop delivering.
+        self.scope = trio.CancelScope()
+        #: Set when `serve` has returned (everything delivered, or given up).
+        self.served = trio.Event()
+        self._send, self._receive = trio.open_memory_channel[TaskOutcome](math.inf)
+        self._stopped = False
+
+    def submit(self, out: TaskOutcome) -> None:
+        """Queue `out`'s result for delivery (or pass on an outcome without a result)."""
+        if out.result is None:
+            self._done(out)
+            return
+        self.pending += 1
+        if self._stopped:
+            self._failed(out, DeliveryError(_NOT_DELIVERED))
+        else:
+            self._send.send_nowait(out)
+
+    def close(self) -> None:
+        """No more outcomes will come: `serve` returns once the queue is delivered."""
+        self._send.close()
+
+    async def serve(self) -> None:
+        """Deliver what is submitted, `limit` at once, until `close` and an empty queue
+        (or `scope` is cancelled: what is left is passed on, undelivered)."""
+        try:
+            with self.scope:
+                async with trio.open_nursery() as nursery:
+                    for _ in range(self.limit):
+                        nursery.start_soon(self._deliver_queued)
+        finally:
+            self._stopped = True
+            while True:  # stopped first: what is still queued is not delivered
+                try:
+                    out = self._receive.receive_nowait()
+                except (trio.WouldBlock, trio.EndOfChannel):
+                    break
+                self._failed(out, DeliveryError(_NOT_DELIVERED))
+            self.served.set()
+
+    async def _deliver_queued(self) -> None:
+        async for out in self._receive:
+            assert out.result is not None
+            ended = False
+            try:
+                await self.delivery.deliver(out.result)
+            except Exception as exc:
+                ended = True
+                self._failed(out, exc)
+            else:
+                ended = True
+                self._done(out)
+            finally:
+                # Cancelled (`scope`), maybe as a group of `Cancelled` (a fan-out's nursery).
+                if not ended:
+                    self._failed(out, DeliveryError(_NOT_DELIVERED))
+
+    def _failed(self, out: TaskOutcome, exc: BaseException) -> None:
+        assert out.result is not None
+        self.failed += 1
+        msg = f"{type(exc).__name__}: {exc}"
+        out.result.port_failures.append(PortFailure("delivery", "deliver", msg))
+        _log.warning("port failed: delivery.deliver: %s (run %s)", msg, out.run_id,
+                     extra={"port": "delivery", "method": "deliver", "error": msg,
+                            "run_id": out.run_id})
+        self._done(out)
+
+    def _done(self, out: TaskOutcome) -> None:
+        if out.result is not None:
+            self.pending -= 1
+        if self.on_delivered is not None:
+            self.on_delivered(out)
+
+
+_NOT_DELIVERED = "not delivered: the batch was stopped before its delivery ended"
 
 
 def default_concurrency() -> int:

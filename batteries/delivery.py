@@ -153,10 +153,19 @@ class DirectoryDelivery:
     folder: the old one is moved aside and removed only once the new one is
     in place, so a crash between leaves one of them. Only a folder that
     resolves strictly inside `root` is ever replaced.
+
+    Args:
+        root: The folder the runs' folders go in (made if missing).
+        limiter: Bounds the worker threads writing at once (None: trio's
+            default limiter, shared with every other `trio.to_thread` call). A
+            host delivering many runs at once (`kernel batch`) gives its own, so
+            its writes never take the threads its journal reads need.
     """
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(self, root: str | os.PathLike[str], *,
+                 limiter: trio.CapacityLimiter | None = None) -> None:
         self.root = Path(root)
+        self.limiter = limiter
 
     async def deliver(self, result: Result) -> None:
         """Write the run's folder in a worker thread.
@@ -165,7 +174,7 @@ class DirectoryDelivery:
             DeliveryError: The run id is not one plain folder name, its folder
                 cannot be written, or an artifact's name leaves the folder.
         """
-        await trio.to_thread.run_sync(self._write, result)
+        await trio.to_thread.run_sync(self._write, result, limiter=self.limiter)
 
     def _write(self, result: Result) -> None:
         run_id = result.run_id
@@ -323,6 +332,29 @@ def check_webhook_url(url: str) -> None:
         raise WebhookURLError(f"webhook URL must be http(s)://..., got {shown!r}")
     if not parts.hostname:
         raise WebhookURLError(f"webhook URL has no host: {shown!r}")
+
+
+def check_delivery_options(deliver_dir: str | None, webhooks: Sequence[str] = (),
+                           ) -> tuple[str | None, tuple[str, ...]]:
+    """The CLI's `--deliver-dir DIR` and `--webhook URL`s, checked before anything runs.
+
+    Returns the directory made absolute (stored so: a run or batch resumed
+    from another directory delivers where it was asked) and the URLs.
+
+    Raises:
+        ConfigError: One line naming the flag: an empty directory, or a URL
+            `check_webhook_url` refuses (without its credentials).
+    """
+    for url in webhooks:
+        try:
+            check_webhook_url(url)  # a typo is bad input before anything runs
+        except ConfigError as exc:
+            raise ConfigError(f"--webhook: {exc}") from None
+    if deliver_dir is not None:
+        if not deliver_dir.strip():
+            raise ConfigError("--deliver-dir expects a directory, got ''")
+        deliver_dir = os.path.abspath(os.path.expanduser(deliver_dir))
+    return deliver_dir, tuple(webhooks)
 
 
 def _scrub(text: str, url: str, shown: str) -> str:

@@ -78,6 +78,21 @@ purged since (kernel purge) is reported `purged`. With --json, a reader that
 goes away (`| head -1`) stops the batch as a signal does (exit 130).
 
 \b
+  kernel batch tasks.jsonl --deliver-dir out/ --webhook https://example.invalid/hook
+
+--deliver-dir and --webhook deliver each run's result as `kernel run` does
+(DIR/RUN_ID/, a JSON POST) when the run ends, up to 32 results at once and
+apart from the runs: a slow or failing webhook holds up no run, and the batch
+exits once every delivery has ended. A failed delivery is a warning on stderr
+and in the run's --json line (port_failures; the line comes once its delivery
+ended), never a change of exit code; a bad URL is refused before anything
+runs. Both are stored with the batch, so --resume delivers the runs it
+finishes the same way (a webhook URL's password is not stored: give --webhook
+again). After a signal, deliveries under way get up to 30 s more (a second
+signal stops them); a run whose delivery had not ended when the batch process
+died is not delivered again by --resume.
+
+\b
 Exit codes: 0 every run ended ok; 1 at least one did not (error, timeout,
 killed, budget_exceeded, max_steps, lost, ...); 2 bad input (a bad task
 line, an empty file, an unknown batch, a batch another process is running);
@@ -141,6 +156,17 @@ def batch(
         help="Run the runs in N worker processes (the batch process hands them out and "
              "reports), never more than the tasks or -j. [default: one per CPU, at most "
              "one per 100 runs; 1 runs them in this process]"),
+    deliver_dir: str | None = typer.Option(
+        None, "--deliver-dir", metavar="DIR",
+        help="Also write each run's result to DIR/RUN_ID/ (result.json, output.txt, "
+             "artifacts/), as kernel run does. Stored with the batch (--resume delivers "
+             "there; given with --resume, it replaces the stored one)."),
+    webhook: list[str] | None = typer.Option(
+        None, "--webhook", metavar="URL",
+        help="Also POST each run's result as JSON to URL (retried; repeatable). A failed "
+             "delivery is a warning and never changes the exit code. Stored with the "
+             "batch without a password; given with --resume, these replace the stored "
+             "ones (needed when a stored URL held a password)."),
     ray_address: str | None = typer.Option(
         None, "--ray", metavar="auto|ADDRESS",
         help="Run on a Ray cluster ('auto': $RAY_ADDRESS or the local one; else its head's "
@@ -156,14 +182,22 @@ def batch(
     if fmt is not None and not list_only:
         _fail("--format goes with --list (a batch prints --json lines or progress)")
     if list_only:
+        if deliver_dir is not None or webhook:
+            _fail("--deliver-dir and --webhook go with TASKS.jsonl or --resume")
         raise typer.Exit(_list(db, fmt=output.pick(fmt, json_out)))
+    from batteries.delivery import check_delivery_options
+
     try:
+        # Checked first: a typo in a URL is bad input before any batch is made.
+        deliver_dir, webhooks = check_delivery_options(deliver_dir, webhook or ())
         if resume is not None:
-            runner_args = _prepare_resume(resume, db, context or [], concurrency)
+            runner_args = _prepare_resume(resume, db, context or [], concurrency,
+                                          deliver_dir=deliver_dir, webhooks=webhooks)
         else:
             assert tasks_file is not None
             runner_args = _prepare_new(tasks_file, db, concurrency or DEFAULT_CONCURRENCY,
                                        name, redact or [])
+            runner_args.deliver_dir, runner_args.webhooks = deliver_dir, webhooks
     except (ConfigError, AuditError) as exc:
         _fail(str(exc))
     if ray_address is not None:
@@ -463,6 +497,25 @@ class _Args:
     ray: str | None = None  # --ray: the cluster's address
     workers: int = 1  # --workers: processes running the runs (1: this one)
     forked: list[Any] = field(default_factory=list)  # batch_workers.Forked, once forked
+    deliver_dir: str | None = None  # --deliver-dir, absolute
+    webhooks: tuple[str, ...] = ()  # --webhook URLs, as given (secrets included)
+
+    def options(self) -> dict[str, Any]:
+        """What is stored with a new batch (`BatchRow.options`) for `--resume`: the
+        --redact patterns and where its runs are delivered. A webhook URL is stored
+        as the batch's redactor leaves it (as `kernel run` stores its spec): one that
+        held a secret is listed under `redacted`, and a resume must be given it again."""
+        opts: dict[str, Any] = {"redact": self.redact}
+        if self.deliver_dir is not None:
+            opts["deliver_dir"] = self.deliver_dir
+        if self.webhooks:
+            stored = [self.redactor.value(url) for url in self.webhooks]
+            opts["webhooks"] = stored
+            hidden = [["webhooks", i] for i, (url, kept) in
+                      enumerate(zip(self.webhooks, stored, strict=True)) if url != kept]
+            if hidden:
+                opts["redacted"] = hidden
+        return opts
 
 
 def _prepare_new(tasks_file: str, db: str | None, concurrency: int, name: str | None,
@@ -574,7 +627,8 @@ def _find(db: str | None, wanted: str) -> BatchRow:
 
 
 def _prepare_resume(wanted: str, db: str | None, context: list[str],
-                    concurrency: int | None = None) -> _Args:
+                    concurrency: int | None = None, *, deliver_dir: str | None = None,
+                    webhooks: tuple[str, ...] = ()) -> _Args:
     from batteries.batch import run_spec_of
     from batteries.recovery import NotResumable, Secrets, restore_secrets
     from kernel import ConfigError, RunSpec
@@ -593,11 +647,13 @@ def _prepare_resume(wanted: str, db: str | None, context: list[str],
     finally:
         store.close()
     missing: set[str] = set()
+    left = 0
     for t in tasks:
         # What the resume runs: an interrupted run, or a task that never started (in a
         # batch that had finished, a task without a run had one, purged since).
         unfinished = (t.saved is not None and t.saved.status == "running") or (
             t.run_status is None and not t.started and row.status != "finished")
+        left += unfinished
         if unfinished and t.spec.get("redacted"):
             try:
                 _, lacking = restore_secrets(
@@ -608,13 +664,43 @@ def _prepare_resume(wanted: str, db: str | None, context: list[str],
             if lacking:
                 missing.add("its secrets are not stored; give them again: kernel batch "
                             f"--resume {row.batch_id} {give_back(lacking)}")
+    stored_dir, stored_hooks = _stored_delivery(row)
+    if not webhooks and stored_hooks is None and left:
+        missing.add("its secrets are not stored; give them again: kernel batch --resume "
+                    f"{row.batch_id} {give_back(('ports.webhooks',))}")
     if missing:
         raise ConfigError(f"batch {row.batch_id}: " + "; ".join(sorted(missing)))
     redactor = make_redactor(parse_context(context), list(row.options.get("redact") or []))
 
     patterns = list(row.options.get("redact") or [])
     return _Args(db, concurrency or row.concurrency, row.batch_id, None, row.name,
-                 row.source, redactor, given, total=row.tasks, redact=patterns)
+                 row.source, redactor, given, total=row.tasks, redact=patterns,
+                 deliver_dir=deliver_dir or stored_dir,
+                 webhooks=webhooks or stored_hooks or ())
+
+
+def _stored_delivery(row: BatchRow) -> tuple[str | None, tuple[str, ...] | None]:
+    """Where a stored batch delivers (`_Args.options`): its directory and webhook URLs;
+    None for the URLs when one held a secret, which is not stored.
+
+    Raises:
+        ConfigError: Its stored options are not what this kernel writes.
+    """
+    from batteries.delivery import check_delivery_options
+    from kernel import ConfigError
+
+    opts = row.options
+    where = opts.get("deliver_dir")
+    urls = opts.get("webhooks") or []
+    if (where is not None and not isinstance(where, str)) or not isinstance(urls, list) \
+            or not all(isinstance(u, str) for u in urls):
+        raise ConfigError(f"batch {row.batch_id}: its stored delivery options are malformed")
+    if opts.get("redacted"):
+        return where, None
+    try:
+        return check_delivery_options(where, urls)  # stored by a version that took them
+    except ConfigError as exc:
+        raise ConfigError(f"batch {row.batch_id}: its stored {exc}") from None
 
 
 #: Run id -> its task's run spec as read from the file, for the tasks of a batch this
@@ -793,9 +879,18 @@ async def _execute(args: _Args, *, json_out: bool, results: TextIO) -> int:
     stop: list[trio.CancelScope] = []
     #: The output pipe's reader went away (`| head`): the batch is stopped, resumable.
     closed: list[str] = []
+    #: Runs whose delivery failed, and how.
+    undelivered: list[tuple[TaskOutcome, PortFailure]] = []
+    #: Delivers the runs' results (--deliver-dir, --webhook), once it is made.
+    deliveries: list[Any] = []
 
     def on_outcome(out: TaskOutcome) -> None:
         counts[out.status] += 1
+        for failure in out.result.port_failures if out.result is not None else ():
+            if failure.port == "delivery":
+                undelivered.append((out, failure))
+                if live is None:
+                    _print_undelivered(out, failure)
         if json_out and not closed:
             doc = out.to_dict()
             doc["batch_id"] = args.batch_id
@@ -810,12 +905,19 @@ async def _execute(args: _Args, *, json_out: bool, results: TextIO) -> int:
                 print(f"kernel: output pipe closed (stdout): cancelling batch "
                       f"{args.batch_id} (resume it with kernel batch --resume "
                       f"{args.batch_id})", file=sys.stderr)
-                for scope in stop:
-                    scope.cancel()
+                stopping()
         if not out.ok:
             failed.append(out)
             if live is None and not json_out:
                 _print_failure(out)
+
+    def stopping() -> None:
+        """Stop the batch (a signal, stdout gone): its runs now, resumable; the deliveries
+        of runs that ended get `STOP_DRAIN` seconds more."""
+        for scope in stop:
+            scope.cancel()
+        for d in deliveries:
+            d.scope.deadline = min(d.scope.deadline, trio.current_time() + STOP_DRAIN)
 
     async def before_resume(run_id: str) -> None:
         await trio.to_thread.run_sync(partial(stop_leftovers, run_id, db=args.db))
@@ -847,7 +949,7 @@ async def _execute(args: _Args, *, json_out: bool, results: TextIO) -> int:
             try:
                 if args.tasks is not None:
                     await runner.create(args.tasks, batch_id=args.batch_id, name=args.name,
-                                        source=args.source, options={"redact": args.redact})
+                                        source=args.source, options=args.options())
                     verb = "started"
                 else:
                     verb = "resumed"
@@ -858,39 +960,63 @@ async def _execute(args: _Args, *, json_out: bool, results: TextIO) -> int:
                   f"{args.concurrency}"
                   + (f", {args.workers} workers" if args.workers > 1 else ""),
                   file=sys.stderr, flush=True)
-            if batch_progress.wanted():
-                live = batch_progress.BatchProgress(runner, args.total)
-            async with trio.open_nursery() as nursery:
-                stop.append(nursery.cancel_scope)
-                if closed:  # the pipe closed with the batch's first (skipped) outcomes
-                    nursery.cancel_scope.cancel()
-                if live is not None:
+            busy: list[str] = []
+            async with _delivering(args, on_outcome) as delivery, \
+                    trio.open_nursery() as nursery:
+                if delivery is not None:
+                    deliveries.append(delivery)
+                    nursery.start_soon(delivery.serve)
+                if batch_progress.wanted():
+                    live = batch_progress.BatchProgress(runner, args.total, delivery)
                     nursery.start_soon(batch_progress.show, live)
 
                 async def on_signal() -> None:
                     async for signum in signals:
+                        name = signal.Signals(signum).name
+                        if got and delivery is not None:  # again: stop delivering too
+                            print(f"kernel: {name}: stopping {delivery.pending} "
+                                  "delivery(ies)", file=sys.stderr)
+                            delivery.scope.cancel()
+                            continue
                         got.append(signum)
-                        print(f"kernel: {signal.Signals(signum).name}: cancelling batch "
+                        print(f"kernel: {name}: cancelling batch "
                               f"{args.batch_id} (resume it with kernel batch --resume "
                               f"{args.batch_id})", file=sys.stderr)
-                        nursery.cancel_scope.cancel()
+                        stopping()
 
                 nursery.start_soon(on_signal)
-                try:
-                    async with _workers(args) as remote:
-                        if remote is not None:
-                            runner.dispatch = remote
-                        await runner.run(args.batch_id, on_outcome=on_outcome,
-                                         on_start=live.on_start if live is not None else None)
-                except BatchBusyError as exc:
-                    print(f"kernel batch: error: {exc}", file=sys.stderr)
-                    return 2
+                with trio.CancelScope() as runs:
+                    stop.append(runs)
+                    if closed:  # the pipe closed with the batch's first (skipped) outcomes
+                        stopping()
+                    try:
+                        async with _workers(args) as remote:
+                            if remote is not None:
+                                runner.dispatch = remote
+                            await runner.run(
+                                args.batch_id,
+                                on_outcome=on_outcome if delivery is None else delivery.submit,
+                                on_start=live.on_start if live is not None else None)
+                    except BatchBusyError as exc:
+                        busy.append(str(exc))
+                if delivery is not None:
+                    delivery.close()  # every run has ended: deliver what is left
+                    await delivery.served.wait()
                 nursery.cancel_scope.cancel()
+            if busy:
+                print(f"kernel batch: error: {busy[0]}", file=sys.stderr)
+                return 2
     for failure in warnings:
         print(f"kernel: warning: {failure}", file=sys.stderr)
+    if live is not None:
+        for out, failure in undelivered:
+            _print_undelivered(out, failure)
     if live is not None and not json_out:
         for out in failed:
             _print_failure(out)
+    if undelivered:
+        print(f"kernel: warning: batch {args.batch_id}: {len(undelivered)} run(s) not "
+              "delivered everywhere (see above)", file=sys.stderr)
     elapsed = time.monotonic() - t0
     summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items(), key=lambda kv: -kv[1]))
     if got or closed:
@@ -908,6 +1034,60 @@ async def _execute(args: _Args, *, json_out: bool, results: TextIO) -> int:
         print(f"kernel: batch {args.batch_id} is not finished: {left} task(s) did not end "
               f"here; kernel batch --resume {args.batch_id} finishes them", file=sys.stderr)
     return code
+
+
+#: Seconds the deliveries of ended runs get once the batch is stopped (a signal, stdout
+#: gone): what a run's own delivery gets (`Limits.finalize_timeout`'s default).
+STOP_DRAIN = 30.0
+#: Threads writing --deliver-dir folders at once: few, so they never take the worker
+#: threads the journal's reads (and Ray's waits) need.
+DIRECTORY_THREADS = 4
+
+
+@asynccontextmanager
+async def _delivering(args: _Args, on_delivered: Any) -> AsyncIterator[Any]:
+    """A `BatchDelivery` to --deliver-dir and each --webhook (None without them).
+
+    The webhooks share one HTTP client (a client costs ~30 ms of CPU to make, as
+    much as 20 runs: `kernel run` makes one for its one delivery) that keeps no
+    cookies, so each delivery is sent as `kernel run` would send it.
+    """
+    if args.deliver_dir is None and not args.webhooks:
+        yield None
+        return
+    import trio
+
+    from batteries.batch import DELIVERY_LIMIT, BatchDelivery
+    from batteries.delivery import DirectoryDelivery, FanOutDelivery, WebhookDelivery
+
+    chosen: list[Any] = []
+    if args.deliver_dir is not None:
+        chosen.append(DirectoryDelivery(args.deliver_dir,
+                                        limiter=trio.CapacityLimiter(DIRECTORY_THREADS)))
+    hooks = [WebhookDelivery(url) for url in args.webhooks]
+    if not hooks:
+        yield BatchDelivery(FanOutDelivery(chosen), on_delivered=on_delivered)
+        return
+    import http.cookiejar
+
+    import httpx
+
+    at_once = DELIVERY_LIMIT * len(hooks)
+    jar = http.cookiejar.CookieJar(http.cookiejar.DefaultCookiePolicy(allowed_domains=[]))
+    async with httpx.AsyncClient(
+            timeout=max(h.timeout for h in hooks), cookies=jar,
+            limits=httpx.Limits(max_connections=at_once,
+                                max_keepalive_connections=at_once)) as client:
+        for hook in hooks:
+            hook.client = client
+        yield BatchDelivery(FanOutDelivery([*chosen, *hooks]), on_delivered=on_delivered)
+
+
+def _print_undelivered(out: TaskOutcome, failure: Any) -> None:
+    from .ids import short_id
+
+    print(f"kernel: warning: task {out.task_id} (run {short_id(out.run_id)}): {failure}",
+          file=sys.stderr)
 
 
 def _to_devnull(stream: TextIO) -> None:

@@ -1,4 +1,5 @@
-"""Live progress for `kernel batch` on a terminal: counts by status, rate, ETA, oldest running.
+"""Live progress for `kernel batch` on a terminal: counts by status, rate, ETA, oldest running,
+results being delivered.
 
 Drawn on stderr and only when stderr is a TTY (like `kernel run`'s), so
 `--json` lines on stdout never mix with it. It reads the runner's own state
@@ -20,9 +21,11 @@ from .progress import wanted as wanted
 class BatchProgress:
     """What the batch's live line shows."""
 
-    def __init__(self, runner: Any, total: int) -> None:
+    def __init__(self, runner: Any, total: int, delivery: Any = None) -> None:
         self.runner = runner
         self.total = total
+        #: The batch's `BatchDelivery` (--deliver-dir, --webhook), if it delivers.
+        self.delivery = delivery
         self.started = trio.current_time()
         self.first_start: float | None = None
 
@@ -40,6 +43,8 @@ class BatchProgress:
         parts = [f"{done}/{self.total} done"]
         parts += [f"{n} {s}" for s, n in counts.most_common()]
         parts.append(f"{len(self.runner.running)} running")
+        if self.delivery is not None and self.delivery.pending:
+            parts.append(f"{self.delivery.pending} delivering")
         since = self.first_start if self.first_start is not None else self.started
         elapsed = max(now - since, 1e-9)
         if ran:
