@@ -72,16 +72,11 @@ def _recovery(db: str | None, *, json_out: bool, context: list[str] | None = Non
     from adapters import stop_leftover_group
     from adapters.specs import spec_secrets
     from batteries.recovery import Recovery, Secrets
-    from kernel import ConfigError
 
     if webhooks:
-        from batteries.delivery import check_webhook_url
+        from batteries.delivery import check_delivery_options
 
-        for url in webhooks:
-            try:
-                check_webhook_url(url)  # a typo is bad input before anything resumes
-            except ConfigError as exc:
-                raise ConfigError(f"--webhook: {exc}") from None
+        check_delivery_options(None, webhooks)  # a typo is bad input before anything resumes
     secrets = Secrets(context=parse_context(context or []), webhooks=tuple(webhooks or ()),
                       base_url=base_url)
     make_redactor({}, redact or [])  # a bad pattern is refused before anything is touched
