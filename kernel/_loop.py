@@ -228,7 +228,8 @@ class _Run:
     """The state of one run while `Kernel.run` executes it."""
 
     __slots__ = ("agent", "agent_stopped", "artifacts", "audit", "backstop", "budget", "can",
-                 "capped", "caps", "checkpointer", "child_tool_calls", "child_usage", "critic",
+                 "capped", "caps", "checkpointer", "child_seconds", "child_since",
+                 "child_tool_calls", "child_usage", "children", "critic",
                  "ctx", "cut", "delivery", "error", "exit_code", "failures", "finalizing",
                  "first_deadline", "handle", "hooks", "immediate", "in_step", "info", "k",
                  "last_save_steps", "last_save_time", "limits", "next_look", "now", "nursery",
@@ -265,6 +266,11 @@ class _Run:
         self.usage = resume.usage if resume else _NO_USAGE  # (frozen: shared)
         self.child_usage = _NO_USAGE  # what child runs used: counts against this run's caps
         self.child_tool_calls = 0
+        # Seconds during which at least one child run ran (`run_child`): the children's
+        # own budget commits count them, so this run's commit does not count them again.
+        self.child_seconds = 0.0
+        self.children = 0  # child runs running now
+        self.child_since = 0.0  # when the running ones started (the first of them)
         self.in_step = False
         self.pending_steer: list[Message] = []
         self.artifacts: dict[str, str | bytes] = {}
@@ -604,7 +610,15 @@ class _Run:
             limits = self.child_caps(limits)
         self.log_event("child_start", name=info.name, payload={"child_run_id": info.run_id},
                        iteration=self.steps)
-        result = await self.k.run(agent, info, limits)
+        if not self.children:
+            self.child_since = self.now()
+        self.children += 1
+        try:
+            result = await self.k.run(agent, info, limits)
+        finally:
+            self.children -= 1
+            if not self.children:
+                self.child_seconds += self.now() - self.child_since
         self.child_usage += result.usage
         self.child_tool_calls += result.tool_calls
         self.log_event("child_end", name=info.name,
@@ -1266,13 +1280,17 @@ class _Run:
             except Exception as exc:
                 self.fault("checkpointer", "complete" if status in _COMPLETE else "fail", exc)
         if commit_budget and self.budget is not None:
+            # The time its child runs ran is theirs: each commits its own (and its own
+            # usage: `self.usage` never holds a child's), so it is not counted twice.
+            runtime = result.runtime_seconds
+            if self.child_seconds:
+                runtime = max(runtime - self.child_seconds, 0.0)
             try:
                 commit_run = getattr(self.budget, "commit_run", None)
                 if commit_run is not None:  # SupportsRunBudget
-                    await commit_run(self.info, result.runtime_seconds, self.usage)
+                    await commit_run(self.info, runtime, self.usage)
                 else:
-                    await self.budget.commit(self.info.caller_id, result.runtime_seconds,
-                                             self.usage)
+                    await self.budget.commit(self.info.caller_id, runtime, self.usage)
             except Exception as exc:
                 self.fault("budget", "commit", exc)
         if self.delivery is not None:
