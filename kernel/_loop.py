@@ -621,8 +621,12 @@ class _Run:
                 self.child_seconds += self.now() - self.child_since
         self.child_usage += result.usage
         self.child_tool_calls += result.tool_calls
-        self.log_event("child_end", name=info.name,
-                       payload={"child_run_id": info.run_id, "status": str(result.status)},
+        ended: dict[str, Any] = {"child_run_id": info.run_id, "status": str(result.status)}
+        if result.reason:
+            ended["reason"] = result.reason
+        if result.error:
+            ended["error"] = result.error
+        self.log_event("child_end", name=info.name, payload=ended,
                        duration_ms=result.runtime_seconds * 1000, iteration=self.steps)
         return result
 

@@ -118,7 +118,8 @@ def show(
         None, metavar="RUN_ID", show_default=False,
         help="The run's short id (as `kernel runs` prints it), a full id or any unique "
              "prefix of one, or 'last'."),
-    last: bool = typer.Option(False, "--last", "-l", help="Show the newest run."),
+    last: bool = typer.Option(False, "--last", "-l", help="Show the newest run that is not a "
+                              "sub-loop's child."),
     kind: list[str] | None = typer.Option(
         None, "--kind", metavar="KIND",
         help="Only events of this kind (repeatable, or comma-separated: "
@@ -267,7 +268,23 @@ def _one_row_per_state(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for row in rows:
         if row["kind"] == "state":
             row["summary"] = _state_line(row.pop("parts"), row.pop("lines"))
+        elif row["kind"] in ("child_start", "child_end"):
+            row["summary"] = _child_line(row["kind"], row.get("payload"), row["summary"])
     return rows
+
+
+def _child_line(kind: str, payload: Any, summary: str) -> str:
+    """`child 3f9a0c2e started` / `child 3f9a0c2e error: why`: a child run by its short id
+    (what `kernel show` takes) and how it ended, instead of its payload's JSON."""
+    child = payload.get("child_run_id") if isinstance(payload, dict) else None
+    if not isinstance(child, str) or not child:
+        return summary
+    if kind == "child_start":
+        return f"child {short_id(child)} started"
+    assert isinstance(payload, dict)
+    text = f"child {short_id(child)} {payload.get('status') or 'ended'}"
+    why = payload.get("error") or payload.get("reason")
+    return f"{text}: {_one_line(why)}" if why else text
 
 
 def _state_line(parts: dict[str, Any], lines: int) -> str:

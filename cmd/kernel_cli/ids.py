@@ -15,7 +15,8 @@ random end: its short id is the id itself, and it is taken as it is.
 `resolve` accepts: the run id exactly as recorded; case-insensitively and
 with dashes ignored, a short id or any prefix of the random end (at least 4
 hex digits) of a 32-digit id, or a prefix of any full id (how ids were
-abbreviated before); or `last` for the newest run. An exact id wins over
+abbreviated before); or `last` for the newest run that is not a child run (a
+sub-loop's child is newer than the loop that started it). An exact id wins over
 the runs it is a prefix of; otherwise several matches are an error listing
 them, never a guess.
 """
@@ -113,8 +114,11 @@ def resolve(cur: Any, text: str, *, table: str = "runs") -> str:
     from kernel import ConfigError
 
     if text.strip().lower() == LAST:
-        rows = cur.execute(f"SELECT run_id FROM {table} ORDER BY started_at DESC NULLS LAST, "
-                           f"run_id DESC LIMIT 1").fetchall()
+        # The newest run someone started: a child run (a sub-loop's) starts after its
+        # parent, and "the run I just ran" is the parent.
+        top = " WHERE parent_run_id IS NULL" if table == "runs" else ""
+        rows = cur.execute(f"SELECT run_id FROM {table}{top} ORDER BY started_at DESC NULLS "
+                           f"LAST, run_id DESC LIMIT 1").fetchall()
         if not rows:
             raise ConfigError("no runs yet: 'last' names nothing")
         return str(rows[0][0])

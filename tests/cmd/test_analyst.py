@@ -274,6 +274,35 @@ class TestShortIds:
             assert code == 0, err
             assert json.loads(out)["run"]["run_id"] == E
 
+    def test_last_is_not_a_child_run(self, db: Path) -> None:
+        """A sub-loop's child starts after its parent: `last` is still the parent, the run
+        the user started (it was the child)."""
+        parent, child = "f0f0" + "0" * 16 + "f1f1f1000006", "f0f1" + "0" * 16 + "f2f2f2000007"
+
+        async def nested() -> None:
+            async with DuckDBAudit.open(db) as audit:
+                top = await audit.start_run(RunInfo(name="loop", run_id=parent))
+                top.log_event("child_start", name="sub", payload={"child_run_id": child})
+                sub = await audit.start_run(RunInfo(name="sub", run_id=child,
+                                                    parent_run_id=parent))
+                await sub.close(RunStats(Status.ERROR, steps=1, runtime_seconds=1.0,
+                                         error="exit 3"))
+                top.log_event("child_end", name="sub", payload={
+                    "child_run_id": child, "status": "error", "error": "exit 3"})
+                await top.close(RunStats(Status.OK, steps=1, runtime_seconds=2.0))
+
+        trio.run(nested)
+        code, out, err = kernel("show", "last", "--json")
+        assert code == 0, err
+        assert json.loads(out)["run"]["run_id"] == parent
+        code, out, _ = kernel("show", child[20:28], "--json")  # the child by its id
+        assert code == 0 and json.loads(out)["run"]["run_id"] == child
+        # The parent's timeline names the child by the short id `kernel show` takes, and
+        # says how it ended (its payload's JSON and 32-digit id before).
+        code, out, _ = kernel("show", "last")
+        assert code == 0
+        assert "child f2f2f200 started" in out and "child f2f2f200 error: exit 3" in out
+
     def test_show_needs_an_id_or_last(self, db: Path) -> None:
         """Neither an id nor --last (or both) is one line and exit 2."""
         one_line_error(*kernel("show"), 2, "give a RUN_ID or --last")

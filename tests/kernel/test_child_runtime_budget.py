@@ -52,3 +52,22 @@ async def test_concurrent_children_are_charged_once(autojump_clock: trio.abc.Clo
         Limits(max_steps=5, timeout=60))
     charged = sorted(round(seconds, 3) for _, seconds, _ in budget.commits)
     assert charged == [1.0, 2.0, 3.0]
+
+
+async def test_child_end_says_how_the_child_ended(autojump_clock: trio.abc.Clock) -> None:
+    """The parent's `child_end` carries the child's reason and error beside its status."""
+    from kernel.testing import MemoryAudit
+
+    audit = MemoryAudit()
+
+    async def parent_step(ctx: RunContext) -> Step:
+        child = await ctx.run_child(ScriptedAgent([RuntimeError("disk full")]),
+                                    RunInfo(name="child"), None)
+        assert child.status is Status.ERROR
+        return Step(final=True)
+
+    result = await Kernel(Ports(audit=audit)).run(
+        ScriptedAgent([parent_step]), RunInfo(name="parent"), Limits(max_steps=5, timeout=60))
+    [end] = [e for e in audit.events(result.run_id) if e.kind == "child_end"]
+    assert end.payload["status"] == "error"
+    assert end.payload["error"] == "RuntimeError: disk full"
