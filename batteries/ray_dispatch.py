@@ -44,6 +44,15 @@ dead node while the worker still reaches the store; Ray then fences the
 node (a node marked dead never rejoins and its raylet exits when told), and
 the run may have run twice in that window. Nothing else moves a lease.
 
+**Waiting for results.** The runs out on the cluster are watched together:
+one thread at a time calls `ray.wait` over all of them (`_Waits`: the
+caller whose turn it is leads a round of up to half a second; a run sent
+during a round is watched from the next), and each result is fetched once
+it is ready. A thread per run blocked in `ray.get` held one of trio's 40
+default worker threads each: with more runs out than that, a run that had
+ended was not collected (its slot held) until one of the 40 watched ones
+ended, and the journal's reads waited for a thread too.
+
 **Budgets.** A run is counted against its caller's budget once, when it
 first opens. A resumed run is not reserved again (its caller's budget may be
 used up by then; it was admitted): it gets the caps that remain and no new
@@ -223,6 +232,59 @@ def _holder_gone(owner: Owner) -> bool:
 # ------------------------------------------------------------- driver side
 
 
+class _Waits:
+    """Remote runs awaited together, with one thread (module docstring, "Waiting for results").
+
+    Each caller of `ready` registers its object ref; whoever finds no round under
+    way leads one: `ray.wait` over every ref out, in a worker thread, for up to
+    `ROUND` seconds or until one is ready, then marks each ready ref's event. The
+    others wait for the round's end and look again (their ref ready, or a turn to
+    lead: the leader leaves once its own ref is ready).
+    """
+
+    #: Seconds a round waits at most (a ref registered meanwhile joins the next round).
+    ROUND = 0.5
+
+    def __init__(self) -> None:
+        self.out: dict[Any, trio.Event] = {}
+        self.leading = False
+        self.round_over = trio.Event()
+
+    async def ready(self, ref: Any) -> None:
+        """Return once the remote task behind `ref` has ended (its result is ready, or its
+        failure: `ray.get` then raises it)."""
+        done = self.out[ref] = trio.Event()
+        try:
+            while not done.is_set():
+                if self.leading:
+                    await self.round_over.wait()
+                    continue
+                self.leading, self.round_over = True, trio.Event()
+                try:
+                    ready = await trio.to_thread.run_sync(
+                        _ready, list(self.out), self.ROUND, abandon_on_cancel=True)
+                    for r in ready:
+                        event = self.out.get(r)
+                        if event is not None:
+                            event.set()
+                finally:
+                    self.leading = False
+                    self.round_over.set()
+        finally:
+            del self.out[ref]
+
+
+def _ready(refs: list[Any], timeout: float) -> list[Any]:
+    """The refs among `refs` whose tasks have ended, waiting up to `timeout` for one."""
+    import ray
+
+    ready, rest = ray.wait(refs, num_returns=1, timeout=timeout, fetch_local=False)
+    if ready and rest:  # every other one ended as well, without waiting
+        more, _ = ray.wait(rest, num_returns=len(rest), timeout=0, fetch_local=False)
+        ready += more
+    return list(ready)
+
+
 class RayDispatch:
     """Sends each task to a Ray worker; takes a dead worker's run back (module docstring).
 
@@ -268,6 +330,7 @@ class RayDispatch:
         self._remote: Any = None
         self._probe: Any = None
         self._connect_lock = trio.Lock()
+        self._waits = _Waits()
 
     def __repr__(self) -> str:
         return f"RayDispatch({self.address!r}, store={self.call.store!r})"
@@ -354,6 +417,7 @@ class RayDispatch:
         import ray
 
         try:
+            await self._waits.ready(ref)
             result = await trio.to_thread.run_sync(ray.get, ref, abandon_on_cancel=True)
         except trio.Cancelled:
             # The batch is being cancelled: the remote run is cancelled too (it stays

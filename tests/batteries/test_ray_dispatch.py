@@ -129,6 +129,38 @@ class TestRayDispatch:
         assert statuses == ["budget_exceeded"] * 20 + ["ok"] * 10
         assert len((tmp_path / "side").read_text().split()) == 10
 
+    async def test_a_run_that_ended_comes_back_while_more_runs_are_out_than_threads(
+            self, cluster: RayCluster, tmp_path: Path) -> None:
+        """More runs out than worker threads: one that ended is collected at once, not when
+        one of the others ends. Each run held a thread blocked in `ray.get` (trio's default
+        limiter: 40 threads; 2 here), so a batch with `-j` above 40 left ended runs
+        uncollected, their slots held, behind 40 long ones."""
+        trio.to_thread.current_default_thread_limiter().total_tokens = 2  # this trio.run's
+        db = tmp_path / "k.duckdb"
+        gated = [Task(i, _gated(i, tmp_path)) for i in range(2)]
+        quick = Task(9, ["sh", "-c", "echo quick"])
+        results: dict[str, Any] = {}
+        async with Journal.open(db) as journal:
+            dispatch = RayDispatch(journal, WorkerCall(str(db), build_command),
+                                   address=cluster.address,
+                                   options_for=lambda t: RayOptions(num_cpus=0))
+
+            async def one(t: Task) -> None:
+                results[t.task_id] = await dispatch(t, None)
+
+            started = tmp_path / "started"
+            async with trio.open_nursery() as n:
+                for t in gated:
+                    n.start_soon(one, t)
+                await _wait_for(lambda: started.exists()
+                                and len(started.read_text().splitlines()) == 2)
+                n.start_soon(one, quick)
+                await _wait_for(lambda: quick.task_id in results)  # the gate still closed
+                assert not any(t.task_id in results for t in gated)
+                (tmp_path / "gate").touch()
+        assert results[quick.task_id].status is Status.OK
+        assert all(results[t.task_id].status is Status.OK for t in gated)
+
     async def test_a_lease_is_taken_only_from_a_holder_proved_gone(
             self, cluster: RayCluster, tmp_path: Path) -> None:
         """The driver claims a run whose holder is provably gone (a dead pid on a Ray host,
