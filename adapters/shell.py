@@ -17,14 +17,27 @@ too. If this process dies
 without a chance to clean up (SIGKILL), the lifeline watcher of
 `adapters._proc` kills the group; `process_start` records the group for
 `kernel recover` too.
+
+Where its echo goes (`on_output`) is the command's stdout and stderr, as if it
+wrote there itself. A reader of that echo that goes away (`| head -1`: the
+sink raises BrokenPipeError, or its `reader_gone` returns) has the command's
+pipe for that stream read to what it holds and closed, so the command's next
+write there fails as it would have in a shell pipeline (SIGPIPE, or EPIPE if
+it ignores that), and its own exit status ends the run. A run stopped mid-step
+(timeout, kill, cancel) no longer waits on a slow echo: what the pipes still
+hold is read at once for the audit, and the echo takes only what fits.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shlex
+import signal
+import struct
+import termios
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import trio
 
@@ -52,8 +65,25 @@ _EVENT_LINE = 4096
 #: How long, once the command and all it started are stopped, the rest of its output
 #: already in the pipes may take to be read.
 _DRAIN = 1.0
-#: Called with ("stdout" | "stderr", bytes) for every chunk read, untouched.
+#: Called with ("stdout" | "stderr", bytes) for every chunk read, untouched. Raising
+#: BrokenPipeError says that stream's reader went away (`ShellAgent.on_output`).
 ChunkSink = Callable[[str, bytes], Awaitable[None] | None]
+
+
+@runtime_checkable
+class WatchedSink(Protocol):
+    """A `ChunkSink` that can also tell, before the next chunk, that a stream's reader left.
+
+    `reader_gone(stream)` returns once the reader of `stream` (the far end of
+    the pipe the echo goes to) has gone away; it never returns if that cannot
+    happen or cannot be seen (a file, a terminal). The command's pipe is then
+    cut at once, so its very next write fails, as it would have without the
+    echo in between (`ShellAgent`).
+    """
+
+    def __call__(self, stream: str, chunk: bytes) -> Awaitable[None] | None: ...
+
+    async def reader_gone(self, stream: str) -> None: ...
 
 
 @dataclass
@@ -72,6 +102,12 @@ class ShellAgent:
             the end says how many were left out.
         on_output: Called with every chunk of output exactly as read (the CLI
             echoes these, so the echo is byte-exact however long a line is).
+            It may return an awaitable (awaited before the next read:
+            backpressure), and raise BrokenPipeError when the reader of that
+            stream has gone: the command's pipe is then read to what it holds
+            and closed (its next write there fails, as in a shell pipeline),
+            and that stream is not passed on again. A `WatchedSink` is also
+            watched for a reader that goes away between chunks.
         grace: Seconds between SIGTERM and SIGKILL when stopping the command.
         inherit_stdin: Give the command our own stdin (a pipe, a file, a
             terminal), as timeout(1) does; nudges are then undeliverable.
@@ -99,6 +135,9 @@ class ShellAgent:
         self._ctx: RunContext | None = None
         self._events = 0
         self._lines = 0
+        self._pipes: dict[str, _Pipe] = {}
+        self._echo_waits: set[trio.CancelScope] = set()
+        self._hurry = False
 
     @property
     def command(self) -> str:
@@ -113,6 +152,8 @@ class ShellAgent:
         """Run the command to completion and report its exit status."""
         self._ctx = ctx
         self._counter = LineCounter(self.max_line_events)
+        self._pipes = {}
+        self._hurry = False
         out, err = Tail(self.max_output_bytes), Tail(self.max_output_bytes)
         env = {**os.environ, **self.env} if self.env else None
         t0 = trio.current_time()
@@ -136,8 +177,17 @@ class ShellAgent:
         # are echoed and audited like the rest of its output.
         readers = trio.CancelScope(shield=True)
 
+        watched = self.on_output if isinstance(self.on_output, WatchedSink) else None
+
         async def read(stream: trio.abc.ReceiveStream, name: str, tail: Tail) -> None:
-            await self._pump(stream, name, tail, progress)
+            pipe = self._pipes[name] = _Pipe(stream)
+            async with trio.open_nursery() as watching:
+                if watched is not None:
+                    watching.start_soon(self._watch_reader, watched, name)
+                await self._pump(pipe, name, tail, progress)
+                watching.cancel_scope.cancel()
+            if pipe.dropped:  # written after its reader left, in the instant before the cut
+                tail.truncated = True
             open_pipes[0] -= 1
             if not open_pipes[0]:
                 drained.set()
@@ -166,6 +216,11 @@ class ShellAgent:
                 finally:
                     try:
                         with trio.CancelScope(shield=True):
+                            if not drained.is_set():
+                                # Stopped mid-step, or its output still on its way: the
+                                # echo is no longer waited for (a slow reader would hold
+                                # the run past its deadline); the audit still reads it all.
+                                self._hurry_echo()
                             if not finished:  # stopped mid-step: the group first
                                 await child.stop(self.grace)
                             # Then what left the group (a daemon in a session of its own).
@@ -204,7 +259,8 @@ class ShellAgent:
         if rc == 0:
             return Step(output=out.text(), final=True, exit_code=0, name="command",
                         payload=payload)
-        how = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
+        how = f"was killed by signal {_signal_name(-rc)}" if rc < 0 else \
+            f"exited with code {rc}"
         last = err.lines[-1] if err.lines else ""
         if last and _inside_private_key(err.text()):
             # The error is stored and shown by itself, where no redactor can tell
@@ -228,13 +284,64 @@ class ShellAgent:
 
     async def _pump(self, stream: trio.abc.ReceiveStream, name: str, tail: Tail,
                     progress: Progress) -> None:
-        sink = self.on_output
         partial = PartialLine()
         await pump_lines(
             stream, lambda raw, cut: self._line(name, raw, cut, tail, partial),
             max_line=self.max_line_bytes,
-            on_chunk=None if sink is None else (lambda chunk: sink(name, chunk)),
+            on_chunk=None if self.on_output is None else (lambda chunk: self._echo(name, chunk)),
             on_partial=lambda data: self._partial(partial, data), progress=progress)
+
+    def _echo(self, name: str, chunk: bytes) -> Awaitable[None] | None:
+        """Pass `chunk` to the sink, unless its reader went away (then cut the pipe)."""
+        sink = self.on_output
+        pipe = self._pipes.get(name)
+        if sink is None or (pipe is not None and pipe.cut):
+            return None
+        try:
+            waiting = sink(name, chunk)
+        except BrokenPipeError:
+            self._reader_left(name)
+            return None
+        return None if waiting is None else self._await_echo(name, waiting)
+
+    async def _await_echo(self, name: str, waiting: Awaitable[None]) -> None:
+        """Wait for the sink; once the run is stopping, it takes only what fits at once."""
+        with trio.CancelScope() as scope:
+            if self._hurry:
+                scope.cancel()  # (the sink's first wait for room raises Cancelled: dropped)
+            self._echo_waits.add(scope)
+            try:
+                await waiting
+            except BrokenPipeError:
+                self._reader_left(name)
+            finally:
+                self._echo_waits.discard(scope)
+
+    def _hurry_echo(self) -> None:
+        """From now on the echo takes only what fits at once (the run is stopping)."""
+        self._hurry = True
+        for scope in self._echo_waits:
+            scope.cancel()
+
+    async def _watch_reader(self, sink: WatchedSink, name: str) -> None:
+        try:
+            await sink.reader_gone(name)
+        except Exception:  # a failing watch is no reason to fail the run:
+            return  # the sink's BrokenPipeError still tells of a reader gone, at a chunk
+        self._reader_left(name)
+
+    def _reader_left(self, name: str) -> None:
+        """The reader of `name`'s echo went away: cut the command's pipe (`_Pipe`)."""
+        pipe = self._pipes.get(name)
+        if pipe is None or pipe.cut:
+            return
+        held, dropped = pipe.start_cut()
+        ctx = self._ctx
+        if ctx is not None:
+            payload: dict[str, Any] = {"stream": name, "bytes_held": held}
+            if dropped:
+                payload["bytes_dropped"] = dropped
+            ctx.event("output_reader_gone", name=name, activity=False, payload=payload)
 
     def _partial(self, partial: PartialLine, data: bytes) -> None:
         """A line not ended yet changed: shown to the critic (audited once it ends).
@@ -285,6 +392,104 @@ class ShellAgent:
             ctx.event("steer_undeliverable", payload={  # the critic: not delivered
                 "messages": [m.content for m in messages],
                 "why": "a plain command has no channel for nudges (stdin is not a pipe)"})
+
+
+class _Pipe(trio.abc.ReceiveStream):
+    """One of the command's output pipes, which the departure of its echo's reader cuts.
+
+    `cut` ends it as a shell pipeline would have, at once: what the pipe holds
+    at that moment (written before, or as, the reader left) is read into memory
+    (a pipe's worth), and our end is closed, so the command's next write fails
+    (SIGPIPE, or EPIPE where that is ignored); the reads then return what was
+    held, then the end. Bytes that arrive between that read and the close (a
+    write made after the reader had left, in that instant) are lost, and counted
+    as `dropped`.
+    """
+
+    def __init__(self, stream: trio.abc.ReceiveStream) -> None:
+        self._stream = stream
+        self._waiting: trio.CancelScope | None = None
+        self._held = bytearray()  # read at the cut, still to be returned
+        self.cut = False
+        self.dropped = 0
+
+    def start_cut(self) -> tuple[int, int]:
+        """Cut the pipe now; (bytes it still held, bytes dropped)."""
+        self.cut = True
+        wanted = _unread(self._stream)
+        while wanted > 0 and (data := _read_now(self._stream, wanted)):
+            self._held += data
+            wanted -= len(data)
+        self.dropped = _unread(self._stream)
+        _close_now(self._stream)  # (a read waiting on it ends: ClosedResourceError)
+        if self._waiting is not None:
+            self._waiting.cancel()
+        return len(self._held), self.dropped
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        if not self.cut:
+            with trio.CancelScope() as scope:
+                self._waiting = scope
+                try:
+                    return await self._stream.receive_some(max_bytes)
+                except trio.ClosedResourceError:
+                    if not self.cut:
+                        raise
+                finally:
+                    self._waiting = None
+        n = max_bytes or 65536
+        data = bytes(self._held[:n])
+        del self._held[:n]
+        await trio.lowlevel.checkpoint()
+        return data
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+
+def _fileno(stream: trio.abc.ReceiveStream) -> int | None:
+    fileno = getattr(stream, "fileno", None)
+    try:
+        return None if fileno is None else int(fileno())
+    except (OSError, ValueError):
+        return None
+
+
+def _unread(stream: trio.abc.ReceiveStream) -> int:
+    """Bytes waiting in the pipe `stream` reads (0 if that cannot be told)."""
+    fd = _fileno(stream)
+    if fd is None:
+        return 0
+    try:
+        return int(struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0])
+    except OSError:
+        return 0
+
+
+def _read_now(stream: trio.abc.ReceiveStream, n: int) -> bytes:
+    """Up to `n` bytes the pipe holds now, without waiting (b"" if none, or at its end)."""
+    fd = _fileno(stream)
+    if fd is None:
+        return b""
+    try:
+        return os.read(fd, n)  # (trio's pipe streams are non-blocking: EAGAIN when empty)
+    except OSError:
+        return b""
+
+
+def _close_now(stream: trio.abc.ReceiveStream) -> None:
+    """Close our end of the pipe at once (no checkpoint between the count and the close)."""
+    close = getattr(stream, "close", None)
+    if close is not None:
+        close()
+
+
+def _signal_name(number: int) -> str:
+    """`13 (SIGPIPE)`: a signal's number, with its name when it has one."""
+    try:
+        return f"{number} ({signal.Signals(number).name})"
+    except ValueError:
+        return str(number)
 
 
 def _inside_private_key(text: str) -> bool:

@@ -395,7 +395,7 @@ def _resume_one(rec: Recovery, saved: SavedRun, *, json_out: bool) -> tuple[int,
                               redactor=got.redactor))
     code = exit_code(result, command=False)
     echoed = not json_out and isinstance(got.spec.agent, LoopSpec)
-    _report(result, code, json_out=json_out, echo_output=not echoed)
+    code = _report(result, code, json_out=json_out, echo_output=not echoed)
     return code, rec.halted(result)
 
 

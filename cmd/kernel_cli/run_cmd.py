@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import errno
 import json
 import os
 import select
@@ -315,19 +316,13 @@ def run(
             poll_interval=min(base.poll_interval, 0.25))
     except ConfigError as exc:
         _fail(str(exc).replace("Limits.", "--").replace("_", "-").replace(" or None", ""))
-    if webhook:
-        from batteries.delivery import check_webhook_url
+    if webhook or deliver_dir is not None:
+        from batteries.delivery import check_delivery_options
 
-        for url in webhook:
-            try:
-                check_webhook_url(url)  # a typo is bad input before anything runs
-            except ConfigError as exc:
-                _fail(f"--webhook: {exc}")
-    if deliver_dir is not None:
-        if not deliver_dir.strip():
-            _fail("--deliver-dir expects a directory, got ''")
-        # Stored absolute: a run resumed from another directory delivers where it was asked.
-        deliver_dir = os.path.abspath(os.path.expanduser(deliver_dir))
+        try:  # a typo is bad input before anything runs; the directory is stored absolute
+            deliver_dir, _ = check_delivery_options(deliver_dir, webhook or ())
+        except ConfigError as exc:
+            _fail(str(exc))
     if otlp:
         from batteries.otel import traces_url
 
@@ -350,11 +345,9 @@ def run(
         _fail(str(exc))
     code = exit_code(result, command=plan.is_command)
     # A dry run echoes nothing as it goes: its output (the path it would take) is the answer.
-    _report(result, code, json_out=json_out,
-            echo_output=not quiet and (not plan.echoes or dry_run), storage=_storage(journals),
-            command=plan.is_command)
-    if code == 0 and "stdout" in _ECHO.gone:
-        code = 1  # what was meant for stdout was lost: like any failed write
+    code = _report(result, code, json_out=json_out,
+                   echo_output=not quiet and (not plan.echoes or dry_run),
+                   storage=_storage(journals), command=plan.is_command)
     raise typer.Exit(code)
 
 
@@ -484,6 +477,10 @@ def plan_from_spec(spec: RunSpec | CommandSpec | LoopSpec | AgentSpec, *, quiet:
     echo: Callable[[str, bytes], Awaitable[None] | None] | None = _ECHO
     if quiet:
         echo = _ECHO.stderr_only if echo_stderr else None
+    if isinstance(what, CommandSpec) and echo is not None:
+        # The echo is the command's own stdout and stderr: a reader that leaves is met
+        # by the command itself (`_CommandSink`), as in a shell pipeline.
+        echo = _CommandSink(_ECHO, ("stderr",) if quiet else ("stdout", "stderr"))
     built = agent_from_spec(spec, on_output=echo, warn=_say, inherit_stdin=True, ask=ask)
     return Plan(built.agent, built.info, is_command=isinstance(what, CommandSpec),
                 limits=built.limits,
@@ -505,17 +502,16 @@ def _say(line: str) -> None:
 
 
 def _out(text: str) -> None:
-    """Write `text` on stdout; a stdout that is gone counts as lost output (`_ECHO.gone`)."""
+    """Write `text` on stdout (the result: --json, a loop's output). A reader that went
+    away loses it quietly; any other failed write is said, and counts as lost output
+    (`_Echo.lost`: exit 1)."""
     if "stdout" in _ECHO.gone:
         return
     try:
         sys.stdout.write(text)
         sys.stdout.flush()
-    except BrokenPipeError:
-        _ECHO.gone.add("stdout")
-        _to_devnull("stdout")
-    except (OSError, ValueError):
-        _ECHO.gone.add("stdout")
+    except (OSError, ValueError) as exc:
+        _ECHO.failed("stdout", exc, what="the result")
 
 
 def _to_devnull(name: str) -> None:
@@ -535,45 +531,110 @@ def _to_devnull(name: str) -> None:
 class _Echo:
     """A run's output echoed on our stdout and stderr as it came: the bytes, untouched.
 
-    A reader that went away (`| head`: EPIPE) ends the run, as it would end
-    the command had it written there itself (SIGPIPE): the stream goes to
-    /dev/null (`_to_devnull`) and `on_closed` is told which one (`_execute`
-    cancels the run). Any other failed write (a full disk, a terminal gone)
-    ends the echo of that stream only. Either way the audit gets every line.
+    Its reader going away (`| head -1`: EPIPE) sends the stream to /dev/null
+    (`_to_devnull`: nothing written later fails again) and then:
+    - for a command (`_CommandSink`, `kernel run -- CMD`), the sink raises
+      BrokenPipeError and `ShellAgent` closes the command's pipe: the command
+      meets the closed pipe itself at its next write (SIGPIPE), as in a shell
+      pipeline, and its own exit status ends the run. On a pipe, the reader's
+      departure is seen as it happens (`wait_reader_gone`), not only at the
+      next chunk;
+    - for a loop (`__call__`), `on_closed` is told which stream (`_execute`
+      cancels the run).
+    Any other failed write (a full disk, a terminal gone) ends the echo of that
+    stream only, said in one line (`lost`: a lost stdout makes exit 0 exit 1).
+    Either way the audit gets every line. Chunks that could not be echoed at
+    once after the run stopped (the stop no longer waits on a slow reader) are
+    counted in `unechoed`.
     """
 
     def __init__(self) -> None:
-        self.gone: set[str] = set()
-        self.decoders: dict[str, codecs.IncrementalDecoder] = {}
+        self.reset()
         self.on_closed: Callable[[str], None] | None = None
+
+    def reset(self) -> None:
+        """Forget a previous run's streams (one process may run several: tests, recover)."""
+        for stream, fd in getattr(self, "waits", {}).items():
+            # A description of our own (`_nonblocking`), not the stream's own descriptor.
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                out = sys.stdout if stream == "stdout" else sys.stderr
+                if fd is not None and fd > 2 and fd != out.fileno():
+                    os.close(fd)
+        self.gone: set[str] = set()  # streams no longer written
+        self.left: set[str] = set()  # of those, the ones whose reader went away
+        self.lost: dict[str, str] = {}  # the others: why their write failed
+        self.unechoed: dict[str, int] = {}  # bytes not echoed after the run stopped
+        self.decoders: dict[str, codecs.IncrementalDecoder] = {}
         self.waits: dict[str, int | None] = {}  # stream -> fd a write may block on
 
     def __call__(self, stream: str, chunk: bytes) -> Awaitable[None] | None:
+        return self.echo(stream, chunk, raising=False)
+
+    def echo(self, stream: str, chunk: bytes, *, raising: bool) -> Awaitable[None] | None:
+        """Echo `chunk` on `stream`; with `raising`, a reader gone raises BrokenPipeError."""
         if stream in self.gone:
+            if raising and stream in self.left:
+                raise BrokenPipeError(f"the reader of {stream} went away")
             return None
         fd = self.waits.get(stream, -1)
         if fd == -1:
             fd = self.waits[stream] = _blocking_fd(stream)
         if fd is not None:
-            return self.write_waiting(stream, fd, chunk)
+            return self.write_waiting(stream, fd, chunk, raising=raising)
         try:
             self.write(stream, chunk)
         except (OSError, ValueError) as exc:
-            self.failed(stream, exc)
+            self.failed(stream, exc, raising=raising)
         return None
 
-    def failed(self, stream: str, exc: Exception) -> None:
-        self.gone.add(stream)
-        if isinstance(exc, BrokenPipeError):
-            _to_devnull(stream)
-            if self.on_closed is not None:
-                self.on_closed(stream)
+    def failed(self, stream: str, exc: Exception, *, raising: bool = False,
+               what: str = "the command's output") -> None:
+        """A write to `stream` failed with `exc`: stop writing there (see the class)."""
+        if stream not in self.gone:
+            self.gone.add(stream)
+            if isinstance(exc, BrokenPipeError):
+                self.left.add(stream)
+                _to_devnull(stream)
+                if not raising and self.on_closed is not None:
+                    self.on_closed(stream)
+            else:
+                why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+                self.lost[stream] = why
+                _say(f"kernel: warning: cannot write {what} to {stream} ({why}): "
+                     "it is no longer shown there")
+        if raising and stream in self.left:
+            raise BrokenPipeError(f"the reader of {stream} went away") from exc
 
     def stderr_only(self, stream: str, chunk: bytes) -> Awaitable[None] | None:
         """Echo the stderr chunks alone (a quiet run: stdout is kept clean)."""
         return self(stream, chunk) if stream == "stderr" else None
 
-    async def write_waiting(self, stream: str, fd: int, chunk: bytes) -> None:
+    async def wait_reader_gone(self, stream: str) -> None:
+        """Return once the reader of `stream` has gone away, if that can be seen: `stream`
+        is a pipe (never returns otherwise: a file, a terminal, a socket)."""
+        import trio
+
+        fd = _watch_fd(stream)
+        if fd is None:
+            await trio.sleep_forever()
+        if fd is not None and fd >= 0:
+            try:
+                while not _reader_gone(fd):
+                    # A pipe's write end is never readable: the wait ends with EPOLLERR,
+                    # when its last reader has closed it.
+                    await trio.lowlevel.wait_readable(fd)
+                    if not _reader_gone(fd):
+                        await trio.sleep(0.05)  # (not expected: never spin)
+            finally:
+                trio.lowlevel.notify_closing(fd)
+                os.close(fd)
+        if stream not in self.gone:
+            self.gone.add(stream)
+            self.left.add(stream)
+            _to_devnull(stream)
+
+    async def write_waiting(self, stream: str, fd: int, chunk: bytes, *,
+                            raising: bool = False) -> None:
         """Write `chunk` to a pipe, socket or terminal without blocking the trio thread.
 
         A reader that stops reading (`kernel run -- yes | sleep 60`, a pager left
@@ -584,7 +645,9 @@ class _Echo:
         the rest waits for room (`wait_writable`, cancellable), and reading the
         command's output waits meanwhile (backpressure), as it would for the
         command itself. A socket (no second description to open) is written
-        `PIPE_BUF` bytes at a time once it has room.
+        `PIPE_BUF` bytes at a time once it has room. Cancelled (the run is
+        stopping and no longer waits for a slow reader), what did not fit is
+        counted in `unechoed`.
         """
         import trio
 
@@ -603,8 +666,11 @@ class _Echo:
                     view = view[os.write(fd, view):]
                 except BlockingIOError:
                     await trio.lowlevel.wait_writable(fd)
+        except trio.Cancelled:
+            self.unechoed[stream] = self.unechoed.get(stream, 0) + len(view)
+            raise
         except (OSError, ValueError) as exc:
-            self.failed(stream, exc)
+            self.failed(stream, exc, raising=raising)
 
     def write(self, stream: str, chunk: bytes) -> None:
         out = sys.stdout if stream == "stdout" else sys.stderr
@@ -620,6 +686,52 @@ class _Echo:
         # At once, as the command wrote it: a reader sees each chunk when the command
         # let it go, and one that went away is noticed at the next chunk, not at exit.
         raw.flush()
+
+
+class _CommandSink:
+    """`kernel run -- CMD`'s echo of `streams` (a `adapters.shell.WatchedSink`): the
+    command's own stdout and stderr, whose reader going away the command meets itself."""
+
+    def __init__(self, echo: _Echo, streams: tuple[str, ...]) -> None:
+        self.echo = echo
+        self.streams = streams
+
+    def __call__(self, stream: str, chunk: bytes) -> Awaitable[None] | None:
+        if stream not in self.streams:
+            return None
+        return self.echo.echo(stream, chunk, raising=True)
+
+    async def reader_gone(self, stream: str) -> None:
+        if stream not in self.streams:
+            import trio
+
+            await trio.sleep_forever()
+        await self.echo.wait_reader_gone(stream)
+
+
+def _watch_fd(stream: str) -> int | None:
+    """A descriptor of our own to watch our `stream` for its reader leaving: a
+    non-blocking write end of the same pipe; -1 if the pipe has no reader already;
+    None if `stream` is not a pipe (or cannot be watched)."""
+    out = sys.stdout if stream == "stdout" else sys.stderr
+    if out is None or hasattr(out, "rich_proxied_file"):
+        return None
+    try:
+        fd = out.fileno()
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return None
+        return os.open(f"/proc/self/fd/{fd}", os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        return -1 if exc.errno == errno.ENXIO else None  # (ENXIO: a pipe nobody reads)
+    except (ValueError, AttributeError):
+        return None
+
+
+def _reader_gone(fd: int) -> bool:
+    """Whether the pipe whose write end `fd` is has no reader left (POLLERR)."""
+    poller = select.poll()
+    poller.register(fd, 0)  # (errors are always reported)
+    return any(events & select.POLLERR for _, events in poller.poll(0))
 
 
 #: What a pipe with room takes whole without blocking (POSIX: at least 512; Linux 4096).
@@ -715,6 +827,7 @@ async def _execute(spec: RunSpec, agent: Agent, *, resume: Checkpoint | None = N
         audit = None if audit is None else _ReasonAudit(audit, why)
         return audit if live is None else progress.ProgressAudit(audit, progress=live)
 
+    _ECHO.reset()
     _ECHO.on_closed = output_closed
     try:
         async with trio.open_nursery() as nursery:
@@ -792,13 +905,25 @@ def exit_code(result: Result, *, command: bool) -> int:
     return result.status.exit_code
 
 
+def _lost_output(code: int) -> int:
+    """`code`, or 1 if it was 0 and what was meant for our stdout could not be written
+    there (a full disk: like any failed write; a reader that went away is no failure)."""
+    return 1 if code == 0 and "stdout" in _ECHO.lost else code
+
+
 def _report(result: Result, code: int, *, json_out: bool, echo_output: bool,
-            storage: dict[str, Any] | None = None, command: bool = False) -> None:
+            storage: dict[str, Any] | None = None, command: bool = False) -> int:
+    """Print the result (--json) or the summary line; the exit code, as finally decided."""
     from kernel import Status
 
     for failure in result.port_failures:
         _say(f"kernel: warning: {failure}")
+    for stream, count in _ECHO.unechoed.items():
+        if stream not in _ECHO.gone:
+            _say(f"kernel: warning: {count} bytes of output were not echoed to {stream}: "
+                 "the run stopped while its reader was not keeping up")
     if json_out:
+        code = _lost_output(code)
         doc = result.to_dict()
         doc["short_id"] = short_id(result.run_id)
         doc["command_exit_code"] = result.exit_code
@@ -806,12 +931,14 @@ def _report(result: Result, code: int, *, json_out: bool, echo_output: bool,
         if storage is not None:
             doc["storage"] = storage
         _out(json.dumps(doc, default=str) + "\n")
-        return
+        return _lost_output(code)
     if echo_output and result.output is not None and result.status is not Status.ERROR:
         text = result.output if isinstance(result.output, str) else json.dumps(
             result.output, default=str)
         if text:
             _out(text.rstrip("\n") + "\n")
+    lost = _lost_output(code) != code
+    code = _lost_output(code)
     # Always, terminal or not: the short id is how a person finds the run again.
     why = result.error or result.reason
     steps = f"{result.steps} step(s)"
@@ -827,7 +954,8 @@ def _report(result: Result, code: int, *, json_out: bool, echo_output: bool,
     _say(f"kernel: run {short_id(result.run_id)} {result.status} after "
          f"{result.runtime_seconds:.1f}s, {steps}"
          + (f": {why}" if why and why != str(result.status) else "")
-         + f" (exit {code})")
+         + f" (exit {code}" + (": its output could not all be written" if lost else "") + ")")
+    return code
 
 
 def _fail(message: str) -> None:

@@ -99,6 +99,22 @@ class TestRecover:
                                env=cli_env, timeout=60)
         assert again.returncode == 0 and "no interrupted runs" in again.stderr
 
+    def test_resume_with_its_output_lost_exits_1(self, kernel_exe: str,
+                                                 cli_env: dict[str, str],
+                                                 tmp_path: Path) -> None:
+        """`kernel resume` whose answer cannot be written (stdout on a full disk) exits 1 and
+        says why, as `kernel run` does (it exited 0: the code `_report` decided was dropped)."""
+        loop = tmp_path / "count.yaml"
+        loop.write_text(COUNTER)
+        _killed_counter(kernel_exe, cli_env, loop, tmp_path / "ticks")
+        with open("/dev/full", "w") as full:
+            done = subprocess.run([kernel_exe, "resume", "last"], stdout=full,
+                                  stderr=subprocess.PIPE, text=True, env=cli_env, timeout=120,
+                                  cwd=tmp_path)
+        assert done.returncode == 1, done.stderr
+        assert "ok after" in done.stderr  # the run itself ended ok
+        assert "its output could not all be written" in done.stderr
+
     def test_a_resumed_run_is_not_counted_twice(self, kernel_exe: str,
                                                 cli_env: dict[str, str],
                                                 tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,12 +38,15 @@ def with_closed(fds: str, exe: str, env: dict[str, str], *args: str,
 
 
 class TestReaderGone:
-    """A reader of the echo that goes away (`| head -1`) ends the run at once, `cancelled`."""
+    """A reader of the echo that goes away (`| head -1`): the command meets the closed pipe
+    at its next write, as in a shell pipeline (SIGPIPE), and its own status ends the run
+    (before: the run was cancelled, exit 130, whatever the command did)."""
 
-    def test_yes_into_a_closed_pipe_is_cancelled_at_once(
+    def test_yes_into_a_closed_pipe_dies_of_sigpipe(
             self, kernel_exe: str, cli_env: dict[str, str], tmp_path: Path) -> None:
-        """`kernel run --timeout 120 -- yes | head -1`: 130 long before the deadline, the run
-        recorded cancelled with the reason, no traceback."""
+        """`kernel run --timeout 120 -- yes | head -1`: yes is killed by SIGPIPE long before
+        the deadline: exit 141 (128+13, as `${PIPESTATUS[0]}` of `yes | head -1`), the run
+        recorded error with the signal named, no traceback."""
         err = tmp_path / "stderr"
         with err.open("wb") as sink:
             p = subprocess.Popen([kernel_exe, "run", "--timeout", "120", "--", "yes"],
@@ -53,18 +57,21 @@ class TestReaderGone:
             p.stdout.close()  # what head does once it has its line
             code = p.wait(timeout=BOUND * 2)
         text = err.read_text()
-        assert code == 130, text  # (the 120 s deadline would have ended it 124)
+        assert code == 141, text  # (the 120 s deadline would have ended it 124)
         assert "Traceback" not in text and "Exception" not in text, text
         summary = text.splitlines()[-1]
-        assert " cancelled after " in summary, text
-        assert summary.endswith(": output pipe closed (stdout) (exit 130)"), text
+        assert " error after " in summary, text
+        assert summary.endswith(": command was killed by signal 13 (SIGPIPE) (exit 141)"), text
         [row] = runs(kernel_exe, cli_env)
-        assert (row["status"], row["reason"]) == ("cancelled", "output pipe closed (stdout)")
+        assert (row["status"], row["reason"], row["error"]) == (
+            "error", None, "command was killed by signal 13 (SIGPIPE)")
 
     def test_a_write_after_the_reader_left_stops_the_command(
             self, kernel_exe: str, cli_env: dict[str, str], tmp_path: Path) -> None:
-        """`sh -c 'echo a; ...; echo b; sleep 300' | true`: the write of b ends the run, and
-        the command's process group (the sleep) with it."""
+        """`sh -c 'echo a; ...; echo b; sleep 300' | true`: the reader leaves while the
+        command is silent; `kernel run` sees it (not only at the next chunk) and closes the
+        command's pipe, so the write of b kills sh (SIGPIPE), as in a shell, and the sleep
+        never starts."""
         fifo = tmp_path / "go"
         os.mkfifo(fifo)
         marker = "sleep 300.417"
@@ -75,26 +82,36 @@ class TestReaderGone:
         assert p.stdout is not None
         assert p.stdout.readline() == b"a\n"
         p.stdout.close()
+        # (A write in the instant between the reader leaving and `kernel run` seeing it
+        # would still go through: the command is let go on once that is recorded.)
+        journal = Path(cli_env["KERNEL_DB"] + ".journal")
+        deadline = time.monotonic() + BOUND
+        while not _has_event(journal, "output_reader_gone"):
+            assert time.monotonic() < deadline and p.poll() is None
+            time.sleep(0.02)
         with fifo.open("w") as go:  # opens once the command waits on it
             go.write("go\n")
-        assert p.wait(timeout=BOUND * 2) == 130  # (not 124: its deadline is 120 s)
+        assert p.wait(timeout=BOUND * 2) == 141  # (not 124: its deadline is 120 s)
         assert sleeps_with(marker) == []
         [row] = runs(kernel_exe, cli_env)
-        assert (row["status"], row["reason"]) == ("cancelled", "output pipe closed (stdout)")
+        assert (row["status"], row["error"]) == (
+            "error", "command was killed by signal 13 (SIGPIPE)")
 
     def test_a_closed_stderr_pipe_is_the_same(self, kernel_exe: str,
                                                cli_env: dict[str, str]) -> None:
-        """The echo of the command's stderr going to a reader that left ends the run too."""
+        """The echo of the command's stderr going to a reader that left: the command's next
+        write to its stderr gets SIGPIPE too."""
         p = subprocess.Popen([kernel_exe, "run", "--timeout", "120", "--", "sh", "-c",
-                              "yes err >&2"],
+                              "exec yes err >&2"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                              stdin=subprocess.DEVNULL, env=cli_env)
         assert p.stderr is not None
         assert p.stderr.readline() == b"err\n"
         p.stderr.close()
-        assert p.wait(timeout=BOUND * 2) == 130
+        assert p.wait(timeout=BOUND * 2) == 141
         [row] = runs(kernel_exe, cli_env)
-        assert (row["status"], row["reason"]) == ("cancelled", "output pipe closed (stderr)")
+        assert row["status"] == "error"
+        assert row["error"] == "command was killed by signal 13 (SIGPIPE): err"
 
 
 class TestClosedStdio:
@@ -355,6 +372,21 @@ class TestAReaderThatStopsReading:
         [got] = [json.loads(line) for line in q.stdout.splitlines() if line.startswith("{")]
         assert got["status"] == "ok"
         assert int(got["unaudited"]) == 15000  # 10,000 lines audited, the rest counted
+
+def _has_event(journal: Path, kind: str) -> bool:
+    """Whether the journal (read-only, while the run goes on) has an event of `kind`."""
+    import sqlite3
+    from contextlib import closing
+
+    if not journal.exists():
+        return False
+    with closing(sqlite3.connect(f"file:{journal}?mode=ro", uri=True)) as con:
+        try:
+            return con.execute("SELECT 1 FROM events WHERE kind = ?", (kind,)
+                               ).fetchone() is not None
+        except sqlite3.OperationalError:
+            return False
+
 
 def _unread(fd: int) -> int:
     """Bytes waiting in the pipe whose read end is `fd`."""
