@@ -541,8 +541,8 @@ class _Checker:
                 self.used = None
             else:
                 self.used |= report.used_context
-        for p in report.errors:
-            self.add("error", where, f"in sub-loop: {p}")
+        for p in report.problems:  # its warnings too (a typo in it is one here as well)
+            self.add(p.severity, where, f"in sub-loop: {p}")
         st.child = report.spec if report.ok else None
         if report.spec is not None and not st.context_passthrough:
             params = report.spec.parameters

@@ -311,3 +311,35 @@ class TestContextTheChildLacks:
         with pytest.raises(ConfigError, match="pass --context target=VALUE"):
             load_loop(parent)
         assert load_loop(parent, context={"target": "x"}).states["p"].child is not None
+
+
+def test_validate_passes_a_sub_loops_warnings_on(tmp_path: Path) -> None:
+    """`kernel validate` of a parent shows its sub-loop's warnings too, each under the
+    `loop:` state (only the child's errors reached the parent's report before)."""
+    write(tmp_path, """
+name: child
+initial: work
+states:
+  work:
+    action: "true"
+    action_type: shell
+    params: {x: 1}
+    next: done
+  done:
+    terminal: true
+""", "child.yaml")
+    report = check_loop(write(tmp_path, """
+name: parent
+initial: sub
+states:
+  sub:
+    loop: child.yaml
+    on_yes: done
+    on_no: done
+  done:
+    terminal: true
+"""))
+    assert report.ok, report.errors
+    said = [str(p) for p in report.warnings]
+    assert any("in sub-loop" in s and "params are only used by mcp_tool" in s
+               for s in said), said
