@@ -8,6 +8,9 @@ that moment the run was stopped. SCALE (default 1) multiplies every duration;
 the fast test runs cases at a fraction of their length.
 
 Healthy behaviours end by themselves with exit 0; stuck ones never end.
+The network cases talk to the harness's HTTP server, `CORPUS_HTTP`
+(`critic_corpus.ModelServer`): outside the run's process tree, as a real
+server is.
 """
 
 from __future__ import annotations
@@ -159,6 +162,37 @@ def cr_progress(c: Case) -> None:
     say("")
 
 
+def slow_download(c: Case) -> None:
+    """A download at 4 KiB/s for 10 s, kept in memory and reported at the end.
+
+    Silent, next to no CPU, and its bytes come through `recv`, which the
+    process's I/O counters (`/proc/PID/io`) do not count.
+    """
+    import urllib.request
+
+    count = max(1, round(c.s(10) / 0.25))
+    got = bytearray()
+    c.progress()
+    with urllib.request.urlopen(f"{_http()}/trickle?chunk=1024&every=0.25&count={count}",
+                                timeout=60) as response:
+        while chunk := response.read1(65536):
+            got += chunk
+            c.progress()
+    say(f"downloaded {len(got)} bytes, sha256 {hashlib.sha256(got).hexdigest()[:12]}")
+
+
+def cha_progress(c: Case) -> None:
+    """A counter redrawn in place by moving to column 1 (`ESC[1G`, what node's
+    `readline.cursorTo(stream, 0)` writes) instead of a carriage return."""
+    n = max(1, round(c.s(12)))
+    for i in range(1, n + 1):
+        sys.stdout.write(f"\x1b[1G\x1b[2Kcompiled {i}/{n} modules")
+        sys.stdout.flush()
+        c.progress()
+        time.sleep(1)
+    say("")
+
+
 def long_quiet_build(c: Case) -> None:
     """A quiet build longer than the default idle timeout: 400 s, never a line.
 
@@ -250,6 +284,56 @@ def clock_line(c: Case) -> None:
         time.sleep(1)
 
 
+def silent_socket(c: Case) -> None:
+    """Sends an HTTP request and waits for an answer that never comes."""
+    import urllib.request
+
+    say("fetching the release manifest")
+    c.progress()
+    urllib.request.urlopen(f"{_http()}/hang", timeout=3600).read()
+
+
+def wait_loop(c: Case) -> None:
+    """A shell loop waiting for a file that never appears, `sleep 0.1` between looks.
+
+    Ten short-lived `sleep`s a second: next to no CPU, but each one's dynamic
+    loader reads ~7-11 KB of libraries, which the shell's I/O counters gather
+    as it reaps them (~100 KB/s of reads that are no work).
+    """
+    say("waiting for ready.flag")
+    c.progress()
+    os.execvp("sh", ["sh", "-c", "while [ ! -e ready.flag ]; do sleep 0.1; done"])
+
+
+def quiet_poll(c: Case) -> None:
+    """Polls a job's status every 2 s over one keep-alive connection, printing
+    nothing; the answer is always `pending`. Bytes move, a few hundred a poll:
+    the network evidence must not take this for a download."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    url = urlsplit(_http())
+    conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=60)
+    c.progress()
+    while True:
+        conn.request("GET", "/status")
+        conn.getresponse().read()
+        time.sleep(2)
+
+
+def cha_spinner(c: Case) -> None:
+    """A spinner redrawn by moving to column 1 (`ESC[1G`) every 0.5 s, forever."""
+    say("installing dependencies")
+    c.progress()
+    frames = "|/-\\"
+    i = 0
+    while True:
+        sys.stdout.write(f"\x1b[1G\x1b[2K{frames[i % 4]} Waiting for the package lock...")
+        sys.stdout.flush()
+        i += 1
+        time.sleep(0.5)
+
+
 def waiting_input(c: Case) -> None:
     """Asks a question and reads the answer from a terminal nobody types into.
 
@@ -271,8 +355,16 @@ def waiting_input(c: Case) -> None:
 
 CASES: dict[str, Callable[[Case], None]] = {f.__name__: f for f in (
     cpu_silent, io_writer, child_worker, _worker, steady_output, bursty_output, quiet_build,
-    cr_progress, long_quiet_build,
-    sleep_forever, fifo_read, deadlock, spinner, repeated_line, clock_line, waiting_input)}
+    cr_progress, slow_download, cha_progress, long_quiet_build,
+    sleep_forever, fifo_read, deadlock, spinner, repeated_line, clock_line, waiting_input,
+    silent_socket, wait_loop, quiet_poll, cha_spinner)}
+
+
+def _http() -> str:
+    url = os.environ.get("CORPUS_HTTP")
+    if not url:
+        sys.exit("corpus_proc: this case needs CORPUS_HTTP, the harness's HTTP server")
+    return url
 
 
 def main(argv: list[str]) -> None:

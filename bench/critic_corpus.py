@@ -1,6 +1,6 @@
 """The critic corpus: does the critic tell stuck runs from slow ones? (issue 14)
 
-    python bench/critic_corpus.py                      # every case, every mode (~5 min)
+    python bench/critic_corpus.py                      # every case, every mode (~6 min)
     python bench/critic_corpus.py --only cpu_silent,llm_exact_loop --modes idle
     python bench/critic_corpus.py --json               # one JSON document instead of tables
     python bench/critic_corpus.py --kernel /other/venv/bin/kernel   # another build
@@ -59,6 +59,7 @@ from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 HERE = Path(__file__).resolve().parent
 PROC = HERE / "corpus_proc.py"
@@ -250,15 +251,49 @@ class Empty(Script):
 
 
 class ModelServer:
-    """A chat-completions server on 127.0.0.1; /<key>/v1 plays the script registered as key."""
+    """A chat-completions server on 127.0.0.1; /<key>/v1 plays the script registered as key.
+
+    It also serves the network cases of corpus_proc.py (their `CORPUS_HTTP`), from
+    outside the run's process tree as a real server would: GET /trickle?chunk=N&
+    every=S&count=K sends K chunks of N bytes, one every S seconds (a slow
+    download); /status answers the same small JSON every time (a job that never
+    finishes); /hang reads the request and never answers.
+    """
 
     def __init__(self) -> None:
         self.scripts: dict[str, tuple[Script, Path, list[int]]] = {}
         self.lock = threading.Lock()
+        self.stopping = threading.Event()
         server = self
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+
+            def do_GET(self) -> None:
+                url = urlsplit(self.path)
+                query = {k: v[0] for k, v in parse_qs(url.query).items()}
+                if url.path == "/trickle":
+                    chunk, count = int(query.get("chunk", 1024)), int(query.get("count", 8))
+                    every = float(query.get("every", 0.25))
+                    try:
+                        self.send_response(200)
+                        self.send_header("Content-Type", "application/octet-stream")
+                        self.send_header("Content-Length", str(chunk * count))
+                        self.end_headers()
+                        for i in range(count):
+                            if i and server.stopping.wait(every):
+                                return
+                            self.wfile.write(os.urandom(chunk))
+                            self.wfile.flush()
+                    except (BrokenPipeError, ConnectionResetError):
+                        pass  # the run was stopped mid-download
+                elif url.path == "/status":
+                    self._send(200, {"job": "7f3a", "state": "pending",
+                                     "detail": "waiting for a runner to pick the job up"})
+                elif url.path == "/hang":
+                    server.stopping.wait()  # never answers (until the harness exits)
+                else:
+                    self._send(404, {"error": {"message": f"no such path {url.path!r}"}})
 
             def do_POST(self) -> None:
                 self.rfile.read(int(self.headers.get("Content-Length", "0")))
@@ -302,8 +337,13 @@ class ModelServer:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.stopping.set()
         self.httpd.shutdown()
         self.httpd.server_close()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
 
     def register(self, key: str, script: Script, progress: Path) -> str:
         with self.lock:
@@ -363,6 +403,10 @@ CASES: tuple[Case, ...] = (
          "shrinks", script=GrowingPoll),
     Case("llm_same_preamble", "healthy", "\"Let me check.\" every turn, a different file "
          "each time", script=SamePreamble),
+    Case("slow_download", "healthy", "downloads at 4 KiB/s for 10 s into memory: silent, "
+         "recv() only", proc="slow_download"),
+    Case("cha_progress", "healthy", "a counter redrawn with ESC[1G (no \\r), 1/12 ... 12/12",
+         proc="cha_progress"),
     Case("sleep_forever", "stuck", "prints a line, then sleeps: silent, flat",
          proc="sleep_forever"),
     Case("fifo_read", "stuck", "blocked reading a FIFO nobody writes", proc="fifo_read"),
@@ -376,6 +420,14 @@ CASES: tuple[Case, ...] = (
          proc="clock_line"),
     Case("waiting_input", "stuck", "prompts and blocks reading its terminal (a pty)",
          proc="waiting_input"),
+    Case("silent_socket", "stuck", "sent an HTTP request; the server never answers",
+         proc="silent_socket"),
+    Case("wait_loop", "stuck", "a shell loop waiting for a file: `sleep 0.1` ten times a "
+         "second", proc="wait_loop"),
+    Case("quiet_poll", "stuck", "polls a job's status every 2 s, always 'pending', silent",
+         proc="quiet_poll"),
+    Case("cha_spinner", "stuck", "a spinner redrawn with ESC[1G (no \\r) on the same text",
+         proc="cha_spinner"),
     Case("llm_exact_loop", "stuck", "read_file(note.txt) again and again, same result",
          script=ExactLoop),
     Case("llm_abab", "stuck", "A-B-A-B: read_file(a.txt), read_file(b.txt), ...",
@@ -492,6 +544,7 @@ def run_case(case: Case, mode: Mode, *, kernel: str, timeout: float, root: Path,
     env = {k: v for k, v in os.environ.items()
            if k not in ("OPENAI_API_KEY", "OPENAI_BASE_URL", "PYTHONDONTWRITEBYTECODE")}
     env["NO_COLOR"] = "1"
+    env["CORPUS_HTTP"] = server.url  # the network cases' server
     out_path = root / f"{case.name}.{mode.name}.out"
     err_path = out_path.with_suffix(".err")
     t0 = time.time()

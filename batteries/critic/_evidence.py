@@ -61,6 +61,9 @@ _COUNTER_KEY = re.compile(r"(\"(?:n|i|count|counter|time)\"\s*:\s*\"?)(-?\d+(?:\
 _LONG_NUMBER = re.compile(r"(?<![\w.])\d{9,}(?:\.\d+)?(?![\w.])")
 _SPACE = re.compile(r"\s+")
 
+# A move to the start of the line without a carriage return: CSI G to column 1 (what
+# node's `readline.cursorTo(stream, 0)` writes). A redraw like `\r`, so read as one.
+_TO_COLUMN_1 = re.compile(r"\x1b\[[01]?G")
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]"          # CSI: colours, cursor moves
                    r"|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)"  # OSC: titles, hyperlinks
                    r"|\x1b[@-Z\\-_]"                      # two-byte escapes
@@ -73,6 +76,9 @@ _SPINNER = re.compile(f"[{_SPINNER_CHARS}]")
 _EDGE_SPIN = re.compile(r"^[|/\\\-\s.]+|[|/\\\-\s.]+$")
 
 _LABEL_LIMIT = 80
+# How a line not ended yet is shown to the critic when characters were added to it
+# (the shell adapter's `PartialLine`): its length, then what it shows.
+_PARTIAL = re.compile(r"\d+ chars: ")
 
 
 def mask_volatile(text: str) -> str:
@@ -190,15 +196,18 @@ def message_key(text: str) -> str:
 def line_key(text: str) -> str:
     """What an output line shows once redraws, escapes and spinner frames are gone.
 
-    A line redrawn with carriage returns shows its last segment; ANSI
-    escapes and control characters go; spinner glyphs go, and so do the
-    `|/-\\` and dots at either end; timestamps, clock times and UUIDs are
+    A line redrawn with carriage returns (or moves to its first column,
+    `ESC[1G`) shows its last segment that shows something; ANSI escapes and
+    control characters go; spinner glyphs go, and so do the `|/-\\` and dots
+    at either end; timestamps, clock times and UUIDs are
     masked (`still waiting 12:00:07` again is the same line); whitespace is
     collapsed. Other numbers stay, so `1/8` and `2/8` differ. An empty key
     means the line showed nothing.
     """
+    if "\x1b[" in text and "G" in text:
+        text = _TO_COLUMN_1.sub("\r", text)
     if "\r" in text:
-        segments = [s for s in text.split("\r") if s.strip()]
+        segments = [s for s in text.split("\r") if _ANSI.sub("", s).strip()]
         text = segments[-1] if segments else ""
     if "\x1b" in text or not text.isprintable():
         text = _ANSI.sub("", text)
@@ -231,7 +240,14 @@ class Novelty:
         self.novel = 0
 
     def see(self, text: str) -> bool:
-        """Count a line; True if it shows something not seen recently."""
+        """Count a line; True if it shows something not seen recently.
+
+        A line not ended yet comes as `N chars: TEXT` (what it shows, with its
+        length: dots added one by one are progress); one that shows a whole
+        line seen recently, and does not end in a dot or a spinner stroke, is
+        not new (a status line that reaches the reader in two pieces, its
+        newline a moment after its text).
+        """
         self.lines += 1
         key = line_key(text)
         if not key:
@@ -240,6 +256,13 @@ class Novelty:
         if key in seen:
             seen.move_to_end(key)
             return False
+        if text[:1].isdigit():
+            partial = _PARTIAL.match(text)
+            if partial is not None and text.rstrip()[-1:] not in ".|/-\\":
+                shown = line_key(text[partial.end():])
+                if shown in seen:
+                    seen.move_to_end(shown)
+                    return False
         seen[key] = None
         if len(seen) > self._memory:
             seen.popitem(last=False)

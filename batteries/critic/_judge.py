@@ -73,11 +73,15 @@ class Process:
 
     Attributes:
         cpu_s: CPU seconds used so far (reaped children included).
-        cpu_rate: Fraction of one core used between the last two samples.
-        io_rate: Bytes per second read and written between the last two samples.
+        cpu_rate: Fraction of one core used, averaged over the sampler's window
+            (10 s, or a third of the idle timeout if shorter).
+        io_rate: Bytes per second read and written, over the same window.
+        net_rate: Bytes per second moved over the trees' TCP connections
+            (received, and sent and acknowledged), over the same window.
         procs: Processes alive in the trees.
         started, exited: Processes seen to start and to end since registration.
-        working: True if the last sample showed CPU or I/O over the policy's thresholds.
+        working: True if the last sample showed CPU, I/O or network traffic over
+            the policy's thresholds.
         waiting_input: True if a process sat blocked reading a terminal or
             stdin while the trees were otherwise flat.
         waits: What the blocked processes waited in (`pid:wchan`), as evidence.
@@ -94,11 +98,13 @@ class Process:
     waiting_input: bool = False
     waits: tuple[str, ...] = ()
     idle: float = 0.0
+    net_rate: float = 0.0
 
     def as_evidence(self) -> dict[str, Any]:
         """The figures as a JSON-ready dict."""
         return {"cpu_s": round(self.cpu_s, 3), "cpu_rate": round(self.cpu_rate, 4),
-                "io_bytes_per_s": round(self.io_rate), "procs": self.procs,
+                "io_bytes_per_s": round(self.io_rate),
+                "net_bytes_per_s": round(self.net_rate), "procs": self.procs,
                 "started": self.started, "exited": self.exited, "working": self.working,
                 "waiting_input": self.waiting_input, "waits": list(self.waits),
                 "flat_for_s": round(self.idle, 3)}

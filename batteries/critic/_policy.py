@@ -66,10 +66,19 @@ class CriticPolicy:
             own (`idle_timeout` applies). The default, 300 s, matches the
             stream idle timeouts of the common coding CLIs.
         tool_timeout: The same for a tool call in flight (`tool_timeout`).
-        cpu_busy: A process tree using at least this fraction of one core
-            between two samples is working, however silent.
+        cpu_busy: A process tree using at least this fraction of one core is
+            working, however silent: averaged over the last 10 s (a third of
+            `idle_timeout`, if shorter), and only while it still uses some
+            (CPU time is counted in 10 ms ticks: a loop at 1 % of a core shows
+            2 % in some of its seconds). The I/O and TCP rates below likewise.
         io_busy: The same for bytes read and written per second (files,
             pipes, sockets through read/write calls).
+        net_busy: The same for bytes per second moved over the tree's TCP
+            connections (received, or sent and acknowledged): a download or a
+            streamed reply, which `io_busy` does not see (`send`/`recv` calls
+            are not in a process's I/O counters). Lower than `io_busy`: nothing
+            the run prints passes there; a heartbeat or a poll every few
+            seconds stays under it.
         sample_interval: Seconds between process samples (the sampler may
             space them further to stay within its CPU budget, but never
             further than a third of `idle_timeout`, which may be shorter).
@@ -91,6 +100,7 @@ class CriticPolicy:
     tool_timeout: float | None = 300.0
     cpu_busy: float = 0.02
     io_busy: float = 16384.0
+    net_busy: float = 1024.0
     sample_interval: float = 1.0
 
     def __post_init__(self) -> None:
@@ -107,7 +117,7 @@ class CriticPolicy:
             if not isinstance(value, int) or value < least:
                 raise ConfigError(f"CriticPolicy.{name} must be an integer >= {least}, "
                                   f"got {value!r}")
-        for name in ("cpu_busy", "io_busy", "sample_interval"):
+        for name in ("cpu_busy", "io_busy", "net_busy", "sample_interval"):
             value = getattr(self, name)
             if (not isinstance(value, (int, float)) or isinstance(value, bool)
                     or not math.isfinite(value) or value <= 0):

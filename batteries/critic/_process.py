@@ -5,8 +5,10 @@ process tree from one task, off the trio thread (the probe's reads go to a
 worker thread), and hands each run's figures to its watch handle:
 
 - **working**: CPU time or bytes read/written advanced by more than the
-  policy's thresholds since the last sample. A working tree is progress,
-  however silent it is.
+  policy's thresholds since the last sample, or bytes moved over the tree's
+  TCP connections (a download, a streamed reply: `send`/`recv` calls are not
+  in `/proc/PID/io`, so these come from the kernel's socket diagnostics, as
+  `ss -ti` reads them). A working tree is progress, however silent it is.
 - **waiting for input**: the tree is flat and a process in it is blocked
   reading a terminal, or its stdin when no process of the tree holds that
   pipe open for writing (`sleep 10 | cat` waits for `sleep`, not for input),
@@ -23,10 +25,14 @@ under `budget` of one core by spacing samples out when there are many trees.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import math
 import os
+import socket
+import struct
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
@@ -61,13 +67,20 @@ class TreeSample:
     Attributes:
         cpu_s: CPU seconds of the live processes, reaped children included.
         io_bytes: Bytes read and written through read/write calls (files,
-            pipes, sockets, terminals).
+            pipes, sockets, terminals): a running total, each process counted
+            from the first sample that saw it (`PsutilProbe.sample` says which
+            bytes count).
         pids: The processes alive in the tree.
+        net_bytes: Bytes received and sent (acknowledged) over the TCP
+            connections the tree holds open, summed since the probe first saw
+            the tree: `send`/`recv` calls, which `io_bytes` does not count.
+            0 where the probe cannot tell.
     """
 
     cpu_s: float
     io_bytes: int
     pids: frozenset[int]
+    net_bytes: int = 0
 
 
 class ProcessProbe(Protocol):
@@ -84,8 +97,22 @@ class ProcessProbe(Protocol):
         """`pid:wchan` for each process blocked reading a terminal or its stdin."""
 
 
+class _Seen:
+    """What the probe remembers of one root's tree between two samples."""
+
+    __slots__ = ("io", "net", "reads", "socks", "writes")
+
+    def __init__(self) -> None:
+        self.reads: dict[int, int] = {}  # tid -> bytes the thread itself has read
+        self.writes: dict[int, int] = {}  # pid -> bytes written, reaped children included
+        self.socks: dict[int, int] = {}  # socket inode -> bytes it has moved
+        self.io = 0  # the running totals handed out in `TreeSample`
+        self.net = 0
+
+
 class PsutilProbe:
-    """The real probe: psutil for CPU and I/O, /proc for the tree and the wait channel."""
+    """The real probe: psutil for CPU, /proc for I/O, the tree and the wait channel,
+    the kernel's socket diagnostics for TCP traffic."""
 
     threaded = True
 
@@ -94,51 +121,97 @@ class PsutilProbe:
         # short run (most `kernel run`s) ends before that and never pays for it.
         self._psutil: Any = None
         self._procs: dict[int, Any] = {}
+        self._seen: dict[int, _Seen] = {}  # by root
+        self._tcp = _TcpCounters()
         machine = os.uname().machine
         self._reads = _READ_SYSCALLS.get(machine, frozenset())
         self._polls = _POLL_SYSCALLS.get(machine, frozenset())
 
     def sample(self, root: int) -> TreeSample | None:
-        """Walk the tree from `root` through /proc/PID/task/TID/children and sum its figures."""
+        """Walk the tree from `root` through /proc/PID/task/TID/children and sum its figures.
+
+        CPU seconds are the live processes' own and their reaped children's (a
+        build's compiler runs end between two samples). Bytes are counted from
+        a process's (or thread's) first sample on, as what it did since, so a
+        process's start-up is not work: writes by each process, reaped children
+        included (what a quick `curl -o` or `cp` wrote); reads by each live
+        thread itself, not its reaped children's, whose reads are mostly their
+        start-up (the dynamic loader reads every library: a shell loop starting
+        `sleep 0.1` ten times a second reads ~100 KB/s); a process of more than
+        32 threads is read whole. TCP traffic likewise, socket by socket.
+        """
         psutil = self._psutil
         if psutil is None:
             import psutil
 
             self._psutil = psutil
-        pids = _tree(root)
-        if not pids:
+        tasks = _tree_tasks(root)
+        if not tasks:
             self._procs.pop(root, None)
+            self._seen.pop(root, None)
             return None
         cpu = 0.0
-        io = 0
         alive: set[int] = set()
-        for pid in pids:
+        reads: dict[int, int] = {}
+        writes: dict[int, int] = {}
+        for pid, tids in tasks:
             proc = self._procs.get(pid)
             try:
                 if proc is None:
                     proc = self._procs[pid] = psutil.Process(pid)
-                with proc.oneshot():
-                    t = proc.cpu_times()
-                    cpu += t.user + t.system + t.children_user + t.children_system
-                    try:
-                        c = proc.io_counters()
-                        io += getattr(c, "read_chars", c.read_bytes) + getattr(
-                            c, "write_chars", c.write_bytes)
-                    except (psutil.AccessDenied, AttributeError):
-                        pass
-                alive.add(pid)
+                t = proc.cpu_times()
+                cpu += t.user + t.system + t.children_user + t.children_system
             except (psutil.NoSuchProcess, psutil.ZombieProcess, ProcessLookupError):
                 self._procs.pop(pid, None)
+                continue
             except psutil.AccessDenied:
-                alive.add(pid)
+                pass
+            alive.add(pid)
+            whole = _io_chars(f"/proc/{pid}/io")
+            if whole is not None:
+                writes[pid] = whole[1]
+                if len(tids) > _THREADS_READ_ALONE:
+                    # A file a thread would be too many to read: the process's reads
+                    # as a whole (its reaped children's too), under a key of its own.
+                    reads[-pid] = whole[0]
+                    continue
+            for tid in tids:
+                own = _io_chars(f"/proc/{pid}/task/{tid}/io")
+                if own is not None:
+                    reads[int(tid)] = own[0]
         if root not in alive:
+            self._seen.pop(root, None)
             return None
-        return TreeSample(cpu, io, frozenset(alive))
+        seen = self._seen.get(root)
+        if seen is None:
+            seen = self._seen[root] = _Seen()
+        seen.io += _grown(seen.reads, reads) + _grown(seen.writes, writes)
+        seen.reads, seen.writes = reads, writes
+        self._count_tcp(seen, alive)
+        return TreeSample(cpu, seen.io, frozenset(alive), seen.net)
+
+    def _count_tcp(self, seen: _Seen, pids: Iterable[int]) -> None:
+        """Add what the TCP sockets the tree holds moved since the last sample.
+
+        A socket's counters start at 0 when it opens and go when it closes: a
+        socket new since the last sample counts whole (the first sample of the
+        tree is its baseline anyway).
+        """
+        inodes: set[int] = set()
+        for pid in pids:
+            inodes.update(_socket_inodes(pid))
+        now = self._tcp.read(inodes) if inodes else {}
+        if now is None:  # no reading this time: the next one counts from the last
+            return
+        last = seen.socks
+        seen.net += sum(max(0, moved - last.get(inode, 0)) for inode, moved in now.items())
+        seen.socks = now
 
     def forget(self, pids: Iterable[int]) -> None:
-        """Drop cached handles of processes no longer sampled."""
+        """Drop cached handles (and a root's counts) of processes no longer sampled."""
         for pid in pids:
             self._procs.pop(pid, None)
+            self._seen.pop(pid, None)
 
     def input_waits(self, pids: Iterable[int]) -> tuple[str, ...]:
         """Processes sleeping in a read of a terminal, or of stdin fed from outside the tree.
@@ -216,6 +289,124 @@ def _has_socket(pid: int) -> bool:
     return any(target.startswith("socket:") for _, target in _fd_targets(pid))
 
 
+def _socket_inodes(pid: int) -> list[int]:
+    """The inodes of the sockets `pid` has open (`socket:[N]`)."""
+    out = []
+    for _, target in _fd_targets(pid):
+        if target.startswith("socket:["):
+            with contextlib.suppress(ValueError):
+                out.append(int(target[8:-1]))
+    return out
+
+
+#: A process with more threads than this has its reads taken as a whole (one file,
+#: reaped children included) rather than thread by thread (one file each).
+_THREADS_READ_ALONE = 32
+
+# NETLINK_SOCK_DIAG (linux/sock_diag.h, linux/inet_diag.h): what `ss -ti` reads.
+_NETLINK_SOCK_DIAG = 4
+_SOCK_DIAG_BY_FAMILY = 20
+_NLM_F_REQUEST_DUMP = 0x1 | 0x300
+_NLMSG_ERROR, _NLMSG_DONE = 2, 3
+_INET_DIAG_INFO = 2
+# Every TCP state a socket with an inode moves data in: not LISTEN, nor TIME_WAIT
+# and SYN_RECV (mini-sockets without one, thousands on a busy server).
+_TCP_STATES = sum(1 << s for s in (1, 2, 4, 5, 7, 8, 9, 11))
+# inet_diag_msg: family, state, timer, retrans (4 bytes), the socket id (48), then
+# expires, rqueue, wqueue, uid, inode (u32 each): the inode is at 68, attributes at 72.
+_MSG_INODE, _MSG_ATTRS = 68, 72
+# struct tcp_info: tcpi_bytes_acked then tcpi_bytes_received (u64, Linux 4.1+).
+_TCPI_BYTES = 120
+_TCP_TABLE_TTL = 0.25  # one dump serves every tree sampled in a round
+# A dump that failed for these is asked for again next time (the kernel's buffer
+# overflowed on a busy host, a signal); any other failure is a refusal.
+_TRANSIENT = frozenset({errno.ENOBUFS, errno.EINTR, errno.EAGAIN})
+
+
+class _TcpCounters:
+    """Bytes moved by TCP sockets, by inode: acknowledged sent + received payload.
+
+    One netlink dump per family (IPv4, IPv6) of the sockets of this network
+    namespace, kept for a quarter of a second so a sampling round of many
+    trees dumps once. A family whose diagnostics are refused (IPv6 off, a
+    sandbox that forbids them, not Linux) is not asked again.
+    """
+
+    __slots__ = ("_at", "_families", "_table")
+
+    def __init__(self) -> None:
+        self._families = ([socket.AF_INET, socket.AF_INET6]
+                          if hasattr(socket, "AF_NETLINK") else [])
+        self._at = -math.inf
+        self._table: dict[int, int] = {}
+
+    def read(self, inodes: Iterable[int]) -> dict[int, int] | None:
+        """`{inode: bytes}` for those of `inodes` that are TCP sockets; None when the
+        table could not be read whole this time (a dump cut short)."""
+        if not self._families:
+            return {}
+        now = time.monotonic()
+        if now - self._at > _TCP_TABLE_TTL:
+            table: dict[int, int] = {}
+            for family in list(self._families):
+                try:
+                    _dump_tcp(family, table)
+                except OSError as exc:
+                    if isinstance(exc, TimeoutError) or exc.errno in _TRANSIENT:
+                        return None  # a dump cut short: ask again next time
+                    self._families.remove(family)
+                except struct.error:
+                    self._families.remove(family)
+            self._table, self._at = table, now
+        table = self._table
+        return {i: table[i] for i in inodes if i in table}
+
+
+def _dump_tcp(family: int, into: dict[int, int]) -> None:
+    """Add `{inode: bytes acked + received}` of every TCP socket of `family` to `into`."""
+    req = struct.pack("=BBBBI", family, socket.IPPROTO_TCP, 1 << (_INET_DIAG_INFO - 1), 0,
+                      _TCP_STATES) + bytes(48)
+    nl = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, _NETLINK_SOCK_DIAG)
+    try:
+        nl.settimeout(1.0)
+        nl.send(struct.pack("=IHHII", 16 + len(req), _SOCK_DIAG_BY_FAMILY,
+                            _NLM_F_REQUEST_DUMP, 1, 0) + req)
+        unpack_from = struct.unpack_from
+        while True:
+            data = nl.recv(1 << 16)
+            if not data:
+                return
+            off = 0
+            while off + 16 <= len(data):
+                length, kind = unpack_from("=IH", data, off)
+                if length < 16:
+                    return
+                if kind == _NLMSG_DONE:
+                    return
+                if kind == _NLMSG_ERROR:
+                    code = -unpack_from("=i", data, off + 16)[0] if length >= 20 else 0
+                    raise OSError(code, "socket diagnostics refused")
+                msg = off + 16
+                end = off + length
+                if end - msg >= _MSG_ATTRS:
+                    inode = unpack_from("=I", data, msg + _MSG_INODE)[0]
+                    at = msg + _MSG_ATTRS
+                    while inode and at + 4 <= end:
+                        alen, atype = unpack_from("=HH", data, at)
+                        if alen < 4:
+                            break
+                        if atype == _INET_DIAG_INFO:
+                            if alen - 4 >= _TCPI_BYTES + 16:
+                                acked, received = unpack_from("=QQ", data,
+                                                              at + 4 + _TCPI_BYTES)
+                                into[inode] = acked + received
+                            break
+                        at += (alen + 3) & ~3
+                off += (length + 3) & ~3
+    finally:
+        nl.close()
+
+
 def _written_in_tree(pid: int, fd: int, tree: Iterable[int]) -> bool:
     """True if `fd` of `pid` is a pipe that a process of `tree` holds open for writing.
 
@@ -246,28 +437,61 @@ def _written_in_tree(pid: int, fd: int, tree: Iterable[int]) -> bool:
 
 def _tree(root: int) -> list[int]:
     """`root` and its descendants (empty if `root` is gone), via the kernel's children lists."""
+    return [pid for pid, _ in _tree_tasks(root)]
+
+
+def _tree_tasks(root: int) -> list[tuple[int, list[str]]]:
+    """`(pid, its thread ids)` for `root` and its descendants (empty if `root` is gone)."""
     if not os.path.exists(f"/proc/{root}"):
         return []
-    out = [root]
+    out: list[tuple[int, list[str]]] = []
+    todo = [root]
     i = 0
-    while i < len(out):
-        pid = out[i]
+    while i < len(todo):
+        pid = todo[i]
         i += 1
         try:
             tids = os.listdir(f"/proc/{pid}/task")
         except OSError:
+            out.append((pid, []))
             continue
+        out.append((pid, tids))
         for tid in tids:
             text = _read_text(f"/proc/{pid}/task/{tid}/children")
             if text:
-                out.extend(int(c) for c in text.split())
+                todo.extend(int(c) for c in text.split())
     return out
+
+
+def _io_chars(path: str) -> tuple[int, int] | None:
+    """`(rchar, wchar)` from a `/proc/.../io` file; None if it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+    except OSError:  # gone, or another user's process
+        return None
+    lines = head.split(b"\n", 2)
+    try:
+        return int(lines[0].split()[1]), int(lines[1].split()[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def _grown(last: dict[int, int], now: dict[int, int]) -> int:
+    """How much the counters in both `last` and `now` grew (new ones are a baseline)."""
+    return sum(max(0, value - last[key]) for key, value in now.items() if key in last)
 
 
 Sink = Callable[[Process], None]
 
 #: The sampler never samples more often than this (seconds), whatever `max_interval`.
 _MIN_PAUSE = 0.05
+#: CPU, I/O and TCP rates are averaged over this many seconds (or `max_interval`, if
+#: shorter): a build or a download works all the time; a wait loop whose children
+#: cost 1 % of a core, read on a clock of 10 ms ticks, shows 2 or 3 % in some second
+#: of every minute, and a poll or a health check moves its bytes in a burst every
+#: half minute: neither is a moment of work, each such second once was one.
+_WINDOW = 10.0
 
 
 class _Tree:
@@ -276,15 +500,18 @@ class _Tree:
     __slots__ = (
         "cpu",
         "exited",
+        "hist",
         "intervals",
         "io",
         "last_working",
+        "net",
         "pids",
         "root",
         "seen",
         "sink",
         "started",
         "t",
+        "used",
     )
 
     def __init__(self, root: int, sink: Sink, now: float) -> None:
@@ -293,6 +520,12 @@ class _Tree:
         self.t: float | None = None
         self.cpu = 0.0
         self.io = 0
+        self.net = 0
+        # What the tree has done since its start-up (CPU seconds, bytes of I/O, bytes
+        # over TCP): only what each interval added, so a process leaving the tree
+        # unreaped takes nothing back; and its values at the samples in the window.
+        self.used: tuple[float, int, int] = (0.0, 0, 0)
+        self.hist: deque[tuple[float, tuple[float, int, int]]] = deque()
         self.pids: frozenset[int] = frozenset()
         self.seen: set[int] = set()
         self.started = 0
@@ -315,6 +548,10 @@ class ProcessSampler:
         interval: Seconds between samples (trio time).
         cpu_busy: Fraction of one core above which a tree is working.
         io_busy: Bytes per second read+written above which a tree is working.
+        net_busy: Bytes per second moved over the tree's TCP connections above
+            which it is working. Each rate is averaged over the last 10 s (or
+            `max_interval`, if shorter), and counts only while the last
+            interval added to it.
         budget: The most of one core the sampler may use; with many trees
             it spaces samples out to stay under it...
         max_interval: ...but never further apart than this, even if it is
@@ -324,12 +561,14 @@ class ProcessSampler:
     """
 
     def __init__(self, probe: ProcessProbe | None = None, *, interval: float = 1.0,
-                 cpu_busy: float = 0.02, io_busy: float = 16384.0,
+                 cpu_busy: float = 0.02, io_busy: float = 16384.0, net_busy: float = 1024.0,
                  budget: float = 0.04, max_interval: float | None = None) -> None:
         self._probe = probe
         self.interval = interval
         self.cpu_busy = cpu_busy
         self.io_busy = io_busy
+        self.net_busy = net_busy
+        self.window = _WINDOW if max_interval is None else min(_WINDOW, max_interval)
         self.budget = budget
         self.max_interval = max_interval
         self._trees: dict[int, list[_Tree]] = {}
@@ -365,9 +604,16 @@ class ProcessSampler:
         trees = self._trees.get(root)
         if not trees:
             return
+        gone = [t for t in trees if t.sink is sink]
         trees[:] = [t for t in trees if t.sink is not sink]
         if not trees:
             del self._trees[root]
+            # Nothing samples the tree any more: its cached handles go (a host that
+            # runs many commands would otherwise keep one per process it ever saw).
+            forget = getattr(self._probe, "forget", None)
+            if forget is not None:
+                with contextlib.suppress(Exception):
+                    forget({root}.union(*(t.pids for t in gone)))
 
     @property
     def roots(self) -> int:
@@ -440,7 +686,8 @@ class ProcessSampler:
         tree = trees[0]
         if tree.t is None:
             return False
-        return sample.cpu_s - tree.cpu > 0 or sample.io_bytes - tree.io > 0
+        return (sample.cpu_s - tree.cpu > 0 or sample.io_bytes - tree.io > 0
+                or sample.net_bytes - tree.net > 0)
 
     def _deliver(self, readings: dict[int, tuple[TreeSample | None, tuple[str, ...]]], *,
                  fresh: bool = False) -> None:
@@ -471,35 +718,62 @@ class ProcessSampler:
             tree.seen.update(new)
         tree.exited += len(gone)
         working = False
-        cpu_rate = io_rate = 0.0
+        cpu_rate = io_rate = net_rate = 0.0
         if tree.t is not None:
             dt = max(now - tree.t, 1e-9)
             # A tree only loses CPU seconds when a process leaves it unreaped: never negative.
-            cpu_rate = max(0.0, sample.cpu_s - tree.cpu) / dt
-            io_rate = max(0, sample.io_bytes - tree.io) / dt
+            cpu_used = max(0.0, sample.cpu_s - tree.cpu)
+            io_moved = max(0, sample.io_bytes - tree.io)
+            net_moved = max(0, sample.net_bytes - tree.net)
             tree.intervals += 1
-            # The first interval holds the process's start-up (exec, dynamic loading,
-            # imports): that is not work the run is doing, and counting it would
-            # credit a process that went silent at once with a second of progress.
-            working = tree.intervals > 1 and (cpu_rate >= self.cpu_busy
-                                              or io_rate >= self.io_busy)
-            if working:
-                # When did the work happen? I/O at this rate is taken as ongoing; a
-                # burst of CPU (a start-up, then sleep) is placed at the start of
-                # the interval, as long as the CPU time it took: a sleeper is not
-                # credited with a second of work it did in 50 ms.
-                cpu_used = max(0.0, sample.cpu_s - tree.cpu)
-                at = now if io_rate >= self.io_busy else tree.t + min(dt, cpu_used)
-                tree.last_working = max(tree.last_working, at)
+            if tree.intervals == 1:
+                # The first interval holds the process's start-up (exec, dynamic loading,
+                # imports): that is not work the run is doing, and counting it would
+                # credit a process that went silent at once with a second of progress.
+                # The windows start after it.
+                cpu_rate, io_rate, net_rate = cpu_used / dt, io_moved / dt, net_moved / dt
+            else:
+                cpu, io, net = tree.used
+                tree.used = (cpu + cpu_used, io + io_moved, net + net_moved)
+                cpu_rate, io_rate, net_rate = self._rates(tree, now)
+                # Over the window, and still going in the last interval.
+                moving = ((io_rate >= self.io_busy and io_moved > 0)
+                          or (net_rate >= self.net_busy and net_moved > 0))
+                working = moving or (cpu_rate >= self.cpu_busy and cpu_used > 0)
+                if working:
+                    # When did the work happen? I/O at this rate is taken as ongoing;
+                    # a burst of CPU (a start-up, then sleep) is placed at the start
+                    # of the interval, as long as the CPU time it took: a sleeper is
+                    # not credited with a second of work it did in 50 ms.
+                    at = now if moving else tree.t + min(dt, cpu_used)
+                    tree.last_working = max(tree.last_working, at)
         tree.t, tree.cpu, tree.io, tree.pids = now, sample.cpu_s, sample.io_bytes, sample.pids
+        tree.net = sample.net_bytes
+        if tree.intervals >= 1:
+            tree.hist.append((now, tree.used))
         forget = getattr(self._probe, "forget", None)
         if gone and forget is not None:
             with contextlib.suppress(Exception):
                 forget(gone)
         return Process(cpu_s=sample.cpu_s, cpu_rate=cpu_rate, io_rate=io_rate,
+                       net_rate=net_rate,
                        procs=len(sample.pids), started=tree.started, exited=tree.exited,
                        working=working, waiting_input=bool(waits) and not working,
                        waits=waits, idle=now - tree.last_working)
+
+    def _rates(self, tree: _Tree, now: float) -> tuple[float, float, float]:
+        """The tree's CPU (cores), I/O and TCP (bytes/s) rates over the window: from
+        the newest earlier sample at least that old, else the oldest kept."""
+        hist = tree.hist
+        since = now - self.window
+        while len(hist) > 1 and hist[1][0] <= since:
+            hist.popleft()
+        if not hist:
+            return 0.0, 0.0, 0.0
+        t0, (cpu0, io0, net0) = hist[0]
+        cpu, io, net = tree.used
+        span = max(now - t0, 1e-9)
+        return (cpu - cpu0) / span, (io - io0) / span, (net - net0) / span
 
 
 def merge(figures: Iterable[Process]) -> Process | None:
@@ -511,7 +785,8 @@ def merge(figures: Iterable[Process]) -> Process | None:
         return items[0]
     return Process(
         cpu_s=sum(p.cpu_s for p in items), cpu_rate=sum(p.cpu_rate for p in items),
-        io_rate=sum(p.io_rate for p in items), procs=sum(p.procs for p in items),
+        io_rate=sum(p.io_rate for p in items), net_rate=sum(p.net_rate for p in items),
+        procs=sum(p.procs for p in items),
         started=sum(p.started for p in items), exited=sum(p.exited for p in items),
         working=any(p.working for p in items),
         waiting_input=any(p.waiting_input for p in items) and not any(

@@ -130,6 +130,7 @@ class WatchCritic:
         p = self.policy
         self.sampler = ProcessSampler(
             probe, interval=p.sample_interval, cpu_busy=p.cpu_busy, io_busy=p.io_busy,
+            net_busy=p.net_busy,
             max_interval=None if p.idle_timeout is None else p.idle_timeout / 3)
 
     def _policy_dict(self) -> dict[str, Any]:
