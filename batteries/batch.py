@@ -31,7 +31,10 @@ every task's run:
   `running` (held by another process; the batch stays unfinished). A plain
   command keeps no state: its one step (the command) runs again from the
   start, which is what a resumed loop does with the state it was in;
-- started but neither ended nor checkpointed: lost (`LoseRun`);
+- started but neither ended nor checkpointed: lost (`LoseRun`); so is a run
+  whose checkpoint says it ended (`completed`/`failed`) while its row was
+  never closed (the process died between the two commits): it is not run
+  again, and its reason says it ended but its status was not recorded;
 - not started: run; but in a batch that had been `finished` every task had
   run to its end, so a task whose run is gone from the journal (`kernel
   purge` deletes ended runs) is reported `purged` and never run again.
@@ -312,6 +315,9 @@ class BatchRunner:
     _created: tuple[str, tuple[BatchTask, ...]] | None = field(default=None, init=False,
                                                                repr=False)
     _batch_id: str = field(default="", init=False, repr=False)
+    #: Set by `claim`: (the batch id, whether it had been `finished`, created here).
+    _claimed: tuple[str, bool, tuple[BatchTask, ...] | None] | None = field(
+        default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -364,6 +370,32 @@ class BatchRunner:
         rows = await self.journal.read(lambda: store.batches(batch_id=batch_id))
         return rows[0] if rows else None
 
+    async def claim(self, batch_id: str) -> None:
+        """Take the batch's lease for this process (`run` does it when it was not done).
+
+        A host claims first to learn that another process runs the batch before it
+        starts anything else (worker processes, deliveries, its progress line).
+
+        Raises:
+            BatchBusyError: Another process that may be alive holds the batch.
+            StoreError: No such batch, or the journal cannot be read or written.
+        """
+        created, self._created = self._created, None
+        fresh = created is not None and created[0] == batch_id
+        # A batch that had finished ran every task to its end: a task of it without a
+        # run in the journal had one, purged since (claiming makes it `running` again).
+        before = None if fresh else await self.batch(batch_id)
+        was_finished = before is not None and before.status == "finished"
+        [claimed] = await self.journal.transact([ClaimBatch(batch_id, self.owner)])
+        if not claimed:
+            held = await self.batch(batch_id)
+            if held is None:
+                raise StoreError(f"no batch {batch_id}")
+            raise BatchBusyError(f"batch {batch_id} is being run by pid {held.owner.pid} on "
+                                 f"{held.owner.host}")
+        self._claimed = (batch_id, was_finished,
+                         created[1] if fresh and created is not None else None)
+
     async def run(self, batch_id: str,
                   on_outcome: Callable[[TaskOutcome], None] | None = None,
                   on_start: Callable[[BatchTask], None] | None = None) -> list[TaskOutcome]:
@@ -382,24 +414,15 @@ class BatchRunner:
         """
         store = self.store
         self.finished = False
-        created, self._created = self._created, None
-        fresh = created is not None and created[0] == batch_id
-        # A batch that had finished ran every task to its end: a task of it without a
-        # run in the journal had one, purged since (claiming makes it `running` again).
-        before = None if fresh else await self.batch(batch_id)
-        was_finished = before is not None and before.status == "finished"
-        [claimed] = await self.journal.transact([ClaimBatch(batch_id, self.owner)])
-        if not claimed:
-            held = await self.batch(batch_id)
-            if held is None:
-                raise StoreError(f"no batch {batch_id}")
-            raise BatchBusyError(f"batch {batch_id} is being run by pid {held.owner.pid} on "
-                                 f"{held.owner.host}")
-        if fresh:
-            assert created is not None
+        if self._claimed is None or self._claimed[0] != batch_id:
+            await self.claim(batch_id)
+        assert self._claimed is not None
+        _, was_finished, created = self._claimed
+        self._claimed = None
+        if created is not None:
             # Created by this runner and claimed again by it: no run of it can exist.
             rows: list[TaskRow] = [TaskRow(i, t.task_id, t.run_id, dict(t.spec), None, False)
-                    for i, t in enumerate(created[1])]
+                    for i, t in enumerate(created)]
         else:
             rows = await self.journal.read(store.batch_tasks, batch_id)
         self._batch_id = batch_id
@@ -430,9 +453,10 @@ class BatchRunner:
             else:
                 todo.append(_Todo(row))
         if lose:
-            why = "the batch was interrupted and the run kept no checkpoint"
-            await self.journal.transact([LoseRun(r.run_id, why) for r in lose])
-            for r in lose:
+            whys = [_lost_why(r.saved) for r in lose]
+            await self.journal.transact([LoseRun(r.run_id, why)
+                                         for r, why in zip(lose, whys, strict=True)])
+            for r, why in zip(lose, whys, strict=True):
                 report(TaskOutcome(r.index, r.task_id, r.run_id, str(Status.LOST), error=why))
 
         queue = iter(todo)
@@ -520,6 +544,16 @@ class BatchRunner:
                 return []  # held past the wait, or finished meanwhile: nothing to wait for
             await trio.sleep(min(pause, left))
             pause = min(pause * 2, 1.0)
+
+
+def _lost_why(saved: SavedRun | None) -> str:
+    """Why a task whose run started and never closed cannot go on: it kept no checkpoint,
+    or it ended (its checkpoint says so) and its process died before its row was closed
+    (the run is not run again: its work is done, its status was not recorded)."""
+    if saved is None:
+        return "the batch was interrupted and the run kept no checkpoint"
+    return (f"the run ended (its checkpoint is {saved.status}), but the batch process "
+            "died before the run's status was recorded; not run again")
 
 
 _log = logging.getLogger("kernel.batch")

@@ -4,12 +4,14 @@ The CLI is a thin layer over `batteries.batch`: it reads and validates the
 whole task file (every line, before anything runs), turns each line into
 the same run spec `kernel run` stores, and hands the specs to
 `BatchRunner` with the usual ports (one journal for audit, budgets and
-checkpoints; the critic). The agent of a spec is built by `run_cmd`'s
-planner, the one place the CLI builds agents.
+checkpoints; the critic). The agent of a spec is built by
+`adapters.agent_from_spec` as `run_cmd`'s planner builds it for a quiet run
+(`_plan`: no command reads our stdin, a loop file's warning is said once).
 """
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import json
 import math
@@ -18,12 +20,12 @@ import signal
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager, redirect_stdout
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, BinaryIO, TextIO
 
 import typer
 
@@ -54,7 +56,10 @@ caller whose budget caps cost is refused an unpriced model).
 With --ray, "ray": {"num_cpus": 0.5, "resources": {"NAME": 1}, "memory": BYTES}
 is what the run holds on the cluster (default: one CPU).
 The whole file is checked first: a bad line is one error naming its line
-number and field (exit 2), and nothing runs. Blank lines are skipped.
+number and field (exit 2), and nothing runs. Lines end at a newline (CRLF
+and a leading UTF-8 byte order mark are fine); blank lines are skipped; a
+line may hold at most 4 MiB. '-' reads the tasks from stdin, which must not
+be a terminal. A warning about a loop file is said once.
 
 \b
   kernel batch tasks.jsonl --concurrency 32
@@ -74,8 +79,14 @@ again for up to 10 s. A task that did not end (held so, or its --workers
 process died while running it) is reported as the journal has it (`running`,
 or `pending` if it never started), exit 1, and leaves the batch unfinished:
 --resume finishes it. A finished batch runs no task again: one whose run was
-purged since (kernel purge) is reported `purged`. With --json, a reader that
-goes away (`| head -1`) stops the batch as a signal does (exit 130).
+purged since (kernel purge) is reported `purged`. A run that had ended when
+the batch process died, before its status was recorded, is closed `lost`
+and not run again. With --json, a reader that goes away (`| head -1`), or
+an output that cannot be written (a full disk), stops the batch as a signal
+does (exit 130); a reader that does not keep up holds up no run (the lines
+wait for it; after a signal, 2 s at most). More runs at once than the
+open-file limit allows (ulimit -n): the soft limit is raised as far as the
+hard one allows, beyond that the runs go fewer at a time (said in one line).
 
 \b
   kernel batch tasks.jsonl --deliver-dir out/ --webhook https://example.invalid/hook
@@ -96,7 +107,8 @@ died is not delivered again by --resume.
 Exit codes: 0 every run ended ok; 1 at least one did not (error, timeout,
 killed, budget_exceeded, max_steps, lost, ...); 2 bad input (a bad task
 line, an empty file, an unknown batch, a batch another process is running);
-130 interrupted by a signal or by a --json reader gone (resumable).
+130 interrupted by a signal, or by --json output that could not be written
+(resumable).
 """
 
 #: Keys of a task line, by where they go.
@@ -216,6 +228,7 @@ def batch(
         # A worker more than the runs that can be at once (or than the tasks) idles.
         runner_args.workers = max(1, min(workers or default_workers(runner_args.total),
                                          runner_args.total, runner_args.concurrency))
+        _fit_open_files(runner_args)
     import trio
 
     from adapters._proc import own_fds
@@ -233,6 +246,61 @@ def batch(
         with redirect_stdout(sys.stderr):
             code = trio.run(run)
     raise typer.Exit(code)
+
+
+#: Open files a run may hold at once: a command's two pipes and its pidfd, its pipes'
+#: other ends while it starts, and a run that ended still closing them while the next
+#: starts (measured: up to ~7 a run for `-j 240` of 0.2 s commands), an HTTP connection.
+FDS_PER_RUN = 8
+#: Open files a batch process (or worker) holds besides its runs': the journal and
+#: its WAL, the workers' pipes, stdio, the event loop's, a few threads' files.
+FDS_RESERVE = 64
+
+
+def _fit_open_files(args: _Args) -> None:
+    """Make room for `-j` runs in each process's open-file limit (`ulimit -n`).
+
+    At the usual soft limit of 1,024, `-j 3000 --workers 1` started ~330 runs and
+    failed the other 2,665 at their start ("Too many open files"), in a batch that
+    then finished and would not run them again. The soft limit is raised as far as
+    needed, up to the hard one (as Go programs do); when even that is too low, the
+    runs go fewer at a time, said in one line.
+    """
+    import resource
+
+    from batteries.batch import DELIVERY_LIMIT
+
+    each = -(-args.concurrency // args.workers)  # a worker's share (WorkerDispatch)
+    reserve = FDS_RESERVE + DELIVERY_LIMIT * len(args.webhooks)
+    need = reserve + FDS_PER_RUN * each
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (OSError, ValueError):  # pragma: no cover - Linux always answers
+        return
+    if soft == resource.RLIM_INFINITY or need <= soft:
+        return
+    raised = need if hard == resource.RLIM_INFINITY else min(need, hard)
+    if raised > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+            soft = raised
+        except (OSError, ValueError):
+            pass
+    if need <= soft:
+        return
+    fit = max(1, (soft - reserve) // FDS_PER_RUN) * args.workers
+    if fit >= args.concurrency:  # pragma: no cover - need > soft says otherwise
+        return
+    print(f"kernel: note: {args.concurrency} runs at once need ~{need:,} open files per "
+          f"process and the limit is {soft:,} (ulimit -n; hard limit {_limit(hard)}): "
+          f"running {fit} at a time", file=sys.stderr)
+    args.at_once = fit
+
+
+def _limit(value: int) -> str:
+    import resource
+
+    return "unlimited" if value == resource.RLIM_INFINITY else f"{value:,}"
 
 
 def _fail(message: str) -> None:
@@ -263,13 +331,14 @@ class Parsed:
     built: Any = None
 
 
-def read_tasks(text: str, where: str, *, caller: str, cwd: str) -> list[Parsed]:
-    """Every task of a task file, validated; the first bad line raises `TaskLineError`."""
+def read_tasks(lines: Iterable[str], where: str, *, caller: str, cwd: str) -> list[Parsed]:
+    """Every task of a task file's lines, validated; the first bad line raises
+    `TaskLineError`."""
     from kernel import ConfigError
 
     out: list[Parsed] = []
     ids: dict[str, int] = {}
-    for n, raw in enumerate(text.splitlines(), start=1):
+    for n, raw in enumerate(lines, start=1):
         if not raw.strip():
             continue
         try:
@@ -278,8 +347,12 @@ def read_tasks(text: str, where: str, *, caller: str, cwd: str) -> list[Parsed]:
             raise TaskLineError(where, n, exc.key, "given twice (a key may appear once in "
                                                    "an object)") from None
         except ValueError as exc:
+            if not out and raw.lstrip().startswith("["):  # the whole file, an array
+                raise TaskLineError(where, n, None, _NOT_AN_ARRAY) from None
             raise TaskLineError(where, n, None, f"not JSON ({exc.args[0].split(':')[0]})") \
                 from None
+        if not out and isinstance(obj, list) and all(isinstance(o, dict) for o in obj):
+            raise TaskLineError(where, n, None, _NOT_AN_ARRAY)
         if not isinstance(obj, dict):
             raise TaskLineError(where, n, None, "expects a JSON object")
         task = _task(obj, n, where, caller=caller, cwd=cwd)
@@ -291,6 +364,46 @@ def read_tasks(text: str, where: str, *, caller: str, cwd: str) -> list[Parsed]:
     if not out:
         raise ConfigError(f"{where} holds no tasks")
     return out
+
+
+_NOT_AN_ARRAY = ("expects one JSON object per line (JSON lines), not a JSON array "
+                 "(jq -c '.[]' FILE writes one)")
+#: Bytes a task line may hold (its newline aside): more is refused before it is decoded.
+#: A command's whole argv must fit in ARG_MAX (2 MiB on Linux by default) and a
+#: model's longest prompt in a few MiB; each line is stored with its run several times,
+#: so a 100 MB line took 1.1 GB and 20 s to fail at its start.
+MAX_LINE = 4 << 20
+
+
+def task_lines(stream: BinaryIO, where: str) -> list[str]:
+    """The lines of a task file, decoded: newline-separated (JSON lines), a CRLF's CR
+    and a leading UTF-8 byte order mark dropped.
+
+    Only a newline ends a line: JSON text may hold U+2028, U+0085 ... raw in a string
+    (`str.splitlines` would cut the line there).
+
+    Raises:
+        TaskLineError: A line over `MAX_LINE` bytes (read no further than that) or not
+            UTF-8.
+    """
+    lines: list[str] = []
+    while line := stream.readline(MAX_LINE + 2):
+        n = len(lines) + 1
+        body = line[:-1] if line.endswith(b"\n") else line
+        if body.endswith(b"\r"):
+            body = body[:-1]
+        if len(body) > MAX_LINE:
+            raise TaskLineError(where, n, None, f"the line is longer than {MAX_LINE >> 20} MiB "
+                                                f"({MAX_LINE:,} bytes), the most a task line "
+                                                "may hold")
+        if n == 1 and body.startswith(codecs.BOM_UTF8):
+            body = body[len(codecs.BOM_UTF8):]
+        try:
+            lines.append(body.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise TaskLineError(where, n, None, f"not UTF-8 (byte 0x{body[exc.start]:02x} at "
+                                                f"byte {exc.start + 1} of the line)") from None
+    return lines
 
 
 class _RepeatedKey(Exception):
@@ -314,7 +427,7 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 def _task(obj: dict[str, Any], n: int, where: str, *, caller: str, cwd: str) -> Parsed:
     from kernel import CommandSpec, ConfigError, Limits, PortSpec, RunSpec
 
-    from .run_cmd import agent_spec, plan_from_spec
+    from .run_cmd import agent_spec
 
     def bad(key: str | None, why: str) -> TaskLineError:
         return TaskLineError(where, n, key, why)
@@ -367,7 +480,7 @@ def _task(obj: dict[str, Any], n: int, where: str, *, caller: str, cwd: str) -> 
                               cmd=strings["cmd"], api_key_env=strings["api_key_env"],
                               allow_shell=flags["allow_shell"], scenario=None,
                               target=strings["target"], max_turns=max_turns, price=price)
-        plan = plan_from_spec(spec, quiet=True)
+        plan = _plan(spec)
     except ConfigError as exc:
         raise bad(kind, str(exc)) from None
     info = plan.info
@@ -496,6 +609,7 @@ class _Args:
     redact: list[str] = field(default_factory=list)
     ray: str | None = None  # --ray: the cluster's address
     workers: int = 1  # --workers: processes running the runs (1: this one)
+    at_once: int = 0  # runs at once when the open-file limit allows fewer (0: concurrency)
     forked: list[Any] = field(default_factory=list)  # batch_workers.Forked, once forked
     deliver_dir: str | None = None  # --deliver-dir, absolute
     webhooks: tuple[str, ...] = ()  # --webhook URLs, as given (secrets included)
@@ -529,22 +643,27 @@ def _prepare_new(tasks_file: str, db: str | None, concurrency: int, name: str | 
 
     from .run_cmd import make_redactor
 
-    if tasks_file == "-":
-        text, where = sys.stdin.read(), "<stdin>"
-    else:
-        try:
-            text = Path(tasks_file).read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise ConfigError(f"no task file {tasks_file}") from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"cannot read {tasks_file}: "
-                              f"{getattr(exc, 'strerror', None) or exc}") from None
-        where = tasks_file
     caller = os.environ.get("KERNEL_CALLER") or os.environ.get("USER", "")
     try:
-        parsed = read_tasks(text, where, caller=caller, cwd=os.getcwd())
+        if tasks_file == "-":
+            where = "<stdin>"
+            if sys.stdin.isatty():
+                raise ConfigError("'-' reads the tasks from stdin, which is a terminal: pipe "
+                                  "or redirect them in (kernel batch - < tasks.jsonl)")
+            lines = task_lines(sys.stdin.buffer, where)
+        else:
+            where = tasks_file
+            try:
+                with open(tasks_file, "rb") as stream:
+                    lines = task_lines(stream, where)
+            except FileNotFoundError:
+                raise ConfigError(f"no task file {tasks_file}") from None
+            except OSError as exc:
+                raise ConfigError(f"cannot read {tasks_file}: {exc.strerror or exc}") from None
+        parsed = read_tasks(lines, where, caller=caller, cwd=os.getcwd())
     except TaskLineError as exc:
         raise ConfigError(str(exc)) from None
+    del lines
     merged: dict[str, str] = {}
     for p in parsed:
         merged.update(p.context)
@@ -724,8 +843,6 @@ def _build(spec: Mapping[str, Any], given: Any = None,
     from batteries.batch import run_spec_of
     from kernel import ConfigError, RunSpec
 
-    from .run_cmd import plan_from_spec
-
     built = None
     if as_read is not None:
         spec = as_read
@@ -745,9 +862,7 @@ def _build(spec: Mapping[str, Any], given: Any = None,
             raise ConfigError(str(exc)) from None
         if missing:
             raise ConfigError("its secrets are not stored")
-    plan = plan_from_spec(run_spec, quiet=True)
-    if getattr(plan.agent, "inherit_stdin", False):
-        plan.agent.inherit_stdin = False  # many commands at once: none reads our stdin
+    plan = _plan(run_spec)
     cwd = spec.get("cwd")
     if getattr(plan.agent, "cwd", "") is None and isinstance(cwd, str) and os.path.isdir(cwd):
         plan.agent.cwd = cwd  # where the batch started, also when it is resumed elsewhere
@@ -757,6 +872,32 @@ def _build(spec: Mapping[str, Any], given: Any = None,
         # for each start and can use posix_spawn (which has no chdir).
         plan.agent.cwd = None
     return plan.agent, run_spec.info, run_spec.limits
+
+
+def _plan(spec: Any) -> Any:
+    """The agent a spec describes, as `run_cmd.plan_from_spec(quiet=True)` builds it, but
+    with no command reading our stdin (many run at once) and each warning about a loop
+    file said once per process: a task file of 5,000 runs of one loop said it 10,000
+    times (once when the line was checked, once when its run was built).
+
+    Raises:
+        ConfigError: What is wrong with the spec, in one line.
+    """
+    from adapters import agent_from_spec
+
+    return agent_from_spec(spec, warn=_warn_once, inherit_stdin=False)
+
+
+#: The loop-file warnings this process has said (`_warn_once`); forked workers inherit it.
+_WARNED: set[str] = set()
+
+
+def _warn_once(line: str) -> None:
+    if line not in _WARNED:
+        _WARNED.add(line)
+        from .run_cmd import _say
+
+        _say(line)
 
 
 def _ray_dispatch(args: _Args, journal: Any) -> Any:
@@ -847,6 +988,9 @@ def _fork_workers(args: _Args) -> None:
     except RuntimeError as exc:  # a thread already runs here: a fork would lose it
         print(f"kernel: note: the runs stay in this process ({exc})", file=sys.stderr)
         args.workers = 1
+        return
+    # The workers build every run (each holds its copy); this process builds none.
+    _BUILT.clear()
 
 
 @asynccontextmanager
@@ -862,6 +1006,99 @@ async def _workers(args: _Args) -> AsyncIterator[Any]:
 
 
 async def _execute(args: _Args, *, json_out: bool, results: TextIO) -> int:
+    """Run the batch; its exit code. What it prints goes through `_Lines` (off the trio
+    thread) from start to end, so no reader that stops reading holds it up."""
+    import trio
+
+    #: The cancel scopes to stop the batch with (its runs; then the output's last lines).
+    stop: list[trio.CancelScope] = []
+    #: The output could not be written (`| head` gone, a full disk): the batch is stopped.
+    closed: list[str] = []
+    #: The signals received.
+    got: list[int] = []
+    #: Delivers the runs' results (--deliver-dir, --webhook), once it is made.
+    deliveries: list[Any] = []
+    out_fd, err_fd = _fileno(results), _fileno(sys.stderr)
+    # A writer each, so a stdout nobody reads keeps no message from stderr; one for both
+    # when they are one file (`2>&1`): two writers could cut each other's lines.
+    lines = _Lines()
+    err_lines = lines if _same_file(out_fd, err_fd) else _Lines()
+    from .batch_progress import wanted
+
+    terminal = wanted()  # then the live line shows (rich puts messages above it)
+
+    def say(message: str) -> None:
+        if terminal:
+            print(message, file=sys.stderr)
+        else:
+            err_lines.put(err_fd, message + "\n", sys.stderr)
+
+    def stopping() -> None:
+        """Stop the batch (a signal, stdout gone): its runs now, resumable; the deliveries
+        of runs that ended get `STOP_DRAIN` seconds more."""
+        for scope in stop:
+            scope.cancel()
+        for d in deliveries:
+            d.scope.deadline = min(d.scope.deadline, trio.current_time() + STOP_DRAIN)
+
+    def cannot_write(fd: int, exc: OSError) -> None:
+        """A write of the batch's lines failed. Stdout: the batch stops, interrupted and
+        resumable, as a command is stopped by SIGPIPE (and `kernel run` by the same reader
+        gone); what it would have printed is in the journal. Stderr: its lines are lost."""
+        if fd != out_fd:
+            _to_devnull(sys.stderr)
+            return
+        closed.append("stdout")
+        _to_devnull(results)
+        why = "output pipe closed (stdout)" if isinstance(exc, BrokenPipeError) else \
+            f"cannot write the results on stdout ({exc.strerror or exc})"
+        say(f"kernel: {why}: cancelling batch {args.batch_id} (resume it with "
+            f"kernel batch --resume {args.batch_id})")
+        stopping()
+
+    async def on_signal(signals: AsyncIterator[int]) -> None:
+        async for signum in signals:
+            name = signal.Signals(signum).name
+            if got and deliveries:  # again: stop delivering too
+                say(f"kernel: {name}: stopping {deliveries[0].pending} delivery(ies)")
+                deliveries[0].scope.cancel()
+                continue
+            got.append(signum)
+            say(f"kernel: {name}: cancelling batch {args.batch_id} (resume it with kernel "
+                f"batch --resume {args.batch_id})")
+            stopping()
+
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP,
+                                   signal.SIGQUIT) as signals:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lines.serve, cannot_write)
+            if err_lines is not lines:
+                nursery.start_soon(err_lines.serve, cannot_write)
+            nursery.start_soon(on_signal, signals)
+            code = await _run_batch(args, json_out=json_out, say=say, lines=lines,
+                                    output=(out_fd, results), stop=stop,
+                                    stopping=stopping, got=got, closed=closed,
+                                    deliveries=deliveries)
+            # The lines still waiting for their reader are written before the batch
+            # ends (as any program's output would be), until a signal says stop; after
+            # a stop, a reader that does not read them soon loses them.
+            with trio.CancelScope() as drain:
+                stop.append(drain)
+                if got or closed:
+                    drain.deadline = trio.current_time() + LINES_DRAIN
+                await err_lines.close()
+                await lines.close()
+            nursery.cancel_scope.cancel()
+    if lines.left.get(out_fd) and not err_lines.left.get(err_fd):
+        print(f"kernel: {lines.left[out_fd]} line(s) of --json output not written (their "
+              "reader did not read them; the journal has every run: kernel query)",
+              file=sys.stderr)
+    return code
+
+
+async def _run_batch(args: _Args, *, json_out: bool, say: Any, lines: _Lines,
+                     output: tuple[int, TextIO], stop: list[Any], stopping: Any,
+                     got: list[int], closed: list[str], deliveries: list[Any]) -> int:
     import trio
 
     from batteries.batch import BatchBusyError, BatchRunner, KernelDispatch
@@ -875,14 +1112,9 @@ async def _execute(args: _Args, *, json_out: bool, results: TextIO) -> int:
     counts: Counter[str] = Counter()
     failed: list[TaskOutcome] = []
     t0 = time.monotonic()
-    #: The cancel scope to stop the batch with (set once the batch runs).
-    stop: list[trio.CancelScope] = []
-    #: The output pipe's reader went away (`| head`): the batch is stopped, resumable.
-    closed: list[str] = []
     #: Runs whose delivery failed, and how.
     undelivered: list[tuple[TaskOutcome, PortFailure]] = []
-    #: Delivers the runs' results (--deliver-dir, --webhook), once it is made.
-    deliveries: list[Any] = []
+    out_fd, results = output
 
     def on_outcome(out: TaskOutcome) -> None:
         counts[out.status] += 1
@@ -890,152 +1122,244 @@ async def _execute(args: _Args, *, json_out: bool, results: TextIO) -> int:
             if failure.port == "delivery":
                 undelivered.append((out, failure))
                 if live is None:
-                    _print_undelivered(out, failure)
+                    say(_undelivered_line(out, failure))
         if json_out and not closed:
             doc = out.to_dict()
             doc["batch_id"] = args.batch_id
-            try:
-                results.write(json.dumps(doc, default=str) + "\n")
-                results.flush()
-            except BrokenPipeError:
-                # As a command is stopped by SIGPIPE (and `kernel run` by the same
-                # reader gone): the batch stops, interrupted and resumable.
-                closed.append("stdout")
-                _to_devnull(results)
-                print(f"kernel: output pipe closed (stdout): cancelling batch "
-                      f"{args.batch_id} (resume it with kernel batch --resume "
-                      f"{args.batch_id})", file=sys.stderr)
-                stopping()
+            lines.put(out_fd, json.dumps(doc, default=str) + "\n", results)
         if not out.ok:
             failed.append(out)
             if live is None and not json_out:
-                _print_failure(out)
-
-    def stopping() -> None:
-        """Stop the batch (a signal, stdout gone): its runs now, resumable; the deliveries
-        of runs that ended get `STOP_DRAIN` seconds more."""
-        for scope in stop:
-            scope.cancel()
-        for d in deliveries:
-            d.scope.deadline = min(d.scope.deadline, trio.current_time() + STOP_DRAIN)
+                say(_failure_line(out))
 
     async def before_resume(run_id: str) -> None:
         await trio.to_thread.run_sync(partial(stop_leftovers, run_id, db=args.db))
 
     live = None
-    got: list[int] = []
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP,
-                                   signal.SIGQUIT) as signals:
-        journals: list[Any] = []
-        async with open_ports(PortSpec(db=args.db, no_critic=True), warnings=warnings,
-                              redactor=args.redactor, journals=journals) as ports:
-            journal = journals[0]
-            given = args.given
-            dispatch: Any
-            if args.ray is not None:
-                _quiet_ray_sigterm_note()
-                dispatch = _ray_dispatch(args, journal)
-                try:
-                    await dispatch.connect()
-                    await dispatch.check_store()
-                except (ConnectionError, ConfigError) as exc:
-                    print(f"kernel batch: error: {exc}", file=sys.stderr)
-                    return 2
-            else:
-                dispatch = KernelDispatch(ports, lambda spec: _build(spec, given),
-                                          critic_for=_critics(), redacted=True)
-            runner = BatchRunner(journal, dispatch, concurrency=args.concurrency,
-                                 before_resume=before_resume)
+    journals: list[Any] = []
+    async with open_ports(PortSpec(db=args.db, no_critic=True), warnings=warnings,
+                          redactor=args.redactor, journals=journals) as ports:
+        journal = journals[0]
+        given = args.given
+        dispatch: Any
+        if args.ray is not None:
+            _quiet_ray_sigterm_note()
+            dispatch = _ray_dispatch(args, journal)
             try:
-                if args.tasks is not None:
-                    await runner.create(args.tasks, batch_id=args.batch_id, name=args.name,
-                                        source=args.source, options=args.options())
-                    verb = "started"
-                else:
-                    verb = "resumed"
-            except Exception as exc:
-                print(f"kernel batch: error: {exc}", file=sys.stderr)
+                await dispatch.connect()
+                await dispatch.check_store()
+            except (ConnectionError, ConfigError) as exc:
+                say(f"kernel batch: error: {exc}")
                 return 2
-            print(f"kernel: batch {args.batch_id} {verb}: {args.total} task(s), concurrency "
-                  f"{args.concurrency}"
-                  + (f", {args.workers} workers" if args.workers > 1 else ""),
-                  file=sys.stderr, flush=True)
-            busy: list[str] = []
-            async with _delivering(args, on_outcome) as delivery, \
-                    trio.open_nursery() as nursery:
-                if delivery is not None:
-                    deliveries.append(delivery)
-                    nursery.start_soon(delivery.serve)
-                if batch_progress.wanted():
-                    live = batch_progress.BatchProgress(runner, args.total, delivery)
-                    nursery.start_soon(batch_progress.show, live)
-
-                async def on_signal() -> None:
-                    async for signum in signals:
-                        name = signal.Signals(signum).name
-                        if got and delivery is not None:  # again: stop delivering too
-                            print(f"kernel: {name}: stopping {delivery.pending} "
-                                  "delivery(ies)", file=sys.stderr)
-                            delivery.scope.cancel()
-                            continue
-                        got.append(signum)
-                        print(f"kernel: {name}: cancelling batch "
-                              f"{args.batch_id} (resume it with kernel batch --resume "
-                              f"{args.batch_id})", file=sys.stderr)
-                        stopping()
-
-                nursery.start_soon(on_signal)
-                with trio.CancelScope() as runs:
-                    stop.append(runs)
-                    if closed:  # the pipe closed with the batch's first (skipped) outcomes
-                        stopping()
-                    try:
-                        async with _workers(args) as remote:
-                            if remote is not None:
-                                runner.dispatch = remote
-                            await runner.run(
-                                args.batch_id,
-                                on_outcome=on_outcome if delivery is None else delivery.submit,
-                                on_start=live.on_start if live is not None else None)
-                    except BatchBusyError as exc:
-                        busy.append(str(exc))
-                if delivery is not None:
-                    delivery.close()  # every run has ended: deliver what is left
-                    await delivery.served.wait()
-                nursery.cancel_scope.cancel()
-            if busy:
-                print(f"kernel batch: error: {busy[0]}", file=sys.stderr)
-                return 2
+        else:
+            dispatch = KernelDispatch(ports, lambda spec: _build(spec, given),
+                                      critic_for=_critics(), redacted=True)
+        runner = BatchRunner(journal, dispatch, concurrency=args.concurrency,
+                             before_resume=before_resume)
+        try:
+            if args.tasks is not None:
+                await runner.create(args.tasks, batch_id=args.batch_id, name=args.name,
+                                    source=args.source, options=args.options())
+                verb = "started"
+            else:
+                verb = "resumed"
+            # Before anything starts (the workers' runs, progress): a batch another
+            # process runs is one line, exit 2, whether or not it has workers.
+            await runner.claim(args.batch_id)
+        except BatchBusyError as exc:
+            say(f"kernel batch: error: {exc}")
+            async with _workers(args):  # they were forked for nothing: let them go
+                pass
+            return 2
+        except Exception as exc:
+            say(f"kernel batch: error: {exc}")
+            return 2
+        runner.concurrency = args.at_once or args.concurrency
+        say(f"kernel: batch {args.batch_id} {verb}: {args.total} task(s), concurrency "
+            f"{runner.concurrency}" + (f", {args.workers} workers" if args.workers > 1 else ""))
+        async with _delivering(args, on_outcome) as delivery, trio.open_nursery() as nursery:
+            if delivery is not None:
+                deliveries.append(delivery)
+                nursery.start_soon(delivery.serve)
+            if batch_progress.wanted():
+                live = batch_progress.BatchProgress(runner, args.total, delivery)
+                nursery.start_soon(batch_progress.show, live)
+            with trio.CancelScope() as runs:
+                stop.append(runs)
+                if got or closed:  # stopped already (a signal; the pipe closed)
+                    stopping()
+                async with _workers(args) as remote:
+                    if remote is not None:
+                        runner.dispatch = remote
+                    await runner.run(
+                        args.batch_id,
+                        on_outcome=on_outcome if delivery is None else delivery.submit,
+                        on_start=live.on_start if live is not None else None)
+            if delivery is not None:
+                delivery.close()  # every run has ended: deliver what is left
+                await delivery.served.wait()
+            nursery.cancel_scope.cancel()
     for failure in warnings:
-        print(f"kernel: warning: {failure}", file=sys.stderr)
+        say(f"kernel: warning: {failure}")
     if live is not None:
         for out, failure in undelivered:
-            _print_undelivered(out, failure)
+            say(_undelivered_line(out, failure))
     if live is not None and not json_out:
         for out in failed:
-            _print_failure(out)
+            say(_failure_line(out))
     if undelivered:
-        print(f"kernel: warning: batch {args.batch_id}: {len(undelivered)} run(s) not "
-              "delivered everywhere (see above)", file=sys.stderr)
+        say(f"kernel: warning: batch {args.batch_id}: {len(undelivered)} run(s) not "
+            "delivered everywhere (see above)")
     elapsed = time.monotonic() - t0
     summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items(), key=lambda kv: -kv[1]))
     if got or closed:
         summary = summary or "nothing finished"
-        print(f"kernel: batch {args.batch_id} interrupted after {elapsed:.1f}s ({summary}); "
-              f"resume: kernel batch --resume {args.batch_id}", file=sys.stderr)
+        say(f"kernel: batch {args.batch_id} interrupted after {elapsed:.1f}s ({summary}); "
+            f"resume: kernel batch --resume {args.batch_id}")
         return 130
     code = 0 if counts and set(counts) == {"ok"} else 1
-    print(f"kernel: batch {args.batch_id}: {summary} in {elapsed:.1f}s (exit {code})",
-          file=sys.stderr)
+    say(f"kernel: batch {args.batch_id}: {summary} in {elapsed:.1f}s (exit {code})")
     if not runner.finished:
         from batteries.batch import UNFINISHED
 
         left = sum(n for s, n in counts.items() if s in UNFINISHED)
-        print(f"kernel: batch {args.batch_id} is not finished: {left} task(s) did not end "
-              f"here; kernel batch --resume {args.batch_id} finishes them", file=sys.stderr)
+        say(f"kernel: batch {args.batch_id} is not finished: {left} task(s) did not end "
+            f"here; kernel batch --resume {args.batch_id} finishes them")
     return code
 
 
+def _same_file(a: int, b: int) -> bool:
+    try:
+        x, y = os.fstat(a), os.fstat(b)
+    except OSError:
+        return False
+    return (x.st_dev, x.st_ino) == (y.st_dev, y.st_ino)
+
+
+def _fileno(stream: TextIO) -> int:
+    """The stream's file descriptor, its Python buffer flushed first (its lines are
+    written to the descriptor from now on: `_Lines`)."""
+    stream.flush()
+    return stream.fileno()
+
+
+class _Lines:
+    """The runs' lines (--json on stdout, messages on stderr), written in order by a
+    worker thread instead of the trio thread when the descriptor has a reader (a pipe,
+    a terminal, a socket); a regular file's on the trio thread, as before.
+
+    A reader that stops reading (`| less` left on its first page, a full pipe to a
+    slow consumer) used to block the trio thread inside `write`: every run, deadline
+    and signal of the batch stopped with it (SIGINT waited 14 s for a reader that
+    slept 20 s, for ever for one that never reads). Now the lines wait in memory for
+    the reader while the batch goes on; a write that fails calls `serve`'s
+    `cannot_write` once for its descriptor, whose later lines are dropped.
+    """
+
+    def __init__(self) -> None:
+        self._queued: list[tuple[int, bytes]] = []
+        self._more: Any = None  # a trio.Event, made in trio (`serve`)
+        self._closed = False
+        self._failed: set[int] = set()
+        self._served: Any = None
+        self._inline: dict[int, bool] = {}
+        #: Descriptor -> lines not written to it because the batch ended first (a reader
+        #: that did not read them in time); those of a descriptor whose write failed
+        #: are not counted.
+        self.left: dict[int, int] = {}
+
+    def put(self, fd: int, line: str, stream: TextIO) -> None:
+        """Queue `line` (encoded as `stream` would) for `fd`."""
+        if fd in self._failed:
+            return
+        encoding = getattr(stream, "encoding", None) or "utf-8"
+        self._queued.append((fd, line.encode(encoding, getattr(stream, "errors", None)
+                                              or "strict")))
+        if self._more is not None:
+            self._more.set()
+
+    async def serve(self, cannot_write: Any) -> None:
+        """Write what is queued until `close` (cancelled: what is queued is left)."""
+        import trio
+
+        self._more = trio.Event()
+        self._served = trio.Event()
+        try:
+            while True:
+                if not self._queued:
+                    if self._closed:
+                        return
+                    await self._more.wait()
+                    self._more = trio.Event()
+                    continue
+                fd = self._queued[0][0]
+                inline = self._inline.get(fd)
+                if inline is None:
+                    inline = self._inline[fd] = _never_blocks(fd)
+                if not inline and not self._closed:
+                    # A thread's round trip per line costs more than the write (5,000
+                    # lines to a pipe: +0.5 s): the lines of the next moment go together.
+                    await trio.sleep(GATHER)
+                n = next((i for i, (f, _) in enumerate(self._queued) if f != fd),
+                         len(self._queued))
+                chunk, self._queued = self._queued[:n], self._queued[n:]
+                data = b"".join(data for _, data in chunk)
+                try:
+                    if inline:
+                        _write_all(fd, data)
+                    else:
+                        await trio.to_thread.run_sync(_write_all, fd, data,
+                                                      abandon_on_cancel=True)
+                except OSError as exc:  # its lines are dropped: `cannot_write` says why
+                    self._failed.add(fd)
+                    self._queued = [item for item in self._queued if item[0] != fd]
+                    cannot_write(fd, exc)
+                except BaseException:
+                    self._queued[:0] = chunk
+                    raise
+        finally:
+            for fd, _ in self._queued:
+                self.left[fd] = self.left.get(fd, 0) + 1
+            self._queued = []
+            self._served.set()
+
+    async def close(self) -> None:
+        """No more lines: wait until every queued one is written (or `serve` ended)."""
+        self._closed = True
+        if self._served is None:
+            return
+        self._more.set()
+        await self._served.wait()
+
+
+#: Seconds the lines bound for a pipe or terminal are gathered before a thread writes them.
+GATHER = 0.01
+
+
+def _never_blocks(fd: int) -> bool:
+    """True for a descriptor a write never waits on a reader for: a regular file (a
+    disk write, as before), /dev/null. Its lines are written on the trio thread."""
+    import stat
+
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode):
+            return True
+        return stat.S_ISCHR(st.st_mode) and st.st_rdev == os.stat(os.devnull).st_rdev
+    except OSError:
+        return False
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """Write all of `data` to `fd` (in a worker thread: it may block on a full pipe)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+#: Seconds the lines of a stopped batch (a signal, stdout gone) get to reach their reader:
+#: plenty for one that reads, and a stalled one never holds up the exit.
+LINES_DRAIN = 2.0
 #: Seconds the deliveries of ended runs get once the batch is stopped (a signal, stdout
 #: gone): what a run's own delivery gets (`Limits.finalize_timeout`'s default).
 STOP_DRAIN = 30.0
@@ -1083,11 +1407,10 @@ async def _delivering(args: _Args, on_delivered: Any) -> AsyncIterator[Any]:
         yield BatchDelivery(FanOutDelivery([*chosen, *hooks]), on_delivered=on_delivered)
 
 
-def _print_undelivered(out: TaskOutcome, failure: Any) -> None:
+def _undelivered_line(out: TaskOutcome, failure: Any) -> str:
     from .ids import short_id
 
-    print(f"kernel: warning: task {out.task_id} (run {short_id(out.run_id)}): {failure}",
-          file=sys.stderr)
+    return f"kernel: warning: task {out.task_id} (run {short_id(out.run_id)}): {failure}\n"
 
 
 def _to_devnull(stream: TextIO) -> None:
@@ -1102,12 +1425,11 @@ def _to_devnull(stream: TextIO) -> None:
         os.close(null)
 
 
-def _print_failure(out: TaskOutcome) -> None:
+def _failure_line(out: TaskOutcome) -> str:
     from .ids import short_id
 
     why = f": {out.error}" if out.error else ""
-    print(f"kernel: task {out.task_id} (run {short_id(out.run_id)}) {out.status}{why}",
-          file=sys.stderr)
+    return f"kernel: task {out.task_id} (run {short_id(out.run_id)}) {out.status}{why}"
 
 
 # ------------------------------------------------------------------ listing
