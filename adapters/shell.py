@@ -181,11 +181,17 @@ class ShellAgent:
 
         async def read(stream: trio.abc.ReceiveStream, name: str, tail: Tail) -> None:
             pipe = self._pipes[name] = _Pipe(stream)
-            async with trio.open_nursery() as watching:
-                if watched is not None:
-                    watching.start_soon(self._watch_reader, watched, name)
-                await self._pump(pipe, name, tail, progress)
-                watching.cancel_scope.cancel()
+            try:
+                async with trio.open_nursery() as watching:
+                    if watched is not None:
+                        watching.start_soon(self._watch_reader, watched, name)
+                    await self._pump(pipe, name, tail, progress)
+                    watching.cancel_scope.cancel()
+            finally:
+                # Our end closed now, not when the collector gets to the stream: a batch
+                # of many short commands ran out of descriptors (2 a command, ~1,800 open
+                # at -j 120 before a collection).
+                _close_now(stream)
             if pipe.dropped:  # written after its reader left, in the instant before the cut
                 tail.truncated = True
             open_pipes[0] -= 1
