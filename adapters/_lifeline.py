@@ -10,7 +10,11 @@ still the process that was registered (or,
 the leader gone, whatever is still in its group), and on Linux every process
 whose environment carries TOKEN, which covers a child started in the
 moment before its registration reached the pipe and descendants that left
-the group without clearing their environment. Then it exits.
+the group without clearing their environment. Then it waits (up to
+`GONE_WITHIN` seconds) until what it killed is gone, not merely signalled (a
+killed process holds its files, a lock among them, until it is through its
+exit, and its environment reads empty meanwhile): while the watcher lives,
+something of the dead supervisor may still be on its way out. Then it exits.
 """
 
 from __future__ import annotations
@@ -19,6 +23,11 @@ import contextlib
 import os
 import signal
 import sys
+import time
+
+#: How long the watcher waits for what it killed to be gone (only a process stuck in
+#: the kernel, in uninterruptible I/O or held at exit by a tracer, takes longer).
+GONE_WITHIN = 10.0
 
 
 def start_time(pid: int) -> int | None:
@@ -53,15 +62,54 @@ def group_members(pgid: int) -> list[int]:
     return found
 
 
-def stop_group(pgid: int, started: int | None) -> None:
-    """SIGKILL group `pgid` if it is still the one registered (a reused pid is left alone)."""
+def stop_group(pgid: int, started: int | None) -> bool:
+    """SIGKILL group `pgid` if it is still the one registered (a reused pid is left
+    alone); whether it was signalled."""
     now = start_time(pgid)
     if now is not None and started is not None and now != started:
-        return  # the leader's pid now belongs to another process; its group is not ours
+        return False  # the leader's pid now belongs to another process; its group is not ours
     if now is None and started is not None and not group_members(pgid):
-        return
-    with contextlib.suppress(OSError):
+        return False
+    try:
         os.killpg(pgid, signal.SIGKILL)
+    except OSError:
+        return False
+    return True
+
+
+def alive(groups: set[int], pids: dict[int, int | None]) -> bool:
+    """Whether a process of `groups`, or one of `pids` (with the start time it had),
+    is still alive: not yet a zombie (one dying still holds its files)."""
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return False
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                data = f.read()
+        except OSError:
+            continue
+        fields = data[data.rfind(b")") + 2:].split()
+        if len(fields) < 20 or fields[0] == b"Z":
+            continue
+        pid = int(name)
+        if int(fields[2]) in groups:
+            return True
+        if pid in pids and pids[pid] in (None, int(fields[19])):
+            return True
+    return False
+
+
+def wait_gone(groups: set[int], pids: dict[int, int | None]) -> None:
+    """Wait until nothing of `groups` and `pids` is alive, up to `GONE_WITHIN` seconds."""
+    deadline = time.monotonic() + GONE_WITHIN
+    pause = 0.002
+    while (groups or pids) and alive(groups, pids) and time.monotonic() < deadline:
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
 
 
 def carriers(token: bytes) -> list[int]:
@@ -99,15 +147,18 @@ def main() -> None:
         elif len(parts) == 2 and parts[0] == b"-":
             groups.pop(int(parts[1]), None)
     # End of file: the supervisor is gone.
-    for pgid, started in groups.items():
-        stop_group(pgid, started)
+    killed_groups = {pgid for pgid, started in groups.items() if stop_group(pgid, started)}
+    killed: dict[int, int | None] = {}
     for _ in range(50):  # until nothing carrying the token is left (they may be forking)
         pids = carriers(token)
         if not pids:
             break
         for pid in pids:
+            started = start_time(pid)
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
+                killed.setdefault(pid, started)
+    wait_gone(killed_groups, killed)
 
 
 if __name__ == "__main__":

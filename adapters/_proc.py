@@ -4,7 +4,9 @@ Every process an adapter starts (a plain command, a loop action, an agent
 CLI, the LLM's shell tool) goes through `spawn`:
 
 - It gets its own session, so it and everything it starts form one process
-  group that `Child.stop` ends: SIGTERM, SIGKILL after a grace period, reap.
+  group that `Child.stop` ends: SIGTERM, SIGKILL after a grace period, reap,
+  and wait until none of its processes is alive (a killed process holds its
+  files, a lock among them, until it is through its exit).
 - It is started in the calling (trio) thread: `os.posix_spawnp` (or
   `subprocess.Popen` where it cannot say the same) forks with vfork, so
   this thread only waits for the exec, and a worker-thread round
@@ -20,8 +22,8 @@ CLI, the LLM's shell tool) goes through `spawn`:
   file and the watcher SIGKILLs every registered group, then every process
   whose environment carries this process's lifeline token (`KERNEL_LIFELINE`,
   set in every child's environment), which covers a child started in the
-  instant before its registration was written. ARCHITECTURE.md says why this
-  and not PR_SET_PDEATHSIG.
+  instant before its registration was written; it exits once they are gone.
+  ARCHITECTURE.md says why this and not PR_SET_PDEATHSIG.
 - `Child.record()` is what the audit keeps (`process_start` payload: pid,
   pgid, start time, boot id, host) so `kernel recover` can stop a group that
   survived anyway, and never a process that merely reuses its pid.
@@ -99,12 +101,18 @@ def boot_id() -> str | None:
         return None
 
 
-def group_members(pgid: int) -> list[int]:
-    """Pids in process group `pgid` (Linux; empty elsewhere)."""
+def group_members(pgid: int, newer_than: int | None = None) -> list[int]:
+    """Live pids in process group `pgid` (Linux; empty elsewhere); with `newer_than`,
+    only those above that pid (see `Child._newer_than`).
+
+    A process counts until it is a zombie: one killed but still on its way out
+    (tearing down its memory, held at exit by a tracer) still holds its files.
+    """
     found: list[int] = []
+    low = -1 if newer_than is None else newer_than
     with contextlib.suppress(OSError):
         for name in os.listdir("/proc"):
-            if not name.isdigit():
+            if not name.isdigit() or int(name) <= low:
                 continue
             try:
                 with open(f"/proc/{name}/stat", "rb") as f:
@@ -325,10 +333,14 @@ class Child:
         return {"pid": self.pid, "pgid": self.pgid, "start_time": self.start_time,
                 "boot_id": boot_id(), "host": socket.gethostname()}
 
-    def signal_group(self, sig: signal.Signals) -> None:
-        """Send `sig` to the whole group (quietly, if it is gone)."""
-        with contextlib.suppress(ProcessLookupError, PermissionError):
+    def signal_group(self, sig: signal.Signals) -> bool:
+        """Send `sig` to the whole group (quietly, if it is gone); whether it reached a
+        process (a zombie counts: it is in the group until it is reaped)."""
+        try:
             os.killpg(self.pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
 
     async def wait(self) -> int:
         """Wait until the child exits, reap it, and return its `returncode`."""
@@ -351,7 +363,8 @@ class Child:
             os.close(fd)
 
     async def stop(self, grace: float) -> None:
-        """SIGTERM the group, SIGKILL it after `grace` seconds, reap the child.
+        """SIGTERM the group, SIGKILL it after `grace` seconds, reap the child, and wait
+        until no process of the group is alive (`_kill_group`).
 
         Safe to call more than once and from a cancelled scope (the caller
         shields it).
@@ -362,16 +375,48 @@ class Child:
                 await self.wait()
         self.signal_group(signal.SIGKILL)
         await self.wait()  # reaps it (and closes the pidfd) if nothing did yet
+        await self._kill_group()
         self._release()
 
     def stop_reaped(self) -> bool:
         """`stop()` for a child already reaped, without awaiting (no scope, no lock);
-        False if it is not reaped yet (then `await stop()`)."""
+        False if it is not reaped yet, or its group still has a process (then `await
+        stop()`, which waits for it to be gone)."""
         if self._popen.returncode is None or self._pidfd is not None:
             return False
-        self.signal_group(signal.SIGKILL)
+        if self.signal_group(signal.SIGKILL):
+            return False
         self._release()
         return True
+
+    async def _kill_group(self) -> None:
+        """SIGKILL the group and wait until none of its processes is alive.
+
+        A signal is only sent: a process it kills is gone only once it has left
+        the kernel's exit path, and until then it holds what it held (a lock, a
+        port, a file). Without this wait the next loop action could start while the
+        last one's background child still held its lock: coreutils' `sleep`, like
+        many programs, closes its stdout and stderr before it exits, so the pipes
+        reach end of file (what `settle` waits for) while it still holds its other
+        files, for ~0.2 ms, or as long as it is kept off the CPU on a loaded machine.
+        No cost when the group is empty (the SIGKILL finds no process): a command
+        that left nothing behind. A zombie is dead (its files are closed): not
+        waited for. A process stuck in the kernel (uninterruptible I/O, a tracer
+        holding it at exit) is waited for up to `_KILLED_WITHIN` seconds.
+        """
+        pause = 0.001
+        deadline = trio.current_time() + _KILLED_WITHIN
+        # Sent again each time: it also says whether the group has any process left.
+        while self.signal_group(signal.SIGKILL):
+            newer_than = self._newer_than()
+            if newer_than is not None:  # the group's processes are the child's descendants
+                members = group_members(self.pgid, newer_than)
+            else:
+                members = await trio.to_thread.run_sync(group_members, self.pgid)
+            if not members or trio.current_time() >= deadline:
+                return
+            await trio.sleep(pause)
+            pause = min(pause * 2, 0.05)
 
     def _release(self) -> None:
         if not self._released:
@@ -384,9 +429,11 @@ class Child:
 
         Waits `linger` seconds for `drained()` (the readers reaching end of
         file), then SIGTERMs the group and waits up to `grace` more, then
-        SIGKILLs it. `done()` says whether they are drained already (asked
-        again after each of up to two passes of the scheduler; once it says
-        so the group is signalled at once, with no timed wait set up).
+        SIGKILLs it and waits until none of its processes is alive (`_kill_group`:
+        the pipes reaching end of file does not mean their writers are gone). `done()`
+        says whether they are drained already (asked again after each of up to two
+        passes of the scheduler; once it says so the group is signalled at once, with
+        no timed wait set up).
         """
         if done is not None:
             # A child's pipes close before its pidfd is readable, so the readers
@@ -400,14 +447,14 @@ class Child:
                 await trio.lowlevel.checkpoint()
             if done():
                 self.signal_group(signal.SIGTERM)
-                self.signal_group(signal.SIGKILL)
+                await self._kill_group()
                 return
         with trio.move_on_after(linger):
             await drained()
         self.signal_group(signal.SIGTERM)
         with trio.move_on_after(grace):
             await drained()
-        self.signal_group(signal.SIGKILL)
+        await self._kill_group()
 
 
     async def sweep(self, grace: float) -> int:
@@ -465,6 +512,12 @@ class Child:
             return None
         last = _last_pid()
         return self.pid if last is not None and last >= self.pid else None
+
+
+#: How long a SIGKILLed group is waited for (`Child._kill_group`): only a process stuck
+#: in the kernel (uninterruptible I/O, a tracer holding it at exit) takes more than
+#: milliseconds; past this the caller goes on without it.
+_KILLED_WITHIN = 10.0
 
 
 def _last_pid() -> int | None:
