@@ -41,9 +41,10 @@ def start_time(pid: int) -> int | None:
     return int(fields[19])
 
 
-def group_members(pgid: int) -> list[int]:
-    """Pids whose process group is `pgid` (Linux; empty elsewhere)."""
-    found: list[int] = []
+def _live() -> list[tuple[int, list[bytes]]]:
+    """(pid, the fields of /proc/PID/stat after its name) of every process not yet a
+    zombie (a zombie is dead already; one dying still holds its files)."""
+    found: list[tuple[int, list[bytes]]] = []
     try:
         names = os.listdir("/proc")
     except OSError:
@@ -57,9 +58,14 @@ def group_members(pgid: int) -> list[int]:
         except OSError:
             continue
         fields = data[data.rfind(b")") + 2:].split()
-        if int(fields[2]) == pgid and fields[0] != b"Z":  # a zombie is dead already
-            found.append(int(name))
+        if len(fields) >= 20 and fields[0] != b"Z":
+            found.append((int(name), fields))
     return found
+
+
+def group_members(pgid: int) -> list[int]:
+    """Pids whose process group is `pgid` (Linux; empty elsewhere)."""
+    return [pid for pid, fields in _live() if int(fields[2]) == pgid]
 
 
 def stop_group(pgid: int, started: int | None) -> bool:
@@ -80,27 +86,9 @@ def stop_group(pgid: int, started: int | None) -> bool:
 def alive(groups: set[int], pids: dict[int, int | None]) -> bool:
     """Whether a process of `groups`, or one of `pids` (with the start time it had),
     is still alive: not yet a zombie (one dying still holds its files)."""
-    try:
-        names = os.listdir("/proc")
-    except OSError:
-        return False
-    for name in names:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                data = f.read()
-        except OSError:
-            continue
-        fields = data[data.rfind(b")") + 2:].split()
-        if len(fields) < 20 or fields[0] == b"Z":
-            continue
-        pid = int(name)
-        if int(fields[2]) in groups:
-            return True
-        if pid in pids and pids[pid] in (None, int(fields[19])):
-            return True
-    return False
+    return any(int(fields[2]) in groups
+               or (pid in pids and pids[pid] in (None, int(fields[19])))
+               for pid, fields in _live())
 
 
 def wait_gone(groups: set[int], pids: dict[int, int | None]) -> None:
