@@ -312,6 +312,7 @@ class JournalAudit:
         """The run's recorder, its row and `run_start` (or its resume) queued (no I/O)."""
         rec = DuckDBRecorder(self, info)
         self._remember(info.run_id, rec)
+        self.journal.recording.add(info.run_id)
         self.journal.pending.new.append(rec)
         self.journal.poke()
         return rec
@@ -377,6 +378,8 @@ class JournalAudit:
             self._started[rec.run_id] = str(row[2])  # its status: what a reuse is judged by
         if not self.journal.running:
             raise AuditError(f"the audit's journal was closed before run {rec.run_id} ended")
+        # Its checkpoint's end (held by the journal) goes in the same transaction.
+        self.journal.release(rec.run_id)
         self.journal.pending.closes.append((rec, row))
         try:  # `_write`, inline: one coroutine less per closing run
             await self.journal.commit_buffered()

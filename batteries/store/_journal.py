@@ -77,7 +77,7 @@ import trio
 
 from ._protocol import RunStore
 from ._sqlite import WouldBlock
-from ._types import Batch, Op, StoreBusyError
+from ._types import Batch, FinishRun, Op, StoreBusyError
 
 _log = logging.getLogger("kernel.journal")
 
@@ -182,6 +182,10 @@ class Journal:
         self.fast_until = 0
         self._retrying(0)
         self._deferred: list[Op] = []
+        #: Runs with an open recorder on this journal (the audit's `start_run` adds,
+        #: its close takes away), and the `FinishRun`s held until that close.
+        self.recording: set[str] = set()
+        self._held: dict[str, list[Op]] = {}
         self._failures = 0
         # Group commit: writes are numbered as they take the pending rows; `_durable`
         # is the number of the last one that committed. Rows buffered before write N
@@ -544,13 +548,34 @@ class Journal:
         return self._committed(deferred, results, False)
 
     async def later(self, op: Op) -> None:
-        """Write `op` with the next transaction (at once if the flusher is not running)."""
+        """Write `op` with the next transaction (at once if the flusher is not running).
+
+        A run's `FinishRun` (its checkpoint completed or failed) while the run has an
+        open recorder on this journal is held until that recorder's close is buffered
+        (`release`), and goes in the same transaction: the ports the kernel calls in
+        between (the budget's commit, a delivery: a webhook may take seconds) must not
+        let the checkpoint say "completed" while the run's row is still open. A
+        process dying there left a run `kernel recover` never closed (nothing to
+        resume) and analysts never saw end; now its checkpoint is still running, and
+        it is resumed like any run interrupted before its close.
+        """
         if self.running:
+            if type(op) is FinishRun and op.run_id in self.recording:
+                self._held.setdefault(op.run_id, []).append(op)
+                await trio.lowlevel.checkpoint()
+                return
             self._deferred.append(op)
             self.poke()
             await trio.lowlevel.checkpoint()
         else:
             await self.transact([op])
+
+    def release(self, run_id: str) -> None:
+        """The run's close is being buffered: what `later` held for it rides with it."""
+        self.recording.discard(run_id)
+        held = self._held.pop(run_id, None)
+        if held:
+            self._deferred.extend(held)
 
     async def read(self, fn: Any, *args: Any) -> Any:
         """Run a blocking read of the store (`fn(*args)`) in a worker thread."""
@@ -601,6 +626,10 @@ class Journal:
                     self._dirty.set()  # retry the kept rows after the interval
 
     async def _final_flush(self) -> None:
+        # Runs whose recorder never closed (the host gave up on them): their ops go now,
+        # as they always did, rather than never.
+        for run_id in list(self._held):
+            self.release(run_id)
         while self._writing:  # a write no caller waits for (a full batch): let it end
             task = trio.lowlevel.current_task()
             task.custom_sleep_data = self
