@@ -185,6 +185,18 @@ class JournalAudit:
         return int(self.journal.unwritten)
 
     @property
+    def spilled(self) -> int:
+        """Events the journal could not write at exit and kept in a spill file (`spill_path`),
+        which the next process that writes to the store commits: safe, not lost."""
+        return int(self.journal.spilled)
+
+    @property
+    def spill_path(self) -> Path | None:
+        """The spill file holding what the journal could not write at exit (None: none)."""
+        path = self.journal.spill_path
+        return None if path is None else Path(path)
+
+    @property
     def last_error(self) -> str | None:
         """The last write error, if the last write failed."""
         return self.journal.last_error

@@ -56,6 +56,10 @@ transaction that opens that store for writing, in any process, commits every
 spill it finds before its own rows, exactly once (a key per spill in the
 store's `meta` table, set in the same transaction), then removes the files;
 readers that find the write lock free do it too (`kernel recover`, `sync`).
+The same writers remove the temporary file of a spill whose writer died before
+renaming it, and delete the `meta` keys of spills none of whose files is left
+(see "Tidying" in `_sqlite`). `spilled` and `spill_path` say what was kept
+and where (`JournalAudit` has them too; the CLI prints a line naming the file).
 A spill that cannot be read is moved aside (`.bad`) with a one-line warning.
 Only a spill that cannot be written (a full or read-only disk) loses the
 rows, with an error logged and `unwritten` counting them.

@@ -85,6 +85,8 @@ from ._sqlite import (
     RUN_COLUMNS,
     SPEND_COLUMNS,
     SPILL_KEY,
+    SPILL_TMP_STALE,
+    SpillTaken,
     StoreStats,
     WouldBlock,
     _utc,
@@ -93,8 +95,10 @@ from ._sqlite import (
     saved_rows,
     set_aside,
     spill_files,
+    spill_keys_to_keep,
     spill_summary,
     spills_committed,
+    still_there,
     write_spill,
 )
 from ._types import (
@@ -649,6 +653,8 @@ class PostgresStore:
                     spills = None if self._spills_checked else self._replay_spills(con)
                     bases = self._write_batch(con, batch) if batch is not None else {}
                     results = [self._apply_one(con, op) for op in ops]
+                    if spills is not None:  # last: it holds the keys it deletes till COMMIT
+                        self._prune_spill_keys(con, spills[1])
                 break
             except StoreUnreachableError as exc:
                 left = deadline - time.monotonic()
@@ -660,7 +666,7 @@ class PostgresStore:
                 pause = min(pause * 2, RETRY_MAX)
         if spills is not None:
             self._spills_checked = True
-            spills_committed(spills)
+            spills_committed(spills[0])
         for rec, base in bases.items():
             rec.base = base
         if not self._holding and any(isinstance(op, RegisterRun | ClaimRun | SaveCheckpoint
@@ -700,14 +706,32 @@ class PostgresStore:
                             store=self.source)
         return write_spill(self.spill_home(), self.spill_prefix, spill_id, text)
 
-    def _replay_spills(self, con: Any) -> list[tuple[Path, str | None, str]]:
+    def spill_tag(self) -> int:
+        """What the `meta` keys of the spills written from this machine's spill directory
+        hold as their value (a hash of the host name and the directory): only a writer
+        that lists that directory may prune them (`_prune_spill_keys`)."""
+        home = self.spill_home()
+        try:
+            st = home.stat()
+            where = f"{os.path.realpath(home)}\0{st.st_dev}\0{st.st_ino}"
+        except OSError:
+            where = str(home)
+        digest = hashlib.sha256(f"{self._me.host}\0{where}".encode()).digest()
+        return int.from_bytes(digest[:8], "big") >> 1  # a BIGINT, never negative
+
+    def _replay_spills(self, con: Any) -> tuple[list[tuple[Path, str | None, str]], list[str]]:
         """Write this store's spill files in the transaction open on `con`, each in a
         savepoint and only if its `meta` key is not there yet; what `spills_committed`
-        does with each once the transaction commits."""
+        does with each once the transaction commits, and the spill keys to keep
+        (`_prune_spill_keys`). Leftovers of dead writers are removed (see "Tidying" in
+        `batteries.store._sqlite`)."""
         import psycopg
 
         done: list[tuple[Path, str | None, str]] = []
-        for path in spill_files(self.spill_home(), self.spill_prefix):
+        listed = spill_files(self.spill_home(), self.spill_prefix, tidy=SPILL_TMP_STALE)
+        read: list[str] = []
+        tag = self.spill_tag() if listed else 0
+        for path in listed:
             try:
                 spill = read_spill(path)
             except FileNotFoundError:
@@ -719,26 +743,37 @@ class PostgresStore:
                 _log.warning("store spill %s cannot be read now (%s); left for later", path,
                              exc.strerror or exc)
                 continue
+            read.append(spill.spill_id)
             if spill.store != self.source:
                 continue  # another store's (its name's hash collided): not ours to write
             try:
                 with con.transaction():  # a savepoint
-                    fresh = self._replay_one(con, spill)
+                    fresh = self._replay_one(con, spill, path, tag)
             except psycopg.OperationalError:
                 raise  # the server or a lock: the whole transaction fails (or is retried)
+            except SpillTaken:
+                continue  # written by another process meanwhile (its savepoint undone)
             except Exception as exc:
                 done.append((path, ".rejected", f"{type(exc).__name__}: "
                                                 f"{' '.join(str(exc).split())}"))
             else:
                 done.append((path, None, spill_summary(spill) if fresh else ""))
-        return done
+        return done, spill_keys_to_keep(listed, read)
 
-    def _replay_one(self, con: Any, spill: Spill) -> bool:
-        """Write one spill unless its key says it was written; True if written now."""
-        cur = con.execute(f"INSERT INTO meta (key, value) VALUES (%s, {NOW}) "
-                          "ON CONFLICT (key) DO NOTHING", (SPILL_KEY + spill.spill_id,))
+    def _replay_one(self, con: Any, spill: Spill, path: Path, tag: int) -> bool:
+        """Write one spill (read from `path`) unless its key says it was written; True if
+        written now. The key's value is `tag` (`spill_tag`).
+
+        Raises:
+            SpillTaken: Its key was not there but `path` is gone: another process wrote
+                it and its key was pruned since (see "Tidying" in `_sqlite`).
+        """
+        cur = con.execute("INSERT INTO meta (key, value) VALUES (%s, %s) "
+                          "ON CONFLICT (key) DO NOTHING", (SPILL_KEY + spill.spill_id, tag))
         if cur.rowcount == 0:
             return False
+        if not still_there(path):
+            raise SpillTaken(str(path))
         if not spill.batch.empty():
             self._write_batch(con, spill.batch)
         for op in spill.ops:
@@ -747,6 +782,18 @@ class PostgresStore:
                 _log.error("store operation from spill %s refused: %s: %s", spill.spill_id,
                            type(op).__name__, res)
         return True
+
+    def _prune_spill_keys(self, con: Any, keep: list[str]) -> None:
+        """Delete the keys of spills replayed from this machine's spill directory (their
+        value is `spill_tag`) none of whose files this transaction listed there (`keep`
+        holds those it did): nothing can replay them again (see "Tidying" in `_sqlite`).
+        Keys another writer holds are skipped, never waited for, and this runs last in
+        its transaction, so it never takes part in a deadlock. Keys replayed from
+        another machine or directory are that one's to prune; those set before this
+        tagging (their value a time) are kept."""
+        con.execute("DELETE FROM meta WHERE key IN (SELECT key FROM meta WHERE key LIKE "
+                    "'spill:%%' AND value = %s AND NOT (key = ANY(%s::text[])) "
+                    "FOR UPDATE SKIP LOCKED)", (self.spill_tag(), keep))
 
     # Every `rev` (and `events.xid`) defaults to the writing transaction's id: rows are
     # written with `rev = DEFAULT`, no round trip to ask for it.

@@ -639,26 +639,153 @@ class WouldBlock(Exception):
 # key: a spill whose key is there is only removed), then removes the files after its
 # COMMIT. A spill that cannot be read is renamed `.bad`, one the store refuses
 # `.rejected`: kept for a person, never replayed again, never failing an open.
+#
+# Tidying. The same listing finds the temporary files of writers killed before their
+# rename (`.<prefix>.spill-<pid>-<id>.tmp`): one is removed once its writer is gone
+# (`_tmp_writer_gone`: its pid is gone, a zombie, or a process started after the file
+# was last written: a recycled pid) and it is `SPILL_TMP_STALE` old (a directory shared
+# between machines, where the pid says nothing: no writer takes that long). The `meta`
+# keys are pruned too (`spill_keys_to_keep`): a key is only needed while its file may
+# still be found, so a transaction deletes the keys of spills none of whose files were
+# in its own listing. Sound because a spill file never comes back once its name is gone
+# (ids are random; only its writer's rename creates it) and because a replay that finds
+# its key missing re-checks, after setting it, that the file it read is still there
+# (`still_there`; else `SpillTaken`: its savepoint is undone). A process that read the
+# file before another's COMMIT and unlink, and sets the key after a third pruned it,
+# thus finds the file gone and writes nothing (with SQLite the listing, the read and
+# the key are under the write lock, so only PostgreSQL, whose writers run together,
+# needs the re-check; both do it). A file the replayer cannot remove keeps its key.
 
 #: The `meta` key that marks a spill as committed (followed by its id).
 SPILL_KEY = "spill:"
 #: What a spill file's name holds after its store's prefix.
 SPILL_INFIX = ".spill-"
+#: Seconds after its last write before a spill's temporary file whose writer is gone is
+#: removed (see "Tidying" above).
+SPILL_TMP_STALE = 3600.0
 
 
-def spill_files(directory: Path, prefix: str) -> list[Path]:
-    """The spill files of the store named `prefix` in `directory`, oldest first."""
+class SpillTaken(Exception):
+    """A spill file was gone once its `meta` key was set: another process wrote it
+    (and its key was pruned since); the replay's savepoint is undone."""
+
+
+def spill_files(directory: Path, prefix: str, *, tidy: float | None = None) -> list[Path]:
+    """The spill files of the store named `prefix` in `directory`, oldest first; with
+    `tidy`, the temporary files found in the same listing whose writer is gone and that
+    were last written at least `tidy` seconds ago are removed (the stores pass
+    `SPILL_TMP_STALE`; see "Tidying" above)."""
     pattern = re.compile(re.escape(prefix + SPILL_INFIX) + r"\d+-[0-9a-f]{32}")
     try:
-        names = [n for n in os.listdir(directory) if pattern.fullmatch(n)]
+        listed = os.listdir(directory)
     except OSError:
         return []
+    names = [n for n in listed if pattern.fullmatch(n)]
+    if tidy is not None:
+        _remove_stale_tmps(directory, prefix, listed, tidy)
     found = []
     for name in names:
         path = directory / name
         with contextlib.suppress(OSError):  # gone meanwhile: another process wrote it
             found.append((path.stat().st_mtime_ns, name, path))
     return [path for _, _, path in sorted(found)]
+
+
+def spill_id_of(path: Path) -> str:
+    """The spill id a spill file's name holds (its last 32 characters)."""
+    return path.name[-32:]
+
+
+def spill_keys_to_keep(listed: Iterable[Path], read: Iterable[str]) -> list[str]:
+    """The `meta` keys of the spills a transaction listed (by their names) or read (by
+    their contents): every other spill key may be deleted in that transaction."""
+    return sorted({SPILL_KEY + spill_id_of(p) for p in listed}
+                  | {SPILL_KEY + spill_id for spill_id in read})
+
+
+def still_there(path: Path) -> bool:
+    """Whether a spill file read earlier still exists (opened, not only looked up: on a
+    network file system an open revalidates what a lookup may answer from a cache)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True  # there, but not ours to open now: as if it were (never a loss)
+    os.close(fd)
+    return True
+
+
+def _remove_stale_tmps(directory: Path, prefix: str, listed: Iterable[str],
+                       stale: float) -> None:
+    """Remove the temporary spill files in `listed` whose writer is gone and that were
+    last written `stale` seconds ago or more (never raises)."""
+    pattern = re.compile(re.escape("." + prefix + SPILL_INFIX) + r"(\d+)-[0-9a-f]{32}\.tmp")
+    now = time.time()
+    for name in listed:
+        m = pattern.fullmatch(name)
+        if m is None:
+            continue
+        path = directory / name
+        try:
+            written = path.stat().st_mtime
+        except OSError:
+            continue  # renamed or removed meanwhile
+        if now - written < stale or not _tmp_writer_gone(int(m[1]), written):
+            continue
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            _log.warning("journal spill leftover %s cannot be removed (%s)", path,
+                         exc.strerror or exc)
+            continue
+        _log.warning("journal spill leftover %s removed: its writer (pid %s) died before "
+                     "finishing it; it held nothing it had committed", path, m[1])
+
+
+def _tmp_writer_gone(pid: int, written: float) -> bool:
+    """Whether the process that wrote a spill's temporary file (last at `written`, epoch
+    seconds) is provably gone: no process has its pid, the one that has it is a zombie,
+    or it started after the file was last written (a recycled pid; a minute's margin for
+    the clock). Unknown (not Linux, no /proc) is "not gone"."""
+    from ._types import _proc_stat
+
+    if pid <= 0:
+        return True  # no writer has that pid
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass  # someone else's process: alive
+    except (OSError, OverflowError):
+        return True  # beyond the pid range: no process has it
+    stat = _proc_stat(pid)
+    if stat is None:
+        return False
+    if stat[0] in ("Z", "X"):
+        return True
+    booted = _boot_time()
+    if booted is None:
+        return False
+    started = booted + stat[1] / os.sysconf("SC_CLK_TCK")
+    return started > written + 60.0
+
+
+def _boot_time() -> float | None:
+    """When this machine booted, in epoch seconds (Linux's /proc/stat `btime`), or None."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            for line in f:
+                if line.startswith(b"btime "):
+                    return float(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def write_spill(directory: Path, prefix: str, spill_id: str, text: str) -> Path:
@@ -1093,10 +1220,13 @@ class SQLiteStore:
         """Write the spill files beside the journal in the transaction begun on `con`,
         each in a savepoint and only if its `meta` key is not there yet (then set);
         the files are removed or moved aside once the transaction commits
-        (`_spills_committed`)."""
+        (`_spills_committed`). Leftovers of dead writers are removed, and the keys of
+        spills none of whose files were listed are deleted (see "Tidying" above)."""
         done: list[tuple[Path, str | None, str]] = []
         self._spill_txn = done
-        for path in spill_files(self.path.parent, self.path.name):
+        listed = spill_files(self.path.parent, self.path.name, tidy=SPILL_TMP_STALE)
+        read: list[str] = []
+        for path in listed:
             try:
                 spill = read_spill(path)
             except FileNotFoundError:
@@ -1108,11 +1238,15 @@ class SQLiteStore:
                 _log.warning("journal spill %s cannot be read now (%s); left for later",
                              path, exc.strerror or exc)
                 continue
+            read.append(spill.spill_id)
             con.execute("SAVEPOINT kernel_spill")
             try:
-                fresh = self._replay_one(con, spill, rev)
+                fresh = self._replay_one(con, spill, rev, path)
             except sqlite3.OperationalError:
                 raise  # the journal itself failed (I/O, full disk): the transaction does
+            except SpillTaken:
+                con.execute("ROLLBACK TO kernel_spill")
+                con.execute("RELEASE kernel_spill")
             except Exception as exc:
                 con.execute("ROLLBACK TO kernel_spill")
                 con.execute("RELEASE kernel_spill")
@@ -1121,13 +1255,25 @@ class SQLiteStore:
             else:
                 con.execute("RELEASE kernel_spill")
                 done.append((path, None, spill_summary(spill) if fresh else ""))
+        keep = spill_keys_to_keep(listed, read)
+        if len(keep) <= 500:  # (else pruned by a later listing: SQLite's bound variables)
+            con.execute("DELETE FROM meta WHERE key >= ? AND key < ? AND key NOT IN "
+                        f"({', '.join('?' * len(keep))})", (SPILL_KEY, "spill;", *keep))
 
-    def _replay_one(self, con: sqlite3.Connection, spill: Spill, rev: list[int]) -> bool:
-        """Write one spill unless its key says it was written; True if written now."""
+    def _replay_one(self, con: sqlite3.Connection, spill: Spill, rev: list[int],
+                    path: Path) -> bool:
+        """Write one spill (read from `path`) unless its key says it was written; True if
+        written now.
+
+        Raises:
+            SpillTaken: Its key was not there but `path` is gone (see "Tidying" above).
+        """
         cur = con.execute("INSERT OR IGNORE INTO meta (key, value) VALUES (?, ?)",
                           (SPILL_KEY + spill.spill_id, now_us()))
         if cur.rowcount == 0:
             return False
+        if not still_there(path):
+            raise SpillTaken(str(path))
         if not spill.batch.empty():
             self._write_batch(con, spill.batch, rev)
         for op in spill.ops:

@@ -944,12 +944,30 @@ async def worker_ports(store: str, *, db: str | None, redactor: Any) -> AsyncIte
     from batteries.store import choose
     from kernel import PortSpec
 
+    from .run_cmd import _say
+
     if store.startswith(("postgresql://", "postgres://")):
         choose(store)
     else:
         db = store
-    async with open_ports(PortSpec(db=db, no_critic=True), redactor=redactor) as ports:
+    journals: list[Any] = []
+    async with _spill_noted(open_ports(PortSpec(db=db, no_critic=True), redactor=redactor,
+                                       journals=journals), journals, _say) as ports:
         yield ports
+
+
+@asynccontextmanager
+async def _spill_noted(opening: Any, journals: list[Any], say: Any) -> AsyncIterator[Ports]:
+    """`opening`'s ports (`open_ports`); once it closed, a warning line (`say`) for each of
+    its journals that kept rows in a spill file (`run_cmd.journal_notes`)."""
+    from .run_cmd import journal_notes
+
+    try:
+        async with opening as ports:
+            yield ports
+    finally:
+        for line in journal_notes(journals):
+            say(line)
 
 
 def _critics() -> Any:
@@ -1137,8 +1155,9 @@ async def _run_batch(args: _Args, *, json_out: bool, say: Any, lines: _Lines,
 
     live = None
     journals: list[Any] = []
-    async with open_ports(PortSpec(db=args.db, no_critic=True), warnings=warnings,
-                          redactor=args.redactor, journals=journals) as ports:
+    async with _spill_noted(open_ports(PortSpec(db=args.db, no_critic=True), warnings=warnings,
+                                       redactor=args.redactor, journals=journals),
+                            journals, say) as ports:
         journal = journals[0]
         given = args.given
         dispatch: Any

@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import sys
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -48,7 +48,9 @@ from .run_cmd import (
     REDACT_HELP,
     _execute,
     _report,
+    _storage,
     exit_code,
+    journal_notes,
     make_redactor,
     parse_context,
     plan_from_spec,
@@ -391,11 +393,13 @@ def _resume_one(rec: Recovery, saved: SavedRun, *, json_out: bool) -> tuple[int,
             output.print_doc(doc)
         return _not_resumed(got, short), False
     print(f"kernel: resuming run {short} from step {saved.checkpoint.steps}", file=sys.stderr)
+    journals: list[Any] = []
     result = trio.run(partial(_execute, got.spec, got.agent, resume=saved.checkpoint,
-                              redactor=got.redactor))
+                              redactor=got.redactor, journals=journals))
     code = exit_code(result, command=False)
     echoed = not json_out and isinstance(got.spec.agent, LoopSpec)
-    code = _report(result, code, json_out=json_out, echo_output=not echoed)
+    code = _report(result, code, json_out=json_out, echo_output=not echoed,
+                   storage=_storage(journals), notes=journal_notes(journals))
     return code, rec.halted(result)
 
 

@@ -12,7 +12,7 @@ import shlex
 import signal
 import stat
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -347,7 +347,8 @@ def run(
     # A dry run echoes nothing as it goes: its output (the path it would take) is the answer.
     code = _report(result, code, json_out=json_out,
                    echo_output=not quiet and (not plan.echoes or dry_run),
-                   storage=_storage(journals), command=plan.is_command)
+                   storage=_storage(journals), command=plan.is_command,
+                   notes=journal_notes(journals))
     raise typer.Exit(code)
 
 
@@ -786,11 +787,37 @@ _ECHO = _Echo()
 
 
 def _storage(journals: list[Any]) -> dict[str, Any] | None:
-    """What the run's journal transactions cost (wait for the write lock, longest one), and
-    how many of them the flush timer started (a run outliving `flush_interval`)."""
+    """What the run's journal transactions cost (wait for the write lock, longest one), how
+    many of them the flush timer started (a run outliving `flush_interval`), and what the
+    journal could not write at exit: `spilled` events kept in the spill file `spill_path`
+    (safe: the next writer commits them) and `unwritten` events lost."""
     if not journals:
         return None
-    return {**journals[0].store.stats.as_dict(), "timed_flushes": journals[0].timed_flushes}
+    journal = journals[0]
+    path = journal.spill_path
+    return {**journal.store.stats.as_dict(), "timed_flushes": journal.timed_flushes,
+            "spilled": journal.spilled, "spill_path": None if path is None else str(path),
+            "unwritten": journal.unwritten}
+
+
+def journal_notes(journals: Sequence[Any]) -> list[str]:
+    """A warning line for each journal that kept rows in a spill file as it closed (the
+    store locked or unreachable past the lock timeout): where they are and who commits
+    them. Said by every command that opens a journal (`run`, `resume`, `recover`,
+    `batch`); the journal's own warning goes to the `kernel.journal` logger, which the
+    CLI shows only from `KERNEL_LOG_LEVEL=warning` on."""
+    lines = []
+    for journal in journals:
+        path = journal.spill_path
+        if path is None:
+            continue
+        n = journal.spilled
+        who = ("the next kernel command on this machine that writes to the store"
+               if hasattr(journal.store, "spill_home") else  # PostgreSQL: per machine
+               "the next kernel command that writes to the journal")
+        lines.append(f"kernel: warning: audit rows not yet written ({n} event"
+                     f"{'' if n == 1 else 's'}) are kept in {path}; {who} commits them")
+    return lines
 
 
 def _cancelling(sig: signal.Signals) -> None:
@@ -912,18 +939,30 @@ def _lost_output(code: int) -> int:
 
 
 def _report(result: Result, code: int, *, json_out: bool, echo_output: bool,
-            storage: dict[str, Any] | None = None, command: bool = False) -> int:
-    """Print the result (--json) or the summary line; the exit code, as finally decided."""
+            storage: dict[str, Any] | None = None, command: bool = False,
+            notes: Sequence[str] = ()) -> int:
+    """Print the result (--json) or the summary line; the exit code, as finally decided.
+
+    `notes` (`journal_notes`) go on stderr after the port failures. Audit events the
+    journal lost (`storage["unwritten"]`: not written, nor kept in a spill file) make
+    an exit 0 exit 1, as output that could not be written does (the run's status is
+    its own); events kept in a spill file change nothing: they are safe.
+    """
     from kernel import Status
 
     for failure in result.port_failures:
         _say(f"kernel: warning: {failure}")
+    for note in notes:
+        _say(note)
+    unwritten = int(storage.get("unwritten") or 0) if storage else 0
     for stream, count in _ECHO.unechoed.items():
         if stream not in _ECHO.gone:
             _say(f"kernel: warning: {count} bytes of output were not echoed to {stream}: "
                  "the run stopped while its reader was not keeping up")
     if json_out:
         code = _lost_output(code)
+        if code == 0 and unwritten:
+            code = 1
         doc = result.to_dict()
         doc["short_id"] = short_id(result.run_id)
         doc["command_exit_code"] = result.exit_code
@@ -939,6 +978,10 @@ def _report(result: Result, code: int, *, json_out: bool, echo_output: bool,
             _out(text.rstrip("\n") + "\n")
     lost = _lost_output(code) != code
     code = _lost_output(code)
+    why_exit = ": its output could not all be written" if lost else ""
+    if code == 0 and unwritten:
+        code = 1
+        why_exit = f": {unwritten} audit event(s) were lost"
     # Always, terminal or not: the short id is how a person finds the run again.
     why = result.error or result.reason
     steps = f"{result.steps} step(s)"
@@ -954,7 +997,7 @@ def _report(result: Result, code: int, *, json_out: bool, echo_output: bool,
     _say(f"kernel: run {short_id(result.run_id)} {result.status} after "
          f"{result.runtime_seconds:.1f}s, {steps}"
          + (f": {why}" if why and why != str(result.status) else "")
-         + f" (exit {code}" + (": its output could not all be written" if lost else "") + ")")
+         + f" (exit {code}{why_exit})")
     return code
 
 
