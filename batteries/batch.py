@@ -11,7 +11,8 @@ A batch is stored in the journal when it is created: the batch row (its
 lease: the holder's host, pid and the pid's start time) and one row per
 task holding the task's run spec and **the run id it becomes**, fixed
 before anything runs. A task's state is therefore its run's: no task row
-changes while the batch runs, and a run costs the batch nothing beyond the
+changes while the batch runs (but where its delivery stands, for a batch
+that delivers its results), and a run costs the batch nothing beyond the
 transactions the run makes anyway.
 
 `run(batch_id)` takes the batch's lease (`ClaimBatch`: refused while its
@@ -48,7 +49,12 @@ interrupted once this process is gone and `run` (a resume) finishes it.
 
 `BatchDelivery` delivers each run's result as it ends (a directory, webhooks:
 any `Delivery`), off the run's slot and a bounded number at once, so a slow
-or failing webhook never holds up the batch's runs.
+or failing webhook never holds up the batch's runs. Given to `run`, it keeps
+where each task's delivery stands in the journal (`TaskRow.delivery`): marked
+`pending` before the run starts, `delivered` or `failed` as its delivery
+ends; a later `run` (a resume) delivers again every result still owed (its
+delivery failed, or never ended because the batch process died or was
+stopped), as the journal has it, without running the task again.
 
 Dispatching one task is `Dispatch.__call__(task, resume) -> Result`: one
 task in, one result out, with no other state shared with the batch.
@@ -85,6 +91,7 @@ from kernel import (
     RunInfo,
     Status,
     Step,
+    Usage,
 )
 
 from .store import (
@@ -97,15 +104,19 @@ from .store import (
     FinishBatch,
     Journal,
     LoseRun,
+    MarkDelivery,
+    Op,
     Owner,
     SavedRun,
     StoreError,
     TaskRow,
 )
+from .store._types import DELIVERY_DONE, DELIVERY_FAILED, DELIVERY_PENDING
 
 __all__ = [
     "DELIVERY_LIMIT",
     "PURGED",
+    "UNDELIVERED",
     "UNFINISHED",
     "BatchBusyError",
     "BatchDelivery",
@@ -145,6 +156,11 @@ class TaskOutcome:
         skipped: It had finished before this `run` (a resumed batch).
         resumed: It was interrupted and continued from its checkpoint.
         error: Why, for anything but ok.
+        delivery: Where the delivery of its result stands (`TaskRow.delivery`):
+            `delivered`, `failed` or `pending` (owed: not delivered yet, or stopped
+            before its delivery ended); None when there was nothing to deliver. A task
+            skipped with its result owed (`UNDELIVERED`) carries the result as the journal
+            has it when `run` was given a delivery, which delivers it.
     """
 
     index: int
@@ -155,6 +171,7 @@ class TaskOutcome:
     skipped: bool = False
     resumed: bool = False
     error: str | None = None
+    delivery: str | None = None
 
     @property
     def ended(self) -> bool:
@@ -166,11 +183,18 @@ class TaskOutcome:
         """True when the run ended `ok`."""
         return self.status == Status.OK
 
+    @property
+    def undelivered(self) -> bool:
+        """True when its run ended and its result is owed a delivery (`UNDELIVERED`)."""
+        return self.delivery in UNDELIVERED and self.ended
+
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: the task, and its result's fields when it ran here."""
+        """JSON-ready: the task, and its result's fields when it ran (or was delivered)
+        here."""
         doc: dict[str, Any] = self.result.to_dict() if self.result is not None else {}
         doc.update(index=self.index, task_id=self.task_id, run_id=self.run_id,
-                   status=self.status, skipped=self.skipped, resumed=self.resumed)
+                   status=self.status, skipped=self.skipped, resumed=self.resumed,
+                   delivery=self.delivery)
         if self.error is not None or "error" not in doc:
             doc["error"] = self.error
         return doc
@@ -181,6 +205,11 @@ class TaskOutcome:
 UNFINISHED = frozenset({"running", "pending"})
 #: `TaskOutcome.status` of a task of a finished batch whose run was purged meanwhile.
 PURGED = "purged"
+#: `TaskOutcome.delivery` of a task whose result did not reach its destinations: its
+#: delivery failed, or never ended (the batch process died or was stopped first). The
+#: journal keeps it so (`TaskRow.delivery`), and a `run` given a delivery (a resume)
+#: delivers it again without running the task.
+UNDELIVERED = frozenset({DELIVERY_PENDING, DELIVERY_FAILED})
 
 
 class Dispatch(Protocol):
@@ -398,7 +427,8 @@ class BatchRunner:
 
     async def run(self, batch_id: str,
                   on_outcome: Callable[[TaskOutcome], None] | None = None,
-                  on_start: Callable[[BatchTask], None] | None = None) -> list[TaskOutcome]:
+                  on_start: Callable[[BatchTask], None] | None = None, *,
+                  delivery: BatchDelivery | None = None) -> list[TaskOutcome]:
         """Run every task of the batch that has not finished; every task's outcome, in order.
 
         Finished tasks are reported as skipped, interrupted ones resumed (see
@@ -407,6 +437,17 @@ class BatchRunner:
         once every task's run has ended (`finished`); if this is cancelled, or
         a task was left unfinished (`TaskOutcome.ended` False), it stays held by
         this process and is resumable once the process is gone.
+
+        With `delivery` (being served: `BatchDelivery.serve`), every outcome is also
+        submitted to it (its `on_delivered` hears of each once its delivery ended),
+        it is closed once every task ended, and `run` returns once every delivery
+        ended (the batch is held until then); the journal keeps where each
+        task's delivery stands: every task about to run is marked `pending` before
+        it starts (a process that dies before its result was delivered leaves it
+        owed), then `delivered` or `failed` as its delivery ends. A skipped task
+        whose result is owed (`UNDELIVERED`: its delivery failed, or had not ended
+        when the batch process died or was stopped) is delivered again, its result
+        as the journal has it, without running it again.
 
         Raises:
             BatchBusyError: Another process that may be alive holds the batch.
@@ -428,12 +469,16 @@ class BatchRunner:
         self._batch_id = batch_id
         self.outcomes = []
         done: dict[int, TaskOutcome] = {}
+        if delivery is not None:
+            delivery.bind(self.journal, batch_id)
 
         def report(out: TaskOutcome) -> None:
             done[out.index] = out
             self.outcomes.append(out)
             if on_outcome is not None:
                 on_outcome(out)
+            if delivery is not None:
+                delivery.submit(out)
 
         todo: list[_Todo] = []
         lose: list[TaskRow] = []
@@ -442,8 +487,11 @@ class BatchRunner:
             if saved is not None and saved.status == "running":
                 todo.append(_Todo(row, resume=True))
             elif row.run_status is not None:
-                report(TaskOutcome(row.index, row.task_id, row.run_id, row.run_status,
-                                   skipped=True))
+                out = TaskOutcome(row.index, row.task_id, row.run_id, row.run_status,
+                                  skipped=True, delivery=row.delivery)
+                if delivery is not None and row.ended is not None:
+                    out.result = _owed_result(row)  # delivered again (`UNDELIVERED`)
+                report(out)
             elif row.started:
                 lose.append(row)
             elif was_finished:
@@ -452,12 +500,21 @@ class BatchRunner:
                                          "the journal since (kernel purge); not run again"))
             else:
                 todo.append(_Todo(row))
+        # Owed before it starts: a result is never lost between its run's end and the mark.
+        marks: list[tuple[int, str | None, str | None]] = [
+            (t.row.index, DELIVERY_PENDING, None) for t in todo
+            if t.row.delivery != DELIVERY_PENDING] if delivery is not None else []
+        # A lost run is never delivered (its kernel never ended it): nothing is owed.
+        marks += [(r.index, None, None) for r in lose if r.delivery is not None]
+        ops: list[Op] = [MarkDelivery(batch_id, tuple(marks))] if marks else []
         if lose:
             whys = [_lost_why(r.saved) for r in lose]
-            await self.journal.transact([LoseRun(r.run_id, why)
-                                         for r, why in zip(lose, whys, strict=True)])
+            await self.journal.transact([*ops, *(LoseRun(r.run_id, why)
+                                                 for r, why in zip(lose, whys, strict=True))])
             for r, why in zip(lose, whys, strict=True):
                 report(TaskOutcome(r.index, r.task_id, r.run_id, str(Status.LOST), error=why))
+        elif ops:
+            await self.journal.transact(ops)
 
         queue = iter(todo)
 
@@ -468,6 +525,12 @@ class BatchRunner:
         async with trio.open_nursery() as nursery:
             for _ in range(min(self.concurrency, len(todo))):
                 nursery.start_soon(worker)
+        await trio.lowlevel.checkpoint()  # a `serve` started beside this one has begun
+        if delivery is not None and delivery.serving:
+            # The batch stays held until its deliveries ended: a resume started meanwhile
+            # is refused instead of delivering again what is under way here.
+            delivery.close()
+            await delivery.served.wait()
         if all(out.ended for out in done.values()):
             await self.journal.transact([FinishBatch(batch_id, self.owner)])
             self.finished = True
@@ -556,6 +619,34 @@ def _lost_why(saved: SavedRun | None) -> str:
             "died before the run's status was recorded; not run again")
 
 
+def _owed_result(row: TaskRow) -> Result | None:
+    """The result of an ended run whose delivery is owed, as the journal's runs row has it
+    (`TaskRow.ended`: what `kernel show --json` prints: its secrets redacted, its output
+    as stored, no traceback or artifacts); None when the row names no status."""
+    e = row.ended
+    if e is None or row.run_status is None:
+        return None
+    try:
+        status = Status(row.run_status)
+    except ValueError:
+        return None
+
+    def count(key: str) -> int:
+        v = e.get(key)
+        return int(v) if isinstance(v, (int, float)) else 0
+
+    cost, runtime = e.get("cost_usd"), e.get("runtime_seconds")
+    exit_code = e.get("exit_code")
+    return Result(status=status, run_id=row.run_id, name=str(e.get("name") or ""),
+                  output=e.get("output"), error=e.get("error"), reason=e.get("reason"),
+                  steps=count("steps"), tool_calls=count("tool_calls"),
+                  usage=Usage(count("input_tokens"), count("output_tokens"),
+                              count("thinking_tokens"),
+                              float(cost) if isinstance(cost, (int, float)) else 0.0),
+                  runtime_seconds=float(runtime) if isinstance(runtime, (int, float)) else 0.0,
+                  exit_code=int(exit_code) if isinstance(exit_code, int) else None)
+
+
 _log = logging.getLogger("kernel.batch")
 
 #: Results a `BatchDelivery` delivers at once (their webhook requests and folder writes).
@@ -568,45 +659,67 @@ class BatchDelivery:
         delivery = BatchDelivery(FanOutDelivery([...]), on_delivered=report)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(delivery.serve)
-            await runner.run(batch_id, on_outcome=delivery.submit)
-            delivery.close()    # serve returns once every result is delivered
+            await runner.run(batch_id, delivery=delivery)   # returns once all delivered
 
-    `submit` (the runner's `on_outcome`) queues an outcome that carries a
-    result (its run ended in this process) and passes any other (skipped,
-    lost, unfinished: nothing to deliver) straight to `on_delivered`. `serve`
-    delivers the queue, at most `limit` results at once, each bounded by its
-    delivery's own limits (a webhook's attempts and total time): a run's
-    slot is free as soon as the run ends, and a slow or failing webhook
-    delays only the deliveries behind it, never the runs.
+    `submit` (the runner submits each outcome) queues an outcome that carries a
+    result (its run ended in this process, or a resumed batch owed it a
+    delivery) and passes any other (skipped, lost, unfinished: nothing to
+    deliver) straight to `on_delivered`. `serve` delivers the queue, at most
+    `limit` results at once, each bounded by its delivery's own limits (a
+    webhook's attempts and total time): a run's slot is free as soon as the
+    run ends, and a slow or failing webhook delays only the deliveries behind
+    it, never the runs.
 
     As in a run (`Delivery`), a delivery is an observer: a failure is put on
     the result's `port_failures` (`delivery.deliver: DeliveryError: ...`, as
     the kernel puts it) and logged, and never changes the status. Each
-    outcome reaches `on_delivered` once, after its delivery. Cancelling
-    `scope` (or giving it a deadline) stops the deliveries left: each
-    outcome not delivered reaches `on_delivered` with a failure saying so.
+    outcome reaches `on_delivered` once, after its delivery, with
+    `TaskOutcome.delivery` saying how it went (`delivered`, `failed`, or
+    `pending` when it was stopped). Cancelling `scope` (or giving it a
+    deadline) stops the deliveries left: each outcome not delivered reaches
+    `on_delivered` with a failure saying so.
+
+    Given to `BatchRunner.run(delivery=...)`, it is bound to the batch's journal
+    (`bind`): as each delivery ends, where it stands is written there
+    (`MarkDelivery`; a failure's error passed through `redact` first) before
+    `on_delivered` hears of it, so a resume delivers again what failed or never
+    ended. A delivery stopped before it ended is left `pending` (owed).
 
     Unlike a run's own delivery, a failure is not in the run's audit: the
     run's row is closed when its result comes back.
     """
 
     def __init__(self, delivery: Delivery, *, limit: int = DELIVERY_LIMIT,
-                 on_delivered: Callable[[TaskOutcome], None] | None = None) -> None:
+                 on_delivered: Callable[[TaskOutcome], None] | None = None,
+                 redact: Callable[[str], str] | None = None) -> None:
         if limit < 1:
             raise ValueError(f"limit must be >= 1, got {limit}")
         self.delivery = delivery
         self.limit = limit
         self.on_delivered = on_delivered
+        self.redact = redact
         #: Results queued or being delivered.
         self.pending = 0
         #: Results whose delivery failed (or never happened), so far.
         self.failed = 0
+        #: Deliveries whose end could not be written to the journal (`bind`), so far:
+        #: the journal still has them `pending`, so a resume delivers them again.
+        self.unrecorded = 0
         #: Cancel it (or set its deadline) to stop delivering.
         self.scope = trio.CancelScope()
         #: Set when `serve` has returned (everything delivered, or given up).
         self.served = trio.Event()
+        #: `serve` has started.
+        self.serving = False
         self._send, self._receive = trio.open_memory_channel[TaskOutcome](math.inf)
         self._stopped = False
+        self._journal: Journal | None = None
+        self._batch_id = ""
+
+    def bind(self, journal: Journal, batch_id: str) -> None:
+        """Write where each delivery stands to `journal`, as batch `batch_id`'s tasks'
+        (`BatchRunner.run(delivery=...)` binds it to the batch it runs)."""
+        self._journal, self._batch_id = journal, batch_id
 
     def submit(self, out: TaskOutcome) -> None:
         """Queue `out`'s result for delivery (or pass on an outcome without a result)."""
@@ -615,7 +728,7 @@ class BatchDelivery:
             return
         self.pending += 1
         if self._stopped:
-            self._failed(out, DeliveryError(_NOT_DELIVERED))
+            self._failed(out, DeliveryError(_NOT_DELIVERED), DELIVERY_PENDING)
         else:
             self._send.send_nowait(out)
 
@@ -626,6 +739,7 @@ class BatchDelivery:
     async def serve(self) -> None:
         """Deliver what is submitted, `limit` at once, until `close` and an empty queue
         (or `scope` is cancelled: what is left is passed on, undelivered)."""
+        self.serving = True
         try:
             with self.scope:
                 async with trio.open_nursery() as nursery:
@@ -638,30 +752,63 @@ class BatchDelivery:
                     out = self._receive.receive_nowait()
                 except (trio.WouldBlock, trio.EndOfChannel):
                     break
-                self._failed(out, DeliveryError(_NOT_DELIVERED))
+                self._failed(out, DeliveryError(_NOT_DELIVERED), DELIVERY_PENDING)
             self.served.set()
 
     async def _deliver_queued(self) -> None:
         async for out in self._receive:
             assert out.result is not None
             ended = False
+            error: Exception | None = None
             try:
                 await self.delivery.deliver(out.result)
+                ended = True
             except Exception as exc:
                 ended = True
-                self._failed(out, exc)
-            else:
-                ended = True
-                self._done(out)
+                error = exc
             finally:
-                # Cancelled (`scope`), maybe as a group of `Cancelled` (a fan-out's nursery).
+                # Cancelled (`scope`), maybe as a group of `Cancelled` (a fan-out's nursery):
+                # left `pending` in the journal, delivered again by a resume.
                 if not ended:
-                    self._failed(out, DeliveryError(_NOT_DELIVERED))
+                    self._failed(out, DeliveryError(_NOT_DELIVERED), DELIVERY_PENDING)
+            await self._record(out, error)
+            if error is None:
+                out.delivery = DELIVERY_DONE
+                self._done(out)
+            else:
+                self._failed(out, error, DELIVERY_FAILED)
 
-    def _failed(self, out: TaskOutcome, exc: BaseException) -> None:
+    async def _record(self, out: TaskOutcome, error: Exception | None) -> None:
+        """Write where `out`'s delivery stands to the bound journal (shielded: a delivery
+        that ended is recorded also when the batch is being stopped, so a resume does
+        not send it twice)."""
+        journal = self._journal
+        if journal is None:
+            return
+        why = None
+        if error is not None:
+            why = _why(error)
+            if self.redact is not None:
+                why = self.redact(why)
+        mark = (out.index, DELIVERY_DONE if error is None else DELIVERY_FAILED, why)
+        failure = "no answer from the journal in time"
+        with trio.CancelScope(shield=True) as shielded:
+            shielded.deadline = trio.current_time() + RECORD_LIMIT
+            try:
+                await journal.transact([MarkDelivery(self._batch_id, (mark,))])
+                return
+            except StoreError as exc:
+                failure = str(exc)
+        self.unrecorded += 1
+        _log.warning("cannot record the delivery of run %s in the journal (it stays owed: "
+                     "a resume delivers it again): %s", out.run_id, failure,
+                     extra={"run_id": out.run_id, "error": failure})
+
+    def _failed(self, out: TaskOutcome, exc: BaseException, state: str) -> None:
         assert out.result is not None
         self.failed += 1
-        msg = f"{type(exc).__name__}: {exc}"
+        out.delivery = state
+        msg = _why(exc)
         out.result.port_failures.append(PortFailure("delivery", "deliver", msg))
         _log.warning("port failed: delivery.deliver: %s (run %s)", msg, out.run_id,
                      extra={"port": "delivery", "method": "deliver", "error": msg,
@@ -675,6 +822,13 @@ class BatchDelivery:
             self.on_delivered(out)
 
 
+def _why(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+#: Seconds a delivery's end may take to be written to the journal (a backstop: the
+#: journal's own lock timeout ends a write that waits for a lock first).
+RECORD_LIMIT = 60.0
 _NOT_DELIVERED = "not delivered: the batch was stopped before its delivery ended"
 
 

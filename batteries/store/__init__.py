@@ -38,6 +38,7 @@ from ._types import CreateBatch as CreateBatch
 from ._types import FinishBatch as FinishBatch
 from ._types import FinishRun as FinishRun
 from ._types import LoseRun as LoseRun
+from ._types import MarkDelivery as MarkDelivery
 from ._types import Op as Op
 from ._types import Owner as Owner
 from ._types import RegisterRun as RegisterRun
@@ -87,6 +88,7 @@ __all__ = [
     "FinishRun",
     "Journal",
     "LoseRun",
+    "MarkDelivery",
     "Op",
     "Owner",
     "PostgresStore",

@@ -90,6 +90,8 @@ from ._sqlite import (
     StoreStats,
     WouldBlock,
     _utc,
+    batch_tasks_sql,
+    delivery_marks,
     lock_timeout_from_env,
     read_spill,
     saved_rows,
@@ -99,6 +101,7 @@ from ._sqlite import (
     spill_summary,
     spills_committed,
     still_there,
+    task_rows,
     write_spill,
 )
 from ._types import (
@@ -111,6 +114,7 @@ from ._types import (
     FinishBatch,
     FinishRun,
     LoseRun,
+    MarkDelivery,
     Op,
     Owner,
     RegisterRun,
@@ -140,7 +144,7 @@ DEFAULT_LEASE = 60.0
 #: The schema (namespace) holding the kernel's tables in the database the URL names.
 SCHEMA = "kernel"
 #: The schema version this code writes (`kernel.meta` key `version`).
-STORE_VERSION = 2
+STORE_VERSION = 3
 #: The namespace of the advisory locks (first key of the two-key form), "kern".
 _LOCKS = 0x6B65726E
 #: Second keys: creating/migrating the schema; a budget is locked by its caller's hash.
@@ -214,8 +218,14 @@ _V2 = (
     "CREATE INDEX IF NOT EXISTS batch_tasks_rev ON batch_tasks (rev)",
 )
 
+#: Version 3: where each batch task's delivery stands (the journal's version 5).
+_V3 = (
+    "ALTER TABLE batch_tasks ADD COLUMN IF NOT EXISTS delivery TEXT",
+    "ALTER TABLE batch_tasks ADD COLUMN IF NOT EXISTS delivery_error TEXT",
+)
+
 #: Every migration, in order (index + 1 = the version it brings). Append only.
-MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2)
+MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2, _V3)
 
 
 class StoreUnreachableError(StoreBusyError):
@@ -924,6 +934,11 @@ class PostgresStore:
                               f"pid = 0, pid_start = NULL, rev = DEFAULT WHERE batch_id = %s "
                               f"AND host = %s AND pid = %s", (op.batch_id, o.host, o.pid))
             return cur.rowcount > 0
+        if isinstance(op, MarkDelivery):
+            with con.cursor() as cur:
+                cur.executemany("UPDATE batch_tasks SET delivery = %s, delivery_error = %s "
+                                "WHERE batch_id = %s AND idx = %s", delivery_marks(op))
+            return None
         raise TypeError(f"unknown store operation {op!r}")
 
     def _register(self, con: Any, op: RegisterRun) -> None:
@@ -1070,6 +1085,14 @@ class PostgresStore:
                 return []
             rows = con.execute(sql, params).fetchall()
             counted: dict[str, dict[str, int]] = {}
+            delivered: dict[str, dict[str, int]] = {}
+            if rows and self._delivers(con):
+                for bid, state, n in con.execute(
+                        "SELECT t.batch_id, t.delivery, count(*) FROM batch_tasks t "
+                        "JOIN runs r ON r.run_id = t.run_id WHERE t.batch_id = ANY(%s) "
+                        "AND r.status IS NOT NULL AND t.delivery IS NOT NULL "
+                        "GROUP BY t.batch_id, t.delivery", ([r[0] for r in rows],)).fetchall():
+                    delivered.setdefault(bid, {})[str(state)] = int(n)
             if rows:
                 for bid, state, n in con.execute(
                         "SELECT t.batch_id, CASE WHEN r.run_id IS NULL AND c.run_id IS NULL "
@@ -1091,7 +1114,8 @@ class PostgresStore:
             assert created_at is not None
             out.append(BatchRow(bid, name or "", source or "", created_at, _utc(ended), status,
                                 int(tasks), int(conc), owner, counted.get(bid, {}),
-                                json.loads(options) if options else {}))
+                                json.loads(options) if options else {},
+                                delivered.get(bid, {})))
         return out
 
     def batch_tasks(self, batch_id: str) -> list[TaskRow]:
@@ -1099,20 +1123,22 @@ class PostgresStore:
         with self._read() as con:
             if con is None:
                 return []
-            rows = con.execute(
-                "SELECT t.idx, t.task_id, t.run_id, t.spec, r.status, r.run_id IS NOT NULL, "
-                "c.run_id IS NOT NULL FROM batch_tasks t "
-                "LEFT JOIN runs r ON r.run_id = t.run_id "
-                "LEFT JOIN checkpoints c ON c.run_id = t.run_id "
-                "WHERE t.batch_id = %s ORDER BY t.idx", (batch_id,)).fetchall()
+            rows = con.execute(batch_tasks_sql(self._delivers(con), "%s"),
+                               (batch_id,)).fetchall()
             saved: dict[str, SavedRun] = {}
             if any(r[6] for r in rows):
                 saved = {s.run_id: s for s in saved_rows(
                     con, " WHERE run_id IN (SELECT run_id FROM batch_tasks WHERE batch_id = %s)",
                     (batch_id,))}
-        return [TaskRow(int(idx), tid, rid, json.loads(spec), status, bool(has_run or has_cp),
-                        saved.get(rid))
-                for idx, tid, rid, spec, status, has_run, has_cp in rows]
+        return task_rows(rows, saved)
+
+    def _delivers(self, con: Any) -> bool:
+        """The store's batch_tasks have the delivery columns (version 3 on: a store an
+        older kernel made is migrated by this process's first write, not by a read)."""
+        if self._migrated:
+            return True
+        row = con.execute("SELECT value FROM meta WHERE key = 'version'").fetchone()
+        return row is not None and int(row[0]) >= 3
 
     def _holder_gone(self, holder: Owner, silent_us: int | None) -> bool:
         """Provably gone: released (pid 0); on this host, `Owner.gone`; on another host,

@@ -50,6 +50,10 @@ from kernel._dataclass import dataclass
 
 from ._files import private_dir, private_file
 from ._types import (
+    DELIVERY_FAILED,
+    DELIVERY_PENDING,
+    DELIVERY_STATES,
+    RESULT_COLUMNS,
     Batch,
     BatchRow,
     CallerBudget,
@@ -59,6 +63,7 @@ from ._types import (
     FinishBatch,
     FinishRun,
     LoseRun,
+    MarkDelivery,
     Op,
     Owner,
     RegisterRun,
@@ -115,7 +120,7 @@ AUTOCHECKPOINT_PAGES = 4000
 WAL_SIZE_LIMIT = 16 << 20
 
 #: The journal schema version this code writes (SQLite's `PRAGMA user_version`).
-JOURNAL_VERSION = 4
+JOURNAL_VERSION = 5
 
 _V1 = (
     """CREATE TABLE IF NOT EXISTS runs (
@@ -231,8 +236,18 @@ _V4 = (
     "ALTER TABLE events_v4 RENAME TO events",
 )
 
+#: Version 5: where each batch task's delivery stands (`TaskRow.delivery`): `pending`
+#: (owed: marked before its run starts, so a batch process that dies before the result
+#: was delivered leaves it owed and `kernel batch --resume` delivers it), `delivered`,
+#: `failed` (with `delivery_error`), NULL (nothing to deliver). The analysts' copy of
+#: batch_tasks does not change (it keeps its columns; these rows keep their rev).
+_V5 = (
+    "ALTER TABLE batch_tasks ADD COLUMN delivery TEXT",
+    "ALTER TABLE batch_tasks ADD COLUMN delivery_error TEXT",
+)
+
 #: Every journal migration, in order (index + 1 = the version it brings). Append only.
-MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2, _V3, _V4)
+MIGRATIONS: tuple[tuple[str, ...], ...] = (_V1, _V2, _V3, _V4, _V5)
 
 #: Columns `changes()` yields for each table, in order.
 EVENT_COLUMNS = ("id", "run_id", "seq", "ts", "kind", "iteration", "name", "duration_ms",
@@ -252,6 +267,68 @@ SPEND_COLUMNS = ("id", "caller_id", "ts", "run_id", "runtime_seconds", "tokens",
 BATCH_COLUMNS = ("batch_id", "name", "source", "created_at", "ended_at", "status", "tasks",
                  "concurrency", "options", "host", "pid")
 BATCH_TASK_COLUMNS = ("batch_id", "idx", "task_id", "run_id")
+
+#: A batch's tasks with their runs' status, whether they started, and (journal version 5
+#: on: `batch_tasks_sql(True, ...)`) where their delivery stands, with the result of
+#: those whose run ended and whose result is owed a delivery (`TaskRow.ended`); the
+#: other tasks' result columns are not read (NULL), so a resume reads no outputs but
+#: the owed ones.
+_TASKS_SQL = ("SELECT t.idx, t.task_id, t.run_id, t.spec, r.status, r.run_id IS NOT NULL, "
+              "c.run_id IS NOT NULL{delivery} FROM batch_tasks t "
+              "LEFT JOIN runs r ON r.run_id = t.run_id "
+              "LEFT JOIN checkpoints c ON c.run_id = t.run_id "
+              "WHERE t.batch_id = {p} ORDER BY t.idx")
+_OWED = "t.delivery IN ('pending', 'failed') AND r.status IS NOT NULL"
+#: A batch's tasks whose run ended, counted by their delivery (`BatchRow.deliveries`).
+DELIVERY_COUNTS = ("SELECT t.delivery, count(*) FROM batch_tasks t JOIN runs r "
+                   "ON r.run_id = t.run_id WHERE t.batch_id = ? AND r.status IS NOT NULL "
+                   "AND t.delivery IS NOT NULL GROUP BY t.delivery")
+
+
+def batch_tasks_sql(delivery: bool, placeholder: str) -> str:
+    """The query `batch_tasks` reads a batch's tasks with (`task_rows` reads its rows);
+    `delivery` for a store whose batch_tasks have the delivery columns."""
+    extra = ""
+    if delivery:
+        extra = ", t.delivery, t.delivery_error" + "".join(
+            f", CASE WHEN {_OWED} THEN r.{c} END" for c in RESULT_COLUMNS)
+    return _TASKS_SQL.format(delivery=extra, p=placeholder)
+
+
+def task_rows(rows: Iterable[Sequence[Any]], saved: dict[str, SavedRun]) -> list[TaskRow]:
+    """`TaskRow`s of the rows of `batch_tasks_sql`."""
+    out = []
+    for row in rows:
+        idx, tid, rid, spec, status, has_run, has_cp = row[:7]
+        delivery = error = ended = None
+        if len(row) > 7:
+            delivery, error = row[7], row[8]
+            if status is not None and delivery in (DELIVERY_PENDING, DELIVERY_FAILED):
+                ended = dict(zip(RESULT_COLUMNS, row[9:], strict=True))
+        out.append(TaskRow(int(idx), tid, rid, json.loads(spec), status,
+                           bool(has_run or has_cp), saved.get(rid), delivery, error, ended))
+    return out
+
+
+def delivery_marks(op: MarkDelivery) -> list[tuple[str | None, str | None, str, int]]:
+    """The (delivery, delivery_error, batch_id, idx) rows of a `MarkDelivery`.
+
+    Raises:
+        StoreError: A mark's state is not one of `DELIVERY_STATES` (or None).
+    """
+    rows = []
+    for idx, state, error in op.marks:
+        if state is not None and state not in DELIVERY_STATES:
+            raise StoreError(f"unknown delivery state {state!r}")
+        rows.append((state, _text(error) if state == DELIVERY_FAILED else None, op.batch_id,
+                     int(idx)))
+    return rows
+
+
+def _delivers(con: sqlite3.Connection) -> bool:
+    """The journal's batch_tasks have the delivery columns (version 5 on: a journal an
+    older kernel wrote is migrated by its first write, not by a read)."""
+    return int(con.execute("PRAGMA user_version").fetchone()[0]) >= 5
 
 
 def lock_timeout_from_env() -> float:
@@ -1695,6 +1772,10 @@ class SQLiteStore:
                               "AND pid = ?", (now_us(), self._rev(con, rev), op.batch_id,
                                               o.host, o.pid))
             return cur.rowcount > 0
+        if isinstance(op, MarkDelivery):
+            con.executemany("UPDATE batch_tasks SET delivery = ?, delivery_error = ? "
+                            "WHERE batch_id = ? AND idx = ?", delivery_marks(op))
+            return None
         raise TypeError(f"unknown journal operation {op!r}")
 
     def _register(self, con: sqlite3.Connection, op: RegisterRun, rev: list[int]) -> None:
@@ -1826,6 +1907,7 @@ class SQLiteStore:
             sql += f" LIMIT {int(limit)}"
         with self._read() as con:
             rows = con.execute(sql, params).fetchall()
+            delivers = bool(rows) and _delivers(con)
             out = []
             for (bid, name, source, created, ended, status, tasks, conc, options, host, pid,
                  start) in rows:
@@ -1835,34 +1917,31 @@ class SQLiteStore:
                     "FROM batch_tasks t LEFT JOIN runs r ON r.run_id = t.run_id "
                     "LEFT JOIN checkpoints c ON c.run_id = t.run_id "
                     "WHERE t.batch_id = ? GROUP BY s", (bid,)).fetchall())
+                deliveries = dict(con.execute(DELIVERY_COUNTS, (bid,)).fetchall()) \
+                    if delivers else {}
                 created_at = _utc(created)
                 assert created_at is not None
                 out.append(BatchRow(bid, name or "", source or "", created_at, _utc(ended),
                                     status, int(tasks), int(conc),
                                     Owner(host or "", int(pid or 0), start),
                                     {str(k): int(v) for k, v in counts.items()},
-                                    json.loads(options) if options else {}))
+                                    json.loads(options) if options else {},
+                                    {str(k): int(v) for k, v in deliveries.items()}))
         return out
 
     def batch_tasks(self, batch_id: str) -> list[TaskRow]:
-        """The tasks of a batch in file order, each with its run's status and checkpoint."""
+        """The tasks of a batch in file order, each with its run's status and checkpoint,
+        and where its result's delivery stands (with the result, when one is owed)."""
         if not self.exists():
             return []
         with self._read() as con:
-            rows = con.execute(
-                "SELECT t.idx, t.task_id, t.run_id, t.spec, r.status, r.run_id IS NOT NULL, "
-                "c.run_id IS NOT NULL FROM batch_tasks t "
-                "LEFT JOIN runs r ON r.run_id = t.run_id "
-                "LEFT JOIN checkpoints c ON c.run_id = t.run_id "
-                "WHERE t.batch_id = ? ORDER BY t.idx", (batch_id,)).fetchall()
+            rows = con.execute(batch_tasks_sql(_delivers(con), "?"), (batch_id,)).fetchall()
             saved: dict[str, SavedRun] = {}
             if any(r[6] for r in rows):
                 saved = {s.run_id: s for s in saved_rows(
                     con, " WHERE run_id IN (SELECT run_id FROM batch_tasks WHERE batch_id = ?)",
                     (batch_id,))}
-        return [TaskRow(int(idx), tid, rid, json.loads(spec), status, bool(has_run or has_cp),
-                        saved.get(rid))
-                for idx, tid, rid, spec, status, has_run, has_cp in rows]
+        return task_rows(rows, saved)
 
     # ---------------------------------------------------------------- budgets
 

@@ -335,9 +335,29 @@ class FinishBatch:
     owner: Owner
 
 
+#: `TaskRow.delivery` of a task whose result is owed a delivery: its run was to be
+#: delivered (marked before it started) and no delivery of its result has ended yet.
+DELIVERY_PENDING = "pending"
+#: `TaskRow.delivery` once its result reached every destination.
+DELIVERY_DONE = "delivered"
+#: `TaskRow.delivery` once a delivery of its result failed (`TaskRow.delivery_error` says how).
+DELIVERY_FAILED = "failed"
+DELIVERY_STATES = frozenset({DELIVERY_PENDING, DELIVERY_DONE, DELIVERY_FAILED})
+
+
+@dataclass(slots=True, frozen=True)
+class MarkDelivery:
+    """Record where the results of tasks of a batch stand, each mark (index, state,
+    error): a `DELIVERY_STATES` state, or None (nothing to deliver), and for `failed`
+    why (redacted by the caller). Raises `StoreError` (undone alone) for another state."""
+
+    batch_id: str
+    marks: tuple[tuple[int, str | None, str | None], ...]
+
+
 Op = (RegisterRun | SaveCheckpoint | FinishRun | LoseRun | ClaimRun | ReleaseRun
       | ReserveBudget | SettleBudget | SetBudget | RemoveBudget | CreateBatch | ClaimBatch
-      | FinishBatch)
+      | FinishBatch | MarkDelivery)
 
 
 # -------------------------------------------------------------------- rows
@@ -477,6 +497,9 @@ class BatchRow:
     owner: Owner
     counts: dict[str, int]
     options: dict[str, Any] = field(default_factory=dict)
+    #: Tasks whose run ended, by where their result's delivery stands (`TaskRow.delivery`:
+    #: `pending`, `delivered`, `failed`); empty when the batch delivers nothing.
+    deliveries: dict[str, int] = field(default_factory=dict)
 
     @property
     def interrupted(self) -> bool:
@@ -492,6 +515,13 @@ class TaskRow:
         run_status: The run's terminal status; None while it has not ended (or started).
         started: True once the run exists (a run row or a registered checkpoint).
         saved: The run's checkpoint, if it registered one (its lease and state).
+        delivery: Where the delivery of its result stands: `pending` (owed: its run was to
+            be delivered and no delivery of it has ended), `delivered`, `failed`; None when
+            there is nothing to deliver (the batch delivered nothing when it ran).
+        delivery_error: Why its delivery failed (`failed`).
+        ended: For a task whose run ended and whose result is owed a delivery (`pending`
+            or `failed`), its result as the journal's runs row has it (`RESULT_COLUMNS`);
+            else None.
     """
 
     index: int
@@ -501,6 +531,15 @@ class TaskRow:
     run_status: str | None
     started: bool
     saved: SavedRun | None = None
+    delivery: str | None = None
+    delivery_error: str | None = None
+    ended: dict[str, Any] | None = None
+
+
+#: The runs row's columns `TaskRow.ended` holds: what a result is rebuilt from.
+RESULT_COLUMNS = ("name", "output", "error", "reason", "steps", "tool_calls",
+                  "runtime_seconds", "input_tokens", "output_tokens", "thinking_tokens",
+                  "cost_usd", "exit_code")
 
 
 # ------------------------------------------------------------------ spills
@@ -563,7 +602,8 @@ class Spill:
 
 _OP_TYPES: dict[str, type[Any]] = {cls.__name__: cls for cls in (
     RegisterRun, SaveCheckpoint, FinishRun, LoseRun, ClaimRun, ReleaseRun, ReserveBudget,
-    SettleBudget, SetBudget, RemoveBudget, CreateBatch, ClaimBatch, FinishBatch)}
+    SettleBudget, SetBudget, RemoveBudget, CreateBatch, ClaimBatch, FinishBatch,
+    MarkDelivery)}
 #: Op fields that hold an `Owner` (or None), a `Checkpoint`, `BatchTask`s, or a JSON object.
 _OWNER_FIELDS = frozenset({"owner", "gone"})
 _MAPPING_FIELDS = frozenset({"spec", "info", "options"})
@@ -756,6 +796,8 @@ def _op(doc: Any) -> Op:
                                int(value["tool_calls"]))
         elif f.name == "tasks":
             value = tuple(BatchTask(str(t[0]), str(t[1]), dict(t[2])) for t in value)
+        elif f.name == "marks":  # MarkDelivery: (index, state, error) each
+            value = tuple((int(m[0]), m[1], m[2]) for m in value)
         elif f.name in _MAPPING_FIELDS and value is not None:
             _need(isinstance(value, dict), f"{doc['op']}.{f.name} is not an object")
         kwargs[f.name] = value

@@ -94,18 +94,22 @@ hard one allows, beyond that the runs go fewer at a time (said in one line).
 --deliver-dir and --webhook deliver each run's result as `kernel run` does
 (DIR/RUN_ID/, a JSON POST) when the run ends, up to 32 results at once and
 apart from the runs: a slow or failing webhook holds up no run, and the batch
-exits once every delivery has ended. A failed delivery is a warning on stderr
-and in the run's --json line (port_failures; the line comes once its delivery
-ended), never a change of exit code; a bad URL is refused before anything
-runs. Both are stored with the batch, so --resume delivers the runs it
-finishes the same way (a webhook URL's password is not stored: give --webhook
-again). After a signal, deliveries under way get up to 30 s more (a second
-signal stops them); a run whose delivery had not ended when the batch process
-died is not delivered again by --resume.
+exits once every delivery has ended. A bad URL is refused before anything
+runs. Where each task's delivery stands is kept with the batch (--list counts
+the undelivered). A failed delivery is a warning on stderr and in the run's
+--json line ("delivery": "failed", port_failures; the line comes once its
+delivery ended), and the exit code is 1: --resume delivers again every result
+not delivered (its delivery failed, or had not ended when the batch process
+died or was stopped), as the journal has it (secrets redacted, the output as
+stored), without running its task again. Both are stored with the batch, so
+--resume delivers the runs it finishes the same way (a webhook URL's password
+is not stored: give --webhook again). After a signal, deliveries under way get
+up to 30 s more (a second signal stops them).
 
 \b
-Exit codes: 0 every run ended ok; 1 at least one did not (error, timeout,
-killed, budget_exceeded, max_steps, lost, ...); 2 bad input (a bad task
+Exit codes: 0 every run ended ok (and was delivered); 1 at least one did not
+(error, timeout, killed, budget_exceeded, max_steps, lost, ...) or its result
+was not delivered (--resume delivers it); 2 bad input (a bad task
 line, an empty file, an unknown batch, a batch another process is running);
 130 interrupted by a signal, or by --json output that could not be written
 (resumable).
@@ -146,7 +150,8 @@ def batch(
         None, "--format", metavar=output.FORMAT_METAVAR, show_default=False,
         help="With --list: " + output.FORMAT_HELP + " [default: table]"),
     list_only: bool = typer.Option(False, "--list", help="List batches, newest first, with "
-                                                         "their runs counted by status."),
+                                                         "their runs counted by status and "
+                                                         "their undelivered results."),
     resume: str | None = typer.Option(
         None, "--resume", metavar="BATCH_ID",
         help="Finish an interrupted batch (its id, a unique prefix of it, or 'last')."),
@@ -176,8 +181,8 @@ def batch(
     webhook: list[str] | None = typer.Option(
         None, "--webhook", metavar="URL",
         help="Also POST each run's result as JSON to URL (retried; repeatable). A failed "
-             "delivery is a warning and never changes the exit code. Stored with the "
-             "batch without a password; given with --resume, these replace the stored "
+             "delivery is a warning and exit 1; --resume delivers it again. Stored with "
+             "the batch without a password; given with --resume, these replace the stored "
              "ones (needed when a stored URL held a password)."),
     ray_address: str | None = typer.Option(
         None, "--ray", metavar="auto|ADDRESS",
@@ -767,6 +772,8 @@ def _prepare_resume(wanted: str, db: str | None, context: list[str],
         store.close()
     missing: set[str] = set()
     left = 0
+    # Results owed a delivery (it failed, or never ended): the resume delivers them.
+    owed = sum(t.ended is not None for t in tasks)
     for t in tasks:
         # What the resume runs: an interrupted run, or a task that never started (in a
         # batch that had finished, a task without a run had one, purged since).
@@ -784,7 +791,7 @@ def _prepare_resume(wanted: str, db: str | None, context: list[str],
                 missing.add("its secrets are not stored; give them again: kernel batch "
                             f"--resume {row.batch_id} {give_back(lacking)}")
     stored_dir, stored_hooks = _stored_delivery(row)
-    if not webhooks and stored_hooks is None and left:
+    if not webhooks and stored_hooks is None and (left or owed):
         missing.add("its secrets are not stored; give them again: kernel batch --resume "
                     f"{row.batch_id} {give_back(('ports.webhooks',))}")
     if missing:
@@ -1132,15 +1139,23 @@ async def _run_batch(args: _Args, *, json_out: bool, say: Any, lines: _Lines,
     t0 = time.monotonic()
     #: Runs whose delivery failed, and how.
     undelivered: list[tuple[TaskOutcome, PortFailure]] = []
+    #: Tasks whose result is still owed a delivery (failed, or never delivered): the
+    #: journal keeps them so and --resume delivers them.
+    owed: list[TaskOutcome] = []
     out_fd, results = output
 
     def on_outcome(out: TaskOutcome) -> None:
         counts[out.status] += 1
-        for failure in out.result.port_failures if out.result is not None else ():
-            if failure.port == "delivery":
-                undelivered.append((out, failure))
-                if live is None:
-                    say(_undelivered_line(out, failure))
+        failures = [f for f in (out.result.port_failures if out.result is not None else ())
+                    if f.port == "delivery"]
+        if out.undelivered:
+            owed.append(out)
+            if not failures:  # owed from before, and this process delivers nowhere
+                failures = [PortFailure("delivery", "deliver", _NOWHERE.format(out.delivery))]
+        for failure in failures:
+            undelivered.append((out, failure))
+            if live is None:
+                say(_undelivered_line(out, failure))
         if json_out and not closed:
             doc = out.to_dict()
             doc["batch_id"] = args.batch_id
@@ -1197,6 +1212,8 @@ async def _run_batch(args: _Args, *, json_out: bool, say: Any, lines: _Lines,
         say(f"kernel: batch {args.batch_id} {verb}: {args.total} task(s), concurrency "
             f"{runner.concurrency}" + (f", {args.workers} workers" if args.workers > 1 else ""))
         async with _delivering(args, on_outcome) as delivery, trio.open_nursery() as nursery:
+            # Delivering, the runner submits each outcome to the delivery, which reports
+            # it (`on_outcome`) once its delivery ended.
             if delivery is not None:
                 deliveries.append(delivery)
                 nursery.start_soon(delivery.serve)
@@ -1211,9 +1228,9 @@ async def _run_batch(args: _Args, *, json_out: bool, say: Any, lines: _Lines,
                     if remote is not None:
                         runner.dispatch = remote
                     await runner.run(
-                        args.batch_id,
-                        on_outcome=on_outcome if delivery is None else delivery.submit,
-                        on_start=live.on_start if live is not None else None)
+                        args.batch_id, on_outcome=on_outcome if delivery is None else None,
+                        on_start=live.on_start if live is not None else None,
+                        delivery=delivery)
             if delivery is not None:
                 delivery.close()  # every run has ended: deliver what is left
                 await delivery.served.wait()
@@ -1226,17 +1243,22 @@ async def _run_batch(args: _Args, *, json_out: bool, say: Any, lines: _Lines,
     if live is not None and not json_out:
         for out in failed:
             say(_failure_line(out))
-    if undelivered:
-        say(f"kernel: warning: batch {args.batch_id}: {len(undelivered)} run(s) not "
-            "delivered everywhere (see above)")
+    if owed:
+        say(f"kernel: warning: batch {args.batch_id}: {len(owed)} run(s) not delivered "
+            f"everywhere (see above); kernel batch --resume {args.batch_id} delivers them "
+            "again")
     elapsed = time.monotonic() - t0
     summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    if owed:
+        summary += f", {len(owed)} undelivered"
     if got or closed:
         summary = summary or "nothing finished"
         say(f"kernel: batch {args.batch_id} interrupted after {elapsed:.1f}s ({summary}); "
             f"resume: kernel batch --resume {args.batch_id}")
         return 130
-    code = 0 if counts and set(counts) == {"ok"} else 1
+    # A result that did not reach its destinations is work the batch still owes, as a
+    # task that did not end is: exit 1 until --resume delivers it.
+    code = 0 if counts and set(counts) == {"ok"} and not owed else 1
     say(f"kernel: batch {args.batch_id}: {summary} in {elapsed:.1f}s (exit {code})")
     if not runner.finished:
         from batteries.batch import UNFINISHED
@@ -1408,8 +1430,10 @@ async def _delivering(args: _Args, on_delivered: Any) -> AsyncIterator[Any]:
         chosen.append(DirectoryDelivery(args.deliver_dir,
                                         limiter=trio.CapacityLimiter(DIRECTORY_THREADS)))
     hooks = [WebhookDelivery(url) for url in args.webhooks]
+    # A failed delivery's error is stored with its task, redacted as everything stored.
+    redact = args.redactor.text if args.redactor is not None else None
     if not hooks:
-        yield BatchDelivery(FanOutDelivery(chosen), on_delivered=on_delivered)
+        yield BatchDelivery(FanOutDelivery(chosen), on_delivered=on_delivered, redact=redact)
         return
     import http.cookiejar
 
@@ -1423,13 +1447,20 @@ async def _delivering(args: _Args, on_delivered: Any) -> AsyncIterator[Any]:
                                 max_keepalive_connections=at_once)) as client:
         for hook in hooks:
             hook.client = client
-        yield BatchDelivery(FanOutDelivery([*chosen, *hooks]), on_delivered=on_delivered)
+        yield BatchDelivery(FanOutDelivery([*chosen, *hooks]), on_delivered=on_delivered,
+                            redact=redact)
+
+
+#: The failure said for a task whose result was owed a delivery before this process (its
+#: delivery failed, or never ended) when this process delivers nowhere.
+_NOWHERE = ("its result is owed a delivery ({}) and this batch delivers nowhere: give "
+            "--deliver-dir or --webhook to --resume")
 
 
 def _undelivered_line(out: TaskOutcome, failure: Any) -> str:
     from .ids import short_id
 
-    return f"kernel: warning: task {out.task_id} (run {short_id(out.run_id)}): {failure}\n"
+    return f"kernel: warning: task {out.task_id} (run {short_id(out.run_id)}): {failure}"
 
 
 def _to_devnull(stream: TextIO) -> None:
@@ -1469,7 +1500,8 @@ def _list(db: str | None, *, fmt: str) -> int:
         {"batch_id": row.batch_id, "name": row.name, "source": row.source,
          "created_at": row.created_at, "ended_at": row.ended_at,
          "state": "interrupted" if row.interrupted else row.status, "tasks": row.tasks,
-         "concurrency": row.concurrency, "counts": row.counts} for row in rows]
+         "concurrency": row.concurrency, "counts": row.counts,
+         "deliveries": row.deliveries, "undelivered": _undelivered(row)} for row in rows]
     if output.print_records(fmt, records, _LIST_FIELDS):
         return 0
     if not rows:
@@ -1482,11 +1514,22 @@ def _list(db: str | None, *, fmt: str) -> int:
         counts = " ".join(f"{k}={v}" for k, v in sorted(r["counts"].items(),
                                                          key=lambda kv: -kv[1]))
         when = r["created_at"].astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
-        table.append((r["batch_id"], when, r["state"], r["tasks"], counts, r["name"] or ""))
-    print(output.table(("BATCH", "CREATED (UTC)", "STATE", "TASKS", "RUNS", "NAME"), table,
-                       right=(3,)))
+        table.append((r["batch_id"], when, r["state"], r["tasks"], counts,
+                      r["undelivered"], r["name"] or ""))
+    print(output.table(("BATCH", "CREATED (UTC)", "STATE", "TASKS", "RUNS", "UNDELIVERED",
+                        "NAME"), table, right=(3, 5)))
     return 0
 
 
+def _undelivered(row: BatchRow) -> int | None:
+    """Tasks of a batch whose run ended and whose result was not delivered (failed, or
+    not yet: under way, or the batch process died first); None when it delivers nothing."""
+    from batteries.batch import UNDELIVERED
+
+    if not row.deliveries:
+        return None
+    return sum(n for state, n in row.deliveries.items() if state in UNDELIVERED)
+
+
 _LIST_FIELDS = ("batch_id", "name", "source", "created_at", "ended_at", "state", "tasks",
-                "concurrency", "counts")
+                "concurrency", "counts", "undelivered")

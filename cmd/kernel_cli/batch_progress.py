@@ -45,6 +45,8 @@ class BatchProgress:
         parts.append(f"{len(self.runner.running)} running")
         if self.delivery is not None and self.delivery.pending:
             parts.append(f"{self.delivery.pending} delivering")
+        if self.delivery is not None and self.delivery.failed:
+            parts.append(f"{self.delivery.failed} undelivered")
         since = self.first_start if self.first_start is not None else self.started
         elapsed = max(now - since, 1e-9)
         if ran:

@@ -46,6 +46,7 @@ from batteries.store import (
     FinishRun,
     Journal,
     LoseRun,
+    MarkDelivery,
     Op,
     Owner,
     RegisterRun,
@@ -106,6 +107,7 @@ def every_op() -> list[Op]:
                                 BatchTask("t2", "run-d", {"agent": {}})), me, "nightly",
                     "tasks.jsonl", 3, {"retries": 2}),
         ClaimBatch("batch-1", me),
+        MarkDelivery("batch-1", ((0, "failed", "it broke: \ud800"), (1, None, None))),
         FinishBatch("batch-1", me),
     ]
 
