@@ -532,7 +532,17 @@ class BatchRunner:
             delivery.close()
             await delivery.served.wait()
         if all(out.ended for out in done.values()):
-            await self.journal.transact([FinishBatch(batch_id, self.owner)])
+            finish = FinishBatch(batch_id, self.owner)
+            try:
+                await self.journal.transact([finish])
+            except StoreError as exc:
+                # Every run's own rows are in; only the batch's mark is not (the journal
+                # locked past its timeout, a server away). It rides with the next
+                # transaction, or the exit flush (a spill file when even that cannot
+                # write): a traceback here lost it and told the user nothing.
+                _log.warning("batch %s: cannot mark it finished now (%s); it is marked with "
+                             "the journal's next write", batch_id, exc)
+                await self.journal.later(finish)
             self.finished = True
         return [done[r.index] for r in rows]
 
