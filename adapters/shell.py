@@ -13,7 +13,10 @@ after `grace` seconds, and so, afterwards, does every process that left the
 group but carries the command's mark in its environment (a `setsid` daemon:
 `Child.sweep`), so nothing outlives the run. Its pipes are read until all of
 that is done, so what the command prints on SIGTERM is echoed and audited
-too. If this process dies
+too. A stop that comes once the command has exited (Ctrl-C while children it
+left behind still hold its pipes) does not undo its finish: its own status
+ends the run, and the stop only hurries what is left (`ShellAgent._settle`).
+If this process dies
 without a chance to clean up (SIGKILL), the lifeline watcher of
 `adapters._proc` kills the group; `process_start` records the group for
 `kernel recover` too.
@@ -65,6 +68,9 @@ _EVENT_LINE = 4096
 #: How long, once the command and all it started are stopped, the rest of its output
 #: already in the pipes may take to be read.
 _DRAIN = 1.0
+#: How long, once the command exited, children it left behind may hold its pipes before
+#: they are signalled (`Child.settle`).
+_LINGER = 0.2
 #: Called with ("stdout" | "stderr", bytes) for every chunk read, untouched. Raising
 #: BrokenPipeError says that stream's reader went away (`ShellAgent.on_output`).
 ChunkSink = Callable[[str, bytes], Awaitable[None] | None]
@@ -209,16 +215,34 @@ class ShellAgent:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(pump)
                 try:
-                    await child.wait()
+                    late = False  # stopped once the command had exited (`_settle`)
+                    try:
+                        await child.wait()
+                    except trio.Cancelled:
+                        if not _has_exited(child.pid):
+                            raise  # stopped mid-step
+                        late = True  # it had exited as the stop came (not yet seen here)
+                        with trio.CancelScope(shield=True):
+                            await child.wait()  # (reaps it at once)
                     # The command is gone; its pipes may still be held open by
                     # children it left behind. Give them a moment, then stop them.
-                    await child.settle(drained.wait, self.grace, done=drained.is_set)
+                    late = await self._settle(child, drained, late=late)
                     finished = True
                     exit_code = self._exited(ctx, child, t0)
-                    # The group is gone too; what it wrote may still be on its way to a
-                    # reader slower than it (an echo into a pipe read slowly): waited for
-                    # while it moves, as the command itself would have waited.
-                    await drain_while_moving(drained.wait, drained.is_set, progress, _DRAIN)
+                    if not late:
+                        # The group is gone too; what it wrote may still be on its way to
+                        # a reader slower than it (an echo into a pipe read slowly): waited
+                        # for while it moves, as the command itself would have waited.
+                        try:
+                            await drain_while_moving(drained.wait, drained.is_set, progress,
+                                                     _DRAIN)
+                        except trio.Cancelled:
+                            late = True
+                    if late:
+                        # The command had finished: its own status ends the run. The stop
+                        # only hurried what followed its exit (the echo is not waited for).
+                        ctx.event("stop_after_exit", name=self.argv[0], activity=False,
+                                  payload={"exit_code": exit_code})
                 finally:
                     try:
                         with trio.CancelScope(shield=True):
@@ -274,6 +298,40 @@ class ShellAgent:
             last = "(a line of a private key, not shown)"
         return Step(output=out.text(), final=True, exit_code=exit_code, name="command",
                     error=f"command {how}" + (f": {last}" if last else ""), payload=payload)
+
+    async def _settle(self, child: Child, drained: trio.Event, *, late: bool) -> bool:
+        """After the command exited: `Child.settle` (its leftovers that hold the pipes
+        get `_LINGER` seconds, then SIGTERM, then SIGKILL after `grace`); True if the run
+        was stopped (`late`: before it began).
+
+        A stop now (Ctrl-C, a host cancel, the deadline) finds the command finished,
+        its exit status known: it does not make it a stopped command (the step still
+        returns that status), it hurries the settle instead: the echo is no longer
+        waited for, SIGTERM goes out at once rather than after the linger (not twice),
+        and SIGKILL no later than the settle's own bound. Before, the stop ended the
+        run `cancelled` (130) and `kernel batch --resume` ran the command again.
+        """
+        since = trio.current_time()
+        if not late:
+            try:
+                await child.settle(drained.wait, self.grace, linger=_LINGER,
+                                   done=drained.is_set)
+                return False
+            except trio.Cancelled:
+                pass
+        with trio.CancelScope(shield=True):
+            self._hurry_echo()
+            now = trio.current_time()
+            left = min(self.grace, max(0.0, since + _LINGER + self.grace - now))
+            if late or now < since + _LINGER:
+                # No SIGTERM yet: now, with what is left of the settle's grace.
+                await child.settle(drained.wait, left, linger=0.0, done=drained.is_set)
+            else:
+                # Past the linger: the settle has sent SIGTERM; its grace runs out as set.
+                with trio.move_on_after(left):
+                    await drained.wait()
+                await child.stop(self.grace)  # (reaped: SIGKILL to the group, until gone)
+        return True
 
     def _exited(self, ctx: RunContext, child: Child, t0: float, *, stopped: bool = False) -> int:
         """Audit the command's end (`process_exit`); its exit code, as a shell reports it."""
@@ -451,6 +509,14 @@ class _Pipe(trio.abc.ReceiveStream):
 
     async def aclose(self) -> None:
         await self._stream.aclose()
+
+
+def _has_exited(pid: int) -> bool:
+    """Whether the child `pid` has exited (a zombie not reaped yet), without reaping it."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # reaped already (by a wait that was cancelled as it returned)
+        return True
 
 
 def _fileno(stream: trio.abc.ReceiveStream) -> int | None:

@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import tempfile
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -159,7 +160,11 @@ class LoopAgent:
         warnings: One-line warnings about the loop file, written to the audit
             at the first step.
         on_output: Called with ("stdout" | "stderr", bytes) for every chunk an
-            action prints, untouched (the CLI echoes these: byte-exact).
+            action prints, untouched (the CLI echoes these: byte-exact). It may
+            raise BrokenPipeError when the reader of that stream has gone (and a
+            `adapters.shell.WatchedSink` is watched for that): the action's pipe
+            is then closed, as in a shell pipeline, and its own exit status
+            (141 for SIGPIPE) is evaluated and routed (`output_reader_gone`).
 
     Attributes:
         captured: Captured action results by name (readable after the run).
@@ -499,7 +504,7 @@ class LoopAgent:
                 result, stop = await self._mode.action(self, st, ctx)
                 if stop is not None:
                     return stop
-                if result.signal is not None:
+                if result.signal is not None and not _pipeline_end(result):
                     table = st.route
                     target = (table and (table.table.get("error") or table.error)) \
                         or st.on.get("error")
@@ -613,13 +618,22 @@ class LoopAgent:
         def started(record: dict[str, Any]) -> None:
             ctx.event("process_start", name=argv[0], payload={"state": st.name, **record})
 
+        def reader_gone(stream: str, held: int, dropped: int) -> None:
+            # As for a plain command: the action meets the closed pipe itself (SIGPIPE)
+            # and its exit status is evaluated and routed like any other.
+            payload: dict[str, Any] = {"state": st.name, "stream": stream, "bytes_held": held}
+            if dropped:
+                payload["bytes_dropped"] = dropped
+            ctx.event("output_reader_gone", name=stream, activity=False, payload=payload)
+
         try:
             _check_exec_size(argv, env)
             result = await run_process(argv, env=env, cwd=self.cwd, timeout=timeout,
                                        on_line=self._line, max_bytes=self.max_output_bytes,
                                        max_line=self.max_output_bytes,
                                        grace=self.grace, on_process=self._on_process,
-                                       on_output=self.on_output, on_start=started)
+                                       on_output=self.on_output, on_start=started,
+                                       on_reader_gone=reader_gone)
         finally:
             for path in spill_dir:
                 shutil.rmtree(path, ignore_errors=True)
@@ -1071,6 +1085,14 @@ def _mkdtemp(made: list[str]) -> str:
 
 # Linux: one argv/environment string may not exceed MAX_ARG_STRLEN (32 pages).
 _MAX_ARG_STRLEN = 32 * 4096
+
+
+def _pipeline_end(result: ActionResult) -> bool:
+    """Whether the action died of SIGPIPE after the reader of its echo went away
+    (`kernel run loop.yaml | head -1`): the end of a shell pipeline, its exit status
+    (141) evaluated and routed like any other, not an interruption that stops the
+    loop when the state has no error route (which other deaths by a signal are)."""
+    return result.reader_gone and result.signal == signal.SIGPIPE
 
 
 def _check_exec_size(argv: Sequence[str], env: Mapping[str, str]) -> None:

@@ -478,9 +478,10 @@ def plan_from_spec(spec: RunSpec | CommandSpec | LoopSpec | AgentSpec, *, quiet:
     echo: Callable[[str, bytes], Awaitable[None] | None] | None = _ECHO
     if quiet:
         echo = _ECHO.stderr_only if echo_stderr else None
-    if isinstance(what, CommandSpec) and echo is not None:
-        # The echo is the command's own stdout and stderr: a reader that leaves is met
-        # by the command itself (`_CommandSink`), as in a shell pipeline.
+    if isinstance(what, (CommandSpec, LoopSpec)) and echo is not None:
+        # The echo is the command's (a loop action's) own stdout and stderr: a reader
+        # that leaves is met by the process itself (`_CommandSink`), as in a shell
+        # pipeline; a loop routes the action's status (141, SIGPIPE) as any other.
         echo = _CommandSink(_ECHO, ("stderr",) if quiet else ("stdout", "stderr"))
     built = agent_from_spec(spec, on_output=echo, warn=_say, inherit_stdin=True, ask=ask)
     return Plan(built.agent, built.info, is_command=isinstance(what, CommandSpec),
@@ -534,14 +535,15 @@ class _Echo:
 
     Its reader going away (`| head -1`: EPIPE) sends the stream to /dev/null
     (`_to_devnull`: nothing written later fails again) and then:
-    - for a command (`_CommandSink`, `kernel run -- CMD`), the sink raises
-      BrokenPipeError and `ShellAgent` closes the command's pipe: the command
-      meets the closed pipe itself at its next write (SIGPIPE), as in a shell
-      pipeline, and its own exit status ends the run. On a pipe, the reader's
+    - for a command or a loop's actions (`_CommandSink`, `kernel run -- CMD`,
+      `kernel run loop.yaml`), the sink raises BrokenPipeError and `ShellAgent`
+      (a loop: `run_process`) closes the process's pipe: it meets the closed
+      pipe itself at its next write (SIGPIPE), as in a shell pipeline, and its
+      own exit status ends the step (a loop routes it). On a pipe, the reader's
       departure is seen as it happens (`wait_reader_gone`), not only at the
       next chunk;
-    - for a loop (`__call__`), `on_closed` is told which stream (`_execute`
-      cancels the run).
+    - for anything else echoed (`__call__`), `on_closed` is told which stream
+      (`_execute` cancels the run).
     Any other failed write (a full disk, a terminal gone) ends the echo of that
     stream only, said in one line (`lost`: a lost stdout makes exit 0 exit 1).
     Either way the audit gets every line. Chunks that could not be echoed at
