@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     import duckdb
 
 #: The schema version this code writes and expects.
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 #: Columns of `runs`, in insert order.
 RUN_COLUMNS: tuple[str, ...] = (
@@ -303,8 +303,26 @@ _V6 = Migration(6, "critic_decisions.run_status is 'running' for an open run, as
     """,
 ))
 
+_V7 = Migration(7, "batch_tasks.delivery, delivery_error: where each task's delivery stands", (
+    # The journal's (version 5 on): `pending` (owed: its run has not ended, or its delivery
+    # has not ended), `delivered`, `failed` (with `delivery_error`, redacted), NULL
+    # (nothing to deliver). A mark moves the task's change number, so the sync copies it.
+    "ALTER TABLE batch_tasks ADD COLUMN IF NOT EXISTS delivery VARCHAR",
+    "ALTER TABLE batch_tasks ADD COLUMN IF NOT EXISTS delivery_error VARCHAR",
+    # The tasks a file already holds were copied without them: the next sync copies every
+    # task again (`sync_state.tasks_rev`: the cursor batch_tasks are copied after when it
+    # is not NULL; 0: every task), then clears it.
+    "ALTER TABLE sync_state ADD COLUMN IF NOT EXISTS tasks_rev BIGINT",
+    "UPDATE sync_state SET tasks_rev = 0",
+    """
+    CREATE OR REPLACE VIEW batch_runs AS
+    SELECT t.batch_id, t.idx, t.task_id, r.*, t.delivery, t.delivery_error
+    FROM batch_tasks t LEFT JOIN runs r ON r.run_id = t.run_id
+    """,
+))
+
 #: Every migration, in order. Append; never edit one that has shipped.
-MIGRATIONS: tuple[Migration, ...] = (_V1, _V2, _V3, _V4, _V5, _V6)
+MIGRATIONS: tuple[Migration, ...] = (_V1, _V2, _V3, _V4, _V5, _V6, _V7)
 
 _VERSION_TABLE = """
 CREATE TABLE IF NOT EXISTS schema_version (

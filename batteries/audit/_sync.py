@@ -7,8 +7,10 @@ analysts read. `sync` copies what changed since the file's cursor
 - events: appended in id order, 100k rows per Arrow batch;
 - runs, checkpoints, budget spend: rows whose change number moved are
   replaced (a run's row changes when it closes);
-- batches and their tasks (which run each task became): rows whose change
-  number moved are replaced;
+- batches and their tasks (which run each task became, where its delivery
+  stands): rows whose change number moved are replaced (a task's moves when
+  its delivery is marked); a file migrated to schema 7 gets every task again
+  once (`sync_state.tasks_rev`), with the delivery columns it had no room for;
 - budgets: copied whole (a handful of rows; deletions show too).
 
 Everything, cursor included, is one DuckDB transaction, so a sync that dies
@@ -81,7 +83,8 @@ _BUDGETS = (("caller_id", "s"), ("window_seconds", "f"), ("max_runs", "i64"),
 _BATCHES = (("batch_id", "s"), ("name", "s"), ("source", "s"), ("created_at", "t"),
             ("ended_at", "t"), ("status", "s"), ("tasks", "i64"), ("concurrency", "i64"),
             ("options", "j"), ("host", "s"), ("pid", "i64"))
-_BATCH_TASKS = (("batch_id", "s"), ("idx", "i64"), ("task_id", "s"), ("run_id", "s"))
+_BATCH_TASKS = (("batch_id", "s"), ("idx", "i64"), ("task_id", "s"), ("run_id", "s"),
+                ("delivery", "s"), ("delivery_error", "s"))
 _SPEND = (("id", "i64"), ("caller_id", "s"), ("ts", "t"), ("run_id", "s"),
           ("runtime_seconds", "f"), ("tokens", "i64"), ("cost_usd", "f"), ("settled", "b"))
 
@@ -160,15 +163,20 @@ def sync(db: str | Path, *, lock_timeout: float | None = None) -> SyncReport:
     try:
         with store.session(write=True) as cur:
             migrate(cur)
-            found = cur.execute("SELECT events_id, rev, source FROM sync_state").fetchall()
+            found = cur.execute("SELECT events_id, rev, source, tasks_rev "
+                                "FROM sync_state").fetchall()
             if found:
                 _check_source(store, found[0][2], source)
             events_after, rev_after = (int(found[0][0]), int(found[0][1])) if found else (0, 0)
+            # Set (by schema 7's migration): every task is copied again, from this cursor.
+            tasks_after = int(found[0][3]) if found and found[0][3] is not None else None
             with journal.changes(events_after, rev_after) as ch:
-                if ch.last_event == events_after and ch.rev == rev_after:
+                if ch.last_event == events_after and ch.rev == rev_after \
+                        and tasks_after is None:
                     report.seconds = time.perf_counter() - t0
                     return report
-                _copy(cur, ch, report, first=not found, source=source)
+                _copy(cur, ch, report, first=not found, source=source,
+                      tasks_after=tasks_after)
     finally:
         journal.close()
     report.seconds = time.perf_counter() - t0
@@ -226,7 +234,7 @@ def _check_source(store: Store, fed_from: str | None, source: str | None) -> Non
 
 
 def _copy(cur: Any, ch: Any, report: SyncReport, *, first: bool,
-          source: str | None = None) -> None:
+          source: str | None = None, tasks_after: int | None = None) -> None:
     import duckdb
 
     cur.execute("BEGIN TRANSACTION")
@@ -247,8 +255,8 @@ def _copy(cur: Any, ch: Any, report: SyncReport, *, first: bool,
         # A store that keeps no batches (one written before they existed) has none to copy.
         batches = ch.batches() if hasattr(ch, "batches") else []
         _replace(cur, "batches", "batch_id", batches, _BATCHES)
-        # Tasks never change once written: new ones are appended (keyed by batch and index).
-        tasks = ch.batch_tasks() if hasattr(ch, "batch_tasks") else []
+        # Keyed by batch and index: a task's row changes when its delivery is marked.
+        tasks = ch.batch_tasks(tasks_after) if hasattr(ch, "batch_tasks") else []
         if tasks:
             cur.register("_ksync_batch_tasks", _table(tasks, _BATCH_TASKS))
             try:
@@ -270,8 +278,8 @@ def _copy(cur: Any, ch: Any, report: SyncReport, *, first: bool,
             cur.execute("INSERT INTO sync_state (events_id, rev, synced_at, source) "
                         "VALUES (?, ?, now(), ?)", [ch.last_event, ch.rev, source])
         else:
-            cur.execute("UPDATE sync_state SET events_id = ?, rev = ?, synced_at = now()",
-                        [ch.last_event, ch.rev])
+            cur.execute("UPDATE sync_state SET events_id = ?, rev = ?, tasks_rev = NULL, "
+                        "synced_at = now()", [ch.last_event, ch.rev])
         cur.execute("COMMIT")
     except BaseException as exc:
         with contextlib.suppress(duckdb.Error):

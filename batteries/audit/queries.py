@@ -689,9 +689,12 @@ def purge(cur: duckdb.DuckDBPyConnection, days: float, *,
     The predicates are the journal's (`RunStore.purge`), table by table, so
     both files hold the same rows afterwards (the sync copies changed rows
     only and never deletes one): only ended runs go, and not those of a
-    batch that has not finished; a checkpoint goes once it is not `running`
-    and was last written before the cut; a finished batch and its tasks once
-    it ended before the cut. A
+    batch that has not finished nor those whose result is owed a delivery
+    (`batch_tasks.delivery` pending or failed: `kernel batch --resume`
+    delivers it from the runs row); a checkpoint goes once it is not
+    `running` and was last written before the cut (not one of those runs'); a
+    finished batch and its tasks once it ended before the cut, but the tasks
+    owed a delivery of a run still there, and their batch. A
     run still running (no `ended_at`) is kept whatever its age: the sync
     copies each event once, so an event deleted here while its run is live
     would never come back, and the run's timeline would start in the middle.
@@ -706,11 +709,13 @@ def purge(cur: duckdb.DuckDBPyConnection, days: float, *,
     if not days >= 0:
         raise ConfigError(f"--days must be >= 0, got {days:g}")
     at = (now or datetime.now(UTC)) - timedelta(days=days)
-    # The runs of a batch that has not finished stay, as in the journal.
-    unfinished = ("run_id NOT IN (SELECT t.run_id FROM batch_tasks t JOIN batches b "
-                  "ON b.batch_id = t.batch_id WHERE b.status != 'finished' "
-                  "AND t.run_id IS NOT NULL)")
-    ended = f"ended_at IS NOT NULL AND ended_at < ? AND {unfinished}"
+    # The journal's rules (`batteries.store._sqlite.PURGE_KEPT_RUNS`, `PURGE_TASKS`,
+    # `PURGE_BATCHES`): the runs of a batch that has not finished stay, and so do those
+    # whose result is owed a delivery, with their tasks and batch.
+    kept = ("run_id NOT IN (SELECT t.run_id FROM batch_tasks t JOIN batches b "
+            "ON b.batch_id = t.batch_id WHERE (b.status != 'finished' "
+            "OR t.delivery IN ('pending', 'failed')) AND t.run_id IS NOT NULL)")
+    ended = f"ended_at IS NOT NULL AND ended_at < ? AND {kept}"
     cur.execute("BEGIN TRANSACTION")
     try:
         ev = cur.execute(f"DELETE FROM events WHERE run_id IN (SELECT run_id FROM runs "
@@ -718,11 +723,15 @@ def purge(cur: duckdb.DuckDBPyConnection, days: float, *,
         # Null-safe, like SQLite's `!=` on the journal's NOT NULL columns: a mirrored
         # row with a NULL status or time is not one the journal could keep.
         cur.execute("DELETE FROM checkpoints WHERE status IS DISTINCT FROM 'running' "
-                    f"AND (updated_at IS NULL OR updated_at < ?) AND {unfinished}", [at])
+                    f"AND (updated_at IS NULL OR updated_at < ?) AND {kept}", [at])
         rn = cur.execute(f"DELETE FROM runs WHERE {ended}", [at]).fetchall()
-        done = "SELECT batch_id FROM batches WHERE status = 'finished' AND ended_at < ?"
-        cur.execute(f"DELETE FROM batch_tasks WHERE batch_id IN ({done})", [at])
-        cur.execute("DELETE FROM batches WHERE status = 'finished' AND ended_at < ?", [at])
+        cur.execute("DELETE FROM batch_tasks WHERE batch_id IN (SELECT batch_id FROM batches "
+                    "WHERE status = 'finished' AND ended_at < ?) AND NOT (coalesce(delivery, "
+                    "'') IN ('pending', 'failed') AND EXISTS (SELECT 1 FROM runs r "
+                    "WHERE r.run_id = batch_tasks.run_id))", [at])
+        cur.execute("DELETE FROM batches WHERE status = 'finished' AND ended_at < ? "
+                    "AND NOT EXISTS (SELECT 1 FROM batch_tasks t "
+                    "WHERE t.batch_id = batches.batch_id)", [at])
         cur.execute("COMMIT")
     except BaseException:
         cur.execute("ROLLBACK")

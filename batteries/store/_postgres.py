@@ -82,6 +82,9 @@ from ._sqlite import (
     CHECKPOINT_COLUMNS,
     DEFAULT_CALLER,
     EVENT_COLUMNS,
+    PURGE_BATCHES,
+    PURGE_KEPT_RUNS,
+    PURGE_TASKS,
     RUN_COLUMNS,
     SPEND_COLUMNS,
     SPILL_KEY,
@@ -935,9 +938,11 @@ class PostgresStore:
                               f"AND host = %s AND pid = %s", (op.batch_id, o.host, o.pid))
             return cur.rowcount > 0
         if isinstance(op, MarkDelivery):
+            marks = delivery_marks(op)  # refused (a StoreError) before anything is written
+            # A change number: the analysts' copy of the task follows its delivery.
             with con.cursor() as cur:
-                cur.executemany("UPDATE batch_tasks SET delivery = %s, delivery_error = %s "
-                                "WHERE batch_id = %s AND idx = %s", delivery_marks(op))
+                cur.executemany("UPDATE batch_tasks SET delivery = %s, delivery_error = %s, "
+                                "rev = DEFAULT WHERE batch_id = %s AND idx = %s", marks)
             return None
         raise TypeError(f"unknown store operation {op!r}")
 
@@ -1320,7 +1325,9 @@ class PostgresStore:
     def purge(self, before_us: int) -> tuple[int, int]:
         """Delete closed runs that ended before `before_us`, their events, finished checkpoints
         and finished batches. The runs of a batch that has not finished stay, whatever their
-        age: its resume tells a task that ran from one that never did by its run.
+        age (its resume tells a task that ran from one that never did by its run), and so
+        do the runs whose result is owed a delivery, with their tasks and batch (the
+        journal's rules: `PURGE_KEPT_RUNS`, `PURGE_TASKS`, `PURGE_BATCHES`).
 
         Returns:
             (runs deleted, events deleted).
@@ -1329,17 +1336,15 @@ class PostgresStore:
             return 0, 0
         with self._write() as con:
             old = ("SELECT run_id FROM runs WHERE ended_at IS NOT NULL AND ended_at < %s "
-                   f"AND run_id NOT IN ({_UNFINISHED_BATCH_RUNS})")
+                   f"AND run_id NOT IN ({PURGE_KEPT_RUNS})")
             ev = con.execute(f"DELETE FROM events WHERE run_id IN ({old})", (before_us,))
             n_events = ev.rowcount
             con.execute("DELETE FROM checkpoints WHERE status != 'running' AND updated_at < %s "
-                        f"AND run_id NOT IN ({_UNFINISHED_BATCH_RUNS})", (before_us,))
+                        f"AND run_id NOT IN ({PURGE_KEPT_RUNS})", (before_us,))
             rn = con.execute("DELETE FROM runs WHERE ended_at IS NOT NULL AND ended_at < %s "
-                             f"AND run_id NOT IN ({_UNFINISHED_BATCH_RUNS})", (before_us,))
-            con.execute("DELETE FROM batch_tasks WHERE batch_id IN (SELECT batch_id FROM "
-                        "batches WHERE status = 'finished' AND ended_at < %s)", (before_us,))
-            con.execute("DELETE FROM batches WHERE status = 'finished' AND ended_at < %s",
-                        (before_us,))
+                             f"AND run_id NOT IN ({PURGE_KEPT_RUNS})", (before_us,))
+            con.execute(PURGE_TASKS.format(p="%s"), (before_us,))
+            con.execute(PURGE_BATCHES.format(p="%s"), (before_us,))
             return int(rn.rowcount), int(n_events)
 
 
@@ -1395,18 +1400,20 @@ class PgChanges:
         """Batches added or changed since the cursor (`BATCH_COLUMNS`)."""
         return self._changed("batches", BATCH_COLUMNS)
 
-    def batch_tasks(self) -> list[tuple[Any, ...]]:
-        """Batch tasks added since the cursor (`BATCH_TASK_COLUMNS`; they never change)."""
-        return self._changed("batch_tasks", BATCH_TASK_COLUMNS)
+    def batch_tasks(self, after: int | None = None) -> list[tuple[Any, ...]]:
+        """Batch tasks added, or whose delivery moved, since the cursor (or since
+        transaction `after`: 0 for every task) (`BATCH_TASK_COLUMNS`; a store an older
+        kernel made, not migrated yet, has no delivery columns: NULL)."""
+        row = self._con.execute("SELECT value FROM meta WHERE key = 'version'").fetchone()
+        columns = BATCH_TASK_COLUMNS if row is not None and int(row[0]) >= 3 else (
+            *BATCH_TASK_COLUMNS[:4], "NULL", "NULL")
+        rows: list[tuple[Any, ...]] = self._con.execute(
+            f"SELECT {', '.join(columns)} FROM batch_tasks WHERE rev >= %s AND rev < %s",
+            (self.rev_after if after is None else after, self.rev)).fetchall()
+        return rows
 
     def budgets(self) -> list[tuple[Any, ...]]:
         """Every budget row (a small table: copied whole) (`BUDGET_COLUMNS`)."""
         rows: list[tuple[Any, ...]] = self._con.execute(
             f"SELECT {', '.join(BUDGET_COLUMNS)} FROM budgets ORDER BY caller_id").fetchall()
         return rows
-
-
-#: The runs of the batches that have not finished: `purge` keeps them.
-_UNFINISHED_BATCH_RUNS = ("SELECT t.run_id FROM batch_tasks t JOIN batches b "
-                          "ON b.batch_id = t.batch_id WHERE b.status != 'finished' "
-                          "AND t.run_id IS NOT NULL")

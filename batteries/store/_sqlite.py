@@ -239,8 +239,8 @@ _V4 = (
 #: Version 5: where each batch task's delivery stands (`TaskRow.delivery`): `pending`
 #: (owed: marked before its run starts, so a batch process that dies before the result
 #: was delivered leaves it owed and `kernel batch --resume` delivers it), `delivered`,
-#: `failed` (with `delivery_error`), NULL (nothing to deliver). The analysts' copy of
-#: batch_tasks does not change (it keeps its columns; these rows keep their rev).
+#: `failed` (with `delivery_error`), NULL (nothing to deliver). A mark moves its rows'
+#: rev, so the analysts' copy of batch_tasks (which has both columns) follows it.
 _V5 = (
     "ALTER TABLE batch_tasks ADD COLUMN delivery TEXT",
     "ALTER TABLE batch_tasks ADD COLUMN delivery_error TEXT",
@@ -266,7 +266,7 @@ SPEND_COLUMNS = ("id", "caller_id", "ts", "run_id", "runtime_seconds", "tokens",
                  "settled")
 BATCH_COLUMNS = ("batch_id", "name", "source", "created_at", "ended_at", "status", "tasks",
                  "concurrency", "options", "host", "pid")
-BATCH_TASK_COLUMNS = ("batch_id", "idx", "task_id", "run_id")
+BATCH_TASK_COLUMNS = ("batch_id", "idx", "task_id", "run_id", "delivery", "delivery_error")
 
 #: A batch's tasks with their runs' status, whether they started, and (journal version 5
 #: on: `batch_tasks_sql(True, ...)`) where their delivery stands, with the result of
@@ -278,11 +278,34 @@ _TASKS_SQL = ("SELECT t.idx, t.task_id, t.run_id, t.spec, r.status, r.run_id IS 
               "LEFT JOIN runs r ON r.run_id = t.run_id "
               "LEFT JOIN checkpoints c ON c.run_id = t.run_id "
               "WHERE t.batch_id = {p} ORDER BY t.idx")
-_OWED = "t.delivery IN ('pending', 'failed') AND r.status IS NOT NULL"
+#: A task whose result is owed a delivery (`UNDELIVERED`: pending or failed).
+OWED_DELIVERY = f"t.delivery IN ('{DELIVERY_PENDING}', '{DELIVERY_FAILED}')"
+_OWED = f"{OWED_DELIVERY} AND r.status IS NOT NULL"
 #: A batch's tasks whose run ended, counted by their delivery (`BatchRow.deliveries`).
 DELIVERY_COUNTS = ("SELECT t.delivery, count(*) FROM batch_tasks t JOIN runs r "
                    "ON r.run_id = t.run_id WHERE t.batch_id = ? AND r.status IS NOT NULL "
                    "AND t.delivery IS NOT NULL GROUP BY t.delivery")
+
+
+#: The runs `purge` keeps whatever their age (both stores; the analysts' file has its
+#: own copy of these rules, `batteries.audit.queries.purge`): those of a batch that has
+#: not finished (its resume tells a task that ran from one that never did by its run),
+#: and those whose result is owed a delivery (`kernel batch --resume` delivers it from
+#: the runs row). Their events and checkpoints stay with them.
+PURGE_KEPT_RUNS = ("SELECT t.run_id FROM batch_tasks t JOIN batches b "
+                   "ON b.batch_id = t.batch_id WHERE (b.status != 'finished' "
+                   f"OR {OWED_DELIVERY}) AND t.run_id IS NOT NULL")
+#: `purge`'s deletion of the tasks of the batches that finished before the cut (`{p}`:
+#: the store's placeholder), run after its runs': but those whose result is owed a
+#: delivery of a run the store still has (what `--resume` delivers).
+PURGE_TASKS = ("DELETE FROM batch_tasks WHERE batch_id IN (SELECT batch_id FROM batches "
+               "WHERE status = 'finished' AND ended_at < {p}) AND NOT (coalesce(delivery, "
+               f"'') IN ('{DELIVERY_PENDING}', '{DELIVERY_FAILED}') AND EXISTS (SELECT 1 "
+               "FROM runs r WHERE r.run_id = batch_tasks.run_id))")
+#: Then of those batches, but one left with a task (owed: `--resume` finds the batch).
+PURGE_BATCHES = ("DELETE FROM batches WHERE status = 'finished' AND ended_at < {p} "
+                 "AND NOT EXISTS (SELECT 1 FROM batch_tasks t "
+                 "WHERE t.batch_id = batches.batch_id)")
 
 
 def batch_tasks_sql(delivery: bool, placeholder: str) -> str:
@@ -1773,8 +1796,14 @@ class SQLiteStore:
                                               o.host, o.pid))
             return cur.rowcount > 0
         if isinstance(op, MarkDelivery):
-            con.executemany("UPDATE batch_tasks SET delivery = ?, delivery_error = ? "
-                            "WHERE batch_id = ? AND idx = ?", delivery_marks(op))
+            marks = delivery_marks(op)  # refused (a StoreError) before anything is written
+            if marks:
+                # A change number: the analysts' copy of the task follows its delivery.
+                r = self._rev(con, rev)
+                con.executemany("UPDATE batch_tasks SET delivery = ?, delivery_error = ?, "
+                                "rev = ? WHERE batch_id = ? AND idx = ?",
+                                [(state, error, r, bid, idx)
+                                 for state, error, bid, idx in marks])
             return None
         raise TypeError(f"unknown journal operation {op!r}")
 
@@ -2093,7 +2122,10 @@ class SQLiteStore:
     def purge(self, before_us: int) -> tuple[int, int]:
         """Delete closed runs that ended before `before_us`, their events, finished checkpoints
         and finished batches. The runs of a batch that has not finished stay, whatever their
-        age: its resume tells a task that ran from one that never did by its run.
+        age (its resume tells a task that ran from one that never did by its run), and so
+        do the runs whose result is owed a delivery, with their tasks and batch (the
+        batch's other tasks go: `PURGE_KEPT_RUNS`, `PURGE_TASKS`, `PURGE_BATCHES`), so
+        `kernel batch --resume` still delivers them, from the runs row.
 
         Returns:
             (runs deleted, events deleted).
@@ -2103,7 +2135,7 @@ class SQLiteStore:
         with self._write() as con:
             top = int(con.execute("SELECT coalesce(max(id), 0) FROM events").fetchone()[0])
             old = (f"SELECT run_id FROM runs WHERE ended_at IS NOT NULL AND ended_at < ? "
-                   f"AND run_id NOT IN ({_UNFINISHED_BATCH_RUNS})")
+                   f"AND run_id NOT IN ({PURGE_KEPT_RUNS})")
             ev = con.execute(f"DELETE FROM events WHERE run_id IN ({old})", (before_us,))
             n_events = ev.rowcount
             # The highest id stays handed out (SQLite numbers new rows after the highest
@@ -2115,13 +2147,11 @@ class SQLiteStore:
                 con.execute("INSERT INTO events (id, run_id, seq, ts, kind) "
                             "VALUES (?, '', 0, ?, ?)", (top, now_us(), ID_MARK))
             con.execute("DELETE FROM checkpoints WHERE status != 'running' AND updated_at < ? "
-                        f"AND run_id NOT IN ({_UNFINISHED_BATCH_RUNS})", (before_us,))
+                        f"AND run_id NOT IN ({PURGE_KEPT_RUNS})", (before_us,))
             rn = con.execute("DELETE FROM runs WHERE ended_at IS NOT NULL AND ended_at < ? "
-                             f"AND run_id NOT IN ({_UNFINISHED_BATCH_RUNS})", (before_us,))
-            con.execute("DELETE FROM batch_tasks WHERE batch_id IN (SELECT batch_id FROM "
-                        "batches WHERE status = 'finished' AND ended_at < ?)", (before_us,))
-            con.execute("DELETE FROM batches WHERE status = 'finished' AND ended_at < ?",
-                        (before_us,))
+                             f"AND run_id NOT IN ({PURGE_KEPT_RUNS})", (before_us,))
+            con.execute(PURGE_TASKS.format(p="?"), (before_us,))
+            con.execute(PURGE_BATCHES.format(p="?"), (before_us,))
             return rn.rowcount, n_events
 
 
@@ -2172,17 +2202,17 @@ class Changes:
         """Batches added or changed since the cursor (`BATCH_COLUMNS`)."""
         return self._changed("batches", BATCH_COLUMNS)
 
-    def batch_tasks(self) -> list[tuple[Any, ...]]:
-        """Batch tasks added since the cursor (`BATCH_TASK_COLUMNS`; they never change)."""
-        return self._changed("batch_tasks", BATCH_TASK_COLUMNS)
+    def batch_tasks(self, after: int | None = None) -> list[tuple[Any, ...]]:
+        """Batch tasks added, or whose delivery moved, since the cursor (or since change
+        number `after`: 0 for every task) (`BATCH_TASK_COLUMNS`; a journal an older
+        kernel wrote, not migrated yet, has no delivery columns: NULL)."""
+        columns = BATCH_TASK_COLUMNS if _delivers(self._con) else (
+            *BATCH_TASK_COLUMNS[:4], "NULL", "NULL")
+        return self._con.execute(
+            f"SELECT {', '.join(columns)} FROM batch_tasks WHERE rev > ? AND rev <= ?",
+            (self.rev_after if after is None else after, self.rev)).fetchall()
 
     def budgets(self) -> list[tuple[Any, ...]]:
         """Every budget row (a small table: copied whole) (`BUDGET_COLUMNS`)."""
         return self._con.execute(
             f"SELECT {', '.join(BUDGET_COLUMNS)} FROM budgets ORDER BY caller_id").fetchall()
-
-
-#: The runs of the batches that have not finished: `purge` keeps them.
-_UNFINISHED_BATCH_RUNS = ("SELECT t.run_id FROM batch_tasks t JOIN batches b "
-                          "ON b.batch_id = t.batch_id WHERE b.status != 'finished' "
-                          "AND t.run_id IS NOT NULL")

@@ -469,7 +469,8 @@ def purge(
         None, "--days", metavar="N", parser=numbers.days(),
         help=f"Delete runs that ended more than N days ago (default: ${RETENTION_ENV}, else "
              f"{DEFAULT_RETENTION_DAYS}); runs still running, and the runs of a batch "
-             "that has not finished, are kept, whatever their age."),
+             "that has not finished, are kept, whatever their age, and so are the runs "
+             "whose result a batch still owes a delivery (with their batch)."),
     json_out: bool = output.json_option(
         'Print {"runs": N, "events": N, "days": N} as one JSON document (one line).'),
     db: str | None = typer.Option(None, "--db", metavar="PATH", help=DB_HELP),
@@ -480,8 +481,10 @@ def purge(
     Only ended runs are deleted, in the journal and in the analysts' file
     alike: a run still running keeps every event, however long ago it
     started (`--days 0` deletes every ended run), and so do the runs of a
-    batch that has not finished (its `--resume` needs them). Nothing
-    recorded yet is nothing to purge (exit 0).
+    batch that has not finished (its `--resume` needs them) and the runs
+    whose result a batch still owes a delivery, with their batch (`kernel
+    batch --resume` delivers them). Nothing recorded yet is nothing to purge
+    (exit 0).
     """
     from batteries.audit import queries, resolve_db_path
     from batteries.store import open_store
