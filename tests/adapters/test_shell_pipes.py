@@ -177,28 +177,35 @@ class TestReaderGoneBetweenChunks:
 
 class TestStoppedWithASlowReader:
     async def test_the_stop_does_not_wait_on_the_sink_and_the_audit_gets_it_all(
-            self) -> None:
+            self, tmp_path: Path) -> None:
         """A sink that never takes its chunk (`| (sleep 60; cat)`) and a run killed once
         the command has written everything: the kill no longer waits a second on the sink
         and then gives the pipes up (`output_not_read`, the lines in them lost to the
         audit); every line is audited."""
         audit = MemoryAudit()
         info = RunInfo()
+        taken = tmp_path / "sink-holds-a-chunk"
 
         async def sink(stream: str, chunk: bytes) -> None:
             if stream == "stdout":
+                taken.touch()
                 await trio.sleep_forever()  # a reader that is not reading
 
-        # 78,894 bytes on stdout, then a line on stderr (the critic kills at the first
-        # audited line: stdout's wait in the sink, so that is stderr's, once seq is done).
-        agent = ShellAgent(["sh", "-c", "seq 1 15000; echo done >&2; exec sleep 300"],
-                           on_output=sink, max_line_events=100_000)
+        # Lines on stdout until the sink holds a chunk; then 28,894 bytes more that stay
+        # in the pipe (less than its 64 KiB, however much the first read took: with one
+        # 78,894-byte write, a first read of a few KiB on a loaded machine left seq
+        # blocked on a full pipe and the test hung); then a line on stderr (the critic
+        # kills at the first audited line: stdout's wait in the sink, so that is
+        # stderr's, once everything is written).
+        script = (f"seq 1 5000; while [ ! -e '{taken}' ]; do sleep 0.01; done; "
+                  "seq 5001 10000; echo done >&2; exec sleep 300")
+        agent = ShellAgent(["sh", "-c", script], on_output=sink, max_line_events=100_000)
         critic = ScriptedCritic(kill_at_activity="output")
         result = await Kernel(Ports(audit=audit, critic=critic)).run(
             agent, info, Limits(timeout=600))
         assert result.status is Status.KILLED
         assert "output_not_read" not in kinds(audit, info.run_id)
-        assert lines_of(audit, info.run_id) == [str(n) for n in range(1, 15001)]
+        assert lines_of(audit, info.run_id) == [str(n) for n in range(1, 10001)]
         assert lines_of(audit, info.run_id, "stderr") == ["done"]
 
 
