@@ -691,9 +691,15 @@ class BatchDelivery:
 
     Given to `BatchRunner.run(delivery=...)`, it is bound to the batch's journal
     (`bind`): as each delivery ends, where it stands is written there
-    (`MarkDelivery`; a failure's error passed through `redact` first) before
-    `on_delivered` hears of it, so a resume delivers again what failed or never
-    ended. A delivery stopped before it ended is left `pending` (owed).
+    (`MarkDelivery`; a failure's error passed through `redact` first; one the
+    journal will not take then goes with its next write) before `on_delivered`
+    hears of it, so a resume delivers again what failed or never ended. A
+    delivery stopped before it ended is left `pending` (owed). A result a resume
+    owes (a skipped task's, as the journal has it: its output as stored, no
+    artifacts) goes to `redeliver` (default: `delivery`): a host gives one that
+    leaves a destination holding the result already as it is
+    (`DirectoryDelivery(replace=False)`), so the journal's copy never replaces
+    the one the run delivered.
 
     Unlike a run's own delivery, a failure is not in the run's audit: the
     run's row is closed when its result comes back.
@@ -701,10 +707,13 @@ class BatchDelivery:
 
     def __init__(self, delivery: Delivery, *, limit: int = DELIVERY_LIMIT,
                  on_delivered: Callable[[TaskOutcome], None] | None = None,
-                 redact: Callable[[str], str] | None = None) -> None:
+                 redact: Callable[[str], str] | None = None,
+                 redeliver: Delivery | None = None) -> None:
         if limit < 1:
             raise ValueError(f"limit must be >= 1, got {limit}")
         self.delivery = delivery
+        #: Delivers a result a resume owes (a skipped task's, rebuilt from the journal).
+        self.redeliver = delivery if redeliver is None else redeliver
         self.limit = limit
         self.on_delivered = on_delivered
         self.redact = redact
@@ -712,8 +721,9 @@ class BatchDelivery:
         self.pending = 0
         #: Results whose delivery failed (or never happened), so far.
         self.failed = 0
-        #: Deliveries whose end could not be written to the journal (`bind`), so far:
-        #: the journal still has them `pending`, so a resume delivers them again.
+        #: Deliveries whose end the journal (`bind`) would not take when it ended, so far:
+        #: it rides with the journal's next write (its exit flush, a spill file); until
+        #: then the journal has it `pending`.
         self.unrecorded = 0
         #: Cancel it (or set its deadline) to stop delivering.
         self.scope = trio.CancelScope()
@@ -771,7 +781,9 @@ class BatchDelivery:
             ended = False
             error: Exception | None = None
             try:
-                await self.delivery.deliver(out.result)
+                # A skipped task's result is one a resume owes: its own delivery
+                # (`redeliver`) leaves a destination that has it already as it is.
+                await (self.redeliver if out.skipped else self.delivery).deliver(out.result)
                 ended = True
             except Exception as exc:
                 ended = True
@@ -791,7 +803,16 @@ class BatchDelivery:
     async def _record(self, out: TaskOutcome, error: Exception | None) -> None:
         """Write where `out`'s delivery stands to the bound journal (shielded: a delivery
         that ended is recorded also when the batch is being stopped, so a resume does
-        not send it twice)."""
+        not send it twice).
+
+        At once, not gathered with the next ones: a process killed between a delivery's
+        end and its mark sends it again on resume (the journal's group commit still
+        puts the marks of the same moment in one transaction). A mark the journal will
+        not take now (locked past its timeout, a server away) rides with its next
+        write, or its exit flush (a spill file when even that cannot write): it was
+        dropped, leaving the task `pending` for ever after an exit 0 (`--list` counted
+        it owed, a resume sent it twice).
+        """
         journal = self._journal
         if journal is None:
             return
@@ -800,19 +821,25 @@ class BatchDelivery:
             why = _why(error)
             if self.redact is not None:
                 why = self.redact(why)
-        mark = (out.index, DELIVERY_DONE if error is None else DELIVERY_FAILED, why)
+        mark = MarkDelivery(self._batch_id, (
+            (out.index, DELIVERY_DONE if error is None else DELIVERY_FAILED, why),))
         failure = "no answer from the journal in time"
         with trio.CancelScope(shield=True) as shielded:
             shielded.deadline = trio.current_time() + RECORD_LIMIT
             try:
-                await journal.transact([MarkDelivery(self._batch_id, (mark,))])
+                await journal.transact([mark])
                 return
             except StoreError as exc:
                 failure = str(exc)
         self.unrecorded += 1
-        _log.warning("cannot record the delivery of run %s in the journal (it stays owed: "
-                     "a resume delivers it again): %s", out.run_id, failure,
+        _log.warning("cannot record the delivery of run %s in the journal now (it is "
+                     "written with the journal's next write): %s", out.run_id, failure,
                      extra={"run_id": out.run_id, "error": failure})
+        try:
+            await journal.later(mark)
+        except StoreError as exc:  # the journal is closed: a resume delivers it again
+            _log.warning("the delivery of run %s stays owed in the journal: %s",
+                         out.run_id, exc, extra={"run_id": out.run_id, "error": str(exc)})
 
     def _failed(self, out: TaskOutcome, exc: BaseException, state: str) -> None:
         assert out.result is not None

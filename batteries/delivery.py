@@ -160,12 +160,18 @@ class DirectoryDelivery:
             default limiter, shared with every other `trio.to_thread` call). A
             host delivering many runs at once (`kernel batch`) gives its own, so
             its writes never take the threads its journal reads need.
+        replace: False: a run whose folder is there already is left as it is
+            (a folder is whole or absent, so it was delivered): what `kernel
+            batch --resume` delivers again is the result as the journal has it
+            (its output as stored, no artifacts), which must never replace the
+            run's own.
     """
 
     def __init__(self, root: str | os.PathLike[str], *,
-                 limiter: trio.CapacityLimiter | None = None) -> None:
+                 limiter: trio.CapacityLimiter | None = None, replace: bool = True) -> None:
         self.root = Path(root)
         self.limiter = limiter
+        self.replace = replace
 
     async def deliver(self, result: Result) -> None:
         """Write the run's folder in a worker thread.
@@ -186,6 +192,9 @@ class DirectoryDelivery:
             self.root.mkdir(parents=True, exist_ok=True)
             root = self.root.resolve()
             final = root / run_id
+            if (not self.replace and final.is_dir() and not final.is_symlink()
+                    and final.resolve().parent == root):
+                return  # delivered before, whole (see `replace`)
             tmp = Path(tempfile.mkdtemp(prefix=f".{run_id}.", dir=root))
             try:
                 self._fill(tmp, result)

@@ -101,15 +101,18 @@ the undelivered). A failed delivery is a warning on stderr and in the run's
 delivery ended), and the exit code is 1: --resume delivers again every result
 not delivered (its delivery failed, or had not ended when the batch process
 died or was stopped), as the journal has it (secrets redacted, the output as
-stored), without running its task again. Both are stored with the batch, so
+stored), without running its task again: to every webhook, and to DIR unless
+the run's folder is there already. Both are stored with the batch, so
 --resume delivers the runs it finishes the same way (a webhook URL's password
-is not stored: give --webhook again). After a signal, deliveries under way get
-up to 30 s more (a second signal stops them).
+is not stored: give --webhook again; given to --resume, --deliver-dir and
+--webhook replace the stored ones for that resume, said in a note). After a
+signal, deliveries under way get up to 30 s more (a second signal stops them).
 
 \b
 Exit codes: 0 every run ended ok (and was delivered); 1 at least one did not
-(error, timeout, killed, budget_exceeded, max_steps, lost, ...) or its result
-was not delivered (--resume delivers it); 2 bad input (a bad task
+(error, timeout, killed, budget_exceeded, max_steps, lost, ...), its result
+was not delivered (--resume delivers it), or audit rows were lost (neither
+written nor kept in a spill file); 2 bad input (a bad task
 line, an empty file, an unknown batch, a batch another process is running);
 130 interrupted by a signal, or by --json output that could not be written
 (resumable).
@@ -618,6 +621,7 @@ class _Args:
     forked: list[Any] = field(default_factory=list)  # batch_workers.Forked, once forked
     deliver_dir: str | None = None  # --deliver-dir, absolute
     webhooks: tuple[str, ...] = ()  # --webhook URLs, as given (secrets included)
+    notes: list[str] = field(default_factory=list)  # said when the batch starts
 
     def options(self) -> dict[str, Any]:
         """What is stored with a new batch (`BatchRow.options`) for `--resume`: the
@@ -802,7 +806,28 @@ def _prepare_resume(wanted: str, db: str | None, context: list[str],
     return _Args(db, concurrency or row.concurrency, row.batch_id, None, row.name,
                  row.source, redactor, given, total=row.tasks, redact=patterns,
                  deliver_dir=deliver_dir or stored_dir,
-                 webhooks=webhooks or stored_hooks or ())
+                 webhooks=webhooks or stored_hooks or (),
+                 notes=_replaced(row, deliver_dir, webhooks))
+
+
+def _replaced(row: BatchRow, deliver_dir: str | None, webhooks: tuple[str, ...]) -> list[str]:
+    """A note for each stored destination a resume's --deliver-dir / --webhook replace
+    (the stored ones are kept for a later resume): the results it delivers, those owed
+    from before included, go only where it was told, which a user may not expect."""
+    from batteries.delivery import shown_url
+
+    notes = []
+    stored_dir = row.options.get("deliver_dir")
+    if deliver_dir is not None and isinstance(stored_dir, str) and deliver_dir != stored_dir:
+        notes.append(f"kernel: note: batch {row.batch_id} delivers to --deliver-dir "
+                     f"{deliver_dir}, not to the one it was started with ({stored_dir})")
+    stored = [shown_url(u) for u in row.options.get("webhooks") or [] if isinstance(u, str)]
+    given = [shown_url(u) for u in webhooks]
+    if webhooks and stored and sorted(set(given)) != sorted(set(stored)):
+        notes.append(f"kernel: note: batch {row.batch_id} delivers to --webhook "
+                     f"{', '.join(given)}, not to the one(s) it was started with "
+                     f"({', '.join(stored)})")
+    return notes
 
 
 def _stored_delivery(row: BatchRow) -> tuple[str | None, tuple[str, ...] | None]:
@@ -945,8 +970,10 @@ def _quiet_ray_sigterm_note() -> None:
 
 
 @asynccontextmanager
-async def worker_ports(store: str, *, db: str | None, redactor: Any) -> AsyncIterator[Ports]:
-    """A Ray worker's ports: the CLI's own (one journal on the shared store), on the worker."""
+async def worker_ports(store: str, *, db: str | None, redactor: Any,
+                       journals: list[Any] | None = None) -> AsyncIterator[Ports]:
+    """A worker's ports (Ray, `--workers`): the CLI's own (one journal on the shared store),
+    on the worker; its journal is added to `journals` (what it kept or lost at exit)."""
     from batteries.runner import open_ports
     from batteries.store import choose
     from kernel import PortSpec
@@ -957,7 +984,7 @@ async def worker_ports(store: str, *, db: str | None, redactor: Any) -> AsyncIte
         choose(store)
     else:
         db = store
-    journals: list[Any] = []
+    journals = [] if journals is None else journals
     async with _spill_noted(open_ports(PortSpec(db=db, no_critic=True), redactor=redactor,
                                        journals=journals), journals, _say) as ports:
         yield ports
@@ -1170,6 +1197,8 @@ async def _run_batch(args: _Args, *, json_out: bool, say: Any, lines: _Lines,
 
     live = None
     journals: list[Any] = []
+    #: The --workers dispatcher, once the workers are open (what their journals lost).
+    remotes: list[Any] = []
     async with _spill_noted(open_ports(PortSpec(db=args.db, no_critic=True), warnings=warnings,
                                        redactor=args.redactor, journals=journals),
                             journals, say) as ports:
@@ -1211,6 +1240,8 @@ async def _run_batch(args: _Args, *, json_out: bool, say: Any, lines: _Lines,
         runner.concurrency = args.at_once or args.concurrency
         say(f"kernel: batch {args.batch_id} {verb}: {args.total} task(s), concurrency "
             f"{runner.concurrency}" + (f", {args.workers} workers" if args.workers > 1 else ""))
+        for note in args.notes:
+            say(note)
         async with _delivering(args, on_outcome) as delivery, trio.open_nursery() as nursery:
             # Delivering, the runner submits each outcome to the delivery, which reports
             # it (`on_outcome`) once its delivery ended.
@@ -1227,6 +1258,7 @@ async def _run_batch(args: _Args, *, json_out: bool, say: Any, lines: _Lines,
                 async with _workers(args) as remote:
                     if remote is not None:
                         runner.dispatch = remote
+                        remotes.append(remote)
                     await runner.run(
                         args.batch_id, on_outcome=on_outcome if delivery is None else None,
                         on_start=live.on_start if live is not None else None,
@@ -1259,7 +1291,13 @@ async def _run_batch(args: _Args, *, json_out: bool, say: Any, lines: _Lines,
     # A result that did not reach its destinations is work the batch still owes, as a
     # task that did not end is: exit 1 until --resume delivers it.
     code = 0 if counts and set(counts) == {"ok"} and not owed else 1
-    say(f"kernel: batch {args.batch_id}: {summary} in {elapsed:.1f}s (exit {code})")
+    # Audit rows the journals lost (not written, nor kept in a spill file), here or in a
+    # worker: what the journal says of these runs is not what happened (as `kernel run`).
+    lost = sum(j.unwritten for j in journals) + sum(r.unwritten for r in remotes)
+    why_exit = ""
+    if code == 0 and lost:
+        code, why_exit = 1, f": {lost} audit event(s) were lost"
+    say(f"kernel: batch {args.batch_id}: {summary} in {elapsed:.1f}s (exit {code}{why_exit})")
     if not runner.finished:
         from batteries.batch import UNFINISHED
 
@@ -1426,14 +1464,19 @@ async def _delivering(args: _Args, on_delivered: Any) -> AsyncIterator[Any]:
     from batteries.delivery import DirectoryDelivery, FanOutDelivery, WebhookDelivery
 
     chosen: list[Any] = []
+    # What --resume delivers again (the journal's copy of a result: its output as stored,
+    # no artifacts) never replaces a run folder that is there already: delivered whole.
+    again: list[Any] = []
     if args.deliver_dir is not None:
-        chosen.append(DirectoryDelivery(args.deliver_dir,
-                                        limiter=trio.CapacityLimiter(DIRECTORY_THREADS)))
+        limiter = trio.CapacityLimiter(DIRECTORY_THREADS)
+        chosen.append(DirectoryDelivery(args.deliver_dir, limiter=limiter))
+        again.append(DirectoryDelivery(args.deliver_dir, limiter=limiter, replace=False))
     hooks = [WebhookDelivery(url) for url in args.webhooks]
     # A failed delivery's error is stored with its task, redacted as everything stored.
     redact = args.redactor.text if args.redactor is not None else None
     if not hooks:
-        yield BatchDelivery(FanOutDelivery(chosen), on_delivered=on_delivered, redact=redact)
+        yield BatchDelivery(FanOutDelivery(chosen), on_delivered=on_delivered, redact=redact,
+                            redeliver=FanOutDelivery(again))
         return
     import http.cookiejar
 
@@ -1448,7 +1491,7 @@ async def _delivering(args: _Args, on_delivered: Any) -> AsyncIterator[Any]:
         for hook in hooks:
             hook.client = client
         yield BatchDelivery(FanOutDelivery([*chosen, *hooks]), on_delivered=on_delivered,
-                            redact=redact)
+                            redact=redact, redeliver=FanOutDelivery([*again, *hooks]))
 
 
 #: The failure said for a task whose result was owed a delivery before this process (its
@@ -1532,4 +1575,4 @@ def _undelivered(row: BatchRow) -> int | None:
 
 
 _LIST_FIELDS = ("batch_id", "name", "source", "created_at", "ended_at", "state", "tasks",
-                "concurrency", "counts", "undelivered")
+                "concurrency", "counts", "deliveries", "undelivered")

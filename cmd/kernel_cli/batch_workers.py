@@ -19,7 +19,8 @@ worker's process and reserves its caller's budget (a `BEGIN IMMEDIATE`
 transaction of the shared store, so one budget holds exactly across
 workers), and its audit rows are written by the worker. Only the task in
 and the `Result` out cross the pipes (length-prefixed pickles between a
-process and the children it forked).
+process and the children it forked), and a worker's last frame once its
+journal closed, when it lost rows (`JOURNAL_FRAME`: the batch exits 1).
 
 **When something dies.** Each worker is a session of its own registered on
 the batch process's lifeline (`adapters._proc.lifeline_add`), so a
@@ -59,6 +60,9 @@ from adapters._proc import (
 
 #: Frames on the pipes: a 4-byte big-endian length, then a pickle.
 _HEADER = struct.Struct(">I")
+#: The sequence number of a worker's last frame, sent once its journal closed: what the
+#: journal could not write (`{"unwritten": N}`); tasks are numbered from 1.
+JOURNAL_FRAME = 0
 #: Seconds a cancelled worker gets to end its runs before it is SIGKILLed.
 STOP_GRACE = 30.0
 
@@ -214,6 +218,8 @@ class _Worker:
     lock: trio.Lock = field(default_factory=trio.Lock)
     pending: dict[int, _Slot] = field(default_factory=dict)
     dead: str | None = None
+    #: Audit events its journal lost as it closed (its last frame, `JOURNAL_FRAME`).
+    unwritten: int = 0
 
 
 @dataclass(eq=False)
@@ -235,6 +241,12 @@ class WorkerDispatch:
 
     def __repr__(self) -> str:
         return f"WorkerDispatch({len(self.workers)} workers)"
+
+    @property
+    def unwritten(self) -> int:
+        """Audit events the workers' journals lost as they closed (neither written nor
+        kept in a spill file), as each worker said before it exited."""
+        return sum(w.unwritten for w in self.workers)
 
     async def __call__(self, task: Any, resume: Any) -> Any:
         live = [w for w in self.workers if w.dead is None]
@@ -260,6 +272,9 @@ class WorkerDispatch:
 
 async def _read_results(worker: _Worker) -> None:
     async for seq, result in _frames(worker.stdout):
+        if seq == JOURNAL_FRAME:
+            worker.unwritten += int(result.get("unwritten") or 0)
+            continue
         slot = worker.pending.pop(seq, None)
         if slot is not None:
             slot.result = result
@@ -346,16 +361,30 @@ def _worker_process(tasks: int, results: int, setup: dict[str, Any]) -> int:
 
 
 async def _worker_main(tasks_fd: int, results_fd: int, setup: dict[str, Any]) -> None:
-    from batteries.batch import KernelDispatch
-    from kernel_cli.batch_cmd import _build, _critics, worker_ports
-
     os.environ[LIFELINE_ENV] = setup["lifeline"]  # our commands carry the batch's token
     tasks = trio.lowlevel.FdStream(tasks_fd)
     results = trio.lowlevel.FdStream(results_fd)
+    journals: list[Any] = []
+    try:
+        await _serve_tasks(tasks, results, setup, journals)
+    finally:
+        # The batch process hears what this worker's journal lost (the batch exits 1).
+        unwritten = sum(j.unwritten for j in journals)
+        if unwritten:
+            with trio.CancelScope(shield=True), contextlib.suppress(
+                    trio.BrokenResourceError, trio.ClosedResourceError):
+                await results.send_all(_frame((JOURNAL_FRAME, {"unwritten": unwritten})))
+
+
+async def _serve_tasks(tasks: trio.lowlevel.FdStream, results: trio.lowlevel.FdStream,
+                       setup: dict[str, Any], journals: list[Any]) -> None:
+    from batteries.batch import KernelDispatch
+    from kernel_cli.batch_cmd import _build, _critics, worker_ports
+
     write_lock = trio.Lock()
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async with worker_ports(setup["store"], db=setup["db"],
-                                redactor=setup["redactor"]) as ports:
+                                redactor=setup["redactor"], journals=journals) as ports:
             given = setup.get("given")
             dispatch = KernelDispatch(ports, lambda spec: _build(spec, given),
                                       critic_for=_critics(), redacted=True)

@@ -817,8 +817,11 @@ def journal_notes(journals: Sequence[Any]) -> list[str]:
         who = ("the next kernel command on this machine that writes to the store"
                if hasattr(journal.store, "spill_home") else  # PostgreSQL: per machine
                "the next kernel command that writes to the journal")
-        lines.append(f"kernel: warning: audit rows not yet written ({n} event"
-                     f"{'' if n == 1 else 's'}) are kept in {path}; {who} commits them")
+        # Operations alone (a batch's end, where its deliveries stand) hold no event:
+        # "(0 events)" said that nothing was kept.
+        what = (f"audit rows not yet written ({n} event{'' if n == 1 else 's'})" if n else
+                "journal writes not yet made (no audit event)")
+        lines.append(f"kernel: warning: {what} are kept in {path}; {who} commits them")
     return lines
 
 
