@@ -42,6 +42,18 @@ def wait_for(what: str, cond: Callable[[], bool]) -> None:
         time.sleep(0.02)
 
 
+def only_batch_id(env: dict[str, str]) -> str:
+    """The id of the one batch in the journal (a SIGKILLed batch process may die before
+    its "kernel: batch ID started" line reaches stderr: it is written by a thread)."""
+    journal = Path(env["KERNEL_DB"] + ".journal")
+    con = sqlite3.connect(f"{journal.as_uri()}?mode=ro", uri=True, timeout=30)
+    try:
+        [(batch_id,)] = con.execute("SELECT batch_id FROM batches").fetchall()
+    finally:
+        con.close()
+    return str(batch_id)
+
+
 def journal_count(env: dict[str, str], sql: str) -> int:
     """A count read from the journal (read-only; the batch process writes it meanwhile)."""
     journal = Path(env["KERNEL_DB"] + ".journal")

@@ -20,6 +20,7 @@ from tests.cmd.test_batch_cli import (
     batch,
     journal_count,
     lines,
+    only_batch_id,
     wait_for,
     write_tasks,
 )
@@ -59,11 +60,11 @@ def test_recover_leaves_a_dead_batch_s_commands_to_the_batch(
     try:
         wait_for("three runs in flight", lambda: len(lines(started)) == 3)
         proc.send_signal(signal.SIGKILL)
-        _, err = proc.communicate(timeout=PATIENCE)
+        proc.communicate(timeout=PATIENCE)
     finally:
         if proc.poll() is None:
             proc.kill()
-    bid = batch_id_of(err)
+    bid = only_batch_id(cli_env)
     shells = [int(x.split(":")[1]) for x in lines(started)]
     wait_for("the dead batch's commands to be stopped",
              lambda: not any(alive(p) for p in shells))
