@@ -171,6 +171,9 @@ class Journal:
         self.pending = Batch()
         #: Events given up on (the journal never took them).
         self.unwritten = 0
+        #: Deferred operations given up on with them, or alone (a batch's finish, its
+        #: delivery marks, a checkpoint's end): lost writes too, though not events.
+        self.unwritten_ops = 0
         #: Events kept in a spill file at exit (see `_final_flush`), and its path.
         self.spilled = 0
         self.spill_path: Path | None = None
@@ -593,6 +596,7 @@ class Journal:
         self._failures = 0 if transient(exc) else self._failures + 1
         if self._failures >= 2:
             self.unwritten += len(batch)
+            self.unwritten_ops += len(deferred)
             self._failures = 0
             _log.error("journal batch dropped: %d events and %d operations for %s: %s",
                        len(batch), len(deferred), self.store.path, exc)
@@ -685,6 +689,7 @@ class Journal:
                              self.store.path, path)
                 return
         self.unwritten += len(pending)
+        self.unwritten_ops += len(deferred)
         _log.error("journal rows could not be written: %d events and %d operations for %s: "
                    "%s; %s", len(pending), len(deferred), self.store.path, self.last_error,
                    why)

@@ -1293,10 +1293,12 @@ async def _run_batch(args: _Args, *, json_out: bool, say: Any, lines: _Lines,
     code = 0 if counts and set(counts) == {"ok"} and not owed else 1
     # Audit rows the journals lost (not written, nor kept in a spill file), here or in a
     # worker: what the journal says of these runs is not what happened (as `kernel run`).
-    lost = sum(j.unwritten for j in journals) + sum(r.unwritten for r in remotes)
+    # (Events, and operations such as the batch's finish or its delivery marks.)
+    lost = sum(j.unwritten + j.unwritten_ops for j in journals) + sum(
+        r.unwritten for r in remotes)
     why_exit = ""
     if code == 0 and lost:
-        code, why_exit = 1, f": {lost} audit event(s) were lost"
+        code, why_exit = 1, f": {lost} audit row(s) were lost"
     say(f"kernel: batch {args.batch_id}: {summary} in {elapsed:.1f}s (exit {code}{why_exit})")
     if not runner.finished:
         from batteries.batch import UNFINISHED

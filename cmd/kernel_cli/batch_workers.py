@@ -369,7 +369,7 @@ async def _worker_main(tasks_fd: int, results_fd: int, setup: dict[str, Any]) ->
         await _serve_tasks(tasks, results, setup, journals)
     finally:
         # The batch process hears what this worker's journal lost (the batch exits 1).
-        unwritten = sum(j.unwritten for j in journals)
+        unwritten = sum(j.unwritten + j.unwritten_ops for j in journals)
         if unwritten:
             with trio.CancelScope(shield=True), contextlib.suppress(
                     trio.BrokenResourceError, trio.ClosedResourceError):

@@ -799,7 +799,7 @@ def _storage(journals: list[Any]) -> dict[str, Any] | None:
     path = journal.spill_path
     return {**journal.store.stats.as_dict(), "timed_flushes": journal.timed_flushes,
             "spilled": journal.spilled, "spill_path": None if path is None else str(path),
-            "unwritten": journal.unwritten}
+            "unwritten": journal.unwritten, "unwritten_ops": journal.unwritten_ops}
 
 
 def journal_notes(journals: Sequence[Any]) -> list[str]:
@@ -960,13 +960,14 @@ def _report(result: Result, code: int, *, json_out: bool, echo_output: bool,
     for note in notes:
         _say(note)
     unwritten = int(storage.get("unwritten") or 0) if storage else 0
+    lost_ops = int(storage.get("unwritten_ops") or 0) if storage else 0
     for stream, count in _ECHO.unechoed.items():
         if stream not in _ECHO.gone:
             _say(f"kernel: warning: {count} bytes of output were not echoed to {stream}: "
                  "the run stopped while its reader was not keeping up")
     if json_out:
         code = _lost_output(code)
-        if code == 0 and unwritten:
+        if code == 0 and (unwritten or lost_ops):
             code = 1
         doc = result.to_dict()
         doc["short_id"] = short_id(result.run_id)
@@ -984,9 +985,11 @@ def _report(result: Result, code: int, *, json_out: bool, echo_output: bool,
     lost = _lost_output(code) != code
     code = _lost_output(code)
     why_exit = ": its output could not all be written" if lost else ""
-    if code == 0 and unwritten:
+    if code == 0 and (unwritten or lost_ops):
         code = 1
-        why_exit = f": {unwritten} audit event(s) were lost"
+        why_exit = ": " + " and ".join(
+            ([f"{unwritten} audit event(s)"] if unwritten else [])
+            + ([f"{lost_ops} journal operation(s)"] if lost_ops else [])) + " were lost"
     # Always, terminal or not: the short id is how a person finds the run again.
     why = result.error or result.reason
     steps = f"{result.steps} step(s)"

@@ -176,7 +176,7 @@ def test_a_batch_whose_journal_lost_rows_exits_1(
     assert proc.returncode == 1, err
     last = err.splitlines()[-1]
     assert last.startswith("kernel: batch ") and f": {n} ok in " in last, err
-    assert last.endswith(" audit event(s) were lost)") and "(exit 1: " in last, err
+    assert last.endswith(" audit row(s) were lost)") and "(exit 1: " in last, err
 
 
 def test_a_resume_says_when_it_delivers_elsewhere_than_the_batch_started(
