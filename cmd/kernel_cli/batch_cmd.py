@@ -804,7 +804,7 @@ def _prepare_resume(wanted: str, db: str | None, context: list[str],
 
     patterns = list(row.options.get("redact") or [])
     return _Args(db, concurrency or row.concurrency, row.batch_id, None, row.name,
-                 row.source, redactor, given, total=row.tasks, redact=patterns,
+                 row.source, redactor, given, total=len(tasks), redact=patterns,
                  deliver_dir=deliver_dir or stored_dir,
                  webhooks=webhooks or stored_hooks or (),
                  notes=_replaced(row, deliver_dir, webhooks))

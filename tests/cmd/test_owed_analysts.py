@@ -172,6 +172,8 @@ def test_owed_deliveries_survive_purge_and_reach_the_analysts_file(
     webhook.refusing = False
     resumed = kernel(kernel_exe, env, "batch", "--resume", batch_id, "--json")
     assert resumed.returncode == 0, resumed.stderr
+    # The tasks the journal still keeps (was "resumed: 4 task(s)": the batch's size).
+    assert "resumed: 2 task(s)" in resumed.stderr, resumed.stderr
     again = {d["task_id"]: d for d in map(json.loads, resumed.stdout.splitlines())}
     assert {t: (d["status"], d["skipped"], d["delivery"]) for t, d in again.items()} == {
         "t1": ("ok", True, "delivered"), "t3": ("ok", True, "delivered")}
