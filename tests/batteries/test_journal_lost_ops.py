@@ -11,18 +11,14 @@ holding its write lock, a subprocess with `RLIMIT_FSIZE` of 1 byte.
 from __future__ import annotations
 
 import json
-import resource
-import sqlite3
-import subprocess
+import os
 import sys
-import time
 from pathlib import Path
 
 import trio
 
 from batteries.store import Journal, journal_path
-
-PATIENCE = 120.0
+from tests.cmd.test_run_spill_cli import closing_locked
 
 SCRIPT = """
 import json, sys, time, trio
@@ -52,27 +48,9 @@ def test_a_lost_operation_alone_is_counted(tmp_path: Path) -> None:
 
     trio.run(create)
     ready, go = tmp_path / "ready", tmp_path / "go"
-    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(db), str(ready), str(go)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    holder = None
-    try:
-        deadline = time.monotonic() + PATIENCE  # readiness, not a timing assertion
-        while not ready.exists():
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "the journal never opened"
-            time.sleep(0.01)
-        holder = sqlite3.connect(journal_path(db), isolation_level=None, timeout=PATIENCE)
-        holder.execute("BEGIN EXCLUSIVE")
-        resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (1, 1))
-        go.touch()
-        out, err = proc.communicate(timeout=PATIENCE)
-    finally:
-        if holder is not None:
-            holder.execute("ROLLBACK")
-            holder.close()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0, err
-    counts = json.loads(out.splitlines()[-1])
-    assert counts == {"unwritten": 0, "unwritten_ops": 1, "spilled": 0}, err
+    done = closing_locked([sys.executable, "-c", SCRIPT, str(db), str(ready), str(go)],
+                          dict(os.environ), tmp_path, journal_path(db), ready.exists, go,
+                          limit_files=True)
+    assert done.returncode == 0, done.stderr
+    counts = json.loads(done.stdout.splitlines()[-1])
+    assert counts == {"unwritten": 0, "unwritten_ops": 1, "spilled": 0}, done.stderr
