@@ -733,6 +733,8 @@ class BatchDelivery:
         self.serving = False
         self._send, self._receive = trio.open_memory_channel[TaskOutcome](math.inf)
         self._stopped = False
+        #: `close` was called: no more outcomes come (in a batch, every run has ended).
+        self.closed = False
         self._journal: Journal | None = None
         self._batch_id = ""
 
@@ -754,6 +756,7 @@ class BatchDelivery:
 
     def close(self) -> None:
         """No more outcomes will come: `serve` returns once the queue is delivered."""
+        self.closed = True
         self._send.close()
 
     async def serve(self) -> None:

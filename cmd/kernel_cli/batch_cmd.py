@@ -106,7 +106,8 @@ the run's folder is there already. Both are stored with the batch, so
 --resume delivers the runs it finishes the same way (a webhook URL's password
 is not stored: give --webhook again; given to --resume, --deliver-dir and
 --webhook replace the stored ones for that resume, said in a note). After a
-signal, deliveries under way get up to 30 s more (a second signal stops them).
+signal, deliveries under way get up to 30 s more (a second signal stops them);
+a signal once every run has ended only does that, and the batch finishes.
 
 \b
 Exit codes: 0 every run ended ok (and was delivered); 1 at least one did not
@@ -1068,6 +1069,9 @@ async def _execute(args: _Args, *, json_out: bool, results: TextIO) -> int:
     closed: list[str] = []
     #: The signals received.
     got: list[int] = []
+    #: Signals received once every run had ended, deliveries still under way: they only
+    #: bound the deliveries (the batch is not interrupted: nothing is left to run).
+    late: list[int] = []
     #: Delivers the runs' results (--deliver-dir, --webhook), once it is made.
     deliveries: list[Any] = []
     out_fd, err_fd = _fileno(results), _fileno(sys.stderr)
@@ -1111,9 +1115,21 @@ async def _execute(args: _Args, *, json_out: bool, results: TextIO) -> int:
     async def on_signal(signals: AsyncIterator[int]) -> None:
         async for signum in signals:
             name = signal.Signals(signum).name
-            if got and deliveries:  # again: stop delivering too
+            if (got or late) and deliveries:  # again: stop delivering too
                 say(f"kernel: {name}: stopping {deliveries[0].pending} delivery(ies)")
                 deliveries[0].scope.cancel()
+                if not got:  # the batch is stopped now, its deliveries left owed: 130
+                    got.append(signum)
+                continue
+            if deliveries and deliveries[0].closed and not closed:
+                # Every run has ended; only deliveries are under way. Stopping the batch
+                # would leave it unfinished for a resume that has nothing to run.
+                late.append(signum)
+                d = deliveries[0]
+                d.scope.deadline = min(d.scope.deadline, trio.current_time() + STOP_DRAIN)
+                say(f"kernel: {name}: every run of batch {args.batch_id} has ended; its "
+                    f"{d.pending} delivery(ies) get at most {STOP_DRAIN:g}s more (again: "
+                    "stop them; kernel batch --resume delivers what is left)")
                 continue
             got.append(signum)
             say(f"kernel: {name}: cancelling batch {args.batch_id} (resume it with kernel "
@@ -1136,7 +1152,7 @@ async def _execute(args: _Args, *, json_out: bool, results: TextIO) -> int:
             # a stop, a reader that does not read them soon loses them.
             with trio.CancelScope() as drain:
                 stop.append(drain)
-                if got or closed:
+                if got or closed or late:
                     drain.deadline = trio.current_time() + LINES_DRAIN
                 await err_lines.close()
                 await lines.close()

@@ -333,9 +333,10 @@ def test_resume_delivers_the_remaining_runs_as_stored(
 
 def test_a_second_signal_stops_the_deliveries(kernel_exe: str, cli_env: dict[str, str],
                                               tmp_path: Path, hook: Hook) -> None:
-    """Every run ended, their deliveries hang: SIGTERM stops the batch (exit 130) once the
-    deliveries end or a second signal stops them; each run is still reported, once, with
-    its delivery failure."""
+    """Every run ended, their deliveries hang: SIGTERM gives them at most 30 s more (the
+    batch is not interrupted: nothing is left to run; tests/cmd/test_batch_late_signal.py),
+    a second signal stops them (exit 130); each run is still reported, once, with its
+    delivery failure."""
     hook.hold.set()
     n = 3
     tasks = write_tasks(tmp_path / "t.jsonl", [{"command": ["true"]}] * n)
@@ -348,7 +349,7 @@ def test_a_second_signal_stops_the_deliveries(kernel_exe: str, cli_env: dict[str
         wait_for("every result to be posted", lambda: len(hook.run_ids()) == n)
         proc.send_signal(signal.SIGTERM)
         wait_for("the first signal to be taken",
-                 lambda: "SIGTERM: cancelling batch" in err_file.read_text())
+                 lambda: "SIGTERM: every run of batch" in err_file.read_text())
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=PATIENCE)
     finally:
