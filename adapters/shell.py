@@ -308,8 +308,9 @@ class ShellAgent:
         its exit status known: it does not make it a stopped command (the step still
         returns that status), it hurries the settle instead: the echo is no longer
         waited for, SIGTERM goes out at once rather than after the linger (not twice),
-        and SIGKILL no later than the settle's own bound. Before, the stop ended the
-        run `cancelled` (130) and `kernel batch --resume` ran the command again.
+        to the group and to what left it (`Child.sweep`: a `setsid` daemon holding the
+        pipes), and SIGKILL no later than the settle's own bound. Before, the stop ended
+        the run `cancelled` (130) and `kernel batch --resume` ran the command again.
         """
         since = trio.current_time()
         if not late:
@@ -323,14 +324,21 @@ class ShellAgent:
             self._hurry_echo()
             now = trio.current_time()
             left = min(self.grace, max(0.0, since + _LINGER + self.grace - now))
-            if late or now < since + _LINGER:
-                # No SIGTERM yet: now, with what is left of the settle's grace.
-                await child.settle(drained.wait, left, linger=0.0, done=drained.is_set)
-            else:
-                # Past the linger: the settle has sent SIGTERM; its grace runs out as set.
-                with trio.move_on_after(left):
-                    await drained.wait()
-                await child.stop(self.grace)  # (reaped: SIGKILL to the group, until gone)
+            async with trio.open_nursery() as both:
+                # What left the group (a `setsid` daemon) may be what holds the pipes, out
+                # of reach of the group's signals: swept now, within the same bound, not
+                # after the grace was waited out for pipes only it could close (before: a
+                # stop took up to twice the grace, and SIGTERM came a grace late).
+                both.start_soon(child.sweep, left)
+                if late or now < since + _LINGER:
+                    # No SIGTERM yet: now, with what is left of the settle's grace.
+                    await child.settle(drained.wait, left, linger=0.0, done=drained.is_set)
+                else:
+                    # Past the linger: the settle has sent SIGTERM; its grace runs out as
+                    # set.
+                    with trio.move_on_after(left):
+                        await drained.wait()
+                    await child.stop(self.grace)  # (reaped: SIGKILL to the group, until gone)
         return True
 
     def _exited(self, ctx: RunContext, child: Child, t0: float, *, stopped: bool = False) -> int:
