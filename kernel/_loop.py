@@ -841,9 +841,13 @@ class _Run:
                 if step.artifacts:
                     self.artifacts.update(step.artifacts)
             t1 = now()
-            if t1 + offset >= self.cut:
+            if t1 + offset >= self.cut and not step.final:
                 # Past the hard deadline: a step that never awaits (or blocks the
-                # thread) gave trio no checkpoint to cancel it at. This one does.
+                # thread) gave trio no checkpoint to cancel it at. This one does. Not
+                # after a final step: the run ends here anyway, and its result stands
+                # (a command that had exited when the deadline came, its leftovers
+                # holding its pipes, returns its own status: ShellAgent's stop_after_exit;
+                # cancelled here, its step went unrecorded and the run ended timeout).
                 await trio.lowlevel.checkpoint()
             if handle is not None and self.handle is not None:
                 try:
