@@ -999,7 +999,10 @@ class LoopAgent:
                 raise _Fatal(f"sub-loop {st.loop}: {exc}") from None
         path = resolve_subloop(parent, ref) if ref else None
         if path is None:
-            raise _Fatal(f"sub-loop file '{ref}' not found")
+            from ._compose import not_a_file
+
+            what = not_a_file(parent.parent, ref) if ref else ""
+            raise _Fatal(f"sub-loop file '{ref}' not found{what}")
         try:
             return load_loop(path, context=self.context if st.context_passthrough else None)
         except ConfigError as exc:

@@ -58,6 +58,23 @@ def find_loop_file(base: Path, ref: str) -> Path | None:
     return None
 
 
+def not_a_file(base: Path, ref: str) -> str:
+    """What `ref` names instead of a loop file, for a "not found" error: `' (/dev/zero is
+    not a regular file)'`, `' (/tmp is a directory)'`, or '' (nothing there at all)."""
+    try:
+        rel = Path(ref).expanduser()
+    except (RuntimeError, ValueError):
+        return ""
+    roots = [rel] if rel.is_absolute() else [
+        d / rel for d in [base, *list(base.parents)[:SEARCH_UP]]]
+    for root in roots:
+        if root.is_dir():
+            return f" ({root} is a directory)"
+        if root.exists() and not root.is_file():
+            return f" ({root} is not a regular file)"
+    return ""
+
+
 class Composer:
     """Resolves `from:` and fragments for one loop file, recording problems."""
 

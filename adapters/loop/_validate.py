@@ -20,7 +20,7 @@ from typing import Any
 from kernel import ConfigError
 
 from . import _template as tpl
-from ._compose import Composer, find_loop_file
+from ._compose import Composer, find_loop_file, not_a_file
 from ._evaluators import DEFAULT_SCHEMA, verdict_enum
 from ._spec import (
     CURRENT,
@@ -518,8 +518,9 @@ class _Checker:
             return
         child_path = resolve_subloop(self.path, st.loop)
         if child_path is None:
-            self.add("error", where, f"sub-loop file '{st.loop}' not found "
-                                     f"(looked in {self.path.parent or '.'})")
+            what = not_a_file(self.path.parent, st.loop) or (
+                f" (looked in {self.path.parent or '.'})")
+            self.add("error", where, f"sub-loop file '{st.loop}' not found{what}")
             return
         if child_path.resolve() in self.stack:
             chain = " -> ".join(p.name for p in (*self.stack, child_path))

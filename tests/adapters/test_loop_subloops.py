@@ -240,6 +240,20 @@ class TestSubLoopNames:
         assert [p.where for p in report.errors] == ["states.p.loop"]
         assert "not found" in report.errors[0].message
 
+    @pytest.mark.parametrize(("name", "says"), [
+        ("/dev/zero", "/dev/zero is not a regular file"), ("/", "/ is a directory")])
+    def test_what_a_name_is_instead_of_a_file_is_said(self, tmp_path: Path, name: str,
+                                                      says: str) -> None:
+        """`loop: /dev/zero` said only "not found", as if nothing were there."""
+        report = check_loop(write(tmp_path, f"""
+            initial: p
+            states:
+              p: {{loop: "{name}", on_yes: done, on_no: done}}
+              done: {{terminal: true}}
+        """))
+        [error] = report.errors
+        assert "not found" in error.message and f"({says})" in error.message, error.message
+
     def test_from_and_import_names_too(self, tmp_path: Path) -> None:
         """The same lookup serves `from:` and `import:`."""
         for key in ("from: .", "import: ['~nosuchuser-kernel/x']"):
