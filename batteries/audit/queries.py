@@ -444,6 +444,25 @@ class QueryInterrupted(KeyboardInterrupt):
     """Ctrl-C stopped a query (DuckDB's own execution, interrupted)."""
 
 
+@contextmanager
+def _sigint_held() -> Iterator[list[int]]:
+    """In the main thread with Python's own SIGINT handler: a SIGINT meanwhile is noted in
+    the list yielded, not raised; the handler is put back on leaving. Elsewhere (another
+    thread, a host's own handler) nothing changes and the list stays empty."""
+    import signal
+
+    got: list[int] = []
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield got
+        return
+    signal.signal(signal.SIGINT, lambda signum, frame: got.append(signum))
+    try:
+        yield got
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 #: Rows a streamed query (`stream_query`) converts and hands over at a time.
 STREAM_ROWS = 10_000
 
@@ -543,8 +562,22 @@ class QueryStream:
     def start(self) -> None:
         """Run the statement; return once the column names are known."""
         self._thread = threading.Thread(target=self._work, name="kernel query", daemon=True)
-        self._thread.start()
-        kind, value = self._next()
+        started = False
+        try:
+            # Ctrl-C while the worker starts is held until it has started: raised inside
+            # `Thread.start`, it escaped as a bare KeyboardInterrupt (a traceback in the
+            # CLI, a test session stopped), and before the thread existed `close` would
+            # have waited for a worker that never comes.
+            with _sigint_held() as held:
+                self._thread.start()
+                started = True
+            if held:
+                raise KeyboardInterrupt
+            kind, value = self._next()
+        except KeyboardInterrupt:
+            if started:
+                self.close()
+            raise QueryInterrupted from None
         if kind == "error":
             self.close()
             _raise_query_error(value, self._sql)

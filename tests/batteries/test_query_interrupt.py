@@ -6,9 +6,11 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import duckdb
 import pytest
@@ -36,6 +38,34 @@ def test_ctrl_c_interrupts_the_query_and_the_connection_still_works() -> None:
     _when_running(lambda: os.kill(os.getpid(), signal.SIGINT))
     with pytest.raises(queries.QueryInterrupted):
         queries.read_only_query(cur, LONG)
+    assert not any(t.name == "kernel query" for t in threading.enumerate())
+    assert queries.read_only_query(cur, "SELECT 41 + 1 AS x") == (["x"], [(42,)])
+
+
+@pytest.mark.timeout(60)  # (before the fix: the runaway worker held the connection)
+def test_ctrl_c_as_the_worker_starts_is_the_query_interrupted() -> None:
+    """SIGINT landing inside `Thread.start` (here made certain: sent as the main thread
+    enters it, through a profile hook) escaped as a bare KeyboardInterrupt, the worker
+    unaccounted for (a fresh-clone CI's session stopped in the test above, which sends
+    it when the worker appears). Now it is the query's interrupt, and the connection
+    still works."""
+    cur = duckdb.connect().cursor()
+    start = threading.Thread.start.__code__
+
+    def on_call(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code is start:
+            sys.setprofile(None)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    caught: BaseException | None = None
+    sys.setprofile(on_call)
+    try:
+        queries.read_only_query(cur, LONG)
+    except KeyboardInterrupt as exc:
+        caught = exc
+    finally:
+        sys.setprofile(None)
+    assert isinstance(caught, queries.QueryInterrupted), repr(caught)
     assert not any(t.name == "kernel query" for t in threading.enumerate())
     assert queries.read_only_query(cur, "SELECT 41 + 1 AS x") == (["x"], [(42,)])
 
